@@ -1,0 +1,28 @@
+"""Enumerations and sentinels of the public API, named as in azure-servicebus."""
+
+from __future__ import annotations
+
+from enum import Enum
+
+
+class ReceiveMode(str, Enum):
+    """How a receiver takes messages: lock them until settled, or remove them on receipt."""
+
+    PEEK_LOCK = "peeklock"
+    RECEIVE_AND_DELETE = "receiveanddelete"
+
+
+class SubQueue(str, Enum):
+    """Sub-queues a receiver can read instead of the entity itself."""
+
+    DEAD_LETTER = "deadletter"
+
+
+class _NextAvailableSession:
+    """Sentinel: a session receiver takes whichever session is available next."""
+
+    def __repr__(self) -> str:
+        return "NEXT_AVAILABLE_SESSION"
+
+
+NEXT_AVAILABLE_SESSION = _NextAvailableSession()

@@ -1,0 +1,67 @@
+"""Exceptions raised by sparkqueue; names follow azure-servicebus where the concept exists there."""
+
+from __future__ import annotations
+
+
+class SparkQueueError(Exception):
+    """Base class of every error sparkqueue raises on purpose."""
+
+
+class InvalidOperationError(SparkQueueError, ValueError):
+    """The call is not valid for this entity, message or state (bad argument, wrong mode, mixed keys)."""
+
+
+class FilterSyntaxError(InvalidOperationError):
+    """A SQL filter or rule action could not be parsed."""
+
+
+class MessageLockLostError(SparkQueueError):
+    """The lock token is not the message's current lock: it expired or a later delivery superseded it."""
+
+
+class SessionLockLostError(SparkQueueError):
+    """The receiver's session lock expired or was released; accept the session again."""
+
+
+class MessageSizeExceededError(SparkQueueError, ValueError):
+    """A message (body and properties) is larger than the tier allows, or does not fit a batch."""
+
+
+class QuotaExceededError(SparkQueueError):
+    """A size or count limit of the entity or namespace would be exceeded; nothing was stored."""
+
+
+class PartitionUnavailableError(SparkQueueError):
+    """A partition the operation needs cannot be reached; nothing was changed."""
+
+
+class EntityNotFoundError(SparkQueueError):
+    """The queue, topic, subscription or rule does not exist in the namespace."""
+
+
+class EntityAlreadyExistsError(SparkQueueError):
+    """An entity of that name already exists in the namespace."""
+
+
+class SessionCannotBeLockedError(SparkQueueError):
+    """The session is locked by another receiver, or no session is available."""
+
+
+class OperationTimeoutError(SparkQueueError, TimeoutError):
+    """The operation did not finish within the client's operation_timeout."""
+
+
+__all__ = [
+    "EntityAlreadyExistsError",
+    "EntityNotFoundError",
+    "FilterSyntaxError",
+    "InvalidOperationError",
+    "MessageLockLostError",
+    "MessageSizeExceededError",
+    "OperationTimeoutError",
+    "PartitionUnavailableError",
+    "QuotaExceededError",
+    "SessionCannotBeLockedError",
+    "SessionLockLostError",
+    "SparkQueueError",
+]

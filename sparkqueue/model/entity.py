@@ -1,0 +1,347 @@
+"""Operations on one entity (queue or subscription): the broker rules applied over its Delta table.
+
+Works on Arrow tables of rows (ENTITY_SCHEMA); the public API turns them into messages.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import random
+import time
+from collections import defaultdict
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from datetime import UTC, datetime
+
+import pyarrow as pa
+import pyarrow.compute as pc
+from deltalake.exceptions import CommitFailedError
+
+from sparkqueue.errors import PartitionUnavailableError, QuotaExceededError
+from sparkqueue.model import lifecycle
+from sparkqueue.model.partitioning import RoundRobin, partition_for_key
+from sparkqueue.model.properties import PartitionRuntimeProperties, RuntimeProperties, _EntityProperties
+from sparkqueue.storage.retry import Deadline, backoff, retry_commit
+from sparkqueue.storage.schema import (
+    ENTITY_COLUMNS,
+    ENTITY_SCHEMA,
+    PARTITION_COLUMN,
+    STATE_ACTIVE,
+    STATE_COLUMNS,
+    STATE_DEFERRED,
+    SUB_QUEUE_DEAD_LETTER,
+    SUB_QUEUE_MAIN,
+    TIMESTAMP,
+)
+from sparkqueue.storage.table import SEQUENCE_BITS, SEQUENCE_MASK, EntityTable
+
+log = logging.getLogger(__name__)
+
+ROW_COLUMNS = ENTITY_COLUMNS[1:]  # every column but the partition id, which lives in the path
+LOCK_ATTEMPTS_PER_PARTITION = 3
+POLL_MIN_S, POLL_MAX_S = 0.02, 0.5
+
+
+def utcnow() -> datetime:
+    """Current time, timezone-aware UTC."""
+    return datetime.now(UTC)
+
+
+def partition_of(seq: int) -> int:
+    """The partition a sequence number belongs to (its top 16 bits)."""
+    return seq >> SEQUENCE_BITS
+
+
+@dataclass
+class SettleResult:
+    """Per item of a settlement: did the lock hold, and the new lock expiry for renewals."""
+
+    ok: list[bool]
+    locked_until: list[datetime | None]
+
+
+class Entity:
+    """A queue or subscription: send, receive, settle, peek and count, over all its partitions."""
+
+    def __init__(self, props: _EntityProperties, table: EntityTable, operation_timeout: float) -> None:
+        self.props = props
+        self.table = table
+        self.partition_count = table.partition_count
+        self.operation_timeout = operation_timeout
+        self._send_rr = RoundRobin(self.partition_count)
+        self._recv_start = itertools.count(random.randrange(self.partition_count))
+
+    @property
+    def name(self) -> str:
+        """The entity's name (topic/subscription for subscriptions)."""
+        topic = getattr(self.props, "topic_name", "")
+        return f"{topic}/Subscriptions/{self.props.name}" if topic else self.props.name
+
+    @property
+    def policy(self) -> lifecycle.Policy:
+        """The settings that drive lock-state transitions."""
+        p = self.props
+        return lifecycle.Policy(
+            lock_duration=getattr(p, "lock_duration"),
+            max_delivery_count=getattr(p, "max_delivery_count"),
+            dead_lettering_on_message_expiration=getattr(p, "dead_lettering_on_message_expiration"),
+            keep_tombstones=bool(getattr(p, "requires_duplicate_detection", False)),
+            source=self.name,
+        )
+
+    def deadline(self) -> Deadline:
+        """A deadline of one operation timeout from now."""
+        return Deadline(self.operation_timeout)
+
+    def available(self, partition: int) -> bool:
+        """False while a fault is injected on the partition."""
+        return not self.table.faults.failing(partition)
+
+    # ---- send ------------------------------------------------------------------------------
+
+    def place(self, keys: Sequence[str | None]) -> list[int]:
+        """Partition of each message: keyed ones by mmh3 (failing if unavailable), unkeyed ones together by round-robin."""
+        unkeyed: int | None = None
+        out = []
+        for key in keys:
+            if key is None:
+                if unkeyed is None:
+                    unkeyed = self._send_rr.next(self.available)
+                out.append(unkeyed)
+                continue
+            p = partition_for_key(key, self.partition_count)
+            if not self.available(p):
+                raise PartitionUnavailableError(
+                    f"partition {p} of {self.name!r}, which key {key!r} maps to, is unavailable; nothing was sent"
+                )
+            out.append(p)
+        return out
+
+    def send(self, rows: pa.Table, keys: Sequence[str | None]) -> pa.Table:
+        """Store rows atomically in one commit (placing them by key); returns the stored rows with sequence numbers.
+
+        On a duplicate-detecting entity, rows whose message_id the partition accepted within the
+        detection window are dropped and not returned.
+        """
+        if rows.num_rows == 0:
+            return rows
+        dedupe_since = None
+        if getattr(self.props, "requires_duplicate_detection", False):
+            dedupe_since = utcnow() - getattr(self.props, "duplicate_detection_history_time_window")
+        parts = pa.array(self.place(keys), pa.int32())
+        rows = rows.set_column(rows.schema.get_field_index(PARTITION_COLUMN), PARTITION_COLUMN, parts)
+        self._check_quota(rows)
+        return retry_commit(lambda: self.table.append(rows, dedupe_since), self.deadline(), f"send to {self.name}")
+
+    def _check_quota(self, rows: pa.Table) -> None:
+        """Raise QuotaExceededError when the rows would take a partition beyond max_size_in_megabytes."""
+        limit = int(getattr(self.props, "max_size_in_megabytes")) * 1024 * 1024
+        dt = self.table.snapshot()
+        sizes: dict[int, int] = defaultdict(int)
+        for p, s in zip(rows.column(PARTITION_COLUMN).to_pylist(), rows.column("size_in_bytes").to_pylist(), strict=True):
+            sizes[p] += s
+        for p, added in sizes.items():
+            used = self.table.partition_bytes(dt, p)
+            if used + added > limit:
+                raise QuotaExceededError(
+                    f"partition {p} of {self.name!r} holds {used} bytes; adding {added} would pass its "
+                    f"{limit // (1024 * 1024)} MB limit. Receive or purge messages, or raise max_size_in_megabytes"
+                )
+
+    # ---- receive -----------------------------------------------------------------------------
+
+    def receive(self, sub_queue: str, max_count: int, *, delete: bool, wait_s: float) -> pa.Table:
+        """Take up to max_count available messages from all partitions, waiting up to wait_s for the first."""
+        give_up = time.monotonic() + wait_s
+        poll = POLL_MIN_S
+        while True:
+            got = self._receive_once(sub_queue, max_count, delete)
+            if got.num_rows or time.monotonic() >= give_up:
+                return got
+            time.sleep(min(poll, max(0.0, give_up - time.monotonic())))
+            poll = min(POLL_MAX_S, poll * 2)
+
+    def _receive_once(self, sub_queue: str, max_count: int, delete: bool) -> pa.Table:
+        """One pass over the partitions from a rotating start, gathering until max_count."""
+        start = next(self._recv_start)
+        out: list[pa.Table] = []
+        remaining = max_count
+        for i in range(self.partition_count):
+            p = (start + i) % self.partition_count
+            if not self.available(p):
+                continue
+            got = self._receive_partition(p, sub_queue, remaining, delete)
+            if got.num_rows:
+                out.append(got)
+                remaining -= got.num_rows
+            if remaining <= 0:
+                break
+        return pa.concat_tables(out) if out else _empty_rows()
+
+    def _receive_partition(self, p: int, sub_queue: str, limit: int, delete: bool) -> pa.Table:
+        """Lock (or delete) up to `limit` messages of one partition; moves on after repeated conflicts."""
+        out: list[pa.Table] = []
+        attempt = 0
+        while limit > 0 and attempt < LOCK_ATTEMPTS_PER_PARTITION:
+            dt = self.table.snapshot()
+            now = utcnow()
+            try:
+                cands = self.table.candidates(dt, p, sub_queue, now, limit, ROW_COLUMNS)
+            except PartitionUnavailableError:
+                break
+            if cands.num_rows == 0:
+                break
+            d = lifecycle.deliver(cands, now, self.policy, delete=delete)
+            try:
+                self.table.apply(dt, p, d.changes)
+            except CommitFailedError:
+                time.sleep(backoff(attempt))
+                attempt += 1
+                continue
+            except PartitionUnavailableError:
+                break
+            if d.delivered.num_rows:
+                out.append(d.delivered)
+                limit -= d.delivered.num_rows
+            if d.delivered.num_rows == cands.num_rows:
+                break  # nothing was expired or dead-lettered, so the partition had no more than this
+        return pa.concat_tables(out) if out else _empty_rows()
+
+    def receive_deferred(self, sub_queue: str, seqs: Sequence[int], *, delete: bool) -> pa.Table:
+        """Lock (or delete) the deferred messages with these sequence numbers; others are skipped."""
+        out = []
+        for p, group in _by_partition(seqs).items():
+
+            def attempt(p: int = p, group: list[int] = group) -> pa.Table:
+                dt = self.table.snapshot()
+                now = utcnow()
+                rows = self.table.rows_by_sequence(dt, p, group, ROW_COLUMNS)
+                lock_free = pc.or_kleene(pc.is_null(rows.column("locked_until_utc")), pc.less_equal(rows.column("locked_until_utc"), pa.scalar(now, TIMESTAMP)))
+                mask = pc.and_(pc.and_(pc.equal(rows.column("state"), STATE_DEFERRED), pc.equal(rows.column("sub_queue"), sub_queue)), lock_free)
+                rows = rows.filter(mask)
+                if rows.num_rows == 0:
+                    return rows
+                d = lifecycle.deliver(rows, now, self.policy, delete=delete)
+                self.table.apply(dt, p, d.changes)
+                return d.delivered
+
+            out.append(retry_commit(attempt, self.deadline(), f"receive deferred from {self.name}"))
+        return pa.concat_tables(out) if out else _empty_rows()
+
+    # ---- settle ------------------------------------------------------------------------------
+
+    def settle(
+        self, items: Sequence[tuple[int, str]], op: str, reason: str | None = None, description: str | None = None
+    ) -> SettleResult:
+        """Settle (sequence_number, lock_token) pairs; an item whose lock is not current is reported, not applied."""
+        ok = [False] * len(items)
+        until: list[datetime | None] = [None] * len(items)
+        positions: dict[int, list[int]] = defaultdict(list)
+        for i, (seq, _) in enumerate(items):
+            positions[partition_of(seq)].append(i)
+        for p, idx in positions.items():
+            if not self.available(p):
+                raise PartitionUnavailableError(f"partition {p} of {self.name!r} is unavailable; the settlement was not applied")
+
+            def attempt(p: int = p, idx: list[int] = idx) -> None:
+                dt = self.table.snapshot()
+                now = utcnow()
+                seqs = [items[i][0] for i in idx]
+                rows = self.table.rows_by_sequence(dt, p, seqs, STATE_COLUMNS)
+                by_seq = {s: j for j, s in enumerate(rows.column("sequence_number").to_pylist())}
+                present = [i for i in idx if items[i][0] in by_seq]
+                take = pa.array([by_seq[items[i][0]] for i in present], pa.int64())
+                cur = rows.take(take)
+                valid = lifecycle.lock_valid(cur, [items[i][1] for i in present], now)
+                good = cur.filter(pa.array(valid, pa.bool_()))
+                if good.num_rows:
+                    self.table.apply(dt, p, lifecycle.settle(good, op, now, self.policy, reason, description))
+                new_until = now + self.policy.lock_duration
+                for i, v in zip(present, valid, strict=True):
+                    ok[i] = v
+                    until[i] = new_until if v and op == lifecycle.RENEW else None
+
+            retry_commit(attempt, self.deadline(), f"{op} on {self.name}")
+        return SettleResult(ok, until)
+
+    def cancel_scheduled(self, seqs: Sequence[int]) -> int:
+        """Remove scheduled (not yet visible, unlocked) messages; returns how many were removed."""
+        removed = 0
+        for p, group in _by_partition(seqs).items():
+
+            def attempt(p: int = p, group: list[int] = group) -> int:
+                dt = self.table.snapshot()
+                now = pa.scalar(utcnow(), TIMESTAMP)
+                rows = self.table.rows_by_sequence(dt, p, group, STATE_COLUMNS)
+                mask = pc.and_(pc.equal(rows.column("state"), STATE_ACTIVE), pc.fill_null(pc.greater(rows.column("scheduled_enqueue_time_utc"), now), False))
+                rows = rows.filter(pc.and_(mask, pc.is_null(rows.column("lock_token"))))
+                if rows.num_rows:
+                    self.table.apply(dt, p, lifecycle.changes(rows, lifecycle._removal(self.policy)))
+                return rows.num_rows
+
+            removed += retry_commit(attempt, self.deadline(), f"cancel scheduled on {self.name}")
+        return removed
+
+    # ---- browse and count ----------------------------------------------------------------------
+
+    def peek(self, sub_queue: str, cursors: dict[int, int], max_count: int) -> pa.Table:
+        """Up to max_count messages, in sequence order per partition, from each partition's cursor; advances cursors."""
+        dt = self.table.snapshot()
+        out = []
+        remaining = max_count
+        for p in range(self.partition_count):
+            if remaining <= 0:
+                break
+            if not self.available(p):
+                continue
+            rows = self.table.scan(dt, p, ROW_COLUMNS, from_seq=cursors.get(p), limit=None)
+            rows = rows.filter(pc.equal(rows.column("sub_queue"), sub_queue)).slice(0, remaining)
+            if rows.num_rows:
+                out.append(rows.select(ROW_COLUMNS))
+                remaining -= rows.num_rows
+                cursors[p] = rows.column("sequence_number")[-1].as_py() + 1
+        return pa.concat_tables(out) if out else _empty_rows()
+
+    def runtime_properties(self) -> RuntimeProperties:
+        """Counts per partition and in total; unavailable partitions count as 'Limited'."""
+        dt = self.table.snapshot()
+        now = pa.scalar(utcnow(), TIMESTAMP)
+        parts = []
+        for p in range(self.partition_count):
+            info = PartitionRuntimeProperties(partition_id=p, available=self.available(p))
+            if info.available:
+                rows = self.table.scan(dt, p, ["sub_queue", "state", "scheduled_enqueue_time_utc"])
+                _count_into(info, rows, now)
+                info.size_in_bytes = self.table.partition_bytes(dt, p)
+            parts.append(info)
+        return RuntimeProperties.aggregate(self.name, parts)
+
+
+def _count_into(info: PartitionRuntimeProperties, rows: pa.Table, now: pa.Scalar) -> None:
+    """Fill a partition's non-overlapping counts from its live message rows."""
+    dlq = pc.equal(rows.column("sub_queue"), SUB_QUEUE_DEAD_LETTER)
+    main = rows.filter(pc.invert(dlq))
+    deferred = pc.equal(main.column("state"), STATE_DEFERRED)
+    scheduled = pc.and_(pc.invert(deferred), pc.fill_null(pc.greater(main.column("scheduled_enqueue_time_utc"), now), False))
+    info.dead_letter_message_count = pc.sum(dlq).as_py() or 0
+    info.deferred_message_count = pc.sum(deferred).as_py() or 0
+    info.scheduled_message_count = pc.sum(scheduled).as_py() or 0
+    info.active_message_count = main.num_rows - info.deferred_message_count - info.scheduled_message_count
+    info.total_message_count = rows.num_rows
+
+
+def _by_partition(seqs: Iterable[int]) -> dict[int, list[int]]:
+    """Group sequence numbers by the partition in their top bits."""
+    out: dict[int, list[int]] = defaultdict(list)
+    for s in seqs:
+        out[partition_of(int(s))].append(int(s))
+    return out
+
+
+def _empty_rows() -> pa.Table:
+    """A row table with no rows."""
+    return pa.schema([ENTITY_SCHEMA.field(c) for c in ROW_COLUMNS]).empty_table()
+
+
+__all__ = ["Entity", "SettleResult", "partition_of", "utcnow", "SEQUENCE_MASK", "SUB_QUEUE_MAIN"]

@@ -1,0 +1,154 @@
+"""Message lock states and their transitions, as change rows for the storage MERGE (SPEC §5).
+
+Every function here is pure: it takes the current rows of a snapshot and returns the rows'
+new mutable values. Storage applies them in one MERGE against that same snapshot, so a
+concurrent change to any of the rows makes the commit fail rather than be overwritten.
+"""
+
+from __future__ import annotations
+
+import uuid
+from dataclasses import dataclass
+from datetime import datetime, timedelta
+from typing import Any
+
+import pyarrow as pa
+import pyarrow.compute as pc
+
+from sparkqueue.storage.schema import STATE_ACTIVE, STATE_DEFERRED, SUB_QUEUE_DEAD_LETTER, SUB_QUEUE_MAIN, TIMESTAMP
+from sparkqueue.storage.table import CHANGE_SCHEMA, MUTABLE_COLUMNS, OP_DELETE, OP_SET, OP_TOMBSTONE
+
+MAX_DELIVERY_REASON = "MaxDeliveryCountExceeded"
+TTL_EXPIRED_REASON = "TTLExpiredException"
+
+COMPLETE = "complete"
+ABANDON = "abandon"
+DEFER = "defer"
+DEAD_LETTER = "dead_letter"
+RENEW = "renew"
+SETTLE_OPS = (COMPLETE, ABANDON, DEFER, DEAD_LETTER, RENEW)
+
+
+@dataclass(frozen=True)
+class Policy:
+    """The entity settings that decide transitions."""
+
+    lock_duration: timedelta
+    max_delivery_count: int
+    dead_lettering_on_message_expiration: bool
+    keep_tombstones: bool  # duplicate-detecting entities keep completed ids until their window passes
+    source: str  # entity name, recorded as dead_letter_source
+
+
+def changes(rows: pa.Table, op: str, **values: Any) -> pa.Table:
+    """Change rows for `rows`: their current mutable values, with `values` (scalars or arrays) replacing some."""
+    cols: dict[str, pa.Array] = {"sequence_number": rows.column("sequence_number").combine_chunks(), "op": pa.array([op] * rows.num_rows, pa.string())}
+    for c in MUTABLE_COLUMNS:
+        field = CHANGE_SCHEMA.field(c)
+        if c in values:
+            v = values[c]
+            cols[c] = v if isinstance(v, (pa.Array, pa.ChunkedArray)) else pa.array([v] * rows.num_rows, field.type)
+        else:
+            cols[c] = rows.column(c)
+    return pa.table({k: cols[k] for k in CHANGE_SCHEMA.names}).cast(CHANGE_SCHEMA)
+
+
+def _removal(policy: Policy) -> str:
+    """How a settled message leaves: a tombstone where duplicate detection needs its id, else a delete."""
+    return OP_TOMBSTONE if policy.keep_tombstones else OP_DELETE
+
+
+def _dead_letter_values(reason: str | None, description: str | None, now: datetime, source: str) -> dict[str, Any]:
+    return {
+        "sub_queue": SUB_QUEUE_DEAD_LETTER,
+        "available_at_utc": now,
+        "locked_until_utc": None,
+        "lock_token": None,
+        "dead_letter_reason": reason,
+        "dead_letter_error_description": description,
+        "dead_letter_source": source,
+    }
+
+
+@dataclass
+class Delivery:
+    """Outcome of a receive on one partition: the change rows, and the delivered messages as rows."""
+
+    changes: pa.Table
+    delivered: pa.Table
+    dead_lettered: int = 0
+    expired: int = 0
+
+
+def deliver(rows: pa.Table, now: datetime, policy: Policy, *, delete: bool) -> Delivery:
+    """Lock (or, with delete=True, remove) candidate rows; expire and dead-letter those that must not be delivered."""
+    in_main = pc.equal(rows.column("sub_queue"), SUB_QUEUE_MAIN)
+    active = pc.and_(in_main, pc.equal(rows.column("state"), STATE_ACTIVE))  # deferred rows never expire
+    expired = pc.and_(active, pc.fill_null(pc.less_equal(rows.column("expires_at_utc"), pa.scalar(now, TIMESTAMP)), False))
+    next_count = pc.add(rows.column("delivery_count"), 1)
+    over = pc.and_(pc.and_(in_main, pc.invert(expired)), pc.greater(next_count, policy.max_delivery_count))
+    ok = pc.invert(pc.or_(expired, over))
+    parts: list[pa.Table] = []
+    exp_rows = rows.filter(expired)
+    if exp_rows.num_rows:
+        if policy.dead_lettering_on_message_expiration:
+            desc = "The message expired before it could be delivered."
+            parts.append(changes(exp_rows, OP_SET, **_dead_letter_values(TTL_EXPIRED_REASON, desc, now, policy.source)))
+        else:
+            parts.append(changes(exp_rows, _removal(policy)))
+    over_rows = rows.filter(over)
+    if over_rows.num_rows:
+        desc = f"Message could not be consumed after {policy.max_delivery_count} delivery attempts."
+        parts.append(changes(over_rows, OP_SET, **_dead_letter_values(MAX_DELIVERY_REASON, desc, now, policy.source)))
+    got = rows.filter(ok)
+    got = got.set_column(got.schema.get_field_index("delivery_count"), "delivery_count", pc.add(got.column("delivery_count"), 1).cast(pa.int32()))
+    if got.num_rows:
+        if delete:
+            parts.append(changes(got, _removal(policy)))
+            got = _with(got, lock_token=pa.nulls(got.num_rows, pa.string()), locked_until_utc=pa.nulls(got.num_rows, TIMESTAMP))
+        else:
+            until = now + policy.lock_duration
+            tokens = pa.array([str(uuid.uuid4()) for _ in range(got.num_rows)], pa.string())
+            avail = pc.if_else(pc.equal(got.column("state"), STATE_ACTIVE), pa.scalar(until, TIMESTAMP), got.column("available_at_utc"))
+            locked = _with(got, lock_token=tokens, locked_until_utc=pa.array([until] * got.num_rows, TIMESTAMP), available_at_utc=avail)
+            parts.append(changes(locked, OP_SET))
+            got = locked
+    change_table = pa.concat_tables(parts) if parts else CHANGE_SCHEMA.empty_table()
+    return Delivery(change_table, got, dead_lettered=over_rows.num_rows + (exp_rows.num_rows if policy.dead_lettering_on_message_expiration else 0), expired=exp_rows.num_rows)
+
+
+def _with(rows: pa.Table, **cols: pa.Array) -> pa.Table:
+    """Replace whole columns of a table."""
+    for name, arr in cols.items():
+        rows = rows.set_column(rows.schema.get_field_index(name), name, arr)
+    return rows
+
+
+def lock_valid(rows: pa.Table, tokens: list[str], now: datetime) -> list[bool]:
+    """Per row: does `tokens[i]` hold the current, unexpired lock of `rows[i]`?"""
+    current = rows.column("lock_token").to_pylist()
+    until = rows.column("locked_until_utc").to_pylist()
+    return [c is not None and c == t and u is not None and u > now for c, t, u in zip(current, tokens, until, strict=True)]
+
+
+def settle(
+    rows: pa.Table, op: str, now: datetime, policy: Policy, reason: str | None = None, description: str | None = None
+) -> pa.Table:
+    """Change rows for settling locked rows with `op` (complete, abandon, defer, dead_letter, renew)."""
+    released = {"lock_token": None, "locked_until_utc": None}
+    deferred = pc.equal(rows.column("state"), STATE_DEFERRED)
+    if op == COMPLETE:
+        return changes(rows, _removal(policy))
+    if op == ABANDON:
+        # An abandoned deferred message stays deferred: only receive_deferred_messages reaches it.
+        avail = pc.if_else(deferred, pa.scalar(None, TIMESTAMP), pa.scalar(now, TIMESTAMP))
+        return changes(rows, OP_SET, available_at_utc=avail, **released)
+    if op == DEFER:
+        return changes(rows, OP_SET, state=STATE_DEFERRED, available_at_utc=None, **released)
+    if op == DEAD_LETTER:
+        return changes(rows, OP_SET, state=STATE_ACTIVE, **_dead_letter_values(reason, description, now, policy.source))
+    if op == RENEW:
+        until = now + policy.lock_duration
+        avail = pc.if_else(deferred, pa.scalar(None, TIMESTAMP), pa.scalar(until, TIMESTAMP))
+        return changes(rows, OP_SET, locked_until_utc=until, available_at_utc=avail)
+    raise ValueError(f"unknown settle op {op!r}")

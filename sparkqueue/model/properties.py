@@ -1,0 +1,223 @@
+"""Entity settings and runtime properties, with the azure-servicebus administration client's attribute names."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass, field
+from datetime import datetime, timedelta
+from typing import Any, ClassVar
+
+from sparkqueue.errors import InvalidOperationError
+from sparkqueue.model import limits
+
+NEVER = None  # default_message_time_to_live: messages never expire
+
+
+@dataclass
+class _EntityProperties:
+    """Common base: validation, and a JSON form for the catalog (timedeltas as seconds)."""
+
+    name: str
+    entity_type: ClassVar[str] = ""
+    immutable: ClassVar[tuple[str, ...]] = ()
+
+    def validate(self, tier: str) -> None:
+        """Raise InvalidOperationError for a setting outside the contract's limits."""
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            check = _CHECKS.get(f.name)
+            if check is not None:
+                check(value, tier)
+
+    def settings(self) -> dict[str, Any]:
+        """The settings as JSON-ready values."""
+        out: dict[str, Any] = {}
+        for f in dataclasses.fields(self):
+            v = getattr(self, f.name)
+            out[f.name] = v.total_seconds() if isinstance(v, timedelta) else v
+        return out
+
+    def to_json(self) -> str:
+        """Serialise for the catalog."""
+        return json.dumps(self.settings(), sort_keys=True)
+
+    @classmethod
+    def from_json(cls, text: str) -> _EntityProperties:
+        """Rebuild from the catalog's JSON."""
+        raw = json.loads(text)
+        for f in dataclasses.fields(cls):
+            if f.name in _DURATIONS and raw.get(f.name) is not None:
+                raw[f.name] = timedelta(seconds=raw[f.name])
+        return cls(**{k: v for k, v in raw.items() if k in {f.name for f in dataclasses.fields(cls)}})
+
+    @property
+    def partition_count(self) -> int:
+        """16 when partitioned, else 1."""
+        return limits.PARTITION_COUNT if getattr(self, "enable_partitioning", False) else 1
+
+
+@dataclass
+class QueueProperties(_EntityProperties):
+    """A queue's settings (SDK: QueueProperties)."""
+
+    enable_partitioning: bool = True
+    max_size_in_megabytes: int = 1024
+    requires_duplicate_detection: bool = False
+    duplicate_detection_history_time_window: timedelta = timedelta(minutes=10)
+    requires_session: bool = False
+    lock_duration: timedelta = timedelta(seconds=60)
+    max_delivery_count: int = 10
+    default_message_time_to_live: timedelta | None = NEVER
+    dead_lettering_on_message_expiration: bool = False
+    forward_to: str | None = None
+    forward_dead_lettered_messages_to: str | None = None
+    entity_type: ClassVar[str] = "queue"
+    immutable: ClassVar[tuple[str, ...]] = ("enable_partitioning", "requires_session")
+
+
+@dataclass
+class TopicProperties(_EntityProperties):
+    """A topic's settings (SDK: TopicProperties)."""
+
+    enable_partitioning: bool = True
+    max_size_in_megabytes: int = 1024
+    requires_duplicate_detection: bool = False
+    duplicate_detection_history_time_window: timedelta = timedelta(minutes=10)
+    default_message_time_to_live: timedelta | None = NEVER
+    entity_type: ClassVar[str] = "topic"
+    immutable: ClassVar[tuple[str, ...]] = ("enable_partitioning",)
+
+
+@dataclass
+class SubscriptionProperties(_EntityProperties):
+    """A subscription's settings (SDK: SubscriptionProperties); it is stored with its topic's partitioning."""
+
+    topic_name: str = ""
+    requires_session: bool = False
+    lock_duration: timedelta = timedelta(seconds=60)
+    max_delivery_count: int = 10
+    default_message_time_to_live: timedelta | None = NEVER
+    dead_lettering_on_message_expiration: bool = False
+    forward_to: str | None = None
+    forward_dead_lettered_messages_to: str | None = None
+    enable_partitioning: bool = True  # copied from the topic at creation
+    max_size_in_megabytes: int = 1024  # copied from the topic at creation
+    entity_type: ClassVar[str] = "subscription"
+    immutable: ClassVar[tuple[str, ...]] = ("enable_partitioning", "requires_session", "topic_name")
+
+
+@dataclass
+class RuleProperties:
+    """A subscription rule: a filter and an optional action (SDK: RuleProperties)."""
+
+    name: str
+    filter: Any
+    action: Any = None
+
+
+@dataclass
+class PartitionRuntimeProperties:
+    """Counts of one partition."""
+
+    partition_id: int
+    available: bool = True
+    active_message_count: int = 0
+    dead_letter_message_count: int = 0
+    scheduled_message_count: int = 0
+    deferred_message_count: int = 0
+    transfer_message_count: int = 0
+    transfer_dead_letter_message_count: int = 0
+    total_message_count: int = 0
+    size_in_bytes: int = 0
+
+
+COUNT_FIELDS = (
+    "active_message_count",
+    "dead_letter_message_count",
+    "scheduled_message_count",
+    "deferred_message_count",
+    "transfer_message_count",
+    "transfer_dead_letter_message_count",
+    "total_message_count",
+    "size_in_bytes",
+)
+
+
+@dataclass
+class RuntimeProperties:
+    """Runtime counts aggregated over all partitions (SDK: QueueRuntimeProperties and kin)."""
+
+    name: str
+    active_message_count: int = 0
+    dead_letter_message_count: int = 0
+    scheduled_message_count: int = 0
+    deferred_message_count: int = 0
+    transfer_message_count: int = 0
+    transfer_dead_letter_message_count: int = 0
+    total_message_count: int = 0
+    size_in_bytes: int = 0
+    availability_status: str = "Available"
+    partitions: list[PartitionRuntimeProperties] = field(default_factory=list)
+    created_at_utc: datetime | None = None
+    updated_at_utc: datetime | None = None
+
+    @classmethod
+    def aggregate(cls, name: str, parts: list[PartitionRuntimeProperties]) -> RuntimeProperties:
+        """Sum per-partition counts; 'Limited' when any partition is unavailable."""
+        out = cls(name=name, partitions=parts)
+        for f in COUNT_FIELDS:
+            setattr(out, f, sum(getattr(p, f) for p in parts))
+        out.availability_status = "Available" if all(p.available for p in parts) else "Limited"
+        return out
+
+
+QueueRuntimeProperties = TopicRuntimeProperties = SubscriptionRuntimeProperties = RuntimeProperties
+
+_DURATIONS = {"duplicate_detection_history_time_window", "lock_duration", "default_message_time_to_live"}
+
+
+def _optional_name(value: object, field_name: str) -> None:
+    if value is not None:
+        limits.check_entity_name(value, field_name)
+
+
+_CHECKS: dict[str, Any] = {
+    "enable_partitioning": lambda v, t: limits.check_bool(v, "enable_partitioning"),
+    "requires_duplicate_detection": lambda v, t: limits.check_bool(v, "requires_duplicate_detection"),
+    "requires_session": lambda v, t: limits.check_bool(v, "requires_session"),
+    "dead_lettering_on_message_expiration": lambda v, t: limits.check_bool(v, "dead_lettering_on_message_expiration"),
+    "max_size_in_megabytes": lambda v, t: limits.check_size_mb(v, t),
+    "max_delivery_count": lambda v, t: limits.check_int(v, "max_delivery_count"),
+    "lock_duration": lambda v, t: limits.check_duration(v, "lock_duration", maximum=limits.MAX_LOCK_DURATION),
+    "duplicate_detection_history_time_window": lambda v, t: limits.check_duration(
+        v, "duplicate_detection_history_time_window",
+        minimum=limits.DEDUPE_WINDOW_RANGE[0], maximum=limits.DEDUPE_WINDOW_RANGE[1],
+    ),
+    "default_message_time_to_live": lambda v, t: limits.check_duration(v, "default_message_time_to_live", allow_none=True),
+    "forward_to": lambda v, t: _optional_name(v, "forward_to"),
+    "forward_dead_lettered_messages_to": lambda v, t: _optional_name(v, "forward_dead_lettered_messages_to"),
+}
+
+
+def build_properties(cls: type[_EntityProperties], name: str, tier: str, settings: dict[str, Any]) -> _EntityProperties:
+    """Create validated properties from keyword settings; unknown keywords are an error."""
+    known = {f.name for f in dataclasses.fields(cls)} - {"name"}
+    unknown = set(settings) - known
+    if unknown:
+        raise InvalidOperationError(f"unknown {cls.entity_type} setting(s): {', '.join(sorted(unknown))}")
+    props = cls(name=name, **settings)
+    props.validate(tier)
+    if tier == limits.PREMIUM and getattr(props, "enable_partitioning", False):
+        props.enable_partitioning = False  # premium entities are never partitioned (SPEC §1)
+    return props
+
+
+def check_update(old: _EntityProperties, new: _EntityProperties, tier: str) -> None:
+    """Raise InvalidOperationError when an update changes a setting fixed at creation."""
+    if type(old) is not type(new) or old.name != new.name:
+        raise InvalidOperationError(f"update must pass the {old.entity_type} properties of {old.name!r}")
+    for f in old.immutable:
+        if getattr(old, f) != getattr(new, f):
+            raise InvalidOperationError(f"{f} is fixed at creation and cannot be changed by an update")
+    new.validate(tier)

@@ -1,0 +1,195 @@
+"""Receivers (SDK: ServiceBusReceiver): receive, settle, peek and browse one queue or subscription."""
+
+from __future__ import annotations
+
+import logging
+from collections import deque
+from collections.abc import Iterator, Sequence
+from datetime import datetime, timedelta
+from typing import TYPE_CHECKING
+
+from sparkqueue.constants import ReceiveMode, SubQueue
+from sparkqueue.errors import InvalidOperationError, MessageLockLostError
+from sparkqueue.message import ReceivedMessage, received_messages
+from sparkqueue.model import lifecycle, limits
+from sparkqueue.model.entity import Entity, utcnow
+from sparkqueue.storage.schema import SUB_QUEUE_DEAD_LETTER, SUB_QUEUE_MAIN
+from sparkqueue.storage.table import SEQUENCE_MASK
+
+if TYPE_CHECKING:
+    from sparkqueue.namespace import Namespace
+
+log = logging.getLogger(__name__)
+
+
+def _wait_seconds(value: float | timedelta | None, field: str) -> float:
+    """max_wait_time as seconds: None means do not wait."""
+    if value is None:
+        return 0.0
+    if isinstance(value, timedelta):
+        value = value.total_seconds()
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
+        raise InvalidOperationError(f"{field} must be a non-negative number of seconds or a timedelta, got {value!r}")
+    return float(value)
+
+
+class Receiver:
+    """Receives from one queue or subscription (or its dead-letter sub-queue); a context manager and an iterator."""
+
+    def __init__(
+        self,
+        namespace: Namespace,
+        entity_type: str,
+        name: str,
+        *,
+        receive_mode: ReceiveMode | str = ReceiveMode.PEEK_LOCK,
+        sub_queue: SubQueue | str | None = None,
+        prefetch_count: int = 0,
+        max_wait_time: float | timedelta | None = None,
+    ) -> None:
+        try:
+            self.receive_mode = ReceiveMode(receive_mode)
+        except ValueError:
+            raise InvalidOperationError(f"receive_mode must be a ReceiveMode, got {receive_mode!r}") from None
+        if sub_queue is not None:
+            try:
+                SubQueue(sub_queue)
+            except ValueError:
+                raise InvalidOperationError(f"sub_queue must be SubQueue.DEAD_LETTER or None, got {sub_queue!r}") from None
+        self.prefetch_count = limits.check_int(prefetch_count, "prefetch_count", minimum=0)
+        self.max_wait_time = _wait_seconds(max_wait_time, "max_wait_time")
+        self._ns = namespace
+        self.entity_type = entity_type
+        self.entity_name = name
+        self._sub_queue = SUB_QUEUE_DEAD_LETTER if sub_queue is not None else SUB_QUEUE_MAIN
+        self._cache: deque[ReceivedMessage] = deque()
+        self._peek_cursors: dict[int, int] = {}
+        self._closed = False
+        self._entity()  # fail fast on an unknown entity
+
+    def _entity(self) -> Entity:
+        return self._ns._entity(self.entity_type, self.entity_name)
+
+    # ---- lifecycle ---------------------------------------------------------------------------
+
+    def __enter__(self) -> Receiver:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Release prefetched messages so other receivers get them at once."""
+        if self._cache and self.receive_mode == ReceiveMode.PEEK_LOCK:
+            cached = list(self._cache)
+            self._cache.clear()
+            self._entity().settle([(m.sequence_number, m.lock_token or "") for m in cached], lifecycle.ABANDON)
+        self._closed = True
+
+    def __iter__(self) -> Iterator[ReceivedMessage]:
+        """Yield messages as they arrive; stop after max_wait_time (set on the receiver) with none."""
+        while True:
+            got = self.receive_messages(max_message_count=1, max_wait_time=self.max_wait_time)
+            if not got:
+                return
+            yield from got
+
+    # ---- receive -------------------------------------------------------------------------------
+
+    def receive_messages(self, max_message_count: int | None = 1, max_wait_time: float | timedelta | None = None) -> list[ReceivedMessage]:
+        """Up to max_message_count messages from all partitions, waiting up to max_wait_time for the first."""
+        n = limits.check_int(1 if max_message_count is None else max_message_count, "max_message_count")
+        wait = _wait_seconds(max_wait_time, "max_wait_time") if max_wait_time is not None else self.max_wait_time
+        self._check_open()
+        out: list[ReceivedMessage] = []
+        now = utcnow()
+        while self._cache and len(out) < n:
+            m = self._cache.popleft()
+            if self.receive_mode == ReceiveMode.RECEIVE_AND_DELETE or (m.locked_until_utc and m.locked_until_utc > now):
+                out.append(m)
+        if len(out) >= n:
+            return out
+        want = n - len(out) + self.prefetch_count
+        rows = self._entity().receive(self._sub_queue, want, delete=self._deleting, wait_s=0.0 if out else wait)
+        got = received_messages(rows, utcnow())
+        take = n - len(out)
+        out.extend(got[:take])
+        self._cache.extend(got[take:])
+        return out
+
+    @property
+    def _deleting(self) -> bool:
+        return self.receive_mode == ReceiveMode.RECEIVE_AND_DELETE
+
+    def receive_deferred_messages(self, sequence_numbers: int | Sequence[int]) -> list[ReceivedMessage]:
+        """Receive deferred messages by sequence number; ones not deferred, or locked elsewhere, are not returned."""
+        seqs = self._seqs(sequence_numbers)
+        self._check_open()
+        return received_messages(self._entity().receive_deferred(self._sub_queue, seqs, delete=self._deleting), utcnow())
+
+    def peek_messages(self, max_message_count: int = 1, *, sequence_number: int | None = None) -> list[ReceivedMessage]:
+        """Browse without locking, in sequence order per partition; later calls continue where this one stopped."""
+        n = limits.check_int(max_message_count, "max_message_count")
+        self._check_open()
+        entity = self._entity()
+        if sequence_number is not None:
+            counter = limits.check_int(sequence_number, "sequence_number", minimum=0) & SEQUENCE_MASK
+            self._peek_cursors = {p: (p << 48) | counter for p in range(entity.partition_count)}
+        rows = entity.peek(self._sub_queue, self._peek_cursors, n)
+        return received_messages(rows, utcnow())
+
+    # ---- settle --------------------------------------------------------------------------------
+
+    def complete_message(self, message: ReceivedMessage) -> None:
+        """Remove the message: it was processed."""
+        self._settle(message, lifecycle.COMPLETE)
+
+    def abandon_message(self, message: ReceivedMessage) -> None:
+        """Release the lock: the message is available again at once."""
+        self._settle(message, lifecycle.ABANDON)
+
+    def defer_message(self, message: ReceivedMessage) -> None:
+        """Set the message aside; only receive_deferred_messages delivers it again."""
+        self._settle(message, lifecycle.DEFER)
+
+    def dead_letter_message(self, message: ReceivedMessage, reason: str | None = None, error_description: str | None = None) -> None:
+        """Move the message to the dead-letter sub-queue with a reason."""
+        for value, field in ((reason, "reason"), (error_description, "error_description")):
+            if value is not None and not isinstance(value, str):
+                raise InvalidOperationError(f"{field} must be a str, got {type(value).__name__}")
+        self._settle(message, lifecycle.DEAD_LETTER, reason, error_description)
+
+    def renew_message_lock(self, message: ReceivedMessage) -> datetime:
+        """Extend the lock by the entity's lock_duration; returns the new expiry."""
+        until = self._settle(message, lifecycle.RENEW)
+        assert until is not None
+        message.locked_until_utc = until
+        return until
+
+    def _settle(self, message: ReceivedMessage, op: str, reason: str | None = None, description: str | None = None) -> datetime | None:
+        self._check_open()
+        if not isinstance(message, ReceivedMessage):
+            raise InvalidOperationError(f"expected a ReceivedMessage, got {type(message).__name__}")
+        if self.receive_mode == ReceiveMode.RECEIVE_AND_DELETE:
+            raise InvalidOperationError("messages received in RECEIVE_AND_DELETE mode are already settled")
+        if message.lock_token is None:
+            raise InvalidOperationError("the message has no lock token: peeked messages cannot be settled")
+        res = self._entity().settle([(message.sequence_number, message.lock_token)], op, reason, description)
+        if not res.ok[0]:
+            raise MessageLockLostError(
+                f"the lock on message {message.sequence_number} ({message.message_id!r}) expired or was taken "
+                "by a later delivery; the settlement was not applied. Receive the message again"
+            )
+        return res.locked_until[0]
+
+    # ---- helpers -------------------------------------------------------------------------------
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise InvalidOperationError("the receiver is closed")
+
+    @staticmethod
+    def _seqs(sequence_numbers: int | Sequence[int]) -> list[int]:
+        seqs = [sequence_numbers] if isinstance(sequence_numbers, int) else list(sequence_numbers)
+        return [limits.check_int(s, "sequence_numbers", minimum=0) for s in seqs]
+

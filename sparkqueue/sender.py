@@ -1,0 +1,96 @@
+"""Senders (SDK: ServiceBusSender): send, schedule and cancel messages on a queue or topic."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from datetime import datetime
+from typing import TYPE_CHECKING
+
+from sparkqueue.errors import InvalidOperationError
+from sparkqueue.message import Message, MessageBatch, SendSettings, as_utc, to_rows
+from sparkqueue.model import limits
+from sparkqueue.model.entity import utcnow
+
+if TYPE_CHECKING:
+    from sparkqueue.namespace import Namespace
+
+log = logging.getLogger(__name__)
+
+
+def as_message_list(messages: Message | Sequence[Message] | MessageBatch) -> list[Message]:
+    """Accept one message, a list of them, or a batch."""
+    if isinstance(messages, Message):
+        return [messages]
+    if isinstance(messages, (MessageBatch, list, tuple)):
+        return list(messages)
+    raise InvalidOperationError(f"expected a Message, a list of Message or a MessageBatch, got {type(messages).__name__}")
+
+
+class Sender:
+    """Sends to one queue or topic; a context manager, as in the SDK."""
+
+    def __init__(self, namespace: Namespace, entity_type: str, name: str) -> None:
+        self._ns = namespace
+        self.entity_type = entity_type
+        self.entity_name = name
+        namespace._props(entity_type, name)  # fail fast on an unknown entity
+
+    def __enter__(self) -> Sender:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Nothing to release; present for SDK parity."""
+
+    def create_message_batch(self, max_size_in_bytes: int | None = None) -> MessageBatch:
+        """An empty batch bounded by the tier's message size limit (or a smaller given bound)."""
+        cap = limits.MAX_MESSAGE_BYTES[self._ns.tier]
+        if max_size_in_bytes is not None:
+            limits.check_int(max_size_in_bytes, "max_size_in_bytes")
+            if max_size_in_bytes > cap:
+                raise InvalidOperationError(f"max_size_in_bytes may be at most {cap} in the {self._ns.tier} tier")
+        return MessageBatch(max_size_in_bytes or cap)
+
+    def send_messages(self, message: Message | Sequence[Message] | MessageBatch) -> list[int]:
+        """Send atomically; returns the stored sequence numbers (duplicates dropped by detection have none)."""
+        return self._send(as_message_list(message))
+
+    def schedule_messages(self, messages: Message | Sequence[Message], schedule_time_utc: datetime) -> list[int]:
+        """Send messages that stay invisible until schedule_time_utc; returns their sequence numbers."""
+        when = as_utc(schedule_time_utc, "schedule_time_utc")
+        msgs = as_message_list(messages)
+        for m in msgs:
+            m.scheduled_enqueue_time_utc = when
+        return self._send(msgs)
+
+    def cancel_scheduled_messages(self, sequence_numbers: int | Sequence[int]) -> None:
+        """Remove scheduled messages that have not become visible yet."""
+        seqs = [sequence_numbers] if isinstance(sequence_numbers, int) else list(sequence_numbers)
+        for s in seqs:
+            limits.check_int(s, "sequence_numbers", minimum=0)
+        for entity in self._ns._targets(self.entity_type, self.entity_name):
+            entity.cancel_scheduled(seqs)
+
+    def _send(self, msgs: list[Message]) -> list[int]:
+        if not msgs:
+            return []
+        tx = self._ns._active_transaction
+        if tx is not None:
+            tx.add_send(self, msgs)
+            return []
+        entity = self._ns._entity(self.entity_type, self.entity_name)
+        rows, keys = to_rows(msgs, send_settings(self._ns.tier, entity.props), utcnow())
+        return entity.send(rows, keys).column("sequence_number").to_pylist()
+
+
+def send_settings(tier: str, props: object) -> SendSettings:
+    """The entity settings that govern a send."""
+    return SendSettings(
+        tier=tier,
+        requires_duplicate_detection=getattr(props, "requires_duplicate_detection", False),
+        requires_session=getattr(props, "requires_session", False),
+        default_message_time_to_live=getattr(props, "default_message_time_to_live", None),
+    )

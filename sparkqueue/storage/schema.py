@@ -1,0 +1,94 @@
+"""Arrow schemas of the Delta tables sparkqueue writes: entity tables and the namespace catalog.
+
+Column order matters: Delta collects file statistics for the first 32 columns, and the
+receive path prunes files by the min/max of `sequence_number`, `available_at_utc`,
+`sub_queue` and `state`, so those come first and `body` comes last.
+"""
+
+from __future__ import annotations
+
+import pyarrow as pa
+
+PARTITION_COLUMN = "partition_id"
+TIMESTAMP = pa.timestamp("us", tz="UTC")
+
+# Row kinds: a message, or a session's lock-and-state row (one per session).
+KIND_MESSAGE = "message"
+KIND_SESSION = "session"
+
+# Sub-queues.
+SUB_QUEUE_MAIN = "main"
+SUB_QUEUE_DEAD_LETTER = "deadletter"
+
+# Stored states. "scheduled" is not stored: it is an active row whose scheduled time is ahead.
+STATE_ACTIVE = "active"
+STATE_DEFERRED = "deferred"
+STATE_COMPLETED = "completed"  # tombstone kept for duplicate detection until its window passes
+
+ENTITY_SCHEMA = pa.schema(
+    [
+        pa.field(PARTITION_COLUMN, pa.int32(), nullable=False),
+        pa.field("sequence_number", pa.int64(), nullable=False),
+        pa.field("available_at_utc", TIMESTAMP),  # next time a receive may take it; null = never
+        pa.field("sub_queue", pa.string(), nullable=False),
+        pa.field("state", pa.string(), nullable=False),
+        pa.field("kind", pa.string(), nullable=False),
+        pa.field("enqueued_time_utc", TIMESTAMP, nullable=False),
+        pa.field("expires_at_utc", TIMESTAMP),
+        pa.field("scheduled_enqueue_time_utc", TIMESTAMP),
+        pa.field("locked_until_utc", TIMESTAMP),
+        pa.field("lock_token", pa.string()),
+        pa.field("delivery_count", pa.int32(), nullable=False),
+        pa.field("message_id", pa.string(), nullable=False),
+        pa.field("session_id", pa.string()),
+        pa.field("partition_key", pa.string()),
+        pa.field("correlation_id", pa.string()),
+        pa.field("subject", pa.string()),
+        pa.field("to", pa.string()),
+        pa.field("reply_to", pa.string()),
+        pa.field("reply_to_session_id", pa.string()),
+        pa.field("content_type", pa.string()),
+        pa.field("time_to_live_ms", pa.int64()),
+        pa.field("size_in_bytes", pa.int32(), nullable=False),
+        pa.field("transfer_hop_count", pa.int32(), nullable=False),
+        pa.field("dead_letter_reason", pa.string()),
+        pa.field("dead_letter_error_description", pa.string()),
+        pa.field("dead_letter_source", pa.string()),
+        pa.field("application_properties", pa.string()),  # JSON object: typed values survive
+        pa.field("body", pa.binary()),
+    ]
+)
+
+ENTITY_COLUMNS = ENTITY_SCHEMA.names
+
+# The columns a settlement reads to validate a lock and write its change: no payload.
+STATE_COLUMNS = [
+    "sequence_number",
+    "available_at_utc",
+    "sub_queue",
+    "state",
+    "kind",
+    "enqueued_time_utc",
+    "expires_at_utc",
+    "scheduled_enqueue_time_utc",
+    "locked_until_utc",
+    "lock_token",
+    "delivery_count",
+    "message_id",
+    "session_id",
+    "size_in_bytes",
+    "dead_letter_reason",
+    "dead_letter_error_description",
+    "dead_letter_source",
+]
+
+CATALOG_SCHEMA = pa.schema(
+    [
+        pa.field("name", pa.string(), nullable=False),  # "queue:q1", "topic:t1", "subscription:t1/s1"
+        pa.field("entity_type", pa.string(), nullable=False),
+        pa.field("table_path", pa.string(), nullable=False),
+        pa.field("properties", pa.string(), nullable=False),  # JSON of the entity settings
+        pa.field("created_at_utc", TIMESTAMP, nullable=False),
+        pa.field("updated_at_utc", TIMESTAMP, nullable=False),
+    ]
+)

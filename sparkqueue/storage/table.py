@@ -1,0 +1,359 @@
+"""One entity's Delta table: partitioned appends fenced per partition, pruned reads, and MERGE settles.
+
+Three storage facts shape this module (see ENGINE-NOTES):
+- Appends carry a Delta `txn` action per partition they touch (app id `sparkqueue.seq.<p>`, version =
+  the partition's last sequence counter). Two appends to one partition conflict on that app id, so
+  sequence numbers are unique and strictly increasing, and the counter survives deleted rows.
+- Every state change is one MERGE whose predicate names the partition and the sequence range as
+  literals: delta-rs then scans and rewrites only the files holding those rows (MERGE is
+  copy-on-write), and MERGEs on disjoint ranges do not conflict.
+- Candidate reads use the same snapshot as the MERGE that follows, so a lost race surfaces as a
+  `CommitFailedError` and never as a double lock.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Sequence
+from dataclasses import dataclass
+from datetime import datetime
+from urllib.parse import unquote
+
+import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.fs as pafs
+import pyarrow.parquet as pq
+from deltalake import CommitProperties, DeltaTable, Transaction, WriterProperties, write_deltalake
+
+from sparkqueue.storage.faults import FaultInjector
+from sparkqueue.storage.schema import (
+    ENTITY_COLUMNS,
+    ENTITY_SCHEMA,
+    KIND_MESSAGE,
+    PARTITION_COLUMN,
+    STATE_ACTIVE,
+    STATE_COLUMNS,
+    STATE_COMPLETED,
+    TIMESTAMP,
+)
+
+log = logging.getLogger(__name__)
+
+SEQUENCE_BITS = 48
+SEQUENCE_MASK = (1 << SEQUENCE_BITS) - 1
+
+# Columns a settlement may change; everything else in a row is immutable after send.
+MUTABLE_COLUMNS = [
+    "available_at_utc",
+    "sub_queue",
+    "state",
+    "locked_until_utc",
+    "lock_token",
+    "delivery_count",
+    "dead_letter_reason",
+    "dead_letter_error_description",
+    "dead_letter_source",
+]
+CHANGE_SCHEMA = pa.schema(
+    [pa.field("sequence_number", pa.int64()), pa.field("op", pa.string())]
+    + [ENTITY_SCHEMA.field(c).with_nullable(True) for c in MUTABLE_COLUMNS]
+)
+OP_SET = "set"  # write the mutable columns from the change row
+OP_DELETE = "delete"  # remove the row
+OP_TOMBSTONE = "tombstone"  # keep only what duplicate detection needs
+
+WRITER = WriterProperties(compression="SNAPPY")
+
+
+def fence_app_id(partition: int) -> str:
+    """Delta txn app id whose version is the partition's last sequence counter."""
+    return f"sparkqueue.seq.{partition}"
+
+
+def sequence_number(partition: int, counter: int) -> int:
+    """Compose a sequence number: partition id in the top 16 bits, counter below."""
+    return (partition << SEQUENCE_BITS) | counter
+
+
+@dataclass(frozen=True)
+class FileInfo:
+    """Statistics of one data file, enough to decide whether a read must open it."""
+
+    path: str
+    partition: int
+    size_bytes: int
+    num_records: int
+    min_seq: int
+    max_seq: int
+    min_available_at: datetime | None
+    max_enqueued: datetime | None
+    min_sub_queue: str | None
+    max_sub_queue: str | None
+
+
+class EntityTable:
+    """Thread-safe handle on one entity's Delta table; every method works on a fresh snapshot."""
+
+    def __init__(self, uri: str, partition_count: int, faults: FaultInjector | None = None) -> None:
+        self.uri = uri.rstrip("/")
+        self.partition_count = partition_count
+        self.faults = faults or FaultInjector()
+        self._lock = threading.RLock()
+        self._dt: DeltaTable | None = None
+        self._index_version = -1
+        self._index: dict[int, list[FileInfo]] = {}
+        self._fs, self._fs_root = _filesystem(self.uri)
+
+    # ---- lifecycle -------------------------------------------------------------------------
+
+    @staticmethod
+    def create(uri: str) -> None:
+        """Create the empty, partitioned entity table (the path must not hold a table yet)."""
+        DeltaTable.create(
+            uri,
+            schema=ENTITY_SCHEMA,
+            partition_by=[PARTITION_COLUMN],
+            mode="error",
+            configuration={"delta.checkpointInterval": "50", "delta.logRetentionDuration": "interval 2 days"},
+        )
+
+    def snapshot(self) -> DeltaTable:
+        """The table brought up to its latest version (incremental log read)."""
+        with self._lock:
+            if self._dt is None:
+                self._dt = DeltaTable(self.uri)
+            else:
+                self._dt.update_incremental()
+            return self._dt
+
+    def files(self, dt: DeltaTable, partition: int) -> list[FileInfo]:
+        """The partition's live files at `dt`'s version, ordered by lowest sequence number."""
+        self.faults.check(partition, "read")
+        with self._lock:
+            if self._index_version != dt.version():
+                self._index = _file_index(dt)
+                self._index_version = dt.version()
+            return self._index.get(partition, [])
+
+    # ---- send --------------------------------------------------------------------------------
+
+    def append(
+        self,
+        rows: pa.Table,
+        dedupe_since: datetime | None,
+    ) -> pa.Table:
+        """Append rows (partition ids set, sequence numbers not yet) in one commit; one attempt.
+
+        Assigns sequence numbers from each partition's fence, drops rows whose message_id was
+        accepted in the partition since `dedupe_since` (when given) or repeats within the batch,
+        and returns the stored rows. Raises CommitFailedError when another writer won the race.
+        """
+        dt = self.snapshot()
+        partitions = sorted(set(rows.column(PARTITION_COLUMN).to_pylist()))
+        for p in partitions:
+            self.faults.check(p, "write")
+        stored: list[pa.Table] = []
+        fences: list[Transaction] = []
+        for p in partitions:
+            part = rows.filter(pc.equal(rows.column(PARTITION_COLUMN), p))
+            if dedupe_since is not None:
+                part = self._drop_duplicates(dt, p, part, dedupe_since)
+            if part.num_rows == 0:
+                continue
+            last = dt.transaction_version(fence_app_id(p)) or 0
+            seqs = pa.array(range(sequence_number(p, last + 1), sequence_number(p, last + 1 + part.num_rows)), pa.int64())
+            stored.append(part.set_column(part.schema.get_field_index("sequence_number"), "sequence_number", seqs))
+            fences.append(Transaction(fence_app_id(p), last + part.num_rows))
+        if not stored:
+            return rows.schema.empty_table()
+        out = pa.concat_tables(stored)
+        write_deltalake(
+            dt,
+            out,
+            mode="append",
+            writer_properties=WRITER,
+            commit_properties=CommitProperties(app_transactions=fences),
+        )
+        return out
+
+    def _drop_duplicates(self, dt: DeltaTable, p: int, part: pa.Table, since: datetime) -> pa.Table:
+        """Remove rows whose message_id repeats within the batch or was accepted since `since`."""
+        seen: set[str] = set()
+        keep = [not (mid in seen or seen.add(mid)) for mid in part.column("message_id").to_pylist()]
+        part = part.filter(pa.array(keep))
+        files = [f for f in self.files(dt, p) if f.max_enqueued is None or f.max_enqueued >= since]
+        if not files:
+            return part
+        existing = self._read(files, ["message_id", "enqueued_time_utc"])
+        recent = existing.filter(pc.greater_equal(existing.column("enqueued_time_utc"), pa.scalar(since, TIMESTAMP)))
+        dup = pc.is_in(part.column("message_id"), value_set=recent.column("message_id"))
+        return part.filter(pc.invert(dup))
+
+    # ---- reads ---------------------------------------------------------------------------------
+
+    def _read(self, files: Sequence[FileInfo], columns: list[str]) -> pa.Table:
+        """Read columns of the given files (one partition's, or several) with their partition id."""
+        if not files:
+            return pa.schema([ENTITY_SCHEMA.field(PARTITION_COLUMN)] + [ENTITY_SCHEMA.field(c).with_nullable(True) for c in columns]).empty_table()
+        # delta-rs writes string_view/binary_view; normalise to the declared types so tables concatenate.
+        target = pa.schema([ENTITY_SCHEMA.field(c).with_nullable(True) for c in columns])
+        tables = []
+        for f in files:
+            t = pq.read_table(f"{self._fs_root}/{f.path}", columns=columns, filesystem=self._fs).cast(target)
+            tables.append(t.add_column(0, PARTITION_COLUMN, pa.array([f.partition] * t.num_rows, pa.int32())))
+        return pa.concat_tables(tables)
+
+    def candidates(
+        self, dt: DeltaTable, partition: int, sub_queue: str, now: datetime, limit: int, columns: list[str] = STATE_COLUMNS
+    ) -> pa.Table:
+        """The oldest rows of a sub-queue that a receive may take now (state columns, by sequence).
+
+        Files whose min(available_at_utc) is after `now` or that hold no row of the sub-queue are
+        skipped by their statistics, so in-flight and scheduled backlogs cost nothing to step over.
+        """
+        picked: list[pa.Table] = []
+        count = 0
+        max_picked: int | None = None
+        for f in self.files(dt, partition):
+            if count >= limit and max_picked is not None and f.min_seq > max_picked:
+                break
+            if f.min_available_at is None or f.min_available_at > now:
+                continue
+            if f.min_sub_queue is not None and not (f.min_sub_queue <= sub_queue <= (f.max_sub_queue or sub_queue)):
+                continue
+            t = self._read([f], columns)
+            mask = pc.and_(
+                pc.and_(pc.equal(t.column("sub_queue"), sub_queue), pc.equal(t.column("state"), STATE_ACTIVE)),
+                pc.and_(pc.equal(t.column("kind"), KIND_MESSAGE), pc.less_equal(t.column("available_at_utc"), pa.scalar(now, TIMESTAMP))),
+            )
+            t = t.filter(mask)
+            if t.num_rows:
+                picked.append(t)
+                count += t.num_rows
+                top = pc.max(t.column("sequence_number")).as_py()
+                max_picked = top if max_picked is None else max(max_picked, top)
+        if not picked:
+            return self._read([], columns).drop_columns([PARTITION_COLUMN])
+        out = pa.concat_tables(picked).sort_by("sequence_number")
+        return out.slice(0, limit).drop_columns([PARTITION_COLUMN])
+
+    def rows_by_sequence(
+        self, dt: DeltaTable, partition: int, seqs: Sequence[int], columns: list[str] | None = None
+    ) -> pa.Table:
+        """Current rows of the given sequence numbers in one partition (missing ones are absent)."""
+        cols = columns or ENTITY_COLUMNS[1:]
+        lo, hi = min(seqs), max(seqs)
+        files = [f for f in self.files(dt, partition) if f.max_seq >= lo and f.min_seq <= hi]
+        t = self._read(files, cols)
+        t = t.filter(pc.is_in(t.column("sequence_number"), value_set=pa.array(list(seqs), pa.int64())))
+        return t.sort_by("sequence_number").drop_columns([PARTITION_COLUMN])
+
+    def scan(
+        self,
+        dt: DeltaTable,
+        partition: int,
+        columns: list[str],
+        from_seq: int | None = None,
+        limit: int | None = None,
+    ) -> pa.Table:
+        """Rows of one partition in sequence order, optionally from a sequence number, at most `limit`."""
+        files = self.files(dt, partition)
+        if from_seq is not None:
+            files = [f for f in files if f.max_seq >= from_seq]
+        out: list[pa.Table] = []
+        count = 0
+        cols = list(dict.fromkeys(["sequence_number", "kind", "state", *columns]))
+        for f in files:
+            t = self._read([f], cols)
+            mask = pc.and_(pc.equal(t.column("kind"), KIND_MESSAGE), pc.not_equal(t.column("state"), STATE_COMPLETED))
+            if from_seq is not None:
+                mask = pc.and_(mask, pc.greater_equal(t.column("sequence_number"), from_seq))
+            t = t.filter(mask)
+            out.append(t)
+            count += t.num_rows
+            if limit is not None and count >= limit:
+                break
+        if not out:
+            return self._read([], cols).drop_columns([PARTITION_COLUMN])
+        t = pa.concat_tables(out).sort_by("sequence_number").drop_columns([PARTITION_COLUMN])
+        return t if limit is None else t.slice(0, limit)
+
+    def partition_bytes(self, dt: DeltaTable, partition: int) -> int:
+        """Bytes of the partition's live files: what its size quota counts."""
+        return sum(f.size_bytes for f in self.files(dt, partition))
+
+    # ---- changes ---------------------------------------------------------------------------------
+
+    def apply(self, dt: DeltaTable, partition: int, changes: pa.Table) -> dict[str, int]:
+        """Apply per-row changes (CHANGE_SCHEMA) to one partition in one MERGE; one attempt.
+
+        `dt` must be the snapshot the changes were computed from, so that any concurrent change
+        to the same rows makes this commit fail instead of silently overwriting it.
+        """
+        self.faults.check(partition, "write")
+        seqs = changes.column("sequence_number")
+        lo, hi = pc.min(seqs).as_py(), pc.max(seqs).as_py()
+        predicate = (
+            f"t.{PARTITION_COLUMN} = {partition} AND t.sequence_number >= {lo} "
+            f"AND t.sequence_number <= {hi} AND t.sequence_number = s.sequence_number"
+        )
+        updates = {c: f"s.{c}" for c in MUTABLE_COLUMNS}
+        tombstone = {
+            "state": f"'{STATE_COMPLETED}'",
+            "available_at_utc": "NULL",
+            "locked_until_utc": "NULL",
+            "lock_token": "NULL",
+            "body": "NULL",
+            "application_properties": "NULL",
+        }
+        return (
+            dt.merge(
+                changes.cast(CHANGE_SCHEMA),
+                predicate,
+                source_alias="s",
+                target_alias="t",
+                writer_properties=WRITER,
+                streamed_exec=False,
+            )
+            .when_matched_update(updates, predicate=f"s.op = '{OP_SET}'")
+            .when_matched_delete(predicate=f"s.op = '{OP_DELETE}'")
+            .when_matched_update(tombstone, predicate=f"s.op = '{OP_TOMBSTONE}'")
+            .execute()
+        )
+
+
+def empty_changes() -> pa.Table:
+    """A change table with no rows."""
+    return CHANGE_SCHEMA.empty_table()
+
+
+def _file_index(dt: DeltaTable) -> dict[int, list[FileInfo]]:
+    """Per-partition file statistics of a snapshot, each list ordered by lowest sequence number."""
+    a = pa.table(dt.get_add_actions(flatten=True))
+
+    def col(name: str) -> list:
+        return a.column(name).to_pylist() if name in a.column_names else [None] * a.num_rows
+
+    index: dict[int, list[FileInfo]] = {}
+    rows = zip(
+        col("path"), col(f"partition.{PARTITION_COLUMN}"), col("size_bytes"), col("num_records"),
+        col("min.sequence_number"), col("max.sequence_number"), col("min.available_at_utc"),
+        col("max.enqueued_time_utc"), col("min.sub_queue"), col("max.sub_queue"),
+        strict=True,
+    )
+    for path, part, size, n, lo, hi, avail, enq, sq_lo, sq_hi in rows:
+        info = FileInfo(unquote(path), int(part), size, n or 0, lo or 0, hi or 0, avail, enq, sq_lo, sq_hi)
+        index.setdefault(info.partition, []).append(info)
+    for files in index.values():
+        files.sort(key=lambda f: f.min_seq)
+    return index
+
+
+def _filesystem(uri: str) -> tuple[pafs.FileSystem, str]:
+    """A pyarrow filesystem and root path for reading the table's data files directly."""
+    if "://" not in uri or uri.startswith("file://"):
+        path = uri.removeprefix("file://")
+        return pafs.LocalFileSystem(), path
+    fs, root = pafs.FileSystem.from_uri(uri)
+    return fs, root
