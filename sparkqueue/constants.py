@@ -2,17 +2,17 @@
 
 from __future__ import annotations
 
-from enum import Enum
+from enum import StrEnum
 
 
-class ReceiveMode(str, Enum):
+class ReceiveMode(StrEnum):
     """How a receiver takes messages: lock them until settled, or remove them on receipt."""
 
     PEEK_LOCK = "peeklock"
     RECEIVE_AND_DELETE = "receiveanddelete"
 
 
-class SubQueue(str, Enum):
+class SubQueue(StrEnum):
     """Sub-queues a receiver can read instead of the entity itself."""
 
     DEAD_LETTER = "deadletter"

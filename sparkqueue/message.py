@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import uuid
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
@@ -13,6 +12,7 @@ import pyarrow as pa
 
 from sparkqueue.errors import InvalidOperationError, MessageSizeExceededError
 from sparkqueue.model import limits
+from sparkqueue.model.ids import new_ids
 from sparkqueue.model.partitioning import partition_key
 from sparkqueue.storage.schema import (
     ENTITY_SCHEMA,
@@ -62,8 +62,14 @@ class Message:
         self.session_id = limits.check_key(session_id, "session_id")
         self.partition_key = limits.check_key(partition_key, "partition_key")
         self.application_properties = limits.check_application_properties(application_properties)
-        for name, value in (("content_type", content_type), ("correlation_id", correlation_id), ("subject", subject),
-                            ("to", to), ("reply_to", reply_to), ("reply_to_session_id", reply_to_session_id)):
+        for name, value in (
+            ("content_type", content_type),
+            ("correlation_id", correlation_id),
+            ("subject", subject),
+            ("to", to),
+            ("reply_to", reply_to),
+            ("reply_to_session_id", reply_to_session_id),
+        ):
             if value is not None and not isinstance(value, str):
                 raise InvalidOperationError(f"{name} must be a str, got {type(value).__name__}")
         self.content_type = content_type
@@ -84,8 +90,17 @@ class Message:
     @property
     def size_in_bytes(self) -> int:
         """Body plus properties, as the size limits count it."""
-        strings = (self.message_id, self.session_id, self.partition_key, self.content_type, self.correlation_id,
-                   self.subject, self.to, self.reply_to, self.reply_to_session_id)
+        strings = (
+            self.message_id,
+            self.session_id,
+            self.partition_key,
+            self.content_type,
+            self.correlation_id,
+            self.subject,
+            self.to,
+            self.reply_to,
+            self.reply_to_session_id,
+        )
         props = json.dumps(self.application_properties) if self.application_properties else ""
         return len(self.body) + sum(len(s.encode("utf-8")) for s in strings if s) + len(props.encode("utf-8"))
 
@@ -126,28 +141,45 @@ class ReceivedMessage:
 
 
 def received_messages(rows: pa.Table, now: datetime) -> list[ReceivedMessage]:
-    """Build ReceivedMessage objects from entity rows."""
+    """Build ReceivedMessage objects from entity rows (column-wise: far cheaper than per-row dicts)."""
+    c = {name: rows.column(name).to_pylist() for name in rows.column_names}
     out = []
-    for r in rows.to_pylist():
-        seq = r["sequence_number"]
-        sched = r["scheduled_enqueue_time_utc"]
-        state = r["state"]
+    for i, seq in enumerate(c["sequence_number"]):
+        sched = c["scheduled_enqueue_time_utc"][i]
+        state = c["state"][i]
         if state == STATE_ACTIVE and sched is not None and sched > now:
             state = "scheduled"
-        ttl = r["time_to_live_ms"]
-        props = r["application_properties"]
-        out.append(ReceivedMessage(
-            body=r["body"] or b"", message_id=r["message_id"], sequence_number=seq,
-            enqueued_time_utc=r["enqueued_time_utc"], delivery_count=r["delivery_count"],
-            partition_id=seq >> 48, state=state, lock_token=r["lock_token"], locked_until_utc=r["locked_until_utc"],
-            expires_at_utc=r["expires_at_utc"], session_id=r["session_id"], partition_key=r["partition_key"],
-            application_properties=json.loads(props) if props else None, content_type=r["content_type"],
-            correlation_id=r["correlation_id"], subject=r["subject"], to=r["to"], reply_to=r["reply_to"],
-            reply_to_session_id=r["reply_to_session_id"], time_to_live=timedelta(milliseconds=ttl) if ttl is not None else None,
-            scheduled_enqueue_time_utc=sched, dead_letter_reason=r["dead_letter_reason"],
-            dead_letter_error_description=r["dead_letter_error_description"], dead_letter_source=r["dead_letter_source"],
-            size_in_bytes=r["size_in_bytes"],
-        ))
+        ttl = c["time_to_live_ms"][i]
+        props = c["application_properties"][i]
+        out.append(
+            ReceivedMessage(
+                body=c["body"][i] or b"",
+                message_id=c["message_id"][i],
+                sequence_number=seq,
+                enqueued_time_utc=c["enqueued_time_utc"][i],
+                delivery_count=c["delivery_count"][i],
+                partition_id=seq >> 48,
+                state=state,
+                lock_token=c["lock_token"][i],
+                locked_until_utc=c["locked_until_utc"][i],
+                expires_at_utc=c["expires_at_utc"][i],
+                session_id=c["session_id"][i],
+                partition_key=c["partition_key"][i],
+                application_properties=json.loads(props) if props else None,
+                content_type=c["content_type"][i],
+                correlation_id=c["correlation_id"][i],
+                subject=c["subject"][i],
+                to=c["to"][i],
+                reply_to=c["reply_to"][i],
+                reply_to_session_id=c["reply_to_session_id"][i],
+                time_to_live=timedelta(milliseconds=ttl) if ttl is not None else None,
+                scheduled_enqueue_time_utc=sched,
+                dead_letter_reason=c["dead_letter_reason"][i],
+                dead_letter_error_description=c["dead_letter_error_description"][i],
+                dead_letter_source=c["dead_letter_source"][i],
+                size_in_bytes=c["size_in_bytes"][i],
+            )
+        )
     return out
 
 
@@ -163,10 +195,12 @@ class SendSettings:
 
 def to_rows(messages: Iterable[Message], settings: SendSettings, now: datetime) -> tuple[pa.Table, list[str | None]]:
     """Validate messages and turn them into rows (no partition or sequence yet) plus each one's partition key."""
-    cols: dict[str, list[Any]] = {name: [] for name in _ROW_SCHEMA.names}
-    keys: list[str | None] = []
+    msgs = list(messages)
     max_bytes = limits.MAX_MESSAGE_BYTES[settings.tier]
-    for m in messages:
+    keys: list[str | None] = []
+    ids = new_ids(sum(1 for m in msgs if isinstance(m, Message) and m.message_id is None))
+    visible, expires, ttls, sizes, mids, props = [], [], [], [], [], []
+    for m in msgs:
         if not isinstance(m, Message):
             raise InvalidOperationError(f"expected Message, got {type(m).__name__}")
         if settings.requires_session and m.session_id is None:
@@ -176,27 +210,55 @@ def to_rows(messages: Iterable[Message], settings: SendSettings, now: datetime) 
             raise MessageSizeExceededError(
                 f"message {m.message_id!r} is {size} bytes; the {settings.tier} tier allows {max_bytes}"
             )
-        mid = m.message_id or str(uuid.uuid4())
+        mid = m.message_id or ids.pop()
         keys.append(partition_key(m.session_id, m.partition_key, mid, settings.requires_duplicate_detection))
         ttl = min((t for t in (m.time_to_live, settings.default_message_time_to_live) if t is not None), default=None)
-        visible = max(now, m.scheduled_enqueue_time_utc) if m.scheduled_enqueue_time_utc else now
-        row = {
-            "partition_id": 0, "sequence_number": 0, "available_at_utc": visible, "sub_queue": SUB_QUEUE_MAIN,
-            "state": STATE_ACTIVE, "kind": KIND_MESSAGE, "enqueued_time_utc": now,
-            "expires_at_utc": visible + ttl if ttl is not None else None,
-            "scheduled_enqueue_time_utc": m.scheduled_enqueue_time_utc, "locked_until_utc": None, "lock_token": None,
-            "delivery_count": 0, "message_id": mid, "session_id": m.session_id, "partition_key": m.partition_key,
-            "correlation_id": m.correlation_id, "subject": m.subject, "to": m.to, "reply_to": m.reply_to,
-            "reply_to_session_id": m.reply_to_session_id, "content_type": m.content_type,
-            "time_to_live_ms": int(ttl.total_seconds() * 1000) if ttl is not None else None,
-            "size_in_bytes": size, "transfer_hop_count": 0, "dead_letter_reason": None,
-            "dead_letter_error_description": None, "dead_letter_source": None,
-            "application_properties": json.dumps(m.application_properties) if m.application_properties else None,
-            "body": m.body,
-        }
-        for k, v in row.items():
-            cols[k].append(v)
-    return pa.table(cols, schema=_ROW_SCHEMA), keys
+        at = max(now, m.scheduled_enqueue_time_utc) if m.scheduled_enqueue_time_utc else now
+        visible.append(at)
+        expires.append(at + ttl if ttl is not None else None)
+        ttls.append(int(ttl.total_seconds() * 1000) if ttl is not None else None)
+        sizes.append(size)
+        mids.append(mid)
+        props.append(json.dumps(m.application_properties) if m.application_properties else None)
+    n = len(msgs)
+
+    def attr(name: str) -> list[Any]:
+        return [getattr(m, name) for m in msgs]
+
+    cols: dict[str, Any] = {
+        "partition_id": pa.nulls(n, pa.int32()).fill_null(0),
+        "sequence_number": pa.nulls(n, pa.int64()).fill_null(0),
+        "available_at_utc": visible,
+        "sub_queue": pa.array([SUB_QUEUE_MAIN] * n),
+        "state": pa.array([STATE_ACTIVE] * n),
+        "kind": pa.array([KIND_MESSAGE] * n),
+        "enqueued_time_utc": pa.array([now] * n, _ROW_SCHEMA.field("enqueued_time_utc").type),
+        "expires_at_utc": expires,
+        "scheduled_enqueue_time_utc": attr("scheduled_enqueue_time_utc"),
+        "delivery_count": pa.nulls(n, pa.int32()).fill_null(0),
+        "message_id": mids,
+        "time_to_live_ms": ttls,
+        "size_in_bytes": sizes,
+        "transfer_hop_count": pa.nulls(n, pa.int32()).fill_null(0),
+        "application_properties": props,
+        "body": attr("body"),
+    }
+    for name in (
+        "session_id",
+        "partition_key",
+        "correlation_id",
+        "subject",
+        "to",
+        "reply_to",
+        "reply_to_session_id",
+        "content_type",
+    ):
+        cols[name] = attr(name)
+    arrays = [cols[f.name] if f.name in cols else pa.nulls(n, f.type) for f in _ROW_SCHEMA]
+    return pa.Table.from_arrays(
+        [pa.array(a, f.type) if not isinstance(a, pa.Array) else a for a, f in zip(arrays, _ROW_SCHEMA, strict=True)],
+        schema=_ROW_SCHEMA,
+    ), keys
 
 
 class MessageBatch:

@@ -143,7 +143,9 @@ class Namespace:
         if len(entries) >= limits.MAX_ENTITIES:
             raise QuotaExceededError(f"the namespace already holds {limits.MAX_ENTITIES} entities")
         if props.partition_count > 1 and props.entity_type != "subscription":
-            partitioned = sum(1 for e in entries if e.entity_type != "subscription" and '"enable_partitioning": true' in e.properties)
+            partitioned = sum(
+                1 for e in entries if e.entity_type != "subscription" and '"enable_partitioning": true' in e.properties
+            )
             if partitioned >= limits.MAX_PARTITIONED_ENTITIES:
                 raise QuotaExceededError(
                     f"the namespace already holds {limits.MAX_PARTITIONED_ENTITIES} partitioned queues and topics; "
@@ -153,11 +155,15 @@ class Namespace:
     def _require_all_partitions(self, entity: Entity, what: str) -> None:
         down = [p for p in range(entity.partition_count) if not entity.available(p)]
         if down:
-            raise PartitionUnavailableError(f"cannot {what}: partition(s) {down} of {entity.name!r} are unavailable; nothing was changed")
+            raise PartitionUnavailableError(
+                f"cannot {what}: partition(s) {down} of {entity.name!r} are unavailable; nothing was changed"
+            )
 
     def _update(self, entity_type: str, props: _EntityProperties) -> None:
         if not isinstance(props, _PROPERTY_TYPES[entity_type]):
-            raise InvalidOperationError(f"update_{entity_type} needs {_PROPERTY_TYPES[entity_type].__name__}, got {type(props).__name__}")
+            raise InvalidOperationError(
+                f"update_{entity_type} needs {_PROPERTY_TYPES[entity_type].__name__}, got {type(props).__name__}"
+            )
         entity = self._entity(entity_type, props.name)
         check_update(_PROPERTY_TYPES[entity_type].from_json(self._entry(entity_type, props.name).properties), props, self.tier)
         self._require_all_partitions(entity, f"update {entity_type} {props.name!r}")
@@ -234,8 +240,15 @@ class Namespace:
         """A receiver of the queue (or of its dead-letter sub-queue)."""
         if session_id is not None:
             raise InvalidOperationError(f"queue {queue_name!r}: session receivers need a session-enabled queue")
-        return Receiver(self, QUEUE, queue_name, receive_mode=receive_mode, sub_queue=sub_queue,
-                        prefetch_count=prefetch_count, max_wait_time=max_wait_time)
+        return Receiver(
+            self,
+            QUEUE,
+            queue_name,
+            receive_mode=receive_mode,
+            sub_queue=sub_queue,
+            prefetch_count=prefetch_count,
+            max_wait_time=max_wait_time,
+        )
 
     # ---- data path used by senders ---------------------------------------------------------------
 

@@ -96,7 +96,9 @@ class Receiver:
 
     # ---- receive -------------------------------------------------------------------------------
 
-    def receive_messages(self, max_message_count: int | None = 1, max_wait_time: float | timedelta | None = None) -> list[ReceivedMessage]:
+    def receive_messages(
+        self, max_message_count: int | None = 1, max_wait_time: float | timedelta | None = None
+    ) -> list[ReceivedMessage]:
         """Up to max_message_count messages from all partitions, waiting up to max_wait_time for the first."""
         n = limits.check_int(1 if max_message_count is None else max_message_count, "max_message_count")
         wait = _wait_seconds(max_wait_time, "max_wait_time") if max_wait_time is not None else self.max_wait_time
@@ -152,7 +154,9 @@ class Receiver:
         """Set the message aside; only receive_deferred_messages delivers it again."""
         self._settle(message, lifecycle.DEFER)
 
-    def dead_letter_message(self, message: ReceivedMessage, reason: str | None = None, error_description: str | None = None) -> None:
+    def dead_letter_message(
+        self, message: ReceivedMessage, reason: str | None = None, error_description: str | None = None
+    ) -> None:
         """Move the message to the dead-letter sub-queue with a reason."""
         for value, field in ((reason, "reason"), (error_description, "error_description")):
             if value is not None and not isinstance(value, str):
@@ -166,21 +170,47 @@ class Receiver:
         message.locked_until_utc = until
         return until
 
-    def _settle(self, message: ReceivedMessage, op: str, reason: str | None = None, description: str | None = None) -> datetime | None:
+    def complete_messages(self, messages: Sequence[ReceivedMessage]) -> None:
+        """Complete many messages in one commit per partition (sparkqueue extension; the SDK settles one at a time).
+
+        Messages whose lock still holds are completed; if any lock was lost, MessageLockLostError
+        names those messages after the others were completed.
+        """
+        self._settle_many(list(messages), lifecycle.COMPLETE)
+
+    def abandon_messages(self, messages: Sequence[ReceivedMessage]) -> None:
+        """Abandon many messages in one commit per partition (sparkqueue extension)."""
+        self._settle_many(list(messages), lifecycle.ABANDON)
+
+    def _settle(
+        self, message: ReceivedMessage, op: str, reason: str | None = None, description: str | None = None
+    ) -> datetime | None:
+        return self._settle_many([message], op, reason, description)[0]
+
+    def _settle_many(
+        self, messages: list[ReceivedMessage], op: str, reason: str | None = None, description: str | None = None
+    ) -> list[datetime | None]:
+        """Settle messages with `op`; raise MessageLockLostError for those whose lock is not current."""
         self._check_open()
-        if not isinstance(message, ReceivedMessage):
-            raise InvalidOperationError(f"expected a ReceivedMessage, got {type(message).__name__}")
-        if self.receive_mode == ReceiveMode.RECEIVE_AND_DELETE:
-            raise InvalidOperationError("messages received in RECEIVE_AND_DELETE mode are already settled")
-        if message.lock_token is None:
-            raise InvalidOperationError("the message has no lock token: peeked messages cannot be settled")
-        res = self._entity().settle([(message.sequence_number, message.lock_token)], op, reason, description)
-        if not res.ok[0]:
+        for message in messages:
+            if not isinstance(message, ReceivedMessage):
+                raise InvalidOperationError(f"expected a ReceivedMessage, got {type(message).__name__}")
+            if self.receive_mode == ReceiveMode.RECEIVE_AND_DELETE:
+                raise InvalidOperationError("messages received in RECEIVE_AND_DELETE mode are already settled")
+            if message.lock_token is None:
+                raise InvalidOperationError("the message has no lock token: peeked messages cannot be settled")
+        if not messages:
+            return []
+        res = self._entity().settle([(m.sequence_number, m.lock_token or "") for m in messages], op, reason, description)
+        lost = [m for m, ok in zip(messages, res.ok, strict=True) if not ok]
+        if lost:
+            names = ", ".join(f"{m.sequence_number} ({m.message_id!r})" for m in lost[:5])
+            more = f" and {len(lost) - 5} more" if len(lost) > 5 else ""
             raise MessageLockLostError(
-                f"the lock on message {message.sequence_number} ({message.message_id!r}) expired or was taken "
-                "by a later delivery; the settlement was not applied. Receive the message again"
+                f"the lock on message(s) {names}{more} expired or was taken by a later delivery; "
+                "the settlement was not applied to them. Receive them again"
             )
-        return res.locked_until[0]
+        return res.locked_until
 
     # ---- helpers -------------------------------------------------------------------------------
 
@@ -192,4 +222,3 @@ class Receiver:
     def _seqs(sequence_numbers: int | Sequence[int]) -> list[int]:
         seqs = [sequence_numbers] if isinstance(sequence_numbers, int) else list(sequence_numbers)
         return [limits.check_int(s, "sequence_numbers", minimum=0) for s in seqs]
-

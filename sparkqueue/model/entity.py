@@ -83,9 +83,9 @@ class Entity:
         """The settings that drive lock-state transitions."""
         p = self.props
         return lifecycle.Policy(
-            lock_duration=getattr(p, "lock_duration"),
-            max_delivery_count=getattr(p, "max_delivery_count"),
-            dead_lettering_on_message_expiration=getattr(p, "dead_lettering_on_message_expiration"),
+            lock_duration=p.lock_duration,
+            max_delivery_count=p.max_delivery_count,
+            dead_lettering_on_message_expiration=p.dead_lettering_on_message_expiration,
             keep_tombstones=bool(getattr(p, "requires_duplicate_detection", False)),
             source=self.name,
         )
@@ -128,7 +128,7 @@ class Entity:
             return rows
         dedupe_since = None
         if getattr(self.props, "requires_duplicate_detection", False):
-            dedupe_since = utcnow() - getattr(self.props, "duplicate_detection_history_time_window")
+            dedupe_since = utcnow() - self.props.duplicate_detection_history_time_window
         parts = pa.array(self.place(keys), pa.int32())
         rows = rows.set_column(rows.schema.get_field_index(PARTITION_COLUMN), PARTITION_COLUMN, parts)
         self._check_quota(rows)
@@ -136,7 +136,7 @@ class Entity:
 
     def _check_quota(self, rows: pa.Table) -> None:
         """Raise QuotaExceededError when the rows would take a partition beyond max_size_in_megabytes."""
-        limit = int(getattr(self.props, "max_size_in_megabytes")) * 1024 * 1024
+        limit = int(self.props.max_size_in_megabytes) * 1024 * 1024
         dt = self.table.snapshot()
         sizes: dict[int, int] = defaultdict(int)
         for p, s in zip(rows.column(PARTITION_COLUMN).to_pylist(), rows.column("size_in_bytes").to_pylist(), strict=True):
@@ -217,8 +217,14 @@ class Entity:
                 dt = self.table.snapshot()
                 now = utcnow()
                 rows = self.table.rows_by_sequence(dt, p, group, ROW_COLUMNS)
-                lock_free = pc.or_kleene(pc.is_null(rows.column("locked_until_utc")), pc.less_equal(rows.column("locked_until_utc"), pa.scalar(now, TIMESTAMP)))
-                mask = pc.and_(pc.and_(pc.equal(rows.column("state"), STATE_DEFERRED), pc.equal(rows.column("sub_queue"), sub_queue)), lock_free)
+                lock_free = pc.or_kleene(
+                    pc.is_null(rows.column("locked_until_utc")),
+                    pc.less_equal(rows.column("locked_until_utc"), pa.scalar(now, TIMESTAMP)),
+                )
+                mask = pc.and_(
+                    pc.and_(pc.equal(rows.column("state"), STATE_DEFERRED), pc.equal(rows.column("sub_queue"), sub_queue)),
+                    lock_free,
+                )
                 rows = rows.filter(mask)
                 if rows.num_rows == 0:
                     return rows
@@ -274,7 +280,10 @@ class Entity:
                 dt = self.table.snapshot()
                 now = pa.scalar(utcnow(), TIMESTAMP)
                 rows = self.table.rows_by_sequence(dt, p, group, STATE_COLUMNS)
-                mask = pc.and_(pc.equal(rows.column("state"), STATE_ACTIVE), pc.fill_null(pc.greater(rows.column("scheduled_enqueue_time_utc"), now), False))
+                mask = pc.and_(
+                    pc.equal(rows.column("state"), STATE_ACTIVE),
+                    pc.fill_null(pc.greater(rows.column("scheduled_enqueue_time_utc"), now), False),
+                )
                 rows = rows.filter(pc.and_(mask, pc.is_null(rows.column("lock_token"))))
                 if rows.num_rows:
                     self.table.apply(dt, p, lifecycle.changes(rows, lifecycle._removal(self.policy)))

@@ -7,7 +7,6 @@ concurrent change to any of the rows makes the commit fail rather than be overwr
 
 from __future__ import annotations
 
-import uuid
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Any
@@ -15,6 +14,7 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.compute as pc
 
+from sparkqueue.model.ids import lock_tokens
 from sparkqueue.storage.schema import STATE_ACTIVE, STATE_DEFERRED, SUB_QUEUE_DEAD_LETTER, SUB_QUEUE_MAIN, TIMESTAMP
 from sparkqueue.storage.table import CHANGE_SCHEMA, MUTABLE_COLUMNS, OP_DELETE, OP_SET, OP_TOMBSTONE
 
@@ -42,7 +42,10 @@ class Policy:
 
 def changes(rows: pa.Table, op: str, **values: Any) -> pa.Table:
     """Change rows for `rows`: their current mutable values, with `values` (scalars or arrays) replacing some."""
-    cols: dict[str, pa.Array] = {"sequence_number": rows.column("sequence_number").combine_chunks(), "op": pa.array([op] * rows.num_rows, pa.string())}
+    cols: dict[str, pa.Array] = {
+        "sequence_number": rows.column("sequence_number").combine_chunks(),
+        "op": pa.array([op] * rows.num_rows, pa.string()),
+    }
     for c in MUTABLE_COLUMNS:
         field = CHANGE_SCHEMA.field(c)
         if c in values:
@@ -101,20 +104,31 @@ def deliver(rows: pa.Table, now: datetime, policy: Policy, *, delete: bool) -> D
         desc = f"Message could not be consumed after {policy.max_delivery_count} delivery attempts."
         parts.append(changes(over_rows, OP_SET, **_dead_letter_values(MAX_DELIVERY_REASON, desc, now, policy.source)))
     got = rows.filter(ok)
-    got = got.set_column(got.schema.get_field_index("delivery_count"), "delivery_count", pc.add(got.column("delivery_count"), 1).cast(pa.int32()))
+    got = got.set_column(
+        got.schema.get_field_index("delivery_count"), "delivery_count", pc.add(got.column("delivery_count"), 1).cast(pa.int32())
+    )
     if got.num_rows:
         if delete:
             parts.append(changes(got, _removal(policy)))
             got = _with(got, lock_token=pa.nulls(got.num_rows, pa.string()), locked_until_utc=pa.nulls(got.num_rows, TIMESTAMP))
         else:
             until = now + policy.lock_duration
-            tokens = pa.array([str(uuid.uuid4()) for _ in range(got.num_rows)], pa.string())
-            avail = pc.if_else(pc.equal(got.column("state"), STATE_ACTIVE), pa.scalar(until, TIMESTAMP), got.column("available_at_utc"))
-            locked = _with(got, lock_token=tokens, locked_until_utc=pa.array([until] * got.num_rows, TIMESTAMP), available_at_utc=avail)
+            tokens = pa.array(lock_tokens(got.column("sequence_number").to_pylist()), pa.string())
+            avail = pc.if_else(
+                pc.equal(got.column("state"), STATE_ACTIVE), pa.scalar(until, TIMESTAMP), got.column("available_at_utc")
+            )
+            locked = _with(
+                got, lock_token=tokens, locked_until_utc=pa.array([until] * got.num_rows, TIMESTAMP), available_at_utc=avail
+            )
             parts.append(changes(locked, OP_SET))
             got = locked
     change_table = pa.concat_tables(parts) if parts else CHANGE_SCHEMA.empty_table()
-    return Delivery(change_table, got, dead_lettered=over_rows.num_rows + (exp_rows.num_rows if policy.dead_lettering_on_message_expiration else 0), expired=exp_rows.num_rows)
+    return Delivery(
+        change_table,
+        got,
+        dead_lettered=over_rows.num_rows + (exp_rows.num_rows if policy.dead_lettering_on_message_expiration else 0),
+        expired=exp_rows.num_rows,
+    )
 
 
 def _with(rows: pa.Table, **cols: pa.Array) -> pa.Table:

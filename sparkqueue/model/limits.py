@@ -47,8 +47,7 @@ def check_child_name(name: object, what: str = "subscription") -> str:
     """Subscription and rule names: 1-50 letters, digits, '.', '-', '_' (no '/')."""
     if not isinstance(name, str) or not _CHILD_NAME.match(name):
         raise InvalidOperationError(
-            f"invalid {what} name {name!r}: use 1-50 letters, digits, '.', '-' or '_', "
-            "starting and ending with a letter or digit"
+            f"invalid {what} name {name!r}: use 1-50 letters, digits, '.', '-' or '_', starting and ending with a letter or digit"
         )
     return name
 

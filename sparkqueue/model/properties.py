@@ -191,8 +191,10 @@ _CHECKS: dict[str, Any] = {
     "max_delivery_count": lambda v, t: limits.check_int(v, "max_delivery_count"),
     "lock_duration": lambda v, t: limits.check_duration(v, "lock_duration", maximum=limits.MAX_LOCK_DURATION),
     "duplicate_detection_history_time_window": lambda v, t: limits.check_duration(
-        v, "duplicate_detection_history_time_window",
-        minimum=limits.DEDUPE_WINDOW_RANGE[0], maximum=limits.DEDUPE_WINDOW_RANGE[1],
+        v,
+        "duplicate_detection_history_time_window",
+        minimum=limits.DEDUPE_WINDOW_RANGE[0],
+        maximum=limits.DEDUPE_WINDOW_RANGE[1],
     ),
     "default_message_time_to_live": lambda v, t: limits.check_duration(v, "default_message_time_to_live", allow_none=True),
     "forward_to": lambda v, t: _optional_name(v, "forward_to"),

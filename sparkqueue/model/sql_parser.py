@@ -17,7 +17,7 @@ names case-insensitive)::
     unary      := (+|-) unary | primary
     primary    := constant | @parameter | property | function ( args ) | EXISTS ( property )
                 | ( condition )
-    property   := [sys. | user.] name     name := identifier | [delimited]] | "quoted"""
+    property   := [sys. | user.] name        (name: identifier, [delimited], or double-quoted)
     statements := statement { [;] statement } [;]       (rule actions)
     statement  := SET property = condition | REMOVE property
 
@@ -311,8 +311,8 @@ def normalize_value(value: object) -> object:
             raise ValueError(f"integer {value} is outside the 64-bit range")
         return value
     if isinstance(value, dt.datetime):
-        aware = value if value.tzinfo is not None else value.replace(tzinfo=dt.timezone.utc)
-        return aware.astimezone(dt.timezone.utc)
+        aware = value if value.tzinfo is not None else value.replace(tzinfo=dt.UTC)
+        return aware.astimezone(dt.UTC)
     if isinstance(value, dt.timedelta):
         millis = value / dt.timedelta(milliseconds=1)
         return int(millis) if millis.is_integer() else millis
@@ -438,7 +438,7 @@ class _Lexer:
                 raise _syntax_error(self.source, self.pos, "expected digits in the exponent of the number")
             self._digits()
         if self._peek().isalpha() or self._peek() == "_":
-            raise _syntax_error(self.source, start, f"invalid number '{self.source[start:self.pos + 1]}'")
+            raise _syntax_error(self.source, start, f"invalid number '{self.source[start : self.pos + 1]}'")
         text = self.source[start : self.pos]
         if not text.isascii():
             raise _syntax_error(self.source, start, f"invalid number '{text}'")
@@ -557,8 +557,7 @@ class _Parser:
         """Reject operands of AND/OR/NOT (or whole filters) that can never be boolean."""
         if node.kind not in _CONDITION_KINDS:
             raise self.error(
-                f"expected a condition (comparison, IN, LIKE, IS NULL, EXISTS, TRUE/FALSE) "
-                f"but found a {node.kind} expression",
+                f"expected a condition (comparison, IN, LIKE, IS NULL, EXISTS, TRUE/FALSE) but found a {node.kind} expression",
                 token,
             )
         return node
@@ -814,12 +813,12 @@ class _Parser:
     def statement(self) -> Statement:
         """SET property = value | REMOVE property."""
         token = self.tok
-        if token.is_keyword("SET") or (token.kind == "ident" and str(token.value).upper() == "SET"):
+        if token.is_keyword("SET"):
             self.advance()
             target = self.writable_target()
             self.expect_op("=", f" after SET {target_name(target)}")
             return SetStatement(target, self.condition())
-        if token.kind == "ident" and str(token.value).upper() == "REMOVE":
+        if token.is_keyword("REMOVE"):
             self.advance()
             return RemoveStatement(self.writable_target())
         raise self.expected("SET or REMOVE")

@@ -7,6 +7,7 @@ exactly one wins.
 
 from __future__ import annotations
 
+import contextlib
 import threading
 from dataclasses import dataclass
 from datetime import UTC, datetime
@@ -50,10 +51,8 @@ class Catalog:
         try:
             self._dt = DeltaTable(self.uri)
         except TableNotFoundError:
-            try:
+            with contextlib.suppress(Exception):
                 DeltaTable.create(self.uri, schema=CATALOG_SCHEMA, mode="ignore")
-            except Exception:  # noqa: BLE001 - another process created it first; opening below decides
-                pass
             self._dt = DeltaTable(self.uri)
 
     def _snapshot(self) -> DeltaTable:
@@ -95,7 +94,13 @@ class Catalog:
 
     def update(self, key: str, properties: str, deadline: Deadline) -> bool:
         """Replace the settings of a key; False when it does not exist."""
-        src = pa.table({"name": [key], "properties": [properties], "updated_at_utc": pa.array([datetime.now(UTC)], CATALOG_SCHEMA.field("updated_at_utc").type)})
+        src = pa.table(
+            {
+                "name": [key],
+                "properties": [properties],
+                "updated_at_utc": pa.array([datetime.now(UTC)], CATALOG_SCHEMA.field("updated_at_utc").type),
+            }
+        )
 
         def attempt() -> bool:
             m = (
@@ -113,12 +118,7 @@ class Catalog:
         src = pa.table({"name": pa.array(keys, pa.string())})
 
         def attempt() -> int:
-            m = (
-                self._snapshot()
-                .merge(src, "t.name = s.name", source_alias="s", target_alias="t")
-                .when_matched_delete()
-                .execute()
-            )
+            m = self._snapshot().merge(src, "t.name = s.name", source_alias="s", target_alias="t").when_matched_delete().execute()
             return int(m["num_target_rows_deleted"])
 
         return retry_commit(attempt, deadline, f"delete {keys[0]}")

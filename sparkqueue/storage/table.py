@@ -4,11 +4,10 @@ Three storage facts shape this module (see ENGINE-NOTES):
 - Appends carry a Delta `txn` action per partition they touch (app id `sparkqueue.seq.<p>`, version =
   the partition's last sequence counter). Two appends to one partition conflict on that app id, so
   sequence numbers are unique and strictly increasing, and the counter survives deleted rows.
-- Every state change is one MERGE whose predicate names the partition and the sequence range as
-  literals: delta-rs then scans and rewrites only the files holding those rows (MERGE is
-  copy-on-write), and MERGEs on disjoint ranges do not conflict.
-- Candidate reads use the same snapshot as the MERGE that follows, so a lost race surfaces as a
-  `CommitFailedError` and never as a double lock.
+- Every state change rewrites only the files holding the changed rows (copy-on-write, as a MERGE
+  would, but written with pyarrow and committed as add/remove actions: a few ms, not tens).
+- A change is computed from one snapshot and commits only while the files it removes are still
+  live (commit.py): a lost race surfaces as a `CommitFailedError` and never as a double lock.
 """
 
 from __future__ import annotations
@@ -22,13 +21,13 @@ from urllib.parse import unquote
 
 import pyarrow as pa
 import pyarrow.compute as pc
-import pyarrow.fs as pafs
-import pyarrow.parquet as pq
-from deltalake import CommitProperties, DeltaTable, Transaction, WriterProperties, write_deltalake
+from deltalake import DeltaTable, Transaction
+from deltalake.exceptions import CommitFailedError
 
+from sparkqueue.storage.commit import commit, fences_unchanged
 from sparkqueue.storage.faults import FaultInjector
+from sparkqueue.storage.files import FILE_SCHEMA, DataFiles, remove_action
 from sparkqueue.storage.schema import (
-    ENTITY_COLUMNS,
     ENTITY_SCHEMA,
     KIND_MESSAGE,
     PARTITION_COLUMN,
@@ -62,8 +61,7 @@ CHANGE_SCHEMA = pa.schema(
 OP_SET = "set"  # write the mutable columns from the change row
 OP_DELETE = "delete"  # remove the row
 OP_TOMBSTONE = "tombstone"  # keep only what duplicate detection needs
-
-WRITER = WriterProperties(compression="SNAPPY")
+TOMBSTONE_CLEARED = ["available_at_utc", "locked_until_utc", "lock_token", "body", "application_properties"]
 
 
 def fence_app_id(partition: int) -> str:
@@ -99,11 +97,12 @@ class EntityTable:
         self.uri = uri.rstrip("/")
         self.partition_count = partition_count
         self.faults = faults or FaultInjector()
+        self.data = DataFiles(self.uri)
         self._lock = threading.RLock()
         self._dt: DeltaTable | None = None
         self._index_version = -1
         self._index: dict[int, list[FileInfo]] = {}
-        self._fs, self._fs_root = _filesystem(self.uri)
+        self._live: set[str] = set()
 
     # ---- lifecycle -------------------------------------------------------------------------
 
@@ -119,35 +118,43 @@ class EntityTable:
         )
 
     def snapshot(self) -> DeltaTable:
-        """The table brought up to its latest version (incremental log read)."""
+        """A handle on the table at its latest version (incremental log read).
+
+        Each call returns a handle of its own, so a commit computed from it is checked against
+        exactly the version it read, even with other threads using the table.
+        """
         with self._lock:
             if self._dt is None:
                 self._dt = DeltaTable(self.uri)
             else:
                 self._dt.update_incremental()
-            return self._dt
+            return DeltaTable(self.uri, version=self._dt.version()) if threading.active_count() > 1 else self._dt
 
     def files(self, dt: DeltaTable, partition: int) -> list[FileInfo]:
         """The partition's live files at `dt`'s version, ordered by lowest sequence number."""
         self.faults.check(partition, "read")
+        return self._indexed(dt)[0].get(partition, [])
+
+    def _indexed(self, dt: DeltaTable) -> tuple[dict[int, list[FileInfo]], set[str]]:
+        """File statistics of a version, cached for the latest version seen."""
         with self._lock:
             if self._index_version != dt.version():
-                self._index = _file_index(dt)
+                self._index, self._live = _file_index(dt)
                 self._index_version = dt.version()
-            return self._index.get(partition, [])
+            return self._index, self._live
+
+    def _files_live(self, paths: Sequence[str]):
+        return lambda dt: all(p in self._indexed(dt)[1] for p in paths)
 
     # ---- send --------------------------------------------------------------------------------
 
-    def append(
-        self,
-        rows: pa.Table,
-        dedupe_since: datetime | None,
-    ) -> pa.Table:
+    def append(self, rows: pa.Table, dedupe_since: datetime | None) -> pa.Table:
         """Append rows (partition ids set, sequence numbers not yet) in one commit; one attempt.
 
         Assigns sequence numbers from each partition's fence, drops rows whose message_id was
         accepted in the partition since `dedupe_since` (when given) or repeats within the batch,
-        and returns the stored rows. Raises CommitFailedError when another writer won the race.
+        and returns the stored rows. Raises CommitFailedError when another sender to one of the
+        partitions won the race (the caller retries on a fresh snapshot).
         """
         dt = self.snapshot()
         partitions = sorted(set(rows.column(PARTITION_COLUMN).to_pylist()))
@@ -155,27 +162,29 @@ class EntityTable:
             self.faults.check(p, "write")
         stored: list[pa.Table] = []
         fences: list[Transaction] = []
+        seen: dict[str, int | None] = {}
         for p in partitions:
             part = rows.filter(pc.equal(rows.column(PARTITION_COLUMN), p))
             if dedupe_since is not None:
                 part = self._drop_duplicates(dt, p, part, dedupe_since)
+            app = fence_app_id(p)
+            seen[app] = dt.transaction_version(app)
             if part.num_rows == 0:
                 continue
-            last = dt.transaction_version(fence_app_id(p)) or 0
-            seqs = pa.array(range(sequence_number(p, last + 1), sequence_number(p, last + 1 + part.num_rows)), pa.int64())
+            last = seen[app] or 0
+            first = sequence_number(p, last + 1)
+            seqs = pa.array(range(first, first + part.num_rows), pa.int64())
             stored.append(part.set_column(part.schema.get_field_index("sequence_number"), "sequence_number", seqs))
-            fences.append(Transaction(fence_app_id(p), last + part.num_rows))
+            fences.append(Transaction(app, last + part.num_rows))
         if not stored:
             return rows.schema.empty_table()
-        out = pa.concat_tables(stored)
-        write_deltalake(
-            dt,
-            out,
-            mode="append",
-            writer_properties=WRITER,
-            commit_properties=CommitProperties(app_transactions=fences),
-        )
-        return out
+        adds = [self.data.write(t.column(PARTITION_COLUMN)[0].as_py(), t) for t in stored]
+        try:
+            commit(dt, adds, [], fences, fences_unchanged(seen))
+        except BaseException:
+            self.data.delete([a.path for a in adds])
+            raise
+        return pa.concat_tables(stored)
 
     def _drop_duplicates(self, dt: DeltaTable, p: int, part: pa.Table, since: datetime) -> pa.Table:
         """Remove rows whose message_id repeats within the batch or was accepted since `since`."""
@@ -192,22 +201,16 @@ class EntityTable:
 
     # ---- reads ---------------------------------------------------------------------------------
 
-    def _read(self, files: Sequence[FileInfo], columns: list[str]) -> pa.Table:
-        """Read columns of the given files (one partition's, or several) with their partition id."""
+    def _read(self, files: Sequence[FileInfo], columns: Sequence[str]) -> pa.Table:
+        """Rows of the given files (selected columns)."""
         if not files:
-            return pa.schema([ENTITY_SCHEMA.field(PARTITION_COLUMN)] + [ENTITY_SCHEMA.field(c).with_nullable(True) for c in columns]).empty_table()
-        # delta-rs writes string_view/binary_view; normalise to the declared types so tables concatenate.
-        target = pa.schema([ENTITY_SCHEMA.field(c).with_nullable(True) for c in columns])
-        tables = []
-        for f in files:
-            t = pq.read_table(f"{self._fs_root}/{f.path}", columns=columns, filesystem=self._fs).cast(target)
-            tables.append(t.add_column(0, PARTITION_COLUMN, pa.array([f.partition] * t.num_rows, pa.int32())))
-        return pa.concat_tables(tables)
+            return pa.schema([FILE_SCHEMA.field(c) for c in columns]).empty_table()
+        return pa.concat_tables([self.data.read(f.path, columns) for f in files])
 
     def candidates(
-        self, dt: DeltaTable, partition: int, sub_queue: str, now: datetime, limit: int, columns: list[str] = STATE_COLUMNS
+        self, dt: DeltaTable, partition: int, sub_queue: str, now: datetime, limit: int, columns: Sequence[str] = STATE_COLUMNS
     ) -> pa.Table:
-        """The oldest rows of a sub-queue that a receive may take now (state columns, by sequence).
+        """The oldest rows of a sub-queue that a receive may take now (by sequence number).
 
         Files whose min(available_at_utc) is after `now` or that hold no row of the sub-queue are
         skipped by their statistics, so in-flight and scheduled backlogs cost nothing to step over.
@@ -222,10 +225,13 @@ class EntityTable:
                 continue
             if f.min_sub_queue is not None and not (f.min_sub_queue <= sub_queue <= (f.max_sub_queue or sub_queue)):
                 continue
-            t = self._read([f], columns)
+            t = self.data.read(f.path, columns)
             mask = pc.and_(
                 pc.and_(pc.equal(t.column("sub_queue"), sub_queue), pc.equal(t.column("state"), STATE_ACTIVE)),
-                pc.and_(pc.equal(t.column("kind"), KIND_MESSAGE), pc.less_equal(t.column("available_at_utc"), pa.scalar(now, TIMESTAMP))),
+                pc.and_(
+                    pc.equal(t.column("kind"), KIND_MESSAGE),
+                    pc.less_equal(t.column("available_at_utc"), pa.scalar(now, TIMESTAMP)),
+                ),
             )
             t = t.filter(mask)
             if t.num_rows:
@@ -234,38 +240,32 @@ class EntityTable:
                 top = pc.max(t.column("sequence_number")).as_py()
                 max_picked = top if max_picked is None else max(max_picked, top)
         if not picked:
-            return self._read([], columns).drop_columns([PARTITION_COLUMN])
-        out = pa.concat_tables(picked).sort_by("sequence_number")
-        return out.slice(0, limit).drop_columns([PARTITION_COLUMN])
+            return self._read([], columns)
+        return pa.concat_tables(picked).sort_by("sequence_number").slice(0, limit)
 
     def rows_by_sequence(
-        self, dt: DeltaTable, partition: int, seqs: Sequence[int], columns: list[str] | None = None
+        self, dt: DeltaTable, partition: int, seqs: Sequence[int], columns: Sequence[str] | None = None
     ) -> pa.Table:
         """Current rows of the given sequence numbers in one partition (missing ones are absent)."""
-        cols = columns or ENTITY_COLUMNS[1:]
+        cols = list(columns or FILE_SCHEMA.names)
         lo, hi = min(seqs), max(seqs)
         files = [f for f in self.files(dt, partition) if f.max_seq >= lo and f.min_seq <= hi]
         t = self._read(files, cols)
         t = t.filter(pc.is_in(t.column("sequence_number"), value_set=pa.array(list(seqs), pa.int64())))
-        return t.sort_by("sequence_number").drop_columns([PARTITION_COLUMN])
+        return t.sort_by("sequence_number")
 
     def scan(
-        self,
-        dt: DeltaTable,
-        partition: int,
-        columns: list[str],
-        from_seq: int | None = None,
-        limit: int | None = None,
+        self, dt: DeltaTable, partition: int, columns: Sequence[str], from_seq: int | None = None, limit: int | None = None
     ) -> pa.Table:
-        """Rows of one partition in sequence order, optionally from a sequence number, at most `limit`."""
+        """Live message rows of one partition in sequence order, optionally from a sequence number, at most `limit`."""
         files = self.files(dt, partition)
         if from_seq is not None:
             files = [f for f in files if f.max_seq >= from_seq]
+        cols = list(dict.fromkeys(["sequence_number", "kind", "state", *columns]))
         out: list[pa.Table] = []
         count = 0
-        cols = list(dict.fromkeys(["sequence_number", "kind", "state", *columns]))
         for f in files:
-            t = self._read([f], cols)
+            t = self.data.read(f.path, cols)
             mask = pc.and_(pc.equal(t.column("kind"), KIND_MESSAGE), pc.not_equal(t.column("state"), STATE_COMPLETED))
             if from_seq is not None:
                 mask = pc.and_(mask, pc.greater_equal(t.column("sequence_number"), from_seq))
@@ -274,9 +274,7 @@ class EntityTable:
             count += t.num_rows
             if limit is not None and count >= limit:
                 break
-        if not out:
-            return self._read([], cols).drop_columns([PARTITION_COLUMN])
-        t = pa.concat_tables(out).sort_by("sequence_number").drop_columns([PARTITION_COLUMN])
+        t = pa.concat_tables(out).sort_by("sequence_number") if out else self._read([], cols)
         return t if limit is None else t.slice(0, limit)
 
     def partition_bytes(self, dt: DeltaTable, partition: int) -> int:
@@ -285,42 +283,56 @@ class EntityTable:
 
     # ---- changes ---------------------------------------------------------------------------------
 
-    def apply(self, dt: DeltaTable, partition: int, changes: pa.Table) -> dict[str, int]:
-        """Apply per-row changes (CHANGE_SCHEMA) to one partition in one MERGE; one attempt.
+    def apply(self, dt: DeltaTable, partition: int, changes: pa.Table) -> None:
+        """Apply per-row changes (CHANGE_SCHEMA) to one partition in one commit; one attempt.
 
-        `dt` must be the snapshot the changes were computed from, so that any concurrent change
-        to the same rows makes this commit fail instead of silently overwriting it.
+        Rewrites only the files holding changed rows. `dt` must be the snapshot the changes were
+        computed from: if any of those files changed since, this raises CommitFailedError.
         """
         self.faults.check(partition, "write")
+        changes = changes.cast(CHANGE_SCHEMA)
         seqs = changes.column("sequence_number")
         lo, hi = pc.min(seqs).as_py(), pc.max(seqs).as_py()
-        predicate = (
-            f"t.{PARTITION_COLUMN} = {partition} AND t.sequence_number >= {lo} "
-            f"AND t.sequence_number <= {hi} AND t.sequence_number = s.sequence_number"
-        )
-        updates = {c: f"s.{c}" for c in MUTABLE_COLUMNS}
-        tombstone = {
-            "state": f"'{STATE_COMPLETED}'",
-            "available_at_utc": "NULL",
-            "locked_until_utc": "NULL",
-            "lock_token": "NULL",
-            "body": "NULL",
-            "application_properties": "NULL",
-        }
-        return (
-            dt.merge(
-                changes.cast(CHANGE_SCHEMA),
-                predicate,
-                source_alias="s",
-                target_alias="t",
-                writer_properties=WRITER,
-                streamed_exec=False,
-            )
-            .when_matched_update(updates, predicate=f"s.op = '{OP_SET}'")
-            .when_matched_delete(predicate=f"s.op = '{OP_DELETE}'")
-            .when_matched_update(tombstone, predicate=f"s.op = '{OP_TOMBSTONE}'")
-            .execute()
-        )
+        adds, removed = [], []
+        for f in self.files(dt, partition):
+            if f.max_seq < lo or f.min_seq > hi:
+                continue
+            rows = self.data.read(f.path)
+            new = _apply_changes(rows, changes)
+            if new is None:
+                continue
+            removed.append(f)
+            if new.num_rows:
+                adds.append(self.data.write(partition, new))
+        if not removed:
+            raise CommitFailedError("none of the changed rows is live any more")
+        removes = [remove_action(f.path, f.partition, f.size_bytes) for f in removed]
+        try:
+            commit(dt, adds, removes, [], self._files_live([f.path for f in removed]))
+        except BaseException:
+            self.data.delete([a.path for a in adds])
+            raise
+
+
+def _apply_changes(rows: pa.Table, changes: pa.Table) -> pa.Table | None:
+    """A file's rows with the changes applied, or None when no changed row is in the file."""
+    idx = pc.index_in(rows.column("sequence_number"), value_set=changes.column("sequence_number"))
+    hit = pc.is_valid(idx)
+    if not pc.any(hit).as_py():
+        return None
+    ops = pc.take(changes.column("op"), idx)
+    for c in MUTABLE_COLUMNS:
+        pos = rows.schema.get_field_index(c)
+        new = pc.take(changes.column(c), idx)
+        rows = rows.set_column(pos, rows.field(c), pc.if_else(hit, new, rows.column(c)).cast(rows.field(c).type))
+    tomb = pc.fill_null(pc.equal(ops, OP_TOMBSTONE), False)
+    if pc.any(tomb).as_py():
+        state = rows.schema.get_field_index("state")
+        rows = rows.set_column(state, rows.field("state"), pc.if_else(tomb, pa.scalar(STATE_COMPLETED), rows.column("state")))
+        for c in TOMBSTONE_CLEARED:
+            pos = rows.schema.get_field_index(c)
+            rows = rows.set_column(pos, rows.field(c), pc.if_else(tomb, pa.scalar(None, rows.field(c).type), rows.column(c)))
+    return rows.filter(pc.invert(pc.fill_null(pc.equal(ops, OP_DELETE), False)))
 
 
 def empty_changes() -> pa.Table:
@@ -328,32 +340,32 @@ def empty_changes() -> pa.Table:
     return CHANGE_SCHEMA.empty_table()
 
 
-def _file_index(dt: DeltaTable) -> dict[int, list[FileInfo]]:
-    """Per-partition file statistics of a snapshot, each list ordered by lowest sequence number."""
+def _file_index(dt: DeltaTable) -> tuple[dict[int, list[FileInfo]], set[str]]:
+    """Per-partition file statistics of a snapshot (each list ordered by lowest sequence number) and live paths."""
     a = pa.table(dt.get_add_actions(flatten=True))
 
     def col(name: str) -> list:
         return a.column(name).to_pylist() if name in a.column_names else [None] * a.num_rows
 
     index: dict[int, list[FileInfo]] = {}
+    live: set[str] = set()
     rows = zip(
-        col("path"), col(f"partition.{PARTITION_COLUMN}"), col("size_bytes"), col("num_records"),
-        col("min.sequence_number"), col("max.sequence_number"), col("min.available_at_utc"),
-        col("max.enqueued_time_utc"), col("min.sub_queue"), col("max.sub_queue"),
+        col("path"),
+        col(f"partition.{PARTITION_COLUMN}"),
+        col("size_bytes"),
+        col("num_records"),
+        col("min.sequence_number"),
+        col("max.sequence_number"),
+        col("min.available_at_utc"),
+        col("max.enqueued_time_utc"),
+        col("min.sub_queue"),
+        col("max.sub_queue"),
         strict=True,
     )
     for path, part, size, n, lo, hi, avail, enq, sq_lo, sq_hi in rows:
         info = FileInfo(unquote(path), int(part), size, n or 0, lo or 0, hi or 0, avail, enq, sq_lo, sq_hi)
         index.setdefault(info.partition, []).append(info)
+        live.add(info.path)
     for files in index.values():
         files.sort(key=lambda f: f.min_seq)
-    return index
-
-
-def _filesystem(uri: str) -> tuple[pafs.FileSystem, str]:
-    """A pyarrow filesystem and root path for reading the table's data files directly."""
-    if "://" not in uri or uri.startswith("file://"):
-        path = uri.removeprefix("file://")
-        return pafs.LocalFileSystem(), path
-    fs, root = pafs.FileSystem.from_uri(uri)
-    return fs, root
+    return index, live

@@ -1,0 +1,813 @@
+"""Service Bus subscription rule filters and actions, evaluated vectorized over pyarrow batches.
+
+A batch has one row per message (columns ``message_id``, ``subject``, ``sequence_number``, ...,
+``application_properties`` as a JSON object string).  Filters are parsed once at construction
+(``sparkqueue.model.sql_parser``) and every ``evaluate`` compiles the tree to whole-column
+``pyarrow.compute`` calls; nothing is evaluated row by row.
+
+Values are dynamically typed per row (``qty`` may be ``5`` in one message and ``"5"`` in the
+next), so an expression evaluates to a ``_Value``: one array per type *lane* (string, int, float,
+bool, time) where each row is set in at most one lane and a row set in none is SQL NULL/unknown.
+
+Application properties are the one non-vectorized step: the JSON column is decoded once per batch
+(one ``json.loads`` over the whole column, falling back to one per row if a row is malformed), and
+only when the expression references an application property; then one Python pass per referenced
+key splits its values into the type lanes.  Property names are case-insensitive as in Service Bus
+(an exact-case key wins over other spellings).
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+import uuid
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from functools import reduce, singledispatch
+from typing import Any
+
+import pyarrow as pa
+import pyarrow.compute as pc
+
+from sparkqueue.errors import FilterSyntaxError, InvalidOperationError
+from sparkqueue.model.sql_parser import (
+    SYSTEM_PROPERTIES,
+    And,
+    Arith,
+    Compare,
+    Const,
+    Exists,
+    InList,
+    IsNull,
+    Like,
+    NewId,
+    Node,
+    Not,
+    Or,
+    SetStatement,
+    Statement,
+    SysProp,
+    SystemProperty,
+    Unary,
+    UserProp,
+    normalize_value,
+    parse_action,
+    parse_condition,
+)
+
+__all__ = [
+    "CorrelationRuleFilter",
+    "FalseRuleFilter",
+    "FilterSyntaxError",
+    "RuleFilter",
+    "SqlRuleAction",
+    "SqlRuleFilter",
+    "TrueRuleFilter",
+    "action_from_dict",
+    "filter_from_dict",
+]
+
+Batch = pa.Table | pa.RecordBatch
+APPLICATION_PROPERTIES = "application_properties"
+_TIME = pa.timestamp("us", tz="UTC")
+_LANE_TYPES: dict[str, pa.DataType] = {
+    "string": pa.string(),
+    "int": pa.int64(),
+    "float": pa.float64(),
+    "bool": pa.bool_(),
+    "time": _TIME,
+}
+_KIND_TO_LANE = {"string": "string", "number": "int", "time": "time"}
+_NULL_BOOL = pa.scalar(None, pa.bool_())
+_INT64_RANGE = range(-(2**63), 2**63)
+
+
+# --------------------------------------------------------------------------- typed values
+
+
+def _full(value: object, length: int, type_: pa.DataType) -> pa.Array:
+    """An array of ``length`` copies of ``value``."""
+    return pa.repeat(pa.scalar(value, type_), length)
+
+
+@dataclass(frozen=True)
+class _Value:
+    """Per-row dynamically typed values: each row is non-null in at most one lane; in none = NULL."""
+
+    length: int
+    lanes: Mapping[str, pa.Array]
+
+    @classmethod
+    def null(cls, length: int) -> _Value:
+        """All rows NULL."""
+        return cls(length, {})
+
+    @classmethod
+    def boolean(cls, array: pa.Array) -> _Value:
+        """A condition result (true/false/unknown per row)."""
+        return cls(len(array), {"bool": array})
+
+    def lane(self, kind: str) -> pa.Array | None:
+        """The lane array of ``kind`` if any row has that type."""
+        return self.lanes.get(kind)
+
+    def valid(self) -> pa.Array:
+        """Boolean (never null): the row has a non-NULL value."""
+        if not self.lanes:
+            return _full(False, self.length, pa.bool_())
+        return reduce(pc.or_, [pc.is_valid(array) for array in self.lanes.values()])
+
+    def truth(self) -> pa.Array:
+        """Condition value per row: the bool lane; any other type counts as unknown."""
+        return self.lanes.get("bool", pa.nulls(self.length, pa.bool_()))
+
+    def as_float(self) -> pa.Array | None:
+        """Numeric rows as float64 (ints widened), or None when no row is numeric."""
+        parts = [self.lanes[kind].cast(pa.float64()) for kind in ("float", "int") if kind in self.lanes]
+        if not parts:
+            return None
+        return parts[0] if len(parts) == 1 else pc.coalesce(*parts)
+
+    def to_pylist(self) -> list[Any]:
+        """Python value per row (None for NULL), for writing properties back."""
+        out: list[Any] = [None] * self.length
+        for array in self.lanes.values():
+            for index, item in enumerate(array.to_pylist()):
+                if item is not None:
+                    out[index] = item
+        return out
+
+
+def _lane_of(value: object) -> tuple[str, object] | None:
+    """(lane, value) for a Python value; None for NULL and unsupported JSON (lists, objects)."""
+    if value is None:
+        return None
+    if isinstance(value, bool):
+        return "bool", value
+    if isinstance(value, int):
+        return ("int", value) if value in _INT64_RANGE else ("float", float(value))
+    if isinstance(value, float):
+        return "float", value
+    if isinstance(value, str):
+        return "string", value
+    if isinstance(value, dt.datetime):
+        return "time", value
+    return None
+
+
+def _value_from_python(values: list[Any]) -> _Value:
+    """Split a list of mixed Python values into typed lanes."""
+    buckets: dict[str, list[Any]] = {}
+    for index, item in enumerate(values):
+        typed = _lane_of(item)
+        if typed is not None:
+            buckets.setdefault(typed[0], [None] * len(values))[index] = typed[1]
+    return _Value(len(values), {kind: pa.array(items, _LANE_TYPES[kind]) for kind, items in buckets.items()})
+
+
+def _constant(value: object, length: int) -> _Value:
+    """A constant broadcast to every row."""
+    typed = _lane_of(value)
+    if typed is None:
+        return _Value.null(length)
+    return _Value(length, {typed[0]: _full(typed[1], length, _LANE_TYPES[typed[0]])})
+
+
+# --------------------------------------------------------------------------- batch access
+
+
+def _as_table(batch: Batch) -> pa.Table:
+    """Accept a Table or RecordBatch."""
+    if isinstance(batch, pa.RecordBatch):
+        return pa.Table.from_batches([batch])
+    if isinstance(batch, pa.Table):
+        return batch
+    raise TypeError(f"expected a pyarrow Table or RecordBatch, got {type(batch).__name__}")
+
+
+def _decode_properties(texts: list[Any]) -> list[dict[str, Any] | None]:
+    """Decode the JSON property column: one json.loads for the batch, per row only if a row is bad."""
+    if all(isinstance(text, str) or text is None for text in texts):
+        try:
+            parsed = json.loads("[" + ",".join(text or "null" for text in texts) + "]")
+        except ValueError:
+            parsed = None
+        if parsed is not None and len(parsed) == len(texts):
+            return [item if isinstance(item, dict) else None for item in parsed]
+    return [_decode_one(text) for text in texts]
+
+
+def _decode_one(text: Any) -> dict[str, Any] | None:
+    """Decode one row's properties; malformed or non-object JSON counts as no properties."""
+    if isinstance(text, dict):
+        return text
+    if not isinstance(text, str):
+        return None
+    try:
+        parsed = json.loads(text)
+    except ValueError:
+        return None
+    return parsed if isinstance(parsed, dict) else None
+
+
+def _resolve_key(row: dict[str, Any] | None, name: str) -> str | None:
+    """The row's key for property ``name``: exact spelling first, else case-insensitive."""
+    if not row:
+        return None
+    if name in row:
+        return name
+    lowered = name.lower()
+    return next((key for key in row if key.lower() == lowered), None)
+
+
+def _json_ready(value: object) -> object:
+    """Make an evaluated value JSON-serialisable (datetimes become ISO 8601 strings)."""
+    return value.isoformat() if isinstance(value, dt.datetime) else value
+
+
+class _Context:
+    """One batch under evaluation: normalized system columns, lazily decoded application properties.
+
+    Rule actions mutate the context (``set_*``/``remove_user``) and read the result with ``to_table``.
+    """
+
+    def __init__(self, table: pa.Table) -> None:
+        self.table = table
+        self.num_rows = table.num_rows
+        self._columns: dict[str, _Value] = {}
+        self._overrides: dict[str, pa.Array] = {}
+        self._rows: list[dict[str, Any] | None] | None = None
+        self._dirty_rows: set[int] = set()
+        self._user: dict[str, tuple[_Value, pa.Array]] = {}
+
+    def column(self, name: str) -> pa.Array | None:
+        """A batch column as one contiguous array, or None if the batch lacks it."""
+        if name in self._overrides:
+            return self._overrides[name]
+        if name not in self.table.column_names:
+            return None
+        return self.table.column(name).combine_chunks()
+
+    def system(self, prop: SystemProperty) -> _Value:
+        """Value of a system property (a missing column is NULL)."""
+        if prop.column not in self._columns:
+            array = self.column(prop.column)
+            lane = _KIND_TO_LANE[prop.kind]
+            if array is None:
+                self._columns[prop.column] = _Value.null(self.num_rows)
+            else:
+                target = _LANE_TYPES[lane]
+                array = array if array.type == target else pc.cast(array, target, safe=False)
+                self._columns[prop.column] = _Value(self.num_rows, {lane: array})
+        return self._columns[prop.column]
+
+    def rows(self) -> list[dict[str, Any] | None]:
+        """Decoded application properties per row (decoded once per batch)."""
+        if self._rows is None:
+            array = self.column(APPLICATION_PROPERTIES)
+            texts = [None] * self.num_rows if array is None else array.to_pylist()
+            self._rows = _decode_properties(texts)
+        return self._rows
+
+    def user(self, name: str) -> tuple[_Value, pa.Array]:
+        """(value, exists) of an application property; cached per name for the batch."""
+        if name not in self._user:
+            rows = self.rows()
+            keys = [_resolve_key(row, name) for row in rows]
+            values = [None if key is None else row[key] for row, key in zip(rows, keys, strict=True)]  # type: ignore[index]
+            exists = pa.array([key is not None for key in keys], pa.bool_())
+            self._user[name] = (_value_from_python(values), exists)
+        return self._user[name]
+
+    def set_user(self, name: str, value: _Value) -> None:
+        """SET an application property on every row."""
+        rows = self.rows()
+        for index, item in enumerate(value.to_pylist()):
+            row = rows[index] if rows[index] is not None else {}
+            rows[index] = row
+            row[_resolve_key(row, name) or name] = _json_ready(item)  # type: ignore[index]
+            self._dirty_rows.add(index)
+        self._user.clear()
+
+    def remove_user(self, name: str) -> None:
+        """REMOVE an application property from the rows that have it."""
+        for index, row in enumerate(self.rows()):
+            key = _resolve_key(row, name)
+            if key is not None and row is not None:
+                del row[key]
+                self._dirty_rows.add(index)
+        self._user.clear()
+
+    def set_system(self, prop: SystemProperty, value: _Value) -> None:
+        """SET (or clear) a settable system property column."""
+        array = _coerce(value, prop.kind)
+        existing = self.table.schema.field(prop.column).type if prop.column in self.table.column_names else None
+        self._overrides[prop.column] = array if existing is None else pc.cast(array, existing, safe=False)
+        self._columns.pop(prop.column, None)
+
+    def to_table(self) -> pa.Table:
+        """The batch with every change applied."""
+        table = self.table
+        for name, array in self._overrides.items():
+            table = _put_column(table, name, array)
+        if self._dirty_rows:
+            table = _put_column(table, APPLICATION_PROPERTIES, self._encoded_properties())
+        return table
+
+    def _encoded_properties(self) -> pa.Array:
+        """Re-encode changed rows as JSON; untouched rows keep their original text."""
+        original = self.column(APPLICATION_PROPERTIES)
+        texts = [None] * self.num_rows if original is None else original.to_pylist()
+        for index in self._dirty_rows:
+            row = self.rows()[index]
+            texts[index] = json.dumps(row) if row else None
+        return pa.array(texts, pa.string())
+
+
+def _put_column(table: pa.Table, name: str, array: pa.Array) -> pa.Table:
+    """Replace column ``name`` or append it when the batch lacks it."""
+    if name in table.column_names:
+        index = table.column_names.index(name)
+        return table.set_column(index, table.schema.field(name).with_type(array.type), array)
+    return table.append_column(pa.field(name, array.type), array)
+
+
+def _coerce(value: _Value, kind: str) -> pa.Array:
+    """Convert a value to a system column's type (strings accept any scalar, ints truncate floats)."""
+    target = _LANE_TYPES[_KIND_TO_LANE[kind]]
+    accepted = {
+        "string": ("string", "int", "float", "bool", "time"),
+        "number": ("int", "float"),
+        "time": ("time",),
+    }[kind]
+    parts = [pc.cast(value.lanes[lane], target, safe=False) for lane in accepted if lane in value.lanes]
+    if not parts:
+        return pa.nulls(value.length, target)
+    return parts[0] if len(parts) == 1 else pc.coalesce(*parts)
+
+
+# --------------------------------------------------------------------------- expression compiler
+
+
+@singledispatch
+def _eval(node: Node, ctx: _Context) -> _Value:
+    """Evaluate a syntax-tree node over the whole batch."""
+    raise TypeError(f"cannot evaluate {type(node).__name__}")
+
+
+@_eval.register
+def _eval_const(node: Const, ctx: _Context) -> _Value:
+    return _constant(node.value, ctx.num_rows)
+
+
+@_eval.register
+def _eval_sys(node: SysProp, ctx: _Context) -> _Value:
+    return ctx.system(node.prop)
+
+
+@_eval.register
+def _eval_user(node: UserProp, ctx: _Context) -> _Value:
+    return ctx.user(node.name)[0]
+
+
+@_eval.register
+def _eval_newid(node: NewId, ctx: _Context) -> _Value:
+    ids = pa.array([str(uuid.uuid4()) for _ in range(ctx.num_rows)], pa.string())
+    return _Value(ctx.num_rows, {"string": ids})
+
+
+@_eval.register
+def _eval_unary(node: Unary, ctx: _Context) -> _Value:
+    operand = _eval(node.operand, ctx)
+    numeric = {kind: operand.lanes[kind] for kind in ("int", "float") if kind in operand.lanes}
+    if node.op == "-":
+        numeric = {kind: pc.negate(array) for kind, array in numeric.items()}
+    return _Value(operand.length, numeric)
+
+
+@_eval.register
+def _eval_arith(node: Arith, ctx: _Context) -> _Value:
+    return _arith(node.op, _eval(node.left, ctx), _eval(node.right, ctx))
+
+
+@_eval.register
+def _eval_compare(node: Compare, ctx: _Context) -> _Value:
+    return _compare(node.op, _eval(node.left, ctx), _eval(node.right, ctx))
+
+
+@_eval.register
+def _eval_and(node: And, ctx: _Context) -> _Value:
+    return _Value.boolean(pc.and_kleene(_eval(node.left, ctx).truth(), _eval(node.right, ctx).truth()))
+
+
+@_eval.register
+def _eval_or(node: Or, ctx: _Context) -> _Value:
+    return _Value.boolean(pc.or_kleene(_eval(node.left, ctx).truth(), _eval(node.right, ctx).truth()))
+
+
+@_eval.register
+def _eval_not(node: Not, ctx: _Context) -> _Value:
+    return _Value.boolean(pc.invert(_eval(node.operand, ctx).truth()))
+
+
+@_eval.register
+def _eval_is_null(node: IsNull, ctx: _Context) -> _Value:
+    valid = _eval(node.operand, ctx).valid()
+    return _Value.boolean(valid if node.negated else pc.invert(valid))
+
+
+@_eval.register
+def _eval_exists(node: Exists, ctx: _Context) -> _Value:
+    if isinstance(node.prop, UserProp):
+        return _Value.boolean(ctx.user(node.prop.name)[1])
+    return _Value.boolean(ctx.system(node.prop.prop).valid())
+
+
+@_eval.register
+def _eval_like(node: Like, ctx: _Context) -> _Value:
+    operand = _eval(node.operand, ctx)
+    strings = operand.lane("string")
+    if strings is None:
+        found = _full(False, operand.length, pa.bool_())
+    else:
+        found = pc.fill_null(pc.match_like(strings, node.pattern), False)
+    return _known_only(operand, found, node.negated)
+
+
+@_eval.register
+def _eval_in(node: InList, ctx: _Context) -> _Value:
+    operand = _eval(node.operand, ctx)
+    constants = [item.value for item in node.items if isinstance(item, Const)]
+    hits = [_in_constants(operand, constants)]
+    for item in node.items:
+        if not isinstance(item, Const):
+            hits.append(pc.fill_null(_compare("=", operand, _eval(item, ctx)).truth(), False))
+    return _known_only(operand, reduce(pc.or_, hits), node.negated)
+
+
+def _known_only(operand: _Value, found: pa.Array, negated: bool) -> _Value:
+    """IN/LIKE result: unknown when the operand is NULL, else ``found`` (inverted for NOT)."""
+    result = pc.if_else(operand.valid(), found, _NULL_BOOL)
+    return _Value.boolean(pc.invert(result) if negated else result)
+
+
+def _in_constants(operand: _Value, constants: list[object]) -> pa.Array:
+    """Membership of each row in a constant list, with pc.is_in per type lane (never null)."""
+    sets: dict[str, list[Any]] = {kind: [] for kind in _LANE_TYPES}
+    for constant in constants:
+        typed = _lane_of(constant)
+        if typed is not None:
+            sets[typed[0]].append(typed[1])
+    floats = sets["float"] + [float(item) for item in sets["int"]]
+    checks: list[tuple[str, list[Any], pa.DataType]] = [
+        ("string", sets["string"], pa.string()),
+        ("bool", sets["bool"], pa.bool_()),
+        ("time", sets["time"], _TIME),
+        ("int", sets["int"], pa.int64()),
+        ("float", floats, pa.float64()),
+    ]
+    hits = [_full(False, operand.length, pa.bool_())]
+    for lane, values, type_ in checks:
+        if lane in operand.lanes and values:
+            hits.append(pc.is_in(operand.lanes[lane], value_set=pa.array(values, type_)))
+    if "int" in operand.lanes and sets["float"]:
+        widened = operand.lanes["int"].cast(pa.float64())
+        hits.append(pc.is_in(widened, value_set=pa.array(sets["float"], pa.float64())))
+    return reduce(pc.or_, hits)
+
+
+_COMPARATORS: dict[str, Callable[..., pa.Array]] = {
+    "=": pc.equal,
+    "<>": pc.not_equal,
+    "<": pc.less,
+    "<=": pc.less_equal,
+    ">": pc.greater,
+    ">=": pc.greater_equal,
+}
+
+
+def _same_type_comparisons(op: str, left: _Value, right: _Value) -> list[pa.Array]:
+    """Comparison results for rows whose operands have compatible types (null elsewhere).
+
+    Order matters for the coalesce: exact int/int first, then int/float widened to float.
+    Booleans only support = and <>.
+    """
+    compare = _COMPARATORS[op]
+    kinds = ["string", "time", "int"] + (["bool"] if op in ("=", "<>") else [])
+    results = [compare(left.lanes[kind], right.lanes[kind]) for kind in kinds if kind in left.lanes and kind in right.lanes]
+    if "float" in left.lanes or "float" in right.lanes:
+        left_float, right_float = left.as_float(), right.as_float()
+        if left_float is not None and right_float is not None:
+            results.append(compare(left_float, right_float))
+    return results
+
+
+def _compare(op: str, left: _Value, right: _Value) -> _Value:
+    """SQL comparison: unknown if either side is NULL; different types are unequal (<> true, others false)."""
+    results = _same_type_comparisons(op, left, right)
+    mismatch = pa.scalar(op == "<>")
+    same = pc.coalesce(*results, mismatch) if results else mismatch
+    both = pc.and_(left.valid(), right.valid())
+    return _Value.boolean(pc.if_else(both, same, _NULL_BOOL))
+
+
+def _nonzero(divisor: pa.Array) -> pa.Array:
+    """Divisor with zeros replaced by NULL, so integer division by zero is unknown, not an error."""
+    return pc.if_else(pc.equal(divisor, 0), pa.scalar(None, divisor.type), divisor)
+
+
+def _int_op(op: str, left: pa.Array, right: pa.Array) -> pa.Array:
+    """64-bit integer arithmetic with C# semantics (wrapping, truncating division, dividend-signed %)."""
+    if op == "/":
+        return pc.divide(left, _nonzero(right))
+    if op == "%":
+        divisor = _nonzero(right)
+        return pc.subtract(left, pc.multiply(pc.divide(left, divisor), divisor))
+    return {"+": pc.add, "-": pc.subtract, "*": pc.multiply}[op](left, right)
+
+
+def _float_op(op: str, left: pa.Array, right: pa.Array) -> pa.Array:
+    """Double arithmetic with IEEE semantics (x/0 is ±inf, % is fmod)."""
+    if op == "%":
+        return pc.subtract(left, pc.multiply(pc.trunc(pc.divide(left, right)), right))
+    return {"+": pc.add, "-": pc.subtract, "*": pc.multiply, "/": pc.divide}[op](left, right)
+
+
+def _arith(op: str, left: _Value, right: _Value) -> _Value:
+    """Arithmetic per type lane: int op int stays int, any float widens, '+' joins two strings."""
+    lanes: dict[str, pa.Array] = {}
+    left_int, right_int = left.lane("int"), right.lane("int")
+    if left_int is not None and right_int is not None:
+        lanes["int"] = _int_op(op, left_int, right_int)
+    if "float" in left.lanes or "float" in right.lanes:
+        left_float, right_float = left.as_float(), right.as_float()
+        if left_float is not None and right_float is not None:
+            result = _float_op(op, left_float, right_float)
+            if left_int is not None and right_int is not None:
+                both_int = pc.and_(pc.is_valid(left_int), pc.is_valid(right_int))
+                result = pc.if_else(both_int, pa.scalar(None, pa.float64()), result)
+            lanes["float"] = result
+    left_str, right_str = left.lane("string"), right.lane("string")
+    if op == "+" and left_str is not None and right_str is not None:
+        lanes["string"] = pc.binary_join_element_wise(left_str, right_str, "")
+    return _Value(left.length, lanes)
+
+
+def _matches(tree: Node, batch: Batch) -> pa.Array:
+    """Evaluate a condition tree; NULL (unknown) counts as no match."""
+    ctx = _Context(_as_table(batch))
+    return pc.fill_null(_eval(tree, ctx).truth(), False)
+
+
+# --------------------------------------------------------------------------- JSON descriptions
+
+
+def _encode_value(value: object) -> object:
+    """JSON form of a parameter/property value (datetime, timedelta and UUID are tagged)."""
+    if isinstance(value, dt.datetime):
+        return {"$datetime": value.isoformat()}
+    if isinstance(value, dt.timedelta):
+        return {"$timedelta_us": value // dt.timedelta(microseconds=1)}
+    if isinstance(value, uuid.UUID):
+        return {"$uuid": str(value)}
+    return value
+
+
+def _decode_value(value: object) -> object:
+    """Inverse of ``_encode_value``."""
+    if isinstance(value, dict) and len(value) == 1:
+        ((tag, payload),) = value.items()
+        if tag == "$datetime":
+            return dt.datetime.fromisoformat(payload)
+        if tag == "$timedelta_us":
+            return dt.timedelta(microseconds=payload)
+        if tag == "$uuid":
+            return uuid.UUID(payload)
+    return value
+
+
+def _encode_mapping(values: Mapping[str, object] | None) -> dict[str, object] | None:
+    """Encode a parameters/properties mapping (None stays None)."""
+    return None if values is None else {key: _encode_value(item) for key, item in values.items()}
+
+
+def _decode_mapping(values: Mapping[str, object] | None) -> dict[str, object] | None:
+    """Decode a parameters/properties mapping (None stays None)."""
+    return None if values is None else {key: _decode_value(item) for key, item in values.items()}
+
+
+# --------------------------------------------------------------------------- public API
+
+
+@dataclass
+class SqlRuleFilter:
+    """A SQL filter expression (Service Bus SqlRuleFilter), parsed once and evaluated per batch."""
+
+    sql_expression: str
+    parameters: dict[str, Any] | None = None
+    _tree: Node = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        if self.parameters is not None:
+            self.parameters = dict(self.parameters)
+        self._tree = parse_condition(self.sql_expression, self.parameters)
+
+    def evaluate(self, batch: Batch) -> pa.Array:
+        """Boolean per message: does the filter match (unknown counts as no match)?"""
+        return _matches(self._tree, batch)
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-serialisable description for the rule catalog (see ``filter_from_dict``)."""
+        return {
+            "type": "SqlRuleFilter",
+            "sql_expression": self.sql_expression,
+            "parameters": _encode_mapping(self.parameters),
+        }
+
+
+class TrueRuleFilter(SqlRuleFilter):
+    """Filter that matches every message (SQL ``1=1``), the default rule of a subscription."""
+
+    def __init__(self) -> None:
+        super().__init__("1=1")
+
+    def __repr__(self) -> str:
+        return "TrueRuleFilter()"
+
+    def evaluate(self, batch: Batch) -> pa.Array:
+        """All true, without evaluating anything."""
+        return _full(True, _as_table(batch).num_rows, pa.bool_())
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-serialisable description."""
+        return {"type": "TrueRuleFilter"}
+
+
+class FalseRuleFilter(SqlRuleFilter):
+    """Filter that matches no message (SQL ``1=0``)."""
+
+    def __init__(self) -> None:
+        super().__init__("1=0")
+
+    def __repr__(self) -> str:
+        return "FalseRuleFilter()"
+
+    def evaluate(self, batch: Batch) -> pa.Array:
+        """All false, without evaluating anything."""
+        return _full(False, _as_table(batch).num_rows, pa.bool_())
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-serialisable description."""
+        return {"type": "FalseRuleFilter"}
+
+
+# keyword -> system property column, in the SDK's argument order
+_CORRELATION_FIELDS = {
+    "correlation_id": "correlation_id",
+    "message_id": "message_id",
+    "to": "to",
+    "reply_to": "reply_to",
+    "label": "subject",
+    "session_id": "session_id",
+    "reply_to_session_id": "reply_to_session_id",
+    "content_type": "content_type",
+}
+
+
+@dataclass(kw_only=True)
+class CorrelationRuleFilter:
+    """Exact-match filter on system fields and application properties, all ANDed (Service Bus CorrelationRuleFilter).
+
+    Matching is case-sensitive on values and typed (``qty=5`` does not match ``"5"``; 5 equals 5.0);
+    property names resolve like in SQL filters (exact spelling first, else case-insensitive).
+    """
+
+    correlation_id: str | None = None
+    message_id: str | None = None
+    to: str | None = None
+    reply_to: str | None = None
+    label: str | None = None
+    session_id: str | None = None
+    reply_to_session_id: str | None = None
+    content_type: str | None = None
+    properties: dict[str, Any] | None = None
+    _tree: Node = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        if self.properties is not None:
+            self.properties = dict(self.properties)
+        conditions = self._field_conditions() + self._property_conditions()
+        if not conditions:
+            raise InvalidOperationError("CorrelationRuleFilter needs at least one field or property to match")
+        self._tree = reduce(And, conditions)
+
+    def _field_conditions(self) -> list[Node]:
+        """sys.<field> = value for each given system field."""
+        conditions: list[Node] = []
+        for name, column in _CORRELATION_FIELDS.items():
+            value = getattr(self, name)
+            if value is None:
+                continue
+            if not isinstance(value, str):
+                raise InvalidOperationError(f"CorrelationRuleFilter.{name} must be a string, got {value!r}")
+            conditions.append(Compare("=", SysProp(SYSTEM_PROPERTIES[column.replace("_", "")]), Const(value)))
+        return conditions
+
+    def _property_conditions(self) -> list[Node]:
+        """user.<key> = value for each given application property."""
+        conditions: list[Node] = []
+        for key, value in (self.properties or {}).items():
+            try:
+                normalized = normalize_value(value)
+            except (TypeError, ValueError) as exc:
+                raise InvalidOperationError(f"CorrelationRuleFilter property {key!r}: {exc}") from exc
+            if not isinstance(key, str) or normalized is None:
+                raise InvalidOperationError(f"CorrelationRuleFilter property {key!r} needs a string key and a non-null value")
+            conditions.append(Compare("=", UserProp(key), Const(normalized)))
+        return conditions
+
+    def evaluate(self, batch: Batch) -> pa.Array:
+        """Boolean per message: do all given fields and properties match exactly?"""
+        return _matches(self._tree, batch)
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-serialisable description (only the given fields)."""
+        data: dict[str, Any] = {"type": "CorrelationRuleFilter"}
+        data.update({name: getattr(self, name) for name in _CORRELATION_FIELDS if getattr(self, name) is not None})
+        if self.properties:
+            data["properties"] = _encode_mapping(self.properties)
+        return data
+
+
+RuleFilter = SqlRuleFilter | CorrelationRuleFilter
+
+
+@dataclass
+class SqlRuleAction:
+    """SQL rule action (``SET prop = expr; REMOVE prop``) applied to the messages a rule matched."""
+
+    sql_expression: str
+    parameters: dict[str, Any] | None = None
+    _statements: tuple[Statement, ...] = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        if self.parameters is not None:
+            self.parameters = dict(self.parameters)
+        self._statements = parse_action(self.sql_expression, self.parameters)
+
+    def apply(self, batch: Batch) -> pa.Table:
+        """A copy of the batch with the statements applied in order to every row."""
+        ctx = _Context(_as_table(batch))
+        for statement in self._statements:
+            _execute(statement, ctx)
+        return ctx.to_table()
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-serialisable description for the rule catalog (see ``action_from_dict``)."""
+        return {
+            "type": "SqlRuleAction",
+            "sql_expression": self.sql_expression,
+            "parameters": _encode_mapping(self.parameters),
+        }
+
+
+def _execute(statement: Statement, ctx: _Context) -> None:
+    """Run one SET/REMOVE statement against the batch context."""
+    target = statement.target
+    value = _eval(statement.value, ctx) if isinstance(statement, SetStatement) else _Value.null(ctx.num_rows)
+    if isinstance(target, SysProp):
+        ctx.set_system(target.prop, value)
+    elif isinstance(statement, SetStatement):
+        ctx.set_user(target.name, value)
+    else:
+        ctx.remove_user(target.name)
+
+
+def _require(data: Mapping[str, Any], key: str) -> Any:
+    """A mandatory key of a stored description."""
+    if key not in data:
+        raise InvalidOperationError(f"rule description {dict(data)!r} lacks {key!r}")
+    return data[key]
+
+
+def filter_from_dict(data: Mapping[str, Any]) -> RuleFilter:
+    """Rebuild a filter from ``to_dict`` output."""
+    kind = _require(data, "type")
+    if kind == "SqlRuleFilter":
+        return SqlRuleFilter(_require(data, "sql_expression"), _decode_mapping(data.get("parameters")))
+    if kind == "TrueRuleFilter":
+        return TrueRuleFilter()
+    if kind == "FalseRuleFilter":
+        return FalseRuleFilter()
+    if kind == "CorrelationRuleFilter":
+        fields = {name: data.get(name) for name in _CORRELATION_FIELDS}
+        return CorrelationRuleFilter(**fields, properties=_decode_mapping(data.get("properties")))
+    raise InvalidOperationError(f"unknown rule filter type {kind!r}")
+
+
+def action_from_dict(data: Mapping[str, Any]) -> SqlRuleAction:
+    """Rebuild a rule action from ``to_dict`` output."""
+    kind = _require(data, "type")
+    if kind != "SqlRuleAction":
+        raise InvalidOperationError(f"unknown rule action type {kind!r}")
+    return SqlRuleAction(_require(data, "sql_expression"), _decode_mapping(data.get("parameters")))
