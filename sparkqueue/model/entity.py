@@ -10,15 +10,16 @@ import logging
 import random
 import time
 from collections import defaultdict
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
 
 import pyarrow as pa
 import pyarrow.compute as pc
+from deltalake import DeltaTable
 from deltalake.exceptions import CommitFailedError
 
-from sparkqueue.errors import PartitionUnavailableError, QuotaExceededError
+from sparkqueue.errors import MessageLockLostError, PartitionUnavailableError, QuotaExceededError
 from sparkqueue.model import lifecycle
 from sparkqueue.model.partitioning import RoundRobin, partition_for_key
 from sparkqueue.model.properties import PartitionRuntimeProperties, RuntimeProperties, _EntityProperties
@@ -34,7 +35,7 @@ from sparkqueue.storage.schema import (
     SUB_QUEUE_MAIN,
     TIMESTAMP,
 )
-from sparkqueue.storage.table import SEQUENCE_BITS, SEQUENCE_MASK, EntityTable
+from sparkqueue.storage.table import SEQUENCE_BITS, SEQUENCE_MASK, EntityTable, empty_changes
 
 log = logging.getLogger(__name__)
 
@@ -53,6 +54,19 @@ def partition_of(seq: int) -> int:
     return seq >> SEQUENCE_BITS
 
 
+Guard = Callable[[DeltaTable, int, datetime], "pa.Table | None"]
+
+
+@dataclass(frozen=True)
+class PendingSettle:
+    """A settlement recorded in a transaction, applied at its commit."""
+
+    op: str
+    items: list[tuple[int, str]]
+    reason: str | None = None
+    description: str | None = None
+
+
 @dataclass
 class SettleResult:
     """Per item of a settlement: did the lock hold, and the new lock expiry for renewals."""
@@ -64,9 +78,12 @@ class SettleResult:
 class Entity:
     """A queue or subscription: send, receive, settle, peek and count, over all its partitions."""
 
-    def __init__(self, props: _EntityProperties, table: EntityTable, operation_timeout: float) -> None:
+    def __init__(
+        self, props: _EntityProperties, table: EntityTable, operation_timeout: float, subscription: str | None = None
+    ) -> None:
         self.props = props
         self.table = table
+        self.subscription = subscription  # a subscription's rows live in its topic's table
         self.partition_count = table.partition_count
         self.operation_timeout = operation_timeout
         self._send_rr = RoundRobin(self.partition_count)
@@ -86,7 +103,7 @@ class Entity:
             lock_duration=p.lock_duration,
             max_delivery_count=p.max_delivery_count,
             dead_lettering_on_message_expiration=p.dead_lettering_on_message_expiration,
-            keep_tombstones=bool(getattr(p, "requires_duplicate_detection", False)),
+            keep_tombstones=self.subscription is None and bool(getattr(p, "requires_duplicate_detection", False)),
             source=self.name,
         )
 
@@ -126,13 +143,16 @@ class Entity:
         """
         if rows.num_rows == 0:
             return rows
-        dedupe_since = None
-        if getattr(self.props, "requires_duplicate_detection", False):
-            dedupe_since = utcnow() - self.props.duplicate_detection_history_time_window
         parts = pa.array(self.place(keys), pa.int32())
         rows = rows.set_column(rows.schema.get_field_index(PARTITION_COLUMN), PARTITION_COLUMN, parts)
         self._check_quota(rows)
-        return retry_commit(lambda: self.table.append(rows, dedupe_since), self.deadline(), f"send to {self.name}")
+        return retry_commit(lambda: self.table.append(rows, self.dedupe_since()), self.deadline(), f"send to {self.name}")
+
+    def dedupe_since(self) -> datetime | None:
+        """Start of the duplicate-detection window, or None when the entity does not detect duplicates."""
+        if not getattr(self.props, "requires_duplicate_detection", False):
+            return None
+        return utcnow() - self.props.duplicate_detection_history_time_window
 
     def _check_quota(self, rows: pa.Table) -> None:
         """Raise QuotaExceededError when the rows would take a partition beyond max_size_in_megabytes."""
@@ -187,7 +207,7 @@ class Entity:
             dt = self.table.snapshot()
             now = utcnow()
             try:
-                cands = self.table.candidates(dt, p, sub_queue, now, limit, ROW_COLUMNS)
+                cands = self.table.candidates(dt, p, sub_queue, now, limit, ROW_COLUMNS, self.subscription)
             except PartitionUnavailableError:
                 break
             if cands.num_rows == 0:
@@ -223,7 +243,7 @@ class Entity:
                 )
                 mask = pc.and_(
                     pc.and_(pc.equal(rows.column("state"), STATE_DEFERRED), pc.equal(rows.column("sub_queue"), sub_queue)),
-                    lock_free,
+                    pc.and_(lock_free, self._mine(rows)),
                 )
                 rows = rows.filter(mask)
                 if rows.num_rows == 0:
@@ -238,9 +258,18 @@ class Entity:
     # ---- settle ------------------------------------------------------------------------------
 
     def settle(
-        self, items: Sequence[tuple[int, str]], op: str, reason: str | None = None, description: str | None = None
+        self,
+        items: Sequence[tuple[int, str]],
+        op: str,
+        reason: str | None = None,
+        description: str | None = None,
+        guard: Guard | None = None,
     ) -> SettleResult:
-        """Settle (sequence_number, lock_token) pairs; an item whose lock is not current is reported, not applied."""
+        """Settle (sequence_number, lock_token) pairs; an item whose lock is not current is reported, not applied.
+
+        `guard(dt, partition, now)` runs inside each commit attempt: it may raise (a lost session
+        lock) or return extra change rows to commit with the settlement.
+        """
         ok = [False] * len(items)
         until: list[datetime | None] = [None] * len(items)
         positions: dict[int, list[int]] = defaultdict(list)
@@ -253,23 +282,71 @@ class Entity:
             def attempt(p: int = p, idx: list[int] = idx) -> None:
                 dt = self.table.snapshot()
                 now = utcnow()
-                seqs = [items[i][0] for i in idx]
-                rows = self.table.rows_by_sequence(dt, p, seqs, STATE_COLUMNS)
-                by_seq = {s: j for j, s in enumerate(rows.column("sequence_number").to_pylist())}
-                present = [i for i in idx if items[i][0] in by_seq]
-                take = pa.array([by_seq[items[i][0]] for i in present], pa.int64())
-                cur = rows.take(take)
-                valid = lifecycle.lock_valid(cur, [items[i][1] for i in present], now)
-                good = cur.filter(pa.array(valid, pa.bool_()))
-                if good.num_rows:
-                    self.table.apply(dt, p, lifecycle.settle(good, op, now, self.policy, reason, description))
+                extra = guard(dt, p, now) if guard is not None else None
+                good, valid = self.locked_rows(dt, p, [items[i] for i in idx], now)
+                parts = [lifecycle.settle(good, op, now, self.policy, reason, description)] if good.num_rows else []
+                if extra is not None and extra.num_rows:
+                    parts.append(extra)
+                if parts:
+                    self.table.apply(dt, p, pa.concat_tables(parts))
                 new_until = now + self.policy.lock_duration
-                for i, v in zip(present, valid, strict=True):
+                for i, v in zip(idx, valid, strict=True):
                     ok[i] = v
                     until[i] = new_until if v and op == lifecycle.RENEW else None
 
             retry_commit(attempt, self.deadline(), f"{op} on {self.name}")
         return SettleResult(ok, until)
+
+    def locked_rows(self, dt: DeltaTable, p: int, items: Sequence[tuple[int, str]], now: datetime) -> tuple[pa.Table, list[bool]]:
+        """Rows of one partition whose lock the (sequence_number, token) items hold now, and a per-item verdict."""
+        rows = self.table.rows_by_sequence(dt, p, [seq for seq, _ in items], STATE_COLUMNS)
+        rows = rows.filter(self._mine(rows))
+        by_seq = {s: j for j, s in enumerate(rows.column("sequence_number").to_pylist())}
+        present = [k for k, (seq, _) in enumerate(items) if seq in by_seq]
+        cur = rows.take(pa.array([by_seq[items[k][0]] for k in present], pa.int64()))
+        held = lifecycle.lock_valid(cur, [items[k][1] for k in present], now)
+        valid = [False] * len(items)
+        for k, v in zip(present, held, strict=True):
+            valid[k] = v
+        return cur.filter(pa.array(held, pa.bool_())), valid
+
+    def _mine(self, rows: pa.Table) -> pa.ChunkedArray:
+        """Mask of the rows that belong to this entity (its subscription, in a topic's table)."""
+        sub = rows.column("subscription")
+        return pc.is_null(sub) if self.subscription is None else pc.fill_null(pc.equal(sub, self.subscription), False)
+
+    def transact(self, partition: int, new_rows: pa.Table | None, settles: Sequence[PendingSettle]) -> pa.Table | None:
+        """Commit sends and settlements of one partition atomically (a transaction); all or nothing.
+
+        Raises MessageLockLostError, applying nothing, when any settled message's lock is not current.
+        """
+        if not self.available(partition):
+            raise PartitionUnavailableError(
+                f"partition {partition} of {self.name!r} is unavailable; the transaction was not applied"
+            )
+        if new_rows is not None and new_rows.num_rows:
+            new_rows = new_rows.set_column(
+                new_rows.schema.get_field_index(PARTITION_COLUMN),
+                PARTITION_COLUMN,
+                pa.array([partition] * new_rows.num_rows, pa.int32()),
+            )
+            self._check_quota(new_rows)
+
+        def attempt() -> pa.Table | None:
+            dt = self.table.snapshot()
+            now = utcnow()
+            parts = []
+            for st in settles:
+                good, valid = self.locked_rows(dt, partition, st.items, now)
+                if not all(valid):
+                    raise MessageLockLostError(
+                        "a message settled in the transaction lost its lock (expired or superseded); nothing was applied"
+                    )
+                parts.append(lifecycle.settle(good, st.op, now, self.policy, st.reason, st.description))
+            changes = pa.concat_tables(parts) if parts else empty_changes()
+            return self.table.apply(dt, partition, changes, new_rows, self.dedupe_since())
+
+        return retry_commit(attempt, self.deadline(), f"transaction on {self.name}")
 
     def cancel_scheduled(self, seqs: Sequence[int]) -> int:
         """Remove scheduled (not yet visible, unlocked) messages; returns how many were removed."""
@@ -280,6 +357,7 @@ class Entity:
                 dt = self.table.snapshot()
                 now = pa.scalar(utcnow(), TIMESTAMP)
                 rows = self.table.rows_by_sequence(dt, p, group, STATE_COLUMNS)
+                rows = rows.filter(self._mine(rows))
                 mask = pc.and_(
                     pc.equal(rows.column("state"), STATE_ACTIVE),
                     pc.fill_null(pc.greater(rows.column("scheduled_enqueue_time_utc"), now), False),
@@ -304,7 +382,7 @@ class Entity:
                 break
             if not self.available(p):
                 continue
-            rows = self.table.scan(dt, p, ROW_COLUMNS, from_seq=cursors.get(p), limit=None)
+            rows = self.table.scan(dt, p, ROW_COLUMNS, from_seq=cursors.get(p), subscription=self.subscription)
             rows = rows.filter(pc.equal(rows.column("sub_queue"), sub_queue)).slice(0, remaining)
             if rows.num_rows:
                 out.append(rows.select(ROW_COLUMNS))
@@ -320,7 +398,9 @@ class Entity:
         for p in range(self.partition_count):
             info = PartitionRuntimeProperties(partition_id=p, available=self.available(p))
             if info.available:
-                rows = self.table.scan(dt, p, ["sub_queue", "state", "scheduled_enqueue_time_utc"])
+                rows = self.table.scan(
+                    dt, p, ["sub_queue", "state", "scheduled_enqueue_time_utc"], subscription=self.subscription
+                )
                 _count_into(info, rows, now)
                 info.size_in_bytes = self.table.partition_bytes(dt, p)
             parts.append(info)

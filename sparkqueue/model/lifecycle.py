@@ -46,13 +46,15 @@ def changes(rows: pa.Table, op: str, **values: Any) -> pa.Table:
         "sequence_number": rows.column("sequence_number").combine_chunks(),
         "op": pa.array([op] * rows.num_rows, pa.string()),
     }
-    for c in MUTABLE_COLUMNS:
+    for c in [*MUTABLE_COLUMNS, "body"]:
         field = CHANGE_SCHEMA.field(c)
         if c in values:
             v = values[c]
             cols[c] = v if isinstance(v, (pa.Array, pa.ChunkedArray)) else pa.array([v] * rows.num_rows, field.type)
-        else:
+        elif c in rows.column_names:
             cols[c] = rows.column(c)
+        else:
+            cols[c] = pa.nulls(rows.num_rows, field.type)
     return pa.table({k: cols[k] for k in CHANGE_SCHEMA.names}).cast(CHANGE_SCHEMA)
 
 

@@ -31,6 +31,7 @@ ENTITY_SCHEMA = pa.schema(
         pa.field("sequence_number", pa.int64(), nullable=False),
         pa.field("available_at_utc", TIMESTAMP),  # next time a receive may take it; null = never
         pa.field("sub_queue", pa.string(), nullable=False),
+        pa.field("subscription", pa.string()),  # topics: the subscription this copy belongs to; null in queues
         pa.field("state", pa.string(), nullable=False),
         pa.field("kind", pa.string(), nullable=False),
         pa.field("enqueued_time_utc", TIMESTAMP, nullable=False),
@@ -66,6 +67,7 @@ STATE_COLUMNS = [
     "sequence_number",
     "available_at_utc",
     "sub_queue",
+    "subscription",
     "state",
     "kind",
     "enqueued_time_utc",

@@ -57,10 +57,12 @@ MUTABLE_COLUMNS = [
 CHANGE_SCHEMA = pa.schema(
     [pa.field("sequence_number", pa.int64()), pa.field("op", pa.string())]
     + [ENTITY_SCHEMA.field(c).with_nullable(True) for c in MUTABLE_COLUMNS]
+    + [pa.field("body", pa.binary())]  # written only by OP_SET_BODY (a session's state)
 )
 OP_SET = "set"  # write the mutable columns from the change row
 OP_DELETE = "delete"  # remove the row
 OP_TOMBSTONE = "tombstone"  # keep only what duplicate detection needs
+OP_SET_BODY = "set_body"  # like OP_SET, and replace the body too (session state)
 TOMBSTONE_CLEARED = ["available_at_utc", "locked_until_utc", "lock_token", "body", "application_properties"]
 
 
@@ -88,6 +90,25 @@ class FileInfo:
     max_enqueued: datetime | None
     min_sub_queue: str | None
     max_sub_queue: str | None
+    min_kind: str | None = None
+    max_kind: str | None = None
+    min_subscription: str | None = None
+    max_subscription: str | None = None
+    null_subscriptions: int | None = None
+    min_session: str | None = None
+    max_session: str | None = None
+
+    def may_hold(self, kind: str, sub_queue: str | None, subscription: str | None, session_id: str | None = None) -> bool:
+        """False when the statistics prove the file holds no row of this kind, sub-queue, subscription and session."""
+        if not _in_range(kind, self.min_kind, self.max_kind):
+            return False
+        if sub_queue is not None and not _in_range(sub_queue, self.min_sub_queue, self.max_sub_queue):
+            return False
+        if session_id is not None and not _in_range(session_id, self.min_session, self.max_session):
+            return False
+        if subscription is None:
+            return self.null_subscriptions != 0
+        return _in_range(subscription, self.min_subscription, self.max_subscription)
 
 
 class EntityTable:
@@ -99,7 +120,7 @@ class EntityTable:
         self.faults = faults or FaultInjector()
         self.data = DataFiles(self.uri)
         self._lock = threading.RLock()
-        self._dt: DeltaTable | None = None
+        self._local = threading.local()
         self._index_version = -1
         self._index: dict[int, list[FileInfo]] = {}
         self._live: set[str] = set()
@@ -118,17 +139,17 @@ class EntityTable:
         )
 
     def snapshot(self) -> DeltaTable:
-        """A handle on the table at its latest version (incremental log read).
+        """This thread's handle on the table, brought to the latest version (incremental log read).
 
-        Each call returns a handle of its own, so a commit computed from it is checked against
-        exactly the version it read, even with other threads using the table.
+        Handles are per thread: a commit is checked against exactly the version its thread read,
+        and no other thread moves that handle underneath it.
         """
-        with self._lock:
-            if self._dt is None:
-                self._dt = DeltaTable(self.uri)
-            else:
-                self._dt.update_incremental()
-            return DeltaTable(self.uri, version=self._dt.version()) if threading.active_count() > 1 else self._dt
+        dt: DeltaTable | None = getattr(self._local, "dt", None)
+        if dt is None:
+            dt = self._local.dt = DeltaTable(self.uri)
+        else:
+            dt.update_incremental()
+        return dt
 
     def files(self, dt: DeltaTable, partition: int) -> list[FileInfo]:
         """The partition's live files at `dt`'s version, ordered by lowest sequence number."""
@@ -158,33 +179,43 @@ class EntityTable:
         """
         dt = self.snapshot()
         partitions = sorted(set(rows.column(PARTITION_COLUMN).to_pylist()))
-        for p in partitions:
-            self.faults.check(p, "write")
-        stored: list[pa.Table] = []
-        fences: list[Transaction] = []
-        seen: dict[str, int | None] = {}
-        for p in partitions:
-            part = rows.filter(pc.equal(rows.column(PARTITION_COLUMN), p))
-            if dedupe_since is not None:
-                part = self._drop_duplicates(dt, p, part, dedupe_since)
-            app = fence_app_id(p)
-            seen[app] = dt.transaction_version(app)
-            if part.num_rows == 0:
-                continue
-            last = seen[app] or 0
-            first = sequence_number(p, last + 1)
-            seqs = pa.array(range(first, first + part.num_rows), pa.int64())
-            stored.append(part.set_column(part.schema.get_field_index("sequence_number"), "sequence_number", seqs))
-            fences.append(Transaction(app, last + part.num_rows))
+        staged = [self._stage(dt, p, rows.filter(pc.equal(rows.column(PARTITION_COLUMN), p)), dedupe_since) for p in partitions]
+        stored = [st.rows for st in staged if st.rows.num_rows]
         if not stored:
             return rows.schema.empty_table()
-        adds = [self.data.write(t.column(PARTITION_COLUMN)[0].as_py(), t) for t in stored]
+        adds = [a for st in staged for a in st.adds]
+        fences = [st.fence for st in staged if st.fence is not None]
+        seen = {st.app: st.seen for st in staged}
         try:
             commit(dt, adds, [], fences, fences_unchanged(seen))
         except BaseException:
             self.data.delete([a.path for a in adds])
             raise
         return pa.concat_tables(stored)
+
+    def _stage(self, dt: DeltaTable, p: int, part: pa.Table, dedupe_since: datetime | None) -> _Staged:
+        """Number new rows of one partition from its fence and write them, one file per subscription."""
+        self.faults.check(p, "write")
+        if dedupe_since is not None:
+            part = self._drop_duplicates(dt, p, part, dedupe_since)
+        app = fence_app_id(p)
+        seen = dt.transaction_version(app)
+        if part.num_rows == 0:
+            return _Staged(app, seen, None, part, [])
+        last = seen or 0
+        first = sequence_number(p, last + 1)
+        seqs = pa.array(range(first, first + part.num_rows), pa.int64())
+        part = part.set_column(part.schema.get_field_index("sequence_number"), "sequence_number", seqs)
+        subs = part.column("subscription")
+        groups = (
+            [part]
+            if subs.null_count == len(subs)
+            else [
+                part.filter(pc.is_null(subs) if v is None else pc.fill_null(pc.equal(subs, v), False))
+                for v in pc.unique(subs).to_pylist()
+            ]
+        )
+        return _Staged(app, seen, Transaction(app, last + part.num_rows), part, [self.data.write(p, g) for g in groups])
 
     def _drop_duplicates(self, dt: DeltaTable, p: int, part: pa.Table, since: datetime) -> pa.Table:
         """Remove rows whose message_id repeats within the batch or was accepted since `since`."""
@@ -208,12 +239,20 @@ class EntityTable:
         return pa.concat_tables([self.data.read(f.path, columns) for f in files])
 
     def candidates(
-        self, dt: DeltaTable, partition: int, sub_queue: str, now: datetime, limit: int, columns: Sequence[str] = STATE_COLUMNS
+        self,
+        dt: DeltaTable,
+        partition: int,
+        sub_queue: str,
+        now: datetime,
+        limit: int,
+        columns: Sequence[str] = STATE_COLUMNS,
+        subscription: str | None = None,
     ) -> pa.Table:
-        """The oldest rows of a sub-queue that a receive may take now (by sequence number).
+        """The oldest message rows of a sub-queue that a receive may take now (by sequence number).
 
-        Files whose min(available_at_utc) is after `now` or that hold no row of the sub-queue are
-        skipped by their statistics, so in-flight and scheduled backlogs cost nothing to step over.
+        Files whose min(available_at_utc) is after `now`, or whose statistics show no row of the
+        sub-queue or subscription, are skipped unopened, so in-flight and scheduled backlogs cost
+        nothing to step over.
         """
         picked: list[pa.Table] = []
         count = 0
@@ -221,15 +260,13 @@ class EntityTable:
         for f in self.files(dt, partition):
             if count >= limit and max_picked is not None and f.min_seq > max_picked:
                 break
-            if f.min_available_at is None or f.min_available_at > now:
-                continue
-            if f.min_sub_queue is not None and not (f.min_sub_queue <= sub_queue <= (f.max_sub_queue or sub_queue)):
+            if f.min_available_at is None or f.min_available_at > now or not f.may_hold(KIND_MESSAGE, sub_queue, subscription):
                 continue
             t = self.data.read(f.path, columns)
             mask = pc.and_(
-                pc.and_(pc.equal(t.column("sub_queue"), sub_queue), pc.equal(t.column("state"), STATE_ACTIVE)),
+                pc.and_(_in_scope(t, KIND_MESSAGE, subscription), pc.equal(t.column("sub_queue"), sub_queue)),
                 pc.and_(
-                    pc.equal(t.column("kind"), KIND_MESSAGE),
+                    pc.equal(t.column("state"), STATE_ACTIVE),
                     pc.less_equal(t.column("available_at_utc"), pa.scalar(now, TIMESTAMP)),
                 ),
             )
@@ -255,20 +292,34 @@ class EntityTable:
         return t.sort_by("sequence_number")
 
     def scan(
-        self, dt: DeltaTable, partition: int, columns: Sequence[str], from_seq: int | None = None, limit: int | None = None
+        self,
+        dt: DeltaTable,
+        partition: int,
+        columns: Sequence[str],
+        from_seq: int | None = None,
+        limit: int | None = None,
+        subscription: str | None = None,
+        kind: str = KIND_MESSAGE,
+        session_id: str | None = None,
     ) -> pa.Table:
-        """Live message rows of one partition in sequence order, optionally from a sequence number, at most `limit`."""
-        files = self.files(dt, partition)
+        """Live rows of one kind (messages by default) in a partition, in sequence order.
+
+        Optionally from a sequence number, of one session, and at most `limit` of them.
+        Completed tombstones are never returned.
+        """
+        files = [f for f in self.files(dt, partition) if f.may_hold(kind, None, subscription, session_id)]
         if from_seq is not None:
             files = [f for f in files if f.max_seq >= from_seq]
-        cols = list(dict.fromkeys(["sequence_number", "kind", "state", *columns]))
+        cols = list(dict.fromkeys(["sequence_number", "kind", "subscription", "state", "session_id", *columns]))
         out: list[pa.Table] = []
         count = 0
         for f in files:
             t = self.data.read(f.path, cols)
-            mask = pc.and_(pc.equal(t.column("kind"), KIND_MESSAGE), pc.not_equal(t.column("state"), STATE_COMPLETED))
+            mask = pc.and_(_in_scope(t, kind, subscription), pc.not_equal(t.column("state"), STATE_COMPLETED))
             if from_seq is not None:
                 mask = pc.and_(mask, pc.greater_equal(t.column("sequence_number"), from_seq))
+            if session_id is not None:
+                mask = pc.and_(mask, pc.fill_null(pc.equal(t.column("session_id"), session_id), False))
             t = t.filter(mask)
             out.append(t)
             count += t.num_rows
@@ -283,35 +334,65 @@ class EntityTable:
 
     # ---- changes ---------------------------------------------------------------------------------
 
-    def apply(self, dt: DeltaTable, partition: int, changes: pa.Table) -> None:
-        """Apply per-row changes (CHANGE_SCHEMA) to one partition in one commit; one attempt.
+    def apply(
+        self,
+        dt: DeltaTable,
+        partition: int,
+        changes: pa.Table,
+        new_rows: pa.Table | None = None,
+        dedupe_since: datetime | None = None,
+    ) -> pa.Table | None:
+        """Apply per-row changes (CHANGE_SCHEMA), and append new rows, to one partition in one commit; one attempt.
 
         Rewrites only the files holding changed rows. `dt` must be the snapshot the changes were
-        computed from: if any of those files changed since, this raises CommitFailedError.
+        computed from: if any of those files (or, with new rows, the partition's fence) changed
+        since, this raises CommitFailedError. Returns the stored new rows, if any were given.
         """
         self.faults.check(partition, "write")
         changes = changes.cast(CHANGE_SCHEMA)
-        seqs = changes.column("sequence_number")
-        lo, hi = pc.min(seqs).as_py(), pc.max(seqs).as_py()
         adds, removed = [], []
-        for f in self.files(dt, partition):
-            if f.max_seq < lo or f.min_seq > hi:
-                continue
-            rows = self.data.read(f.path)
-            new = _apply_changes(rows, changes)
-            if new is None:
-                continue
-            removed.append(f)
-            if new.num_rows:
-                adds.append(self.data.write(partition, new))
-        if not removed:
-            raise CommitFailedError("none of the changed rows is live any more")
+        if changes.num_rows:
+            seqs = changes.column("sequence_number")
+            lo, hi = pc.min(seqs).as_py(), pc.max(seqs).as_py()
+            for f in self.files(dt, partition):
+                if f.max_seq < lo or f.min_seq > hi:
+                    continue
+                new = _apply_changes(self.data.read(f.path), changes)
+                if new is None:
+                    continue
+                removed.append(f)
+                if new.num_rows:
+                    adds.append(self.data.write(partition, new))
+            if not removed:
+                raise CommitFailedError("none of the changed rows is live any more")
+        staged = self._stage(dt, partition, new_rows, dedupe_since) if new_rows is not None else None
+        fences, valid = [], self._files_live([f.path for f in removed])
+        if staged is not None:
+            adds.extend(staged.adds)
+            if staged.fence is not None:
+                fences.append(staged.fence)
+                fenced = fences_unchanged({staged.app: staged.seen})
+                valid = (lambda live, fenced: lambda d: live(d) and fenced(d))(valid, fenced)
+        if not adds and not removed:
+            return staged.rows if staged else None
         removes = [remove_action(f.path, f.partition, f.size_bytes) for f in removed]
         try:
-            commit(dt, adds, removes, [], self._files_live([f.path for f in removed]))
+            commit(dt, adds, removes, fences, valid)
         except BaseException:
             self.data.delete([a.path for a in adds])
             raise
+        return staged.rows if staged else None
+
+
+@dataclass
+class _Staged:
+    """New rows of one partition, numbered and written, waiting for their commit."""
+
+    app: str
+    seen: int | None
+    fence: Transaction | None
+    rows: pa.Table
+    adds: list
 
 
 def _apply_changes(rows: pa.Table, changes: pa.Table) -> pa.Table | None:
@@ -325,6 +406,11 @@ def _apply_changes(rows: pa.Table, changes: pa.Table) -> pa.Table | None:
         pos = rows.schema.get_field_index(c)
         new = pc.take(changes.column(c), idx)
         rows = rows.set_column(pos, rows.field(c), pc.if_else(hit, new, rows.column(c)).cast(rows.field(c).type))
+    body = pc.fill_null(pc.equal(ops, OP_SET_BODY), False)
+    if pc.any(body).as_py():
+        pos = rows.schema.get_field_index("body")
+        new = pc.take(changes.column("body"), idx)
+        rows = rows.set_column(pos, rows.field("body"), pc.if_else(body, new, rows.column("body")).cast(rows.field("body").type))
     tomb = pc.fill_null(pc.equal(ops, OP_TOMBSTONE), False)
     if pc.any(tomb).as_py():
         state = rows.schema.get_field_index("state")
@@ -333,6 +419,21 @@ def _apply_changes(rows: pa.Table, changes: pa.Table) -> pa.Table | None:
             pos = rows.schema.get_field_index(c)
             rows = rows.set_column(pos, rows.field(c), pc.if_else(tomb, pa.scalar(None, rows.field(c).type), rows.column(c)))
     return rows.filter(pc.invert(pc.fill_null(pc.equal(ops, OP_DELETE), False)))
+
+
+def _in_range(value: str, lo: str | None, hi: str | None) -> bool:
+    """Could a file whose string stats are [lo, hi] hold `value`? Missing stats: assume yes.
+
+    sparkqueue writes its own, untruncated string statistics (files.py), so a plain range check is exact.
+    """
+    return lo is None or hi is None or lo <= value <= hi
+
+
+def _in_scope(t: pa.Table, kind: str, subscription: str | None) -> pa.ChunkedArray:
+    """Rows of a kind that belong to the queue (subscription None) or to one subscription."""
+    sub = t.column("subscription")
+    in_sub = pc.is_null(sub) if subscription is None else pc.fill_null(pc.equal(sub, subscription), False)
+    return pc.and_(pc.equal(t.column("kind"), kind), in_sub)
 
 
 def empty_changes() -> pa.Table:
@@ -360,10 +461,17 @@ def _file_index(dt: DeltaTable) -> tuple[dict[int, list[FileInfo]], set[str]]:
         col("max.enqueued_time_utc"),
         col("min.sub_queue"),
         col("max.sub_queue"),
+        col("min.kind"),
+        col("max.kind"),
+        col("min.subscription"),
+        col("max.subscription"),
+        col("null_count.subscription"),
+        col("min.session_id"),
+        col("max.session_id"),
         strict=True,
     )
-    for path, part, size, n, lo, hi, avail, enq, sq_lo, sq_hi in rows:
-        info = FileInfo(unquote(path), int(part), size, n or 0, lo or 0, hi or 0, avail, enq, sq_lo, sq_hi)
+    for path, part, size, n, lo, hi, avail, enq, sq_lo, sq_hi, *more in rows:
+        info = FileInfo(unquote(path), int(part), size, n or 0, lo or 0, hi or 0, avail, enq, sq_lo, sq_hi, *more)
         index.setdefault(info.partition, []).append(info)
         live.add(info.path)
     for files in index.values():

@@ -1,0 +1,18 @@
+#!/usr/bin/env bash
+# Install sparkqueue with its test extras into .venv (created if absent) and run the whole test suite.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+python3 -m venv .venv
+.venv/bin/python -m pip install -q --upgrade pip
+.venv/bin/python -m pip install -q -e ".[test]"
+.venv/bin/ruff check sparkqueue jobs tests bench
+set +e
+.venv/bin/python -m pytest "$@"
+rc=$?
+set -e
+# pytest exits 5 when it collected no test: that is a failure here, never a pass.
+if [ "$rc" -eq 5 ]; then
+  echo "pytest collected no tests" >&2
+  exit 1
+fi
+exit "$rc"
