@@ -29,12 +29,14 @@ from sparkqueue.model.properties import (
     build_properties,
     check_update,
 )
+from sparkqueue.model.sessions import SessionInfo, Sessions
 from sparkqueue.receiver import Receiver
 from sparkqueue.sender import Sender
 from sparkqueue.storage.catalog import Catalog, CatalogEntry, catalog_key
 from sparkqueue.storage.faults import FaultInjector
 from sparkqueue.storage.retry import Deadline
 from sparkqueue.storage.table import EntityTable
+from sparkqueue.transaction import Transaction
 
 log = logging.getLogger(__name__)
 
@@ -237,9 +239,7 @@ class Namespace:
         prefetch_count: int = 0,
         max_wait_time: float | timedelta | None = None,
     ) -> Receiver:
-        """A receiver of the queue (or of its dead-letter sub-queue)."""
-        if session_id is not None:
-            raise InvalidOperationError(f"queue {queue_name!r}: session receivers need a session-enabled queue")
+        """A receiver of the queue, of its dead-letter sub-queue, or (session_id) of one of its sessions."""
         return Receiver(
             self,
             QUEUE,
@@ -248,7 +248,18 @@ class Namespace:
             sub_queue=sub_queue,
             prefetch_count=prefetch_count,
             max_wait_time=max_wait_time,
+            session_id=session_id,
         )
+
+    # ---- transactions and sessions ------------------------------------------------------------
+
+    def transaction(self) -> Transaction:
+        """`with ns.transaction() as tx:` groups sends and settlements on one entity into one atomic commit."""
+        return Transaction(self)
+
+    def list_queue_sessions(self, queue_name: str) -> list[SessionInfo]:
+        """Sessions of a session-enabled queue, with their state, lock expiry and message counts."""
+        return Sessions(self._entity(QUEUE, queue_name)).list()
 
     # ---- data path used by senders ---------------------------------------------------------------
 

@@ -8,11 +8,12 @@ from collections.abc import Iterator, Sequence
 from datetime import datetime, timedelta
 from typing import TYPE_CHECKING
 
-from sparkqueue.constants import ReceiveMode, SubQueue
+from sparkqueue.constants import NEXT_AVAILABLE_SESSION, ReceiveMode, SubQueue
 from sparkqueue.errors import InvalidOperationError, MessageLockLostError
 from sparkqueue.message import ReceivedMessage, received_messages
 from sparkqueue.model import lifecycle, limits
-from sparkqueue.model.entity import Entity, utcnow
+from sparkqueue.model.entity import Entity, Guard, utcnow
+from sparkqueue.model.sessions import SessionLock, Sessions
 from sparkqueue.storage.schema import SUB_QUEUE_DEAD_LETTER, SUB_QUEUE_MAIN
 from sparkqueue.storage.table import SEQUENCE_MASK
 
@@ -46,6 +47,7 @@ class Receiver:
         sub_queue: SubQueue | str | None = None,
         prefetch_count: int = 0,
         max_wait_time: float | timedelta | None = None,
+        session_id: str | object | None = None,
     ) -> None:
         try:
             self.receive_mode = ReceiveMode(receive_mode)
@@ -65,7 +67,21 @@ class Receiver:
         self._cache: deque[ReceivedMessage] = deque()
         self._peek_cursors: dict[int, int] = {}
         self._closed = False
-        self._entity()  # fail fast on an unknown entity
+        self.session: ReceiverSession | None = None
+        entity = self._entity()  # fail fast on an unknown entity
+        requires_session = bool(getattr(entity.props, "requires_session", False))
+        if session_id is None and requires_session:
+            raise InvalidOperationError(
+                f"{entity.name!r} requires sessions: pass session_id=<id> or session_id=NEXT_AVAILABLE_SESSION"
+            )
+        if session_id is not None:
+            if not requires_session:
+                raise InvalidOperationError(f"{entity.name!r} is not session-enabled; create it with requires_session=True")
+            if sub_queue is not None:
+                raise InvalidOperationError("the dead-letter sub-queue is read without a session")
+            sid = None if session_id is NEXT_AVAILABLE_SESSION else limits.check_key(session_id, "session_id")
+            sessions = Sessions(entity)
+            self.session = ReceiverSession(sessions, sessions.accept(sid, self.max_wait_time))
 
     def _entity(self) -> Entity:
         return self._ns._entity(self.entity_type, self.entity_name)
@@ -79,11 +95,15 @@ class Receiver:
         self.close()
 
     def close(self) -> None:
-        """Release prefetched messages so other receivers get them at once."""
-        if self._cache and self.receive_mode == ReceiveMode.PEEK_LOCK:
+        """Release prefetched messages, and the session lock, so other receivers get them at once."""
+        if self._closed:
+            return
+        if self.session is not None:
+            self.session._release()
+        elif self._cache and self.receive_mode == ReceiveMode.PEEK_LOCK:
             cached = list(self._cache)
-            self._cache.clear()
             self._entity().settle([(m.sequence_number, m.lock_token or "") for m in cached], lifecycle.ABANDON)
+        self._cache.clear()
         self._closed = True
 
     def __iter__(self) -> Iterator[ReceivedMessage]:
@@ -112,7 +132,11 @@ class Receiver:
         if len(out) >= n:
             return out
         want = n - len(out) + self.prefetch_count
-        rows = self._entity().receive(self._sub_queue, want, delete=self._deleting, wait_s=0.0 if out else wait)
+        wait_s = 0.0 if out else wait
+        if self.session is not None:
+            rows = self.session._sessions.receive(self.session._lock, want, delete=self._deleting, wait_s=wait_s)
+        else:
+            rows = self._entity().receive(self._sub_queue, want, delete=self._deleting, wait_s=wait_s)
         got = received_messages(rows, utcnow())
         take = n - len(out)
         out.extend(got[:take])
@@ -201,7 +225,16 @@ class Receiver:
                 raise InvalidOperationError("the message has no lock token: peeked messages cannot be settled")
         if not messages:
             return []
-        res = self._entity().settle([(m.sequence_number, m.lock_token or "") for m in messages], op, reason, description)
+        tx = self._ns._active_transaction
+        if tx is not None:
+            if op == lifecycle.RENEW:
+                raise InvalidOperationError("locks cannot be renewed inside a transaction")
+            if self.session is not None:
+                raise InvalidOperationError("session receivers settle outside transactions in this version")
+            tx.add_settle(self, messages, op, reason, description)
+            return [None] * len(messages)
+        guard = self.session._guard() if self.session is not None else None
+        res = self._entity().settle([(m.sequence_number, m.lock_token or "") for m in messages], op, reason, description, guard)
         lost = [m for m, ok in zip(messages, res.ok, strict=True) if not ok]
         if lost:
             names = ", ".join(f"{m.sequence_number} ({m.message_id!r})" for m in lost[:5])
@@ -222,3 +255,43 @@ class Receiver:
     def _seqs(sequence_numbers: int | Sequence[int]) -> list[int]:
         seqs = [sequence_numbers] if isinstance(sequence_numbers, int) else list(sequence_numbers)
         return [limits.check_int(s, "sequence_numbers", minimum=0) for s in seqs]
+
+
+class ReceiverSession:
+    """The session a session receiver holds (SDK: ServiceBusSession): its state and lock."""
+
+    def __init__(self, sessions: Sessions, lock: SessionLock) -> None:
+        self._sessions = sessions
+        self._lock = lock
+
+    @property
+    def session_id(self) -> str:
+        """The locked session's id."""
+        return self._lock.session_id
+
+    @property
+    def locked_until_utc(self) -> datetime:
+        """When the session lock expires unless renewed."""
+        return self._lock.locked_until
+
+    def get_state(self) -> bytes | None:
+        """The session state (None when never set or cleared)."""
+        return self._sessions.get_state(self._lock)
+
+    def set_state(self, state: bytes | str | None) -> None:
+        """Store (or clear, with None) the session state; str is stored as UTF-8."""
+        if isinstance(state, str):
+            state = state.encode("utf-8")
+        if state is not None and not isinstance(state, (bytes, bytearray)):
+            raise InvalidOperationError(f"session state must be bytes, str or None, got {type(state).__name__}")
+        self._sessions.set_state(self._lock, bytes(state) if state is not None else None)
+
+    def renew_lock(self) -> datetime:
+        """Extend the session lock by the entity's lock_duration; returns the new expiry."""
+        return self._sessions.renew(self._lock)
+
+    def _guard(self) -> Guard:
+        return self._sessions.guard(self._lock)
+
+    def _release(self) -> None:
+        self._sessions.release(self._lock)

@@ -197,7 +197,7 @@ class Entity:
                 remaining -= got.num_rows
             if remaining <= 0:
                 break
-        return pa.concat_tables(out) if out else _empty_rows()
+        return pa.concat_tables(out) if out else empty_rows()
 
     def _receive_partition(self, p: int, sub_queue: str, limit: int, delete: bool) -> pa.Table:
         """Lock (or delete) up to `limit` messages of one partition; moves on after repeated conflicts."""
@@ -226,7 +226,7 @@ class Entity:
                 limit -= d.delivered.num_rows
             if d.delivered.num_rows == cands.num_rows:
                 break  # nothing was expired or dead-lettered, so the partition had no more than this
-        return pa.concat_tables(out) if out else _empty_rows()
+        return pa.concat_tables(out) if out else empty_rows()
 
     def receive_deferred(self, sub_queue: str, seqs: Sequence[int], *, delete: bool) -> pa.Table:
         """Lock (or delete) the deferred messages with these sequence numbers; others are skipped."""
@@ -253,7 +253,7 @@ class Entity:
                 return d.delivered
 
             out.append(retry_commit(attempt, self.deadline(), f"receive deferred from {self.name}"))
-        return pa.concat_tables(out) if out else _empty_rows()
+        return pa.concat_tables(out) if out else empty_rows()
 
     # ---- settle ------------------------------------------------------------------------------
 
@@ -388,7 +388,7 @@ class Entity:
                 out.append(rows.select(ROW_COLUMNS))
                 remaining -= rows.num_rows
                 cursors[p] = rows.column("sequence_number")[-1].as_py() + 1
-        return pa.concat_tables(out) if out else _empty_rows()
+        return pa.concat_tables(out) if out else empty_rows()
 
     def runtime_properties(self) -> RuntimeProperties:
         """Counts per partition and in total; unavailable partitions count as 'Limited'."""
@@ -428,7 +428,7 @@ def _by_partition(seqs: Iterable[int]) -> dict[int, list[int]]:
     return out
 
 
-def _empty_rows() -> pa.Table:
+def empty_rows() -> pa.Table:
     """A row table with no rows."""
     return pa.schema([ENTITY_SCHEMA.field(c) for c in ROW_COLUMNS]).empty_table()
 
