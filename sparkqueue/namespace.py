@@ -6,43 +6,39 @@ import logging
 import os
 import threading
 import time
-import uuid
 from dataclasses import dataclass
-from datetime import UTC, datetime, timedelta
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
 from sparkqueue.constants import ReceiveMode, SubQueue
-from sparkqueue.errors import (
-    EntityAlreadyExistsError,
-    EntityNotFoundError,
-    InvalidOperationError,
-    PartitionUnavailableError,
-    QuotaExceededError,
+from sparkqueue.errors import EntityNotFoundError, InvalidOperationError
+from sparkqueue.management import (
+    PROPERTY_TYPES,
+    QUEUE,
+    RULE,
+    SUBSCRIPTION,
+    TOPIC,
+    Management,
+    rule_from_entry,
+    split_subscription_path,
+    sub_entity_name,
 )
 from sparkqueue.model import limits
 from sparkqueue.model.entity import Entity
-from sparkqueue.model.properties import (
-    QueueProperties,
-    RuntimeProperties,
-    _EntityProperties,
-    build_properties,
-    check_update,
-)
 from sparkqueue.model.sessions import SessionInfo, Sessions
+from sparkqueue.model.topics import Rule, Subscriber, fan_out
 from sparkqueue.receiver import Receiver
 from sparkqueue.sender import Sender
 from sparkqueue.storage.catalog import Catalog, CatalogEntry, catalog_key
 from sparkqueue.storage.faults import FaultInjector
 from sparkqueue.storage.retry import Deadline
-from sparkqueue.storage.table import EntityTable
+from sparkqueue.storage.table import ANY_SUBSCRIPTION, EntityTable, Expand
 from sparkqueue.transaction import Transaction
 
 log = logging.getLogger(__name__)
 
-QUEUE = "queue"
-PROPERTIES_TTL_S = 1.0  # how long a process trusts cached entity settings before re-reading the catalog
-_PROPERTY_TYPES: dict[str, type[_EntityProperties]] = {QUEUE: QueueProperties}
+PROPERTIES_TTL_S = 1.0  # how long a process trusts cached settings and rules before re-reading the catalog
 
 
 @dataclass
@@ -52,8 +48,15 @@ class _Cached:
     loaded_at: float
 
 
-class Namespace:
-    """A root location holding a catalog and one Delta table per entity; opened (and created) by path or URI."""
+@dataclass
+class _CachedRules:
+    subscribers: list[Subscriber]
+    record_ids: bool
+    loaded_at: float
+
+
+class Namespace(Management):
+    """A root location holding a catalog and one Delta table per queue or topic; opened (and created) by path or URI."""
 
     def __init__(self, root: str | os.PathLike[str], tier: str = limits.STANDARD, *, operation_timeout: float = 60.0) -> None:
         self.root = str(root).rstrip("/")
@@ -66,6 +69,8 @@ class Namespace:
         self._catalog = Catalog(f"{self.root}/_catalog")
         self._catalog.open()
         self._cache: dict[str, _Cached] = {}
+        self._tables: dict[str, EntityTable] = {}
+        self._rules: dict[str, _CachedRules] = {}
         self._faults: dict[str, FaultInjector] = {}
         self._lock = threading.RLock()
         self._local = threading.local()
@@ -77,9 +82,11 @@ class Namespace:
         self.close()
 
     def close(self) -> None:
-        """Drop cached table handles; the namespace may be entered again afterwards."""
+        """Drop cached handles and settings; the namespace may be entered again afterwards."""
         with self._lock:
             self._cache.clear()
+            self._tables.clear()
+            self._rules.clear()
 
     def __repr__(self) -> str:
         return f"Namespace({self.root!r}, tier={self.tier!r})"
@@ -87,7 +94,9 @@ class Namespace:
     # ---- faults (tests and drills) ---------------------------------------------------------------
 
     def fault_injector(self, entity_name: str, entity_type: str = QUEUE) -> FaultInjector:
-        """The fault hook of an entity's table in this process: make partitions fail reads or writes."""
+        """This process's fault hook on a queue's or topic's table (a topic's covers its subscriptions)."""
+        if entity_type not in (QUEUE, TOPIC):
+            raise InvalidOperationError("faults are injected on a queue's or a topic's table")
         with self._lock:
             return self._faults.setdefault(catalog_key(entity_type, entity_name), FaultInjector())
 
@@ -99,8 +108,15 @@ class Namespace:
     def _entry(self, entity_type: str, name: str) -> CatalogEntry:
         entry = self._catalog.get(catalog_key(entity_type, name))
         if entry is None:
-            raise EntityNotFoundError(f"{entity_type} {name!r} does not exist in namespace {self.root!r}")
+            shown = name.replace("|", "/")
+            raise EntityNotFoundError(f"{entity_type} {shown!r} does not exist in namespace {self.root!r}")
         return entry
+
+    def _forget(self, key: str) -> None:
+        """Drop cached settings of an entity (after an update or delete)."""
+        with self._lock:
+            self._cache.pop(key, None)
+            self._rules.pop(key, None)
 
     def _entity(self, entity_type: str, name: str) -> Entity:
         """The entity with settings at most PROPERTIES_TTL_S old; raises EntityNotFoundError."""
@@ -110,124 +126,76 @@ class Namespace:
             if cached is not None and time.monotonic() - cached.loaded_at < PROPERTIES_TTL_S:
                 return cached.entity
         entry = self._entry(entity_type, name)
-        props = _PROPERTY_TYPES[entity_type].from_json(entry.properties)
+        props = PROPERTY_TYPES[entity_type].from_json(entry.properties)
         with self._lock:
             cached = self._cache.get(key)
             if cached is not None and cached.table_path == entry.table_path:
                 cached.entity.props = props
                 cached.loaded_at = time.monotonic()
                 return cached.entity
-            table = EntityTable(entry.table_path, props.partition_count, self.fault_injector(name, entity_type))
-            entity = Entity(props, table, self.operation_timeout)
+            if entity_type == SUBSCRIPTION:
+                path, sub_key = split_subscription_path(entry.table_path)
+                owner = catalog_key(TOPIC, name.split("|")[0])
+            else:
+                path, sub_key = entry.table_path, ANY_SUBSCRIPTION if entity_type == TOPIC else None
+                owner = key
+            entity = Entity(props, self._table(path, props.partition_count, owner), self.operation_timeout, sub_key)
             self._cache[key] = _Cached(entity, entry.table_path, time.monotonic())
             return entity
 
-    def _props(self, entity_type: str, name: str) -> _EntityProperties:
+    def _table(self, path: str, partition_count: int, owner: str) -> EntityTable:
+        """One table handle per Delta table, shared by a topic and its subscriptions."""
+        with self._lock:
+            table = self._tables.get(path)
+            if table is None:
+                faults = self._faults.setdefault(owner, FaultInjector())
+                table = self._tables[path] = EntityTable(path, partition_count, faults)
+            return table
+
+    def _props(self, entity_type: str, name: str) -> Any:
         return self._entity(entity_type, name).props
 
-    # ---- management ----------------------------------------------------------------------------
+    def _expander(self, entity_type: str, name: str) -> Expand | None:
+        """How a send to the entity turns messages into rows: topic fan-out, or as-is for a queue."""
+        if entity_type != TOPIC:
+            return None
+        key = catalog_key(TOPIC, name)
+        with self._lock:
+            cached = self._rules.get(key)
+        if cached is None or time.monotonic() - cached.loaded_at >= PROPERTIES_TTL_S:
+            cached = _CachedRules(
+                self._subscribers(name), self._props(TOPIC, name).requires_duplicate_detection, time.monotonic()
+            )
+            with self._lock:
+                self._rules[key] = cached
+        subscribers, record_ids = cached.subscribers, cached.record_ids
+        return lambda rows: fan_out(rows, subscribers, record_ids)
 
-    def _create(self, entity_type: str, name: str, settings: dict[str, Any]) -> _EntityProperties:
-        props = build_properties(_PROPERTY_TYPES[entity_type], name, self.tier, settings)
-        self._check_entity_quota(props)
-        table_path = f"{self.root}/entities/{entity_type}-{uuid.uuid4().hex}"
-        EntityTable.create(table_path)
-        now = datetime.now(UTC)
-        entry = CatalogEntry(catalog_key(entity_type, name), entity_type, table_path, props.to_json(), now, now)
-        if not self._catalog.insert(entry, self._deadline()):
-            _remove_table(table_path)
-            raise EntityAlreadyExistsError(f"{entity_type} {name!r} already exists in namespace {self.root!r}")
-        log.info("created %s %s (%d partitions)", entity_type, name, props.partition_count)
-        return props
-
-    def _check_entity_quota(self, props: _EntityProperties) -> None:
+    def _subscribers(self, topic_name: str) -> list[Subscriber]:
+        """The topic's subscriptions with their rules, read from the catalog in one pass."""
         entries = self._catalog.entries()
-        if len(entries) >= limits.MAX_ENTITIES:
-            raise QuotaExceededError(f"the namespace already holds {limits.MAX_ENTITIES} entities")
-        if props.partition_count > 1 and props.entity_type != "subscription":
-            partitioned = sum(
-                1 for e in entries if e.entity_type != "subscription" and '"enable_partitioning": true' in e.properties
-            )
-            if partitioned >= limits.MAX_PARTITIONED_ENTITIES:
-                raise QuotaExceededError(
-                    f"the namespace already holds {limits.MAX_PARTITIONED_ENTITIES} partitioned queues and topics; "
-                    "create this one with enable_partitioning=False or delete one"
-                )
+        rules: dict[str, list[Rule]] = {}
+        for e in entries:
+            if e.entity_type == RULE and e.name.split(":", 1)[1].startswith(f"{topic_name}|"):
+                sub = e.name.split(":", 1)[1].split("|")[1]
+                rp = rule_from_entry(e)
+                rules.setdefault(sub, []).append(Rule(rp.name, rp.filter, rp.action))
+        out = []
+        for e in entries:
+            if e.entity_type == SUBSCRIPTION and e.name.split(":", 1)[1].split("|")[0] == topic_name:
+                sub = e.name.split(":", 1)[1].split("|")[1]
+                out.append(Subscriber(split_subscription_path(e.table_path)[1], tuple(rules.get(sub, ()))))
+        return out
 
-    def _require_all_partitions(self, entity: Entity, what: str) -> None:
-        down = [p for p in range(entity.partition_count) if not entity.available(p)]
-        if down:
-            raise PartitionUnavailableError(
-                f"cannot {what}: partition(s) {down} of {entity.name!r} are unavailable; nothing was changed"
-            )
-
-    def _update(self, entity_type: str, props: _EntityProperties) -> None:
-        if not isinstance(props, _PROPERTY_TYPES[entity_type]):
-            raise InvalidOperationError(
-                f"update_{entity_type} needs {_PROPERTY_TYPES[entity_type].__name__}, got {type(props).__name__}"
-            )
-        entity = self._entity(entity_type, props.name)
-        check_update(_PROPERTY_TYPES[entity_type].from_json(self._entry(entity_type, props.name).properties), props, self.tier)
-        self._require_all_partitions(entity, f"update {entity_type} {props.name!r}")
-        if not self._catalog.update(catalog_key(entity_type, props.name), props.to_json(), self._deadline()):
-            raise EntityNotFoundError(f"{entity_type} {props.name!r} does not exist")
-        with self._lock:
-            self._cache.pop(catalog_key(entity_type, props.name), None)
-
-    def _delete(self, entity_type: str, name: str) -> None:
-        entity = self._entity(entity_type, name)
-        self._require_all_partitions(entity, f"delete {entity_type} {name!r}")
-        entry = self._entry(entity_type, name)
-        if self._catalog.delete([entry.name], self._deadline()) == 0:
-            raise EntityNotFoundError(f"{entity_type} {name!r} does not exist")
-        with self._lock:
-            self._cache.pop(entry.name, None)
-        _remove_table(entry.table_path)
-        log.info("deleted %s %s", entity_type, name)
-
-    def _list(self, entity_type: str) -> list[_EntityProperties]:
-        cls = _PROPERTY_TYPES[entity_type]
-        return [cls.from_json(e.properties) for e in self._catalog.entries(entity_type)]
-
-    def _runtime(self, entity_type: str, name: str) -> RuntimeProperties:
-        entry = self._entry(entity_type, name)
-        rp = self._entity(entity_type, name).runtime_properties()
-        rp.name, rp.created_at_utc, rp.updated_at_utc = name, entry.created_at_utc, entry.updated_at_utc
-        return rp
-
-    # queues
-
-    def create_queue(self, queue_name: str, **settings: Any) -> QueueProperties:
-        """Create a queue; settings are the SDK's keyword names (enable_partitioning, lock_duration, ...)."""
-        props = self._create(QUEUE, limits.check_entity_name(queue_name), settings)
-        assert isinstance(props, QueueProperties)
-        return props
-
-    def get_queue(self, queue_name: str) -> QueueProperties:
-        """The queue's settings."""
-        props = QueueProperties.from_json(self._entry(QUEUE, queue_name).properties)
-        assert isinstance(props, QueueProperties)
-        return props
-
-    def update_queue(self, queue: QueueProperties) -> None:
-        """Apply changed settings (partitioning and sessions are fixed at creation)."""
-        self._update(QUEUE, queue)
-
-    def delete_queue(self, queue_name: str) -> None:
-        """Delete the queue and all its messages."""
-        self._delete(QUEUE, queue_name)
-
-    def list_queues(self) -> list[QueueProperties]:
-        """All queues, by name."""
-        return self._list(QUEUE)  # type: ignore[return-value]
-
-    def get_queue_runtime_properties(self, queue_name: str) -> RuntimeProperties:
-        """Message counts and size, aggregated over partitions, with the per-partition breakdown."""
-        return self._runtime(QUEUE, queue_name)
+    # ---- senders and receivers -----------------------------------------------------------------
 
     def get_queue_sender(self, queue_name: str) -> Sender:
         """A sender to the queue."""
         return Sender(self, QUEUE, queue_name)
+
+    def get_topic_sender(self, topic_name: str) -> Sender:
+        """A sender to the topic: each message is copied to every subscription whose rules match."""
+        return Sender(self, TOPIC, topic_name)
 
     def get_queue_receiver(
         self,
@@ -251,7 +219,34 @@ class Namespace:
             session_id=session_id,
         )
 
+    def get_subscription_receiver(
+        self,
+        topic_name: str,
+        subscription_name: str,
+        *,
+        receive_mode: ReceiveMode | str = ReceiveMode.PEEK_LOCK,
+        sub_queue: SubQueue | str | None = None,
+        session_id: Any = None,
+        prefetch_count: int = 0,
+        max_wait_time: float | timedelta | None = None,
+    ) -> Receiver:
+        """A receiver of a subscription, of its dead-letter sub-queue, or of one of its sessions."""
+        return Receiver(
+            self,
+            SUBSCRIPTION,
+            sub_entity_name(topic_name, subscription_name),
+            receive_mode=receive_mode,
+            sub_queue=sub_queue,
+            prefetch_count=prefetch_count,
+            max_wait_time=max_wait_time,
+            session_id=session_id,
+        )
+
     # ---- transactions and sessions ------------------------------------------------------------
+
+    @property
+    def _active_transaction(self) -> Transaction | None:
+        return getattr(self._local, "transaction", None)
 
     def transaction(self) -> Transaction:
         """`with ns.transaction() as tx:` groups sends and settlements on one entity into one atomic commit."""
@@ -261,22 +256,6 @@ class Namespace:
         """Sessions of a session-enabled queue, with their state, lock expiry and message counts."""
         return Sessions(self._entity(QUEUE, queue_name)).list()
 
-    # ---- data path used by senders ---------------------------------------------------------------
-
-    @property
-    def _active_transaction(self) -> Any:
-        return getattr(self._local, "transaction", None)
-
-    def _targets(self, entity_type: str, name: str) -> list[Entity]:
-        """The entity tables a sender's operation lands in."""
-        return [self._entity(entity_type, name)]
-
-
-def _remove_table(path: str) -> None:
-    """Delete an entity table's files (local namespaces; object stores keep them for maintenance)."""
-    if "://" in path and not path.startswith("file://"):
-        log.warning("leaving %s in place: remove it with your object store's lifecycle rules", path)
-        return
-    import shutil
-
-    shutil.rmtree(path.removeprefix("file://"), ignore_errors=True)
+    def list_subscription_sessions(self, topic_name: str, subscription_name: str) -> list[SessionInfo]:
+        """Sessions of a session-enabled subscription."""
+        return Sessions(self._entity(SUBSCRIPTION, sub_entity_name(topic_name, subscription_name))).list()

@@ -7,10 +7,13 @@ from collections.abc import Sequence
 from datetime import datetime
 from typing import TYPE_CHECKING
 
+import pyarrow.compute as pc
+
 from sparkqueue.errors import InvalidOperationError
 from sparkqueue.message import Message, MessageBatch, SendSettings, as_utc, to_rows
 from sparkqueue.model import limits
 from sparkqueue.model.entity import utcnow
+from sparkqueue.model.topics import ACCEPTED_MARKER
 
 if TYPE_CHECKING:
     from sparkqueue.namespace import Namespace
@@ -83,7 +86,9 @@ class Sender:
             return []
         entity = self._ns._entity(self.entity_type, self.entity_name)
         rows, keys = to_rows(msgs, send_settings(self._ns.tier, entity.props), utcnow())
-        return entity.send(rows, keys).column("sequence_number").to_pylist()
+        stored = entity.send(rows, keys, self._ns._expander(self.entity_type, self.entity_name))
+        stored = stored.filter(pc.invert(pc.fill_null(pc.equal(stored.column("subscription"), ACCEPTED_MARKER), False)))
+        return stored.column("sequence_number").to_pylist()
 
 
 def send_settings(tier: str, props: object) -> SendSettings:

@@ -35,7 +35,7 @@ from sparkqueue.storage.schema import (
     SUB_QUEUE_MAIN,
     TIMESTAMP,
 )
-from sparkqueue.storage.table import SEQUENCE_BITS, SEQUENCE_MASK, EntityTable, empty_changes
+from sparkqueue.storage.table import ANY_SUBSCRIPTION, SEQUENCE_BITS, SEQUENCE_MASK, EntityTable, Expand, empty_changes
 
 log = logging.getLogger(__name__)
 
@@ -135,7 +135,7 @@ class Entity:
             out.append(p)
         return out
 
-    def send(self, rows: pa.Table, keys: Sequence[str | None]) -> pa.Table:
+    def send(self, rows: pa.Table, keys: Sequence[str | None], expand: Expand | None = None) -> pa.Table:
         """Store rows atomically in one commit (placing them by key); returns the stored rows with sequence numbers.
 
         On a duplicate-detecting entity, rows whose message_id the partition accepted within the
@@ -146,7 +146,7 @@ class Entity:
         parts = pa.array(self.place(keys), pa.int32())
         rows = rows.set_column(rows.schema.get_field_index(PARTITION_COLUMN), PARTITION_COLUMN, parts)
         self._check_quota(rows)
-        return retry_commit(lambda: self.table.append(rows, self.dedupe_since()), self.deadline(), f"send to {self.name}")
+        return retry_commit(lambda: self.table.append(rows, self.dedupe_since(), expand), self.deadline(), f"send to {self.name}")
 
     def dedupe_since(self) -> datetime | None:
         """Start of the duplicate-detection window, or None when the entity does not detect duplicates."""
@@ -313,6 +313,8 @@ class Entity:
     def _mine(self, rows: pa.Table) -> pa.ChunkedArray:
         """Mask of the rows that belong to this entity (its subscription, in a topic's table)."""
         sub = rows.column("subscription")
+        if self.subscription == ANY_SUBSCRIPTION:
+            return pc.is_valid(rows.column("sequence_number"))
         return pc.is_null(sub) if self.subscription is None else pc.fill_null(pc.equal(sub, self.subscription), False)
 
     def transact(self, partition: int, new_rows: pa.Table | None, settles: Sequence[PendingSettle]) -> pa.Table | None:

@@ -14,6 +14,22 @@ Application properties are the one non-vectorized step: the JSON column is decod
 only when the expression references an application property; then one Python pass per referenced
 key splits its values into the type lanes.  Property names are case-insensitive as in Service Bus
 (an exact-case key wins over other spellings).
+
+Semantics (Service Bus / JMS selector rules):
+
+* NULL, a missing property or a missing column is *unknown*; AND/OR/NOT are three-valued and a
+  filter whose result is unknown does not match.  ``IS [NOT] NULL`` and ``EXISTS`` are never
+  unknown; ``EXISTS(user.x)`` is true for a key present with a JSON null, ``EXISTS(sys.X)`` means
+  "is not null".  Values that are not booleans count as unknown where a condition is expected.
+* Operands of unlike types (string vs number, bool vs string, ...) compare false under every
+  operator, ``<>`` included.  int and float compare numerically; bools support only ``=``/``<>``.
+  String comparison is case-sensitive (code-point order).
+* ``x IN (...)`` is unknown only when ``x`` is NULL (NULL list items never match); ``NOT IN`` and
+  ``NOT LIKE`` negate IN/LIKE.  LIKE on a non-string value is false.
+* Arithmetic: int64 with int64 stays int64 (wrapping on overflow, truncating division, ``%`` takes
+  the dividend's sign, like C#); with a float operand it is float64 (x/0.0 is inf/NaN); integer
+  division or modulo by zero is NULL; ``+`` concatenates two strings; other combinations are NULL.
+* JSON values that are arrays or objects count as NULL; integers beyond 64 bits become floats.
 """
 
 from __future__ import annotations
@@ -80,6 +96,7 @@ _LANE_TYPES: dict[str, pa.DataType] = {
 _KIND_TO_LANE = {"string": "string", "number": "int", "time": "time"}
 _NULL_BOOL = pa.scalar(None, pa.bool_())
 _INT64_RANGE = range(-(2**63), 2**63)
+_MISSING = object()  # marks an absent application property (distinct from a JSON null)
 
 
 # --------------------------------------------------------------------------- typed values
@@ -123,7 +140,7 @@ class _Value:
 
     def as_float(self) -> pa.Array | None:
         """Numeric rows as float64 (ints widened), or None when no row is numeric."""
-        parts = [self.lanes[kind].cast(pa.float64()) for kind in ("float", "int") if kind in self.lanes]
+        parts = [pc.cast(self.lanes[kind], pa.float64(), safe=False) for kind in ("float", "int") if kind in self.lanes]
         if not parts:
             return None
         return parts[0] if len(parts) == 1 else pc.coalesce(*parts)
@@ -155,14 +172,26 @@ def _lane_of(value: object) -> tuple[str, object] | None:
     return None
 
 
+_PY_LANES = ((str, "string"), (bool, "bool"), (int, "int"), (float, "float"), (dt.datetime, "time"))
+
+
 def _value_from_python(values: list[Any]) -> _Value:
-    """Split a list of mixed Python values into typed lanes."""
-    buckets: dict[str, list[Any]] = {}
-    for index, item in enumerate(values):
-        typed = _lane_of(item)
-        if typed is not None:
-            buckets.setdefault(typed[0], [None] * len(values))[index] = typed[1]
-    return _Value(len(values), {kind: pa.array(items, _LANE_TYPES[kind]) for kind, items in buckets.items()})
+    """Split a list of mixed Python values into typed lanes; integers beyond 64 bits become floats."""
+    try:
+        return _split_lanes(values)
+    except OverflowError:
+        return _split_lanes([float(item) if type(item) is int and item not in _INT64_RANGE else item for item in values])
+
+
+def _split_lanes(values: list[Any]) -> _Value:
+    """One list comprehension per Python type present; other types (lists, objects) count as NULL."""
+    present = set(map(type, values))
+    lanes = {
+        kind: pa.array([item if type(item) is py_type else None for item in values], _LANE_TYPES[kind])
+        for py_type, kind in _PY_LANES
+        if py_type in present
+    }
+    return _Value(len(values), lanes)
 
 
 def _constant(value: object, length: int) -> _Value:
@@ -185,9 +214,10 @@ def _as_table(batch: Batch) -> pa.Table:
     raise TypeError(f"expected a pyarrow Table or RecordBatch, got {type(batch).__name__}")
 
 
-def _decode_properties(texts: list[Any]) -> list[dict[str, Any] | None]:
+def _decode_properties(array: pa.Array) -> list[dict[str, Any] | None]:
     """Decode the JSON property column: one json.loads for the batch, per row only if a row is bad."""
-    if all(isinstance(text, str) or text is None for text in texts):
+    texts = array.to_pylist()
+    if pa.types.is_string(array.type) or pa.types.is_large_string(array.type):
         try:
             parsed = json.loads("[" + ",".join(text or "null" for text in texts) + "]")
         except ValueError:
@@ -265,17 +295,20 @@ class _Context:
         """Decoded application properties per row (decoded once per batch)."""
         if self._rows is None:
             array = self.column(APPLICATION_PROPERTIES)
-            texts = [None] * self.num_rows if array is None else array.to_pylist()
-            self._rows = _decode_properties(texts)
+            self._rows = [None] * self.num_rows if array is None else _decode_properties(array)
         return self._rows
 
     def user(self, name: str) -> tuple[_Value, pa.Array]:
         """(value, exists) of an application property; cached per name for the batch."""
         if name not in self._user:
             rows = self.rows()
-            keys = [_resolve_key(row, name) for row in rows]
-            values = [None if key is None else row[key] for row, key in zip(rows, keys, strict=True)]  # type: ignore[index]
-            exists = pa.array([key is not None for key in keys], pa.bool_())
+            values = [row.get(name, _MISSING) if row else _MISSING for row in rows]
+            for index in [index for index, item in enumerate(values) if item is _MISSING]:
+                key = _resolve_key(rows[index], name)  # case-insensitive fallback
+                if key is not None:
+                    values[index] = rows[index][key]  # type: ignore[index]
+            exists = pa.array([item is not _MISSING for item in values], pa.bool_())
+            values = [None if item is _MISSING else item for item in values]
             self._user[name] = (_value_from_python(values), exists)
         return self._user[name]
 
@@ -471,7 +504,7 @@ def _in_constants(operand: _Value, constants: list[object]) -> pa.Array:
         if lane in operand.lanes and values:
             hits.append(pc.is_in(operand.lanes[lane], value_set=pa.array(values, type_)))
     if "int" in operand.lanes and sets["float"]:
-        widened = operand.lanes["int"].cast(pa.float64())
+        widened = pc.cast(operand.lanes["int"], pa.float64(), safe=False)
         hits.append(pc.is_in(widened, value_set=pa.array(sets["float"], pa.float64())))
     return reduce(pc.or_, hits)
 
@@ -503,10 +536,10 @@ def _same_type_comparisons(op: str, left: _Value, right: _Value) -> list[pa.Arra
 
 
 def _compare(op: str, left: _Value, right: _Value) -> _Value:
-    """SQL comparison: unknown if either side is NULL; different types are unequal (<> true, others false)."""
+    """SQL comparison: unknown if either side is NULL; operands of unlike types compare false (even for <>)."""
     results = _same_type_comparisons(op, left, right)
-    mismatch = pa.scalar(op == "<>")
-    same = pc.coalesce(*results, mismatch) if results else mismatch
+    unlike = pa.scalar(False)
+    same = pc.coalesce(*results, unlike) if results else unlike
     both = pc.and_(left.valid(), right.valid())
     return _Value.boolean(pc.if_else(both, same, _NULL_BOOL))
 

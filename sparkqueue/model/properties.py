@@ -159,6 +159,7 @@ class RuntimeProperties:
     size_in_bytes: int = 0
     availability_status: str = "Available"
     partitions: list[PartitionRuntimeProperties] = field(default_factory=list)
+    subscription_count: int | None = None  # topics only
     created_at_utc: datetime | None = None
     updated_at_utc: datetime | None = None
 

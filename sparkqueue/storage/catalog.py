@@ -64,33 +64,36 @@ class Catalog:
             assert self._dt is not None
             return self._dt
 
+    def _rows(self, dt: DeltaTable | None = None) -> pa.Table:
+        """The whole catalog (it is small), typed as CATALOG_SCHEMA."""
+        return (dt or self._snapshot()).to_pyarrow_table().select(CATALOG_SCHEMA.names).cast(CATALOG_SCHEMA)
+
     def entries(self, entity_type: str | None = None) -> list[CatalogEntry]:
         """All rows (of one entity type when given), sorted by name."""
-        t = self._snapshot().to_pyarrow_table()
+        t = self._rows()
         if entity_type is not None:
             t = t.filter(pc.equal(t.column("entity_type"), entity_type))
         return sorted((CatalogEntry(**r) for r in t.to_pylist()), key=lambda e: e.name)
 
     def get(self, key: str) -> CatalogEntry | None:
         """The row of a key, or None."""
-        t = self._snapshot().to_pyarrow_table(filters=[("name", "=", key)])
-        rows = t.to_pylist()
+        t = self._rows()
+        rows = t.filter(pc.equal(t.column("name"), key)).to_pylist()
         return CatalogEntry(**rows[0]) if rows else None
 
-    def insert(self, entry: CatalogEntry, deadline: Deadline) -> bool:
-        """Insert unless the key exists; True when this call inserted it."""
-        src = pa.Table.from_pylist([entry.__dict__], schema=CATALOG_SCHEMA)
+    def insert(self, entries: list[CatalogEntry], deadline: Deadline) -> bool:
+        """Insert rows in one commit unless the first one's key exists; True when this call inserted them."""
+        src = pa.Table.from_pylist([e.__dict__ for e in entries], schema=CATALOG_SCHEMA)
 
         def attempt() -> bool:
-            m = (
-                self._snapshot()
-                .merge(src, "t.name = s.name", source_alias="s", target_alias="t")
-                .when_not_matched_insert_all()
-                .execute()
-            )
-            return m["num_target_rows_inserted"] == 1
+            dt = self._snapshot()
+            rows = self._rows(dt)
+            if pc.any(pc.equal(rows.column("name"), entries[0].name)).as_py():
+                return False
+            dt.merge(src, "t.name = s.name", source_alias="s", target_alias="t").when_not_matched_insert_all().execute()
+            return True
 
-        return retry_commit(attempt, deadline, f"create {entry.name}")
+        return retry_commit(attempt, deadline, f"create {entries[0].name}")
 
     def update(self, key: str, properties: str, deadline: Deadline) -> bool:
         """Replace the settings of a key; False when it does not exist."""

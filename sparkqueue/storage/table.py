@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import datetime
 from urllib.parse import unquote
@@ -59,6 +59,7 @@ CHANGE_SCHEMA = pa.schema(
     + [ENTITY_SCHEMA.field(c).with_nullable(True) for c in MUTABLE_COLUMNS]
     + [pa.field("body", pa.binary())]  # written only by OP_SET_BODY (a session's state)
 )
+ANY_SUBSCRIPTION = "*"  # scope of a topic's own operations: the rows of every subscription
 OP_SET = "set"  # write the mutable columns from the change row
 OP_DELETE = "delete"  # remove the row
 OP_TOMBSTONE = "tombstone"  # keep only what duplicate detection needs
@@ -106,6 +107,8 @@ class FileInfo:
             return False
         if session_id is not None and not _in_range(session_id, self.min_session, self.max_session):
             return False
+        if subscription == ANY_SUBSCRIPTION:
+            return True
         if subscription is None:
             return self.null_subscriptions != 0
         return _in_range(subscription, self.min_subscription, self.max_subscription)
@@ -169,17 +172,20 @@ class EntityTable:
 
     # ---- send --------------------------------------------------------------------------------
 
-    def append(self, rows: pa.Table, dedupe_since: datetime | None) -> pa.Table:
+    def append(self, rows: pa.Table, dedupe_since: datetime | None, expand: Expand | None = None) -> pa.Table:
         """Append rows (partition ids set, sequence numbers not yet) in one commit; one attempt.
 
         Assigns sequence numbers from each partition's fence, drops rows whose message_id was
         accepted in the partition since `dedupe_since` (when given) or repeats within the batch,
-        and returns the stored rows. Raises CommitFailedError when another sender to one of the
-        partitions won the race (the caller retries on a fresh snapshot).
+        and returns the stored rows. `expand` (topic fan-out) turns the surviving rows into the rows
+        to store. Raises CommitFailedError when another sender to one of the partitions won the
+        race (the caller retries on a fresh snapshot).
         """
         dt = self.snapshot()
         partitions = sorted(set(rows.column(PARTITION_COLUMN).to_pylist()))
-        staged = [self._stage(dt, p, rows.filter(pc.equal(rows.column(PARTITION_COLUMN), p)), dedupe_since) for p in partitions]
+        staged = [
+            self._stage(dt, p, rows.filter(pc.equal(rows.column(PARTITION_COLUMN), p)), dedupe_since, expand) for p in partitions
+        ]
         stored = [st.rows for st in staged if st.rows.num_rows]
         if not stored:
             return rows.schema.empty_table()
@@ -193,11 +199,15 @@ class EntityTable:
             raise
         return pa.concat_tables(stored)
 
-    def _stage(self, dt: DeltaTable, p: int, part: pa.Table, dedupe_since: datetime | None) -> _Staged:
+    def _stage(
+        self, dt: DeltaTable, p: int, part: pa.Table, dedupe_since: datetime | None, expand: Expand | None = None
+    ) -> _Staged:
         """Number new rows of one partition from its fence and write them, one file per subscription."""
         self.faults.check(p, "write")
         if dedupe_since is not None:
             part = self._drop_duplicates(dt, p, part, dedupe_since)
+        if expand is not None and part.num_rows:
+            part = expand(part)
         app = fence_app_id(p)
         seen = dt.transaction_version(app)
         if part.num_rows == 0:
@@ -384,6 +394,9 @@ class EntityTable:
         return staged.rows if staged else None
 
 
+Expand = Callable[[pa.Table], pa.Table]
+
+
 @dataclass
 class _Staged:
     """New rows of one partition, numbered and written, waiting for their commit."""
@@ -431,9 +444,12 @@ def _in_range(value: str, lo: str | None, hi: str | None) -> bool:
 
 def _in_scope(t: pa.Table, kind: str, subscription: str | None) -> pa.ChunkedArray:
     """Rows of a kind that belong to the queue (subscription None) or to one subscription."""
+    is_kind = pc.equal(t.column("kind"), kind)
+    if subscription == ANY_SUBSCRIPTION:
+        return is_kind
     sub = t.column("subscription")
     in_sub = pc.is_null(sub) if subscription is None else pc.fill_null(pc.equal(sub, subscription), False)
-    return pc.and_(pc.equal(t.column("kind"), kind), in_sub)
+    return pc.and_(is_kind, in_sub)
 
 
 def empty_changes() -> pa.Table:

@@ -1,0 +1,349 @@
+"""Administration of queues, topics, subscriptions and rules (SDK: ServiceBusAdministrationClient).
+
+A mixin of `Namespace`: every method here changes or reads the catalog, and management of an
+entity with an unavailable partition fails without changing anything (SPEC §1).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import shutil
+import uuid
+from datetime import UTC, datetime
+from typing import TYPE_CHECKING, Any
+
+from sparkqueue.errors import (
+    EntityAlreadyExistsError,
+    EntityNotFoundError,
+    InvalidOperationError,
+    PartitionUnavailableError,
+    QuotaExceededError,
+)
+from sparkqueue.model import limits
+from sparkqueue.model.filters import TrueRuleFilter, action_from_dict, filter_from_dict
+from sparkqueue.model.properties import (
+    QueueProperties,
+    RuleProperties,
+    RuntimeProperties,
+    SubscriptionProperties,
+    TopicProperties,
+    _EntityProperties,
+    build_properties,
+    check_update,
+)
+from sparkqueue.storage.catalog import CatalogEntry, catalog_key
+from sparkqueue.storage.table import EntityTable
+
+if TYPE_CHECKING:
+    from sparkqueue.model.entity import Entity
+    from sparkqueue.namespace import Namespace
+
+log = logging.getLogger(__name__)
+
+QUEUE, TOPIC, SUBSCRIPTION, RULE = "queue", "topic", "subscription", "rule"
+PROPERTY_TYPES: dict[str, type[_EntityProperties]] = {
+    QUEUE: QueueProperties,
+    TOPIC: TopicProperties,
+    SUBSCRIPTION: SubscriptionProperties,
+}
+DEFAULT_RULE = "$Default"
+
+
+def sub_entity_name(topic_name: str, subscription_name: str) -> str:
+    """Catalog name of a subscription: topic and subscription joined by '|' (neither may contain it)."""
+    return f"{topic_name}|{subscription_name}"
+
+
+def rule_entity_name(topic_name: str, subscription_name: str, rule: str) -> str:
+    """Catalog name of a rule."""
+    return f"{topic_name}|{subscription_name}|{rule}"
+
+
+def split_subscription_path(table_path: str) -> tuple[str, str]:
+    """A subscription's catalog table path is '<topic table>#<subscription key>'."""
+    path, _, key = table_path.rpartition("#")
+    return path, key
+
+
+class Management:
+    """Create, read, update, delete and list entities; mixed into Namespace."""
+
+    # ---- generic ---------------------------------------------------------------------------------
+
+    def _create_entry(
+        self: Namespace,
+        entity_type: str,
+        name: str,
+        props: _EntityProperties,
+        table_path: str,
+        extra: tuple[CatalogEntry, ...] = (),
+    ) -> None:
+        """Insert the catalog entry (and extras, e.g. a default rule) in one commit; EntityAlreadyExistsError if taken."""
+        now = datetime.now(UTC)
+        entry = CatalogEntry(catalog_key(entity_type, name), entity_type, table_path, props.to_json(), now, now)
+        if not self._catalog.insert([entry, *extra], self._deadline()):
+            shown = name.replace("|", "/")
+            raise EntityAlreadyExistsError(f"{entity_type} {shown!r} already exists in namespace {self.root!r}")
+        log.info("created %s %s", entity_type, name)
+
+    def _create_with_table(self: Namespace, entity_type: str, name: str, settings: dict[str, Any]) -> _EntityProperties:
+        """Create a queue or topic: its own Delta table, then its catalog entry."""
+        props = build_properties(PROPERTY_TYPES[entity_type], name, self.tier, settings)
+        self._check_entity_quota(props)
+        table_path = f"{self.root}/entities/{entity_type}-{uuid.uuid4().hex}"
+        EntityTable.create(table_path)
+        try:
+            self._create_entry(entity_type, name, props, table_path)
+        except BaseException:
+            _remove_table(table_path)
+            raise
+        return props
+
+    def _check_entity_quota(self: Namespace, props: _EntityProperties) -> None:
+        """At most 10,000 entities, and at most 100 partitioned queues and topics, per namespace."""
+        entries = [e for e in self._catalog.entries() if e.entity_type != RULE]
+        if len(entries) >= limits.MAX_ENTITIES:
+            raise QuotaExceededError(f"the namespace already holds {limits.MAX_ENTITIES} entities; delete one first")
+        if props.partition_count > 1 and props.entity_type in (QUEUE, TOPIC):
+            partitioned = sum(
+                1 for e in entries if e.entity_type in (QUEUE, TOPIC) and '"enable_partitioning": true' in e.properties
+            )
+            if partitioned >= limits.MAX_PARTITIONED_ENTITIES:
+                raise QuotaExceededError(
+                    f"the namespace already holds {limits.MAX_PARTITIONED_ENTITIES} partitioned queues and topics; "
+                    "create this one with enable_partitioning=False or delete one"
+                )
+
+    def _require_all_partitions(self: Namespace, entity: Entity, what: str) -> None:
+        """Management acts on every partition: refuse when any is unavailable."""
+        down = [p for p in range(entity.partition_count) if not entity.available(p)]
+        if down:
+            raise PartitionUnavailableError(
+                f"cannot {what}: partition(s) {down} of {entity.name!r} are unavailable; nothing was changed"
+            )
+
+    def _get(self: Namespace, entity_type: str, name: str) -> _EntityProperties:
+        return PROPERTY_TYPES[entity_type].from_json(self._entry(entity_type, name).properties)
+
+    def _update(self: Namespace, entity_type: str, name: str, props: _EntityProperties) -> None:
+        """Replace an entity's settings, refusing changes to settings fixed at creation."""
+        cls = PROPERTY_TYPES[entity_type]
+        if not isinstance(props, cls):
+            raise InvalidOperationError(f"update_{entity_type} needs {cls.__name__}, got {type(props).__name__}")
+        entity = self._entity(entity_type, name)
+        check_update(self._get(entity_type, name), props, self.tier)
+        self._require_all_partitions(entity, f"update {entity_type} {name!r}")
+        if not self._catalog.update(catalog_key(entity_type, name), props.to_json(), self._deadline()):
+            raise EntityNotFoundError(f"{entity_type} {name!r} does not exist")
+        self._forget(catalog_key(entity_type, name))
+
+    def _delete_entries(self: Namespace, entity_type: str, name: str, children_prefix: str | None) -> CatalogEntry:
+        """Delete an entity's catalog entry and its children's (subscriptions, rules) in one commit."""
+        entity = self._entity(entity_type, name)
+        self._require_all_partitions(entity, f"delete {entity_type} {name!r}")
+        entry = self._entry(entity_type, name)
+        keys = [entry.name]
+        if children_prefix is not None:
+            keys += [e.name for e in self._catalog.entries() if e.name.split(":", 1)[1].startswith(children_prefix)]
+        if self._catalog.delete(keys, self._deadline()) == 0:
+            raise EntityNotFoundError(f"{entity_type} {name!r} does not exist")
+        for k in keys:
+            self._forget(k)
+        log.info("deleted %s %s", entity_type, name)
+        return entry
+
+    def _runtime(self: Namespace, entity_type: str, name: str) -> RuntimeProperties:
+        entry = self._entry(entity_type, name)
+        rp = self._entity(entity_type, name).runtime_properties()
+        rp.name, rp.created_at_utc, rp.updated_at_utc = name, entry.created_at_utc, entry.updated_at_utc
+        return rp
+
+    # ---- queues ----------------------------------------------------------------------------------
+
+    def create_queue(self: Namespace, queue_name: str, **settings: Any) -> QueueProperties:
+        """Create a queue; settings are the SDK's keyword names (enable_partitioning, lock_duration, ...)."""
+        self._check_destinations(settings)
+        return self._create_with_table(QUEUE, limits.check_entity_name(queue_name), settings)  # type: ignore[return-value]
+
+    def get_queue(self: Namespace, queue_name: str) -> QueueProperties:
+        """The queue's settings."""
+        return self._get(QUEUE, queue_name)  # type: ignore[return-value]
+
+    def update_queue(self: Namespace, queue: QueueProperties) -> None:
+        """Apply changed settings (partitioning and sessions are fixed at creation)."""
+        self._check_destinations(queue.settings())
+        self._update(QUEUE, getattr(queue, "name", ""), queue)
+
+    def delete_queue(self: Namespace, queue_name: str) -> None:
+        """Delete the queue and all its messages."""
+        _remove_table(self._delete_entries(QUEUE, queue_name, None).table_path)
+
+    def list_queues(self: Namespace) -> list[QueueProperties]:
+        """All queues, by name."""
+        return [QueueProperties.from_json(e.properties) for e in self._catalog.entries(QUEUE)]  # type: ignore[misc]
+
+    def get_queue_runtime_properties(self: Namespace, queue_name: str) -> RuntimeProperties:
+        """Message counts and size, aggregated over partitions, with the per-partition breakdown."""
+        return self._runtime(QUEUE, queue_name)
+
+    # ---- topics ----------------------------------------------------------------------------------
+
+    def create_topic(self: Namespace, topic_name: str, **settings: Any) -> TopicProperties:
+        """Create a topic (partitioned like a queue); its subscriptions are stored in its table."""
+        return self._create_with_table(TOPIC, limits.check_entity_name(topic_name, "topic"), settings)  # type: ignore[return-value]
+
+    def get_topic(self: Namespace, topic_name: str) -> TopicProperties:
+        """The topic's settings."""
+        return self._get(TOPIC, topic_name)  # type: ignore[return-value]
+
+    def update_topic(self: Namespace, topic: TopicProperties) -> None:
+        """Apply changed topic settings (partitioning is fixed at creation)."""
+        self._update(TOPIC, getattr(topic, "name", ""), topic)
+
+    def delete_topic(self: Namespace, topic_name: str) -> None:
+        """Delete the topic with its subscriptions, rules and messages."""
+        _remove_table(self._delete_entries(TOPIC, topic_name, f"{topic_name}|").table_path)
+
+    def list_topics(self: Namespace) -> list[TopicProperties]:
+        """All topics, by name."""
+        return [TopicProperties.from_json(e.properties) for e in self._catalog.entries(TOPIC)]  # type: ignore[misc]
+
+    def get_topic_runtime_properties(self: Namespace, topic_name: str) -> RuntimeProperties:
+        """Counts over all the topic's subscriptions, and its subscription count."""
+        rp = self._runtime(TOPIC, topic_name)
+        rp.subscription_count = len(self.list_subscriptions(topic_name))
+        return rp
+
+    # ---- subscriptions ---------------------------------------------------------------------------
+
+    def create_subscription(self: Namespace, topic_name: str, subscription_name: str, **settings: Any) -> SubscriptionProperties:
+        """Create a subscription with the rule $Default (a true filter); it gets the topic's partitioning."""
+        limits.check_child_name(subscription_name, "subscription")
+        if subscription_name.startswith("$"):
+            raise InvalidOperationError(f"subscription names cannot start with '$': {subscription_name!r}")
+        self._check_destinations(settings)
+        topic = self.get_topic(topic_name)
+        topic_entry = self._entry(TOPIC, topic_name)
+        settings = {
+            **settings,
+            "topic_name": topic_name,
+            "enable_partitioning": topic.enable_partitioning,
+            "max_size_in_megabytes": topic.max_size_in_megabytes,
+        }
+        props = build_properties(SubscriptionProperties, subscription_name, self.tier, settings)
+        self._check_entity_quota(props)
+        key = f"{subscription_name}.{uuid.uuid4().hex[:12]}"
+        name = sub_entity_name(topic_name, subscription_name)
+        now = datetime.now(UTC)
+        default = CatalogEntry(
+            catalog_key(RULE, rule_entity_name(topic_name, subscription_name, DEFAULT_RULE)),
+            RULE,
+            "",
+            _rule_json(TrueRuleFilter(), None),
+            now,
+            now,
+        )
+        self._create_entry(SUBSCRIPTION, name, props, f"{topic_entry.table_path}#{key}", (default,))
+        self._forget(catalog_key(TOPIC, topic_name))
+        return props  # type: ignore[return-value]
+
+    def get_subscription(self: Namespace, topic_name: str, subscription_name: str) -> SubscriptionProperties:
+        """The subscription's settings."""
+        return self._get(SUBSCRIPTION, sub_entity_name(topic_name, subscription_name))  # type: ignore[return-value]
+
+    def update_subscription(self: Namespace, topic_name: str, subscription: SubscriptionProperties) -> None:
+        """Apply changed subscription settings (sessions are fixed at creation)."""
+        self._check_destinations(subscription.settings())
+        self._update(SUBSCRIPTION, sub_entity_name(topic_name, getattr(subscription, "name", "")), subscription)
+
+    def delete_subscription(self: Namespace, topic_name: str, subscription_name: str) -> None:
+        """Delete the subscription and its rules; its messages disappear with it (maintenance reclaims the space)."""
+        name = sub_entity_name(topic_name, subscription_name)
+        self._delete_entries(SUBSCRIPTION, name, f"{name}|")
+        self._forget(catalog_key(TOPIC, topic_name))
+
+    def list_subscriptions(self: Namespace, topic_name: str) -> list[SubscriptionProperties]:
+        """The topic's subscriptions, by name."""
+        self._entry(TOPIC, topic_name)
+        return [
+            SubscriptionProperties.from_json(e.properties)  # type: ignore[misc]
+            for e in self._catalog.entries(SUBSCRIPTION)
+            if e.name.split(":", 1)[1].split("|")[0] == topic_name
+        ]
+
+    def get_subscription_runtime_properties(self: Namespace, topic_name: str, subscription_name: str) -> RuntimeProperties:
+        """Message counts of the subscription, aggregated over partitions."""
+        rp = self._runtime(SUBSCRIPTION, sub_entity_name(topic_name, subscription_name))
+        rp.name = subscription_name
+        return rp
+
+    # ---- rules -----------------------------------------------------------------------------------
+
+    def create_rule(
+        self: Namespace, topic_name: str, subscription_name: str, rule_name: str, *, filter: Any = None, action: Any = None
+    ) -> RuleProperties:
+        """Add a rule (a filter, default true, and an optional SqlRuleAction) to a subscription."""
+        self._no_rule_changes_in_transaction()
+        limits.check_child_name(rule_name, "rule")
+        self._entry(SUBSCRIPTION, sub_entity_name(topic_name, subscription_name))
+        flt = filter if filter is not None else TrueRuleFilter()
+        for obj, what in ((flt, "filter"), (action, "action")):
+            if obj is not None and not hasattr(obj, "to_dict"):
+                raise InvalidOperationError(f"{what} must be a sparkqueue rule {what}, got {type(obj).__name__}")
+        now = datetime.now(UTC)
+        key = catalog_key(RULE, rule_entity_name(topic_name, subscription_name, rule_name))
+        if not self._catalog.insert([CatalogEntry(key, RULE, "", _rule_json(flt, action), now, now)], self._deadline()):
+            raise EntityAlreadyExistsError(f"rule {rule_name!r} already exists on {topic_name}/{subscription_name}")
+        self._forget(catalog_key(TOPIC, topic_name))
+        return RuleProperties(rule_name, flt, action)
+
+    def get_rule(self: Namespace, topic_name: str, subscription_name: str, rule_name: str) -> RuleProperties:
+        """A rule of a subscription."""
+        entry = self._entry(RULE, rule_entity_name(topic_name, subscription_name, rule_name))
+        return rule_from_entry(entry)
+
+    def delete_rule(self: Namespace, topic_name: str, subscription_name: str, rule_name: str) -> None:
+        """Remove a rule from a subscription."""
+        self._no_rule_changes_in_transaction()
+        key = catalog_key(RULE, rule_entity_name(topic_name, subscription_name, rule_name))
+        if self._catalog.delete([key], self._deadline()) == 0:
+            raise EntityNotFoundError(f"rule {rule_name!r} does not exist on {topic_name}/{subscription_name}")
+        self._forget(catalog_key(TOPIC, topic_name))
+
+    def list_rules(self: Namespace, topic_name: str, subscription_name: str) -> list[RuleProperties]:
+        """The rules of a subscription, by name."""
+        self._entry(SUBSCRIPTION, sub_entity_name(topic_name, subscription_name))
+        prefix = f"{sub_entity_name(topic_name, subscription_name)}|"
+        return [rule_from_entry(e) for e in self._catalog.entries(RULE) if e.name.split(":", 1)[1].startswith(prefix)]
+
+    def _no_rule_changes_in_transaction(self: Namespace) -> None:
+        if self._active_transaction is not None:
+            raise InvalidOperationError("subscription rules cannot be added or removed inside a transaction")
+
+    def _check_destinations(self: Namespace, settings: dict[str, Any]) -> None:
+        """forward_to targets must be valid entity names (they may be created later: a missing one dead-letters)."""
+        for k in ("forward_to", "forward_dead_lettered_messages_to"):
+            if settings.get(k) is not None:
+                limits.check_entity_name(settings[k], k)
+
+
+def _rule_json(flt: Any, action: Any) -> str:
+    """A rule's catalog JSON."""
+    return json.dumps({"filter": flt.to_dict(), "action": action.to_dict() if action is not None else None})
+
+
+def rule_from_entry(entry: CatalogEntry) -> RuleProperties:
+    """A rule rebuilt from its catalog row."""
+    raw = json.loads(entry.properties)
+    name = entry.name.split(":", 1)[1].split("|")[-1]
+    action = action_from_dict(raw["action"]) if raw.get("action") else None
+    return RuleProperties(name, filter_from_dict(raw["filter"]), action)
+
+
+def _remove_table(path: str) -> None:
+    """Delete an entity table's files (local namespaces; object stores keep them for maintenance)."""
+    if "://" in path and not path.startswith("file://"):
+        log.warning("leaving %s in place: remove it with your object store's lifecycle rules", path)
+        return
+    shutil.rmtree(path.removeprefix("file://"), ignore_errors=True)
