@@ -26,6 +26,7 @@ from sparkqueue.management import (
 )
 from sparkqueue.model import limits
 from sparkqueue.model.entity import Entity
+from sparkqueue.model.forwarding import MAX_HOPS, forward, routes
 from sparkqueue.model.sessions import SessionInfo, Sessions
 from sparkqueue.model.topics import Rule, Subscriber, fan_out
 from sparkqueue.receiver import Receiver
@@ -186,6 +187,48 @@ class Namespace(Management):
                 sub = e.name.split(":", 1)[1].split("|")[1]
                 out.append(Subscriber(split_subscription_path(e.table_path)[1], tuple(rules.get(sub, ()))))
         return out
+
+    # ---- auto-forwarding ------------------------------------------------------------------------
+
+    def _resolve(self, name: str) -> tuple[Entity, Expand | None]:
+        """A forwarding destination by name: a queue, else a topic (with its fan-out)."""
+        try:
+            return self._entity(QUEUE, name), None
+        except EntityNotFoundError:
+            return self._entity(TOPIC, name), self._expander(TOPIC, name)
+
+    def _pump(self, entity: Entity, partitions: list[int] | None = None) -> None:
+        """Forward what waits on the entity, then on every forwarding entity it reached (chains end at the hop limit)."""
+        todo: list[tuple[Entity, list[int] | None]] = [(entity, partitions)]
+        for _ in range(2 * (MAX_HOPS + 1)):
+            if not todo:
+                return
+            source, parts = todo.pop(0)
+            if not routes(source):
+                continue
+            for dest in forward(source, self._resolve, parts):
+                todo.extend((e, None) for e in self._forwarding_entities(dest))
+
+    def _forwarding_entities(self, name: str) -> list[Entity]:
+        """The entities under a destination name that forward further: the queue, or the topic's subscriptions."""
+        try:
+            return [self._entity(QUEUE, name)]
+        except EntityNotFoundError:
+            pass
+        try:
+            self._entry(TOPIC, name)
+        except EntityNotFoundError:
+            return []
+        subs = [self._entity(SUBSCRIPTION, sub_entity_name(name, s.name)) for s in self.list_subscriptions(name)]
+        return [e for e in subs if routes(e)]
+
+    def _after_send(self, entity_type: str, name: str, stored_partitions: list[int]) -> None:
+        """Forward what a send just stored, when the queue or any of the topic's subscriptions forwards."""
+        if entity_type == QUEUE:
+            self._pump(self._entity(QUEUE, name), stored_partitions)
+        else:
+            for e in self._forwarding_entities(name):
+                self._pump(e, stored_partitions)
 
     # ---- senders and receivers -----------------------------------------------------------------
 

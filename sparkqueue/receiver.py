@@ -235,6 +235,8 @@ class Receiver:
             return [None] * len(messages)
         guard = self.session._guard() if self.session is not None else None
         res = self._entity().settle([(m.sequence_number, m.lock_token or "") for m in messages], op, reason, description, guard)
+        if op == lifecycle.DEAD_LETTER:
+            self._ns._pump(self._entity())
         lost = [m for m, ok in zip(messages, res.ok, strict=True) if not ok]
         if lost:
             names = ", ".join(f"{m.sequence_number} ({m.message_id!r})" for m in lost[:5])

@@ -88,7 +88,9 @@ class Sender:
         rows, keys = to_rows(msgs, send_settings(self._ns.tier, entity.props), utcnow())
         stored = entity.send(rows, keys, self._ns._expander(self.entity_type, self.entity_name))
         stored = stored.filter(pc.invert(pc.fill_null(pc.equal(stored.column("subscription"), ACCEPTED_MARKER), False)))
-        return stored.column("sequence_number").to_pylist()
+        seqs = stored.column("sequence_number").to_pylist()
+        self._ns._after_send(self.entity_type, self.entity_name, sorted({s >> 48 for s in seqs}))
+        return seqs
 
 
 def send_settings(tier: str, props: object) -> SendSettings:

@@ -16,7 +16,7 @@ from datetime import UTC, datetime
 
 import pyarrow as pa
 import pyarrow.compute as pc
-from deltalake import DeltaTable
+from deltalake import DeltaTable, Transaction
 from deltalake.exceptions import CommitFailedError
 
 from sparkqueue.errors import MessageLockLostError, PartitionUnavailableError, QuotaExceededError
@@ -135,7 +135,9 @@ class Entity:
             out.append(p)
         return out
 
-    def send(self, rows: pa.Table, keys: Sequence[str | None], expand: Expand | None = None) -> pa.Table:
+    def send(
+        self, rows: pa.Table, keys: Sequence[str | None], expand: Expand | None = None, once: Transaction | None = None
+    ) -> pa.Table:
         """Store rows atomically in one commit (placing them by key); returns the stored rows with sequence numbers.
 
         On a duplicate-detecting entity, rows whose message_id the partition accepted within the
@@ -146,7 +148,9 @@ class Entity:
         parts = pa.array(self.place(keys), pa.int32())
         rows = rows.set_column(rows.schema.get_field_index(PARTITION_COLUMN), PARTITION_COLUMN, parts)
         self._check_quota(rows)
-        return retry_commit(lambda: self.table.append(rows, self.dedupe_since(), expand), self.deadline(), f"send to {self.name}")
+        return retry_commit(
+            lambda: self.table.append(rows, self.dedupe_since(), expand, once), self.deadline(), f"send to {self.name}"
+        )
 
     def dedupe_since(self) -> datetime | None:
         """Start of the duplicate-detection window, or None when the entity does not detect duplicates."""
@@ -366,7 +370,7 @@ class Entity:
                 )
                 rows = rows.filter(pc.and_(mask, pc.is_null(rows.column("lock_token"))))
                 if rows.num_rows:
-                    self.table.apply(dt, p, lifecycle.changes(rows, lifecycle._removal(self.policy)))
+                    self.table.apply(dt, p, lifecycle.changes(rows, lifecycle.removal(self.policy)))
                 return rows.num_rows
 
             removed += retry_commit(attempt, self.deadline(), f"cancel scheduled on {self.name}")

@@ -58,7 +58,7 @@ def changes(rows: pa.Table, op: str, **values: Any) -> pa.Table:
     return pa.table({k: cols[k] for k in CHANGE_SCHEMA.names}).cast(CHANGE_SCHEMA)
 
 
-def _removal(policy: Policy) -> str:
+def removal(policy: Policy) -> str:
     """How a settled message leaves: a tombstone where duplicate detection needs its id, else a delete."""
     return OP_TOMBSTONE if policy.keep_tombstones else OP_DELETE
 
@@ -100,7 +100,7 @@ def deliver(rows: pa.Table, now: datetime, policy: Policy, *, delete: bool) -> D
             desc = "The message expired before it could be delivered."
             parts.append(changes(exp_rows, OP_SET, **_dead_letter_values(TTL_EXPIRED_REASON, desc, now, policy.source)))
         else:
-            parts.append(changes(exp_rows, _removal(policy)))
+            parts.append(changes(exp_rows, removal(policy)))
     over_rows = rows.filter(over)
     if over_rows.num_rows:
         desc = f"Message could not be consumed after {policy.max_delivery_count} delivery attempts."
@@ -111,7 +111,7 @@ def deliver(rows: pa.Table, now: datetime, policy: Policy, *, delete: bool) -> D
     )
     if got.num_rows:
         if delete:
-            parts.append(changes(got, _removal(policy)))
+            parts.append(changes(got, removal(policy)))
             got = _with(got, lock_token=pa.nulls(got.num_rows, pa.string()), locked_until_utc=pa.nulls(got.num_rows, TIMESTAMP))
         else:
             until = now + policy.lock_duration
@@ -154,7 +154,7 @@ def settle(
     released = {"lock_token": None, "locked_until_utc": None}
     deferred = pc.equal(rows.column("state"), STATE_DEFERRED)
     if op == COMPLETE:
-        return changes(rows, _removal(policy))
+        return changes(rows, removal(policy))
     if op == ABANDON:
         # An abandoned deferred message stays deferred: only receive_deferred_messages reaches it.
         avail = pc.if_else(deferred, pa.scalar(None, TIMESTAMP), pa.scalar(now, TIMESTAMP))

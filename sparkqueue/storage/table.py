@@ -172,16 +172,24 @@ class EntityTable:
 
     # ---- send --------------------------------------------------------------------------------
 
-    def append(self, rows: pa.Table, dedupe_since: datetime | None, expand: Expand | None = None) -> pa.Table:
+    def append(
+        self, rows: pa.Table, dedupe_since: datetime | None, expand: Expand | None = None, once: Transaction | None = None
+    ) -> pa.Table:
         """Append rows (partition ids set, sequence numbers not yet) in one commit; one attempt.
 
         Assigns sequence numbers from each partition's fence, drops rows whose message_id was
         accepted in the partition since `dedupe_since` (when given) or repeats within the batch,
         and returns the stored rows. `expand` (topic fan-out) turns the surviving rows into the rows
-        to store. Raises CommitFailedError when another sender to one of the partitions won the
-        race (the caller retries on a fresh snapshot).
+        to store. `once` makes the append idempotent: it commits with that txn (app id, version)
+        and is skipped, returning no rows, when the table already has the app id at that version or
+        later. Raises CommitFailedError when another sender to one of the partitions won the race
+        (the caller retries on a fresh snapshot).
         """
         dt = self.snapshot()
+        if once is not None:
+            done = dt.transaction_version(once.app_id)
+            if done is not None and done >= once.version:
+                return rows.schema.empty_table()
         partitions = sorted(set(rows.column(PARTITION_COLUMN).to_pylist()))
         staged = [
             self._stage(dt, p, rows.filter(pc.equal(rows.column(PARTITION_COLUMN), p)), dedupe_since, expand) for p in partitions
@@ -192,6 +200,9 @@ class EntityTable:
         adds = [a for st in staged for a in st.adds]
         fences = [st.fence for st in staged if st.fence is not None]
         seen = {st.app: st.seen for st in staged}
+        if once is not None:
+            fences.append(once)
+            seen[once.app_id] = dt.transaction_version(once.app_id)
         try:
             commit(dt, adds, [], fences, fences_unchanged(seen))
         except BaseException:

@@ -1,0 +1,201 @@
+"""Auto-forwarding (SPEC §9): move messages from a queue or subscription to another queue or topic, exactly once.
+
+A move spans two Delta tables, so it is made idempotent rather than atomic. In each source
+partition messages are forwarded in sequence order, a leading run at a time: (1) the copies are
+appended to the destination with a Delta txn recording the highest source sequence number
+forwarded, (2) the originals are deleted at the source. A process that dies between (1) and (2)
+leaves originals whose sequence numbers the destination already records; the next forwarder
+only deletes them. Messages that must not travel (hop limit, missing or full destination) are
+dead-lettered at the source in step (2) instead.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+from datetime import datetime
+
+import pyarrow as pa
+import pyarrow.compute as pc
+from deltalake import DeltaTable, Transaction
+
+from sparkqueue.errors import EntityNotFoundError, QuotaExceededError, SparkQueueError
+from sparkqueue.model import lifecycle
+from sparkqueue.model.entity import ROW_COLUMNS, Entity, utcnow
+from sparkqueue.model.partitioning import partition_key
+from sparkqueue.storage.retry import retry_commit
+from sparkqueue.storage.schema import (
+    ENTITY_SCHEMA,
+    PARTITION_COLUMN,
+    STATE_ACTIVE,
+    SUB_QUEUE_DEAD_LETTER,
+    SUB_QUEUE_MAIN,
+    TIMESTAMP,
+)
+from sparkqueue.storage.table import Expand, empty_changes
+
+log = logging.getLogger(__name__)
+
+MAX_HOPS = 4
+HOP_LIMIT_REASON = "MaxTransferHopCountExceeded"
+MISSING_REASON = "ForwardingDestinationNotFound"
+FULL_REASON = "ForwardingDestinationQuotaExceeded"
+BATCH = 1000
+
+# Resolves a destination name to (entity, fan-out for topics), or raises EntityNotFoundError.
+Resolver = Callable[[str], tuple[Entity, Expand | None]]
+
+
+@dataclass(frozen=True)
+class Route:
+    """One forwarding route: which sub-queue of the source moves to which destination."""
+
+    sub_queue: str
+    destination: str
+
+
+def routes(entity: Entity) -> list[Route]:
+    """The entity's forwarding routes: arriving messages, and dead letters."""
+    out = []
+    fwd = getattr(entity.props, "forward_to", None)
+    if fwd:
+        out.append(Route(SUB_QUEUE_MAIN, fwd))
+    dlq = getattr(entity.props, "forward_dead_lettered_messages_to", None)
+    if dlq:
+        out.append(Route(SUB_QUEUE_DEAD_LETTER, dlq))
+    return out
+
+
+def forward(entity: Entity, resolve: Resolver, partitions: list[int] | None = None) -> list[str]:
+    """Move everything waiting on the entity's routes; returns the destinations that may have received messages."""
+    reached: list[str] = []
+    for route in routes(entity):
+        for p in partitions if partitions is not None else range(entity.partition_count):
+            if not entity.available(p):
+                continue
+            while True:
+                moved = _forward_batch(entity, route, p, resolve)
+                if moved and route.destination not in reached:
+                    reached.append(route.destination)
+                if moved < BATCH:
+                    break
+    return reached
+
+
+def _app_id(entity: Entity, route: Route, p: int) -> str:
+    """The destination txn app id recording how far this source partition has forwarded on this route."""
+    source = f"{entity.table.uri.rsplit('/', 1)[-1]}.{entity.subscription or ''}.{route.sub_queue}.{p}"
+    return f"sparkqueue.fwd.{source}"
+
+
+def _forward_batch(entity: Entity, route: Route, p: int, resolve: Resolver) -> int:
+    """Forward (or dead-letter) one leading run of a source partition; returns how many messages left the source."""
+    dt = entity.table.snapshot()
+    now = utcnow()
+    run = _leading_run(entity, dt, p, route.sub_queue, now)
+    if run.num_rows == 0:
+        return 0
+    app = _app_id(entity, route, p)
+    failure: str | None = None
+    hops = pc.add(run.column("transfer_hop_count"), 1)
+    over = pc.greater(hops, MAX_HOPS)
+    travel = run.filter(pc.invert(over))
+    top = pc.max(run.column("sequence_number")).as_py()
+    try:
+        dest, expand = resolve(route.destination)
+        if travel.num_rows:
+            _deliver(dest, expand, _copies(travel, now), Transaction(app, top))
+    except EntityNotFoundError:
+        failure = MISSING_REASON
+    except QuotaExceededError:
+        failure = FULL_REASON
+    except SparkQueueError as exc:  # destination unavailable: leave everything for a later attempt
+        log.warning("forwarding %s -> %s deferred: %s", entity.name, route.destination, exc)
+        return 0
+    changes = _source_changes(entity, run, over, failure, now)
+    retry_commit(lambda: _settle_source(entity, p, changes), entity.deadline(), f"forward from {entity.name}")
+    log.debug("%d message(s) left %s for %s (partition %d)", changes.num_rows, entity.name, route.destination, p)
+    return changes.num_rows
+
+
+def _leading_run(entity: Entity, dt: DeltaTable, p: int, sub_queue: str, now: datetime) -> pa.Table:
+    """The sub-queue's messages in sequence order up to the first one that is locked, at most BATCH.
+
+    Forwarding strictly in order keeps "highest sequence number forwarded" a complete record of
+    what the destination already holds. Scheduled messages travel at once and keep their time.
+    """
+    rows = entity.table.scan(dt, p, ROW_COLUMNS, subscription=entity.subscription, limit=None)
+    rows = rows.filter(pc.equal(rows.column("sub_queue"), sub_queue))
+    locked = pc.fill_null(pc.greater(rows.column("locked_until_utc"), pa.scalar(now, TIMESTAMP)), False)
+    first_locked = pc.index(locked, True).as_py()
+    end = rows.num_rows if first_locked < 0 else first_locked
+    return rows.slice(0, min(end, BATCH))
+
+
+def _copies(rows: pa.Table, now: datetime) -> pa.Table:
+    """Destination rows: the same message one hop further, unlocked and not yet delivered."""
+    n = rows.num_rows
+    out = rows.append_column(ENTITY_SCHEMA.field(PARTITION_COLUMN), pa.array([0] * n, pa.int32())).select(ENTITY_SCHEMA.names)
+    sched = out.column("scheduled_enqueue_time_utc")
+    visible = pc.if_else(pc.fill_null(pc.greater(sched, pa.scalar(now, TIMESTAMP)), False), sched, pa.scalar(now, TIMESTAMP))
+    values = {
+        "transfer_hop_count": pc.add(rows.column("transfer_hop_count"), 1).cast(pa.int32()),
+        "available_at_utc": visible,
+        "sub_queue": pa.array([SUB_QUEUE_MAIN] * n),
+        "subscription": pa.nulls(n, pa.string()),
+        "state": pa.array([STATE_ACTIVE] * n),
+        "enqueued_time_utc": pa.array([now] * n, TIMESTAMP),
+        "locked_until_utc": pa.nulls(n, TIMESTAMP),
+        "lock_token": pa.nulls(n, pa.string()),
+        "delivery_count": pa.array([0] * n, pa.int32()),
+    }
+    for name, arr in values.items():
+        i = out.schema.get_field_index(name)
+        out = out.set_column(i, out.schema.field(i), arr)
+    return out.cast(ENTITY_SCHEMA)
+
+
+def _deliver(dest: Entity, expand: Expand | None, rows: pa.Table, once: Transaction) -> None:
+    """Send the copies to the destination, keeping each message's partition key."""
+    dedupe = bool(getattr(dest.props, "requires_duplicate_detection", False))
+    keys = [
+        partition_key(s, k, m, dedupe)
+        for s, k, m in zip(
+            rows.column("session_id").to_pylist(),
+            rows.column("partition_key").to_pylist(),
+            rows.column("message_id").to_pylist(),
+            strict=True,
+        )
+    ]
+    dest.send(rows, keys, expand, once)
+
+
+def _source_changes(entity: Entity, run: pa.Table, over: pa.Array, failure: str | None, now: datetime) -> pa.Table:
+    """Remove what travelled; dead-letter at the source what exceeded the hop limit or could not be delivered."""
+    policy = entity.policy
+    gone = run.filter(pc.invert(over)) if failure is None else run.slice(0, 0)
+    stuck = run.filter(over) if failure is None else run
+    parts = []
+    if gone.num_rows:
+        parts.append(lifecycle.changes(gone, lifecycle.removal(policy)))
+    if stuck.num_rows:
+        reason = failure or HOP_LIMIT_REASON
+        in_dlq = pc.equal(stuck.column("sub_queue"), SUB_QUEUE_DEAD_LETTER)
+        # Dead letters that cannot be forwarded stay where they are; arriving messages are dead-lettered.
+        fresh = stuck.filter(pc.invert(in_dlq))
+        if fresh.num_rows:
+            desc = f"The message could not be forwarded: {reason}."
+            parts.append(lifecycle.settle(fresh, lifecycle.DEAD_LETTER, now, policy, reason, desc))
+    return pa.concat_tables(parts) if parts else empty_changes()
+
+
+def _settle_source(entity: Entity, p: int, changes: pa.Table) -> None:
+    """Apply the source changes to the rows that are still there (a concurrent forwarder may have done it)."""
+    if changes.num_rows == 0:
+        return
+    dt = entity.table.snapshot()
+    live = entity.table.rows_by_sequence(dt, p, changes.column("sequence_number").to_pylist(), ["sequence_number"])
+    still = changes.filter(pc.is_in(changes.column("sequence_number"), value_set=live.column("sequence_number")))
+    if still.num_rows:
+        entity.table.apply(dt, p, still)
