@@ -2,16 +2,22 @@
 
 from sparkqueue.constants import NEXT_AVAILABLE_SESSION, ReceiveMode, SubQueue
 from sparkqueue.message import Message, MessageBatch, ReceivedMessage
+from sparkqueue.model.filters import CorrelationRuleFilter, FalseRuleFilter, SqlRuleAction, SqlRuleFilter, TrueRuleFilter
 from sparkqueue.namespace import Namespace
 
 __version__ = "0.1.0"
 
 __all__ = [
     "NEXT_AVAILABLE_SESSION",
+    "CorrelationRuleFilter",
+    "FalseRuleFilter",
     "Message",
     "MessageBatch",
     "Namespace",
     "ReceiveMode",
     "ReceivedMessage",
+    "SqlRuleAction",
+    "SqlRuleFilter",
     "SubQueue",
+    "TrueRuleFilter",
 ]

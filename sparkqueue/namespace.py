@@ -222,6 +222,14 @@ class Namespace(Management):
         subs = [self._entity(SUBSCRIPTION, sub_entity_name(name, s.name)) for s in self.list_subscriptions(name)]
         return [e for e in subs if routes(e)]
 
+    def forward_pending_messages(self) -> None:
+        """Finish every pending auto-forward in the namespace (after a crash, or when forward_to was set later)."""
+        for entry in self._catalog.entries():
+            if entry.entity_type in (QUEUE, SUBSCRIPTION):
+                entity = self._entity(entry.entity_type, entry.name.split(":", 1)[1])
+                if routes(entity):
+                    self._pump(entity)
+
     def _after_send(self, entity_type: str, name: str, stored_partitions: list[int]) -> None:
         """Forward what a send just stored, when the queue or any of the topic's subscriptions forwards."""
         if entity_type == QUEUE:
