@@ -10,7 +10,7 @@ import json
 import logging
 import shutil
 import uuid
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 from typing import TYPE_CHECKING, Any
 
 from sparkqueue.errors import (
@@ -32,6 +32,7 @@ from sparkqueue.model.properties import (
     build_properties,
     check_update,
 )
+from sparkqueue.storage import maintenance
 from sparkqueue.storage.catalog import CatalogEntry, catalog_key
 from sparkqueue.storage.table import EntityTable
 
@@ -316,6 +317,47 @@ class Management:
         self._entry(SUBSCRIPTION, sub_entity_name(topic_name, subscription_name))
         prefix = f"{sub_entity_name(topic_name, subscription_name)}|"
         return [rule_from_entry(e) for e in self._catalog.entries(RULE) if e.name.split(":", 1)[1].startswith(prefix)]
+
+    # ---- maintenance -----------------------------------------------------------------------------
+
+    def run_maintenance(
+        self: Namespace, *, vacuum_retention: timedelta = maintenance.DEFAULT_VACUUM_RETENTION, vacuum: bool = True
+    ) -> dict[str, maintenance.MaintenanceReport]:
+        """Compact, clean, checkpoint and vacuum every queue and topic table; finish pending forwards first.
+
+        Safe beside live senders and receivers: compaction only replaces files nobody changed
+        meanwhile. Tombstones are kept for the entity's duplicate-detection window.
+        """
+        self.forward_pending_messages()
+        reports: dict[str, maintenance.MaintenanceReport] = {}
+        entries = self._catalog.entries()
+        for e in entries:
+            if e.entity_type not in (QUEUE, TOPIC):
+                continue
+            name = e.name.split(":", 1)[1]
+            entity = self._entity(e.entity_type, name)
+            window = getattr(entity.props, "duplicate_detection_history_time_window", None) or timedelta(0)
+            live = None
+            if e.entity_type == TOPIC:
+                live = {
+                    split_subscription_path(s.table_path)[1]
+                    for s in entries
+                    if s.entity_type == SUBSCRIPTION and s.name.split(":", 1)[1].split("|")[0] == name
+                }
+            report = maintenance.compact(entity.table, drop_before=datetime.now(UTC) - window, live_subscriptions=live)
+            maintenance.checkpoint(entity.table, report)
+            if vacuum:
+                maintenance.vacuum(entity.table, vacuum_retention, report)
+            reports[f"{e.entity_type}:{name}"] = report
+            log.info(
+                "maintenance of %s %s: %d -> %d files, %d rows dropped",
+                e.entity_type,
+                name,
+                report.files_before,
+                report.files_after,
+                report.rows_dropped,
+            )
+        return reports
 
     def _no_rule_changes_in_transaction(self: Namespace) -> None:
         if self._active_transaction is not None:

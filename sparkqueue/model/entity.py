@@ -113,7 +113,7 @@ class Entity:
 
     def available(self, partition: int) -> bool:
         """False while a fault is injected on the partition."""
-        return not self.table.faults.failing(partition)
+        return self.table.available(partition)
 
     # ---- send ------------------------------------------------------------------------------
 

@@ -154,6 +154,10 @@ class EntityTable:
             dt.update_incremental()
         return dt
 
+    def available(self, partition: int) -> bool:
+        """False while a fault is injected on the partition."""
+        return not self.faults.failing(partition)
+
     def files(self, dt: DeltaTable, partition: int) -> list[FileInfo]:
         """The partition's live files at `dt`'s version, ordered by lowest sequence number."""
         self.faults.check(partition, "read")
