@@ -142,7 +142,11 @@ class ReceivedMessage:
 
 def received_messages(rows: pa.Table, now: datetime) -> list[ReceivedMessage]:
     """Build ReceivedMessage objects from entity rows (column-wise: far cheaper than per-row dicts)."""
-    c = {name: rows.column(name).to_pylist() for name in rows.column_names}
+    n = rows.num_rows
+    c = {
+        name: [None] * n if col.null_count == n else col.to_pylist()
+        for name, col in zip(rows.column_names, rows.columns, strict=True)
+    }
     out = []
     for i, seq in enumerate(c["sequence_number"]):
         sched = c["scheduled_enqueue_time_utc"][i]

@@ -191,11 +191,12 @@ class Entity:
         start = next(self._recv_start)
         out: list[pa.Table] = []
         remaining = max_count
+        dt = self.table.snapshot()  # one snapshot serves every partition this pass does not change
         for i in range(self.partition_count):
             p = (start + i) % self.partition_count
             if not self.available(p):
                 continue
-            got = self._receive_partition(p, sub_queue, remaining, delete)
+            got = self._receive_partition(dt, p, sub_queue, remaining, delete)
             if got.num_rows:
                 out.append(got)
                 remaining -= got.num_rows
@@ -203,12 +204,19 @@ class Entity:
                 break
         return pa.concat_tables(out) if out else empty_rows()
 
-    def _receive_partition(self, p: int, sub_queue: str, limit: int, delete: bool) -> pa.Table:
-        """Lock (or delete) up to `limit` messages of one partition; moves on after repeated conflicts."""
+    def _receive_partition(self, dt: DeltaTable, p: int, sub_queue: str, limit: int, delete: bool) -> pa.Table:
+        """Lock (or delete) up to `limit` messages of one partition; moves on after repeated conflicts.
+
+        Starts from the caller's snapshot and refreshes only after a conflict or its own commit
+        (a commit does not advance the handle's version).
+        """
         out: list[pa.Table] = []
         attempt = 0
+        fresh = True
         while limit > 0 and attempt < LOCK_ATTEMPTS_PER_PARTITION:
-            dt = self.table.snapshot()
+            if not fresh:
+                dt = self.table.snapshot()
+            fresh = False
             now = utcnow()
             try:
                 cands = self.table.candidates(dt, p, sub_queue, now, limit, ROW_COLUMNS, self.subscription)

@@ -142,9 +142,9 @@ def _with(rows: pa.Table, **cols: pa.Array) -> pa.Table:
 
 def lock_valid(rows: pa.Table, tokens: list[str], now: datetime) -> list[bool]:
     """Per row: does `tokens[i]` hold the current, unexpired lock of `rows[i]`?"""
-    current = rows.column("lock_token").to_pylist()
-    until = rows.column("locked_until_utc").to_pylist()
-    return [c is not None and c == t and u is not None and u > now for c, t, u in zip(current, tokens, until, strict=True)]
+    same = pc.equal(rows.column("lock_token"), pa.array(tokens, pa.string()))
+    live = pc.greater(rows.column("locked_until_utc"), pa.scalar(now, TIMESTAMP))
+    return pc.fill_null(pc.and_(same, live), False).to_pylist()
 
 
 def settle(

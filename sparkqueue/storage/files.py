@@ -9,8 +9,10 @@ from __future__ import annotations
 
 import contextlib
 import json
+import threading
 import time
 import uuid
+from collections import OrderedDict
 from collections.abc import Sequence
 from datetime import datetime, timedelta
 
@@ -29,20 +31,49 @@ STATS_COLUMNS = [
     if f.name != PARTITION_COLUMN and not pa.types.is_binary(f.type) and f.name != "application_properties"
 ]
 FILE_SCHEMA = pa.schema([f for f in ENTITY_SCHEMA if f.name != PARTITION_COLUMN])
+CACHE_BYTES = 256 * 1024 * 1024  # per table handle
 
 
 class DataFiles:
-    """Reads and writes the Parquet files under one table root, on a local or object-store filesystem."""
+    """Reads and writes the Parquet files under one table root, on a local or object-store filesystem.
 
-    def __init__(self, uri: str) -> None:
+    Data files are immutable, so recently written or read files are kept in a small in-memory
+    cache keyed by path: a receive that locks rows and the settle that follows read no file twice.
+    """
+
+    def __init__(self, uri: str, cache_bytes: int = CACHE_BYTES) -> None:
         self.fs, self.root = _filesystem(uri)
         self._dirs: set[int] = set()
+        self._cache: OrderedDict[str, pa.Table] = OrderedDict()
+        self._cache_bytes = cache_bytes
+        self._cached = 0
+        self._lock = threading.Lock()
 
     def read(self, path: str, columns: Sequence[str] | None = None) -> pa.Table:
         """A file's rows (selected columns), typed as the entity schema declares."""
         cols = list(columns) if columns is not None else FILE_SCHEMA.names
-        t = pq.read_table(f"{self.root}/{path}", columns=cols, filesystem=self.fs)
-        return t.cast(pa.schema([FILE_SCHEMA.field(c) for c in cols]))
+        with self._lock:
+            whole = self._cache.get(path)
+            if whole is not None:
+                self._cache.move_to_end(path)
+                return whole.select(cols)
+        t = pq.read_table(f"{self.root}/{path}", filesystem=self.fs).cast(FILE_SCHEMA)
+        self._remember(path, t)
+        return t.select(cols)
+
+    def _remember(self, path: str, rows: pa.Table) -> None:
+        """Cache a whole file's rows, evicting the least recently used beyond the byte budget."""
+        size = rows.nbytes
+        if size > self._cache_bytes // 4:
+            return
+        with self._lock:
+            if path in self._cache:
+                return
+            self._cache[path] = rows
+            self._cached += size
+            while self._cached > self._cache_bytes and self._cache:
+                _, old = self._cache.popitem(last=False)
+                self._cached -= old.nbytes
 
     def write(self, partition: int, rows: pa.Table) -> AddAction:
         """Write one partition's rows (file schema, no partition column) and describe the file as an add action."""
@@ -52,6 +83,7 @@ class DataFiles:
             self.fs.create_dir(f"{self.root}/{PARTITION_COLUMN}={partition}", recursive=True)
             self._dirs.add(partition)
         pq.write_table(rows, f"{self.root}/{rel}", filesystem=self.fs, compression="snappy")
+        self._remember(rel, rows)
         size = self.fs.get_file_info(f"{self.root}/{rel}").size
         return AddAction(rel, size, {PARTITION_COLUMN: str(partition)}, _now_ms(), True, json.dumps(_stats(rows)))
 
