@@ -74,8 +74,7 @@ class Sender:
         seqs = [sequence_numbers] if isinstance(sequence_numbers, int) else list(sequence_numbers)
         for s in seqs:
             limits.check_int(s, "sequence_numbers", minimum=0)
-        for entity in self._ns._targets(self.entity_type, self.entity_name):
-            entity.cancel_scheduled(seqs)
+        self._ns._entity(self.entity_type, self.entity_name).cancel_scheduled(seqs)
 
     def _send(self, msgs: list[Message]) -> list[int]:
         if not msgs:

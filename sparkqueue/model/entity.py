@@ -19,7 +19,7 @@ import pyarrow.compute as pc
 from deltalake import DeltaTable, Transaction
 from deltalake.exceptions import CommitFailedError
 
-from sparkqueue.errors import MessageLockLostError, PartitionUnavailableError, QuotaExceededError
+from sparkqueue.errors import MessageLockLostError, PartitionUnavailableError
 from sparkqueue.model import lifecycle
 from sparkqueue.model.partitioning import RoundRobin, partition_for_key
 from sparkqueue.model.properties import PartitionRuntimeProperties, RuntimeProperties, _EntityProperties
@@ -81,13 +81,23 @@ class Entity:
     def __init__(
         self, props: _EntityProperties, table: EntityTable, operation_timeout: float, subscription: str | None = None
     ) -> None:
-        self.props = props
         self.table = table
+        self.props = props
         self.subscription = subscription  # a subscription's rows live in its topic's table
         self.partition_count = table.partition_count
         self.operation_timeout = operation_timeout
         self._send_rr = RoundRobin(self.partition_count)
         self._recv_start = itertools.count(random.randrange(self.partition_count))
+
+    @property
+    def props(self) -> _EntityProperties:
+        """The entity's settings (refreshed from the catalog by the namespace)."""
+        return self._props
+
+    @props.setter
+    def props(self, props: _EntityProperties) -> None:
+        self._props = props
+        self.table.max_partition_bytes = int(props.max_size_in_megabytes) * 1024 * 1024
 
     @property
     def name(self) -> str:
@@ -147,7 +157,6 @@ class Entity:
             return rows
         parts = pa.array(self.place(keys), pa.int32())
         rows = rows.set_column(rows.schema.get_field_index(PARTITION_COLUMN), PARTITION_COLUMN, parts)
-        self._check_quota(rows)
         return retry_commit(
             lambda: self.table.append(rows, self.dedupe_since(), expand, once), self.deadline(), f"send to {self.name}"
         )
@@ -157,21 +166,6 @@ class Entity:
         if not getattr(self.props, "requires_duplicate_detection", False):
             return None
         return utcnow() - self.props.duplicate_detection_history_time_window
-
-    def _check_quota(self, rows: pa.Table) -> None:
-        """Raise QuotaExceededError when the rows would take a partition beyond max_size_in_megabytes."""
-        limit = int(self.props.max_size_in_megabytes) * 1024 * 1024
-        dt = self.table.snapshot()
-        sizes: dict[int, int] = defaultdict(int)
-        for p, s in zip(rows.column(PARTITION_COLUMN).to_pylist(), rows.column("size_in_bytes").to_pylist(), strict=True):
-            sizes[p] += s
-        for p, added in sizes.items():
-            used = self.table.partition_bytes(dt, p)
-            if used + added > limit:
-                raise QuotaExceededError(
-                    f"partition {p} of {self.name!r} holds {used} bytes; adding {added} would pass its "
-                    f"{limit // (1024 * 1024)} MB limit. Receive or purge messages, or raise max_size_in_megabytes"
-                )
 
     # ---- receive -----------------------------------------------------------------------------
 
@@ -344,7 +338,6 @@ class Entity:
                 PARTITION_COLUMN,
                 pa.array([partition] * new_rows.num_rows, pa.int32()),
             )
-            self._check_quota(new_rows)
 
         def attempt() -> pa.Table | None:
             dt = self.table.snapshot()

@@ -31,7 +31,7 @@ STATS_COLUMNS = [
     if f.name != PARTITION_COLUMN and not pa.types.is_binary(f.type) and f.name != "application_properties"
 ]
 FILE_SCHEMA = pa.schema([f for f in ENTITY_SCHEMA if f.name != PARTITION_COLUMN])
-CACHE_BYTES = 256 * 1024 * 1024  # per table handle
+CACHE_BYTES = 64 * 1024 * 1024  # per table handle: recently touched files, which settles re-read
 
 
 class DataFiles:

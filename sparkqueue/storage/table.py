@@ -24,6 +24,7 @@ import pyarrow.compute as pc
 from deltalake import DeltaTable, Transaction
 from deltalake.exceptions import CommitFailedError
 
+from sparkqueue.errors import QuotaExceededError
 from sparkqueue.storage.commit import commit, fences_unchanged
 from sparkqueue.storage.faults import FaultInjector
 from sparkqueue.storage.files import FILE_SCHEMA, DataFiles, remove_action
@@ -120,6 +121,7 @@ class EntityTable:
     def __init__(self, uri: str, partition_count: int, faults: FaultInjector | None = None) -> None:
         self.uri = uri.rstrip("/")
         self.partition_count = partition_count
+        self.max_partition_bytes: int | None = None  # the entity's size quota per partition
         self.faults = faults or FaultInjector()
         self.data = DataFiles(self.uri)
         self._lock = threading.RLock()
@@ -223,6 +225,7 @@ class EntityTable:
             part = self._drop_duplicates(dt, p, part, dedupe_since)
         if expand is not None and part.num_rows:
             part = expand(part)
+        self._check_quota(dt, p, part)
         app = fence_app_id(p)
         seen = dt.transaction_version(app)
         if part.num_rows == 0:
@@ -241,6 +244,18 @@ class EntityTable:
             ]
         )
         return _Staged(app, seen, Transaction(app, last + part.num_rows), part, [self.data.write(p, g) for g in groups])
+
+    def _check_quota(self, dt: DeltaTable, p: int, part: pa.Table) -> None:
+        """Raise QuotaExceededError when new rows would take a partition beyond its size quota."""
+        if self.max_partition_bytes is None or part.num_rows == 0:
+            return
+        used = self.partition_bytes(dt, p)
+        added = pc.sum(part.column("size_in_bytes")).as_py() or 0
+        if used + added > self.max_partition_bytes:
+            raise QuotaExceededError(
+                f"partition {p} holds {used} bytes; adding {added} would pass its {self.max_partition_bytes // 2**20} MB "
+                "limit (max_size_in_megabytes). Receive or purge messages, or raise the limit; nothing was stored"
+            )
 
     def _drop_duplicates(self, dt: DeltaTable, p: int, part: pa.Table, since: datetime) -> pa.Table:
         """Remove rows whose message_id repeats within the batch or was accepted since `since`."""
