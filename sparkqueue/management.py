@@ -21,7 +21,14 @@ from sparkqueue.errors import (
     QuotaExceededError,
 )
 from sparkqueue.model import limits
-from sparkqueue.model.filters import TrueRuleFilter, action_from_dict, filter_from_dict
+from sparkqueue.model.filters import (
+    CorrelationRuleFilter,
+    SqlRuleAction,
+    SqlRuleFilter,
+    TrueRuleFilter,
+    action_from_dict,
+    filter_from_dict,
+)
 from sparkqueue.model.properties import (
     QueueProperties,
     RuleProperties,
@@ -32,6 +39,7 @@ from sparkqueue.model.properties import (
     build_properties,
     check_update,
 )
+from sparkqueue.model.topics import ACCEPTED_MARKER
 from sparkqueue.storage import maintenance
 from sparkqueue.storage.catalog import CatalogEntry, catalog_key
 from sparkqueue.storage.table import EntityTable
@@ -289,9 +297,13 @@ class Management:
         limits.check_child_name(rule_name, "rule")
         self._entry(SUBSCRIPTION, sub_entity_name(topic_name, subscription_name))
         flt = filter if filter is not None else TrueRuleFilter()
-        for obj, what in ((flt, "filter"), (action, "action")):
-            if obj is not None and not hasattr(obj, "to_dict"):
-                raise InvalidOperationError(f"{what} must be a sparkqueue rule {what}, got {type(obj).__name__}")
+        if not isinstance(flt, (SqlRuleFilter, CorrelationRuleFilter)):
+            raise InvalidOperationError(
+                "filter must be a SqlRuleFilter, CorrelationRuleFilter, TrueRuleFilter or FalseRuleFilter, "
+                f"got {type(flt).__name__}"
+            )
+        if action is not None and not isinstance(action, SqlRuleAction):
+            raise InvalidOperationError(f"action must be a SqlRuleAction or None, got {type(action).__name__}")
         now = datetime.now(UTC)
         key = catalog_key(RULE, rule_entity_name(topic_name, subscription_name, rule_name))
         if not self._catalog.insert([CatalogEntry(key, RULE, "", _rule_json(flt, action), now, now)], self._deadline()):
@@ -343,7 +355,7 @@ class Management:
                     split_subscription_path(s.table_path)[1]
                     for s in entries
                     if s.entity_type == SUBSCRIPTION and s.name.split(":", 1)[1].split("|")[0] == name
-                }
+                } | {ACCEPTED_MARKER}  # the topic's own id records: kept for its duplicate-detection window
             report = maintenance.compact(entity.table, drop_before=datetime.now(UTC) - window, live_subscriptions=live)
             maintenance.checkpoint(entity.table, report)
             if vacuum:

@@ -236,7 +236,9 @@ def to_rows(messages: Iterable[Message], settings: SendSettings, now: datetime) 
         "sub_queue": pa.array([SUB_QUEUE_MAIN] * n),
         "state": pa.array([STATE_ACTIVE] * n),
         "kind": pa.array([KIND_MESSAGE] * n),
-        "enqueued_time_utc": pa.array([now] * n, _ROW_SCHEMA.field("enqueued_time_utc").type),
+        # A scheduled message is enqueued when it becomes visible (as in Service Bus), so that
+        # expires_at_utc == enqueued_time_utc + ttl holds for it too (SPEC §5).
+        "enqueued_time_utc": pa.array(visible, _ROW_SCHEMA.field("enqueued_time_utc").type),
         "expires_at_utc": expires,
         "scheduled_enqueue_time_utc": attr("scheduled_enqueue_time_utc"),
         "delivery_count": pa.nulls(n, pa.int32()).fill_null(0),

@@ -27,6 +27,7 @@ from sparkqueue.management import (
 from sparkqueue.model import limits
 from sparkqueue.model.entity import Entity
 from sparkqueue.model.forwarding import MAX_HOPS, forward, routes
+from sparkqueue.model.properties import SubscriptionProperties
 from sparkqueue.model.sessions import SessionInfo, Sessions
 from sparkqueue.model.topics import Rule, Subscriber, fan_out
 from sparkqueue.receiver import Receiver
@@ -185,7 +186,8 @@ class Namespace(Management):
         for e in entries:
             if e.entity_type == SUBSCRIPTION and e.name.split(":", 1)[1].split("|")[0] == topic_name:
                 sub = e.name.split(":", 1)[1].split("|")[1]
-                out.append(Subscriber(split_subscription_path(e.table_path)[1], tuple(rules.get(sub, ()))))
+                ttl = SubscriptionProperties.from_json(e.properties).default_message_time_to_live
+                out.append(Subscriber(split_subscription_path(e.table_path)[1], tuple(rules.get(sub, ())), ttl))
         return out
 
     # ---- auto-forwarding ------------------------------------------------------------------------
@@ -216,11 +218,13 @@ class Namespace(Management):
         except EntityNotFoundError:
             pass
         try:
-            self._entry(TOPIC, name)
+            subs = self.list_subscriptions(name)
         except EntityNotFoundError:
             return []
-        subs = [self._entity(SUBSCRIPTION, sub_entity_name(name, s.name)) for s in self.list_subscriptions(name)]
-        return [e for e in subs if routes(e)]
+        # settings first: building an entity reads the catalog, so only for subscriptions that forward
+        names = [s.name for s in subs if s.forward_to or s.forward_dead_lettered_messages_to]
+        entities = [self._entity(SUBSCRIPTION, sub_entity_name(name, s)) for s in names]
+        return [e for e in entities if routes(e)]
 
     def forward_pending_messages(self) -> None:
         """Finish every pending auto-forward in the namespace (after a crash, or when forward_to was set later)."""

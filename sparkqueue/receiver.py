@@ -18,6 +18,8 @@ from sparkqueue.storage.schema import SUB_QUEUE_DEAD_LETTER, SUB_QUEUE_MAIN
 from sparkqueue.storage.table import SEQUENCE_MASK
 
 if TYPE_CHECKING:
+    from pyspark.sql import DataFrame, SparkSession
+
     from sparkqueue.namespace import Namespace
 
 log = logging.getLogger(__name__)
@@ -151,6 +153,9 @@ class Receiver:
         """Receive deferred messages by sequence number; ones not deferred, or locked elsewhere, are not returned."""
         seqs = self._seqs(sequence_numbers)
         self._check_open()
+        if self.session is not None:  # only the held session's deferred messages, under its lock
+            rows = self.session._sessions.receive_deferred(self.session._lock, seqs, delete=self._deleting)
+            return received_messages(rows, utcnow())
         return received_messages(self._entity().receive_deferred(self._sub_queue, seqs, delete=self._deleting), utcnow())
 
     def peek_messages(self, max_message_count: int = 1, *, sequence_number: int | None = None) -> list[ReceivedMessage]:
@@ -162,7 +167,10 @@ class Receiver:
             counter = limits.check_int(sequence_number, "sequence_number", minimum=0) & SEQUENCE_MASK
             self._peek_cursors = {p: (p << 48) | counter for p in range(entity.partition_count)}
         rows = entity.peek(self._sub_queue, self._peek_cursors, n)
-        return received_messages(rows, utcnow())
+        peeked = received_messages(rows, utcnow())
+        for m in peeked:
+            m.lock_token = None  # a browse holds no lock: never hand out another receiver's token
+        return peeked
 
     # ---- settle --------------------------------------------------------------------------------
 
@@ -229,14 +237,13 @@ class Receiver:
         if tx is not None:
             if op == lifecycle.RENEW:
                 raise InvalidOperationError("locks cannot be renewed inside a transaction")
-            if self.session is not None:
-                raise InvalidOperationError("session receivers settle outside transactions in this version")
-            tx.add_settle(self, messages, op, reason, description)
+            guard = self.session._guard() if self.session is not None else None  # the session lock is checked at commit
+            tx.add_settle(self, messages, op, reason, description, guard)
             return [None] * len(messages)
         guard = self.session._guard() if self.session is not None else None
         res = self._entity().settle([(m.sequence_number, m.lock_token or "") for m in messages], op, reason, description, guard)
         if op == lifecycle.DEAD_LETTER:
-            self._ns._pump(self._entity())
+            self._ns._pump(self._entity(), sorted({m.partition_id for m in messages}))  # forward the dead letters
         lost = [m for m, ok in zip(messages, res.ok, strict=True) if not ok]
         if lost:
             names = ", ".join(f"{m.sequence_number} ({m.message_id!r})" for m in lost[:5])
@@ -246,6 +253,39 @@ class Receiver:
                 "the settlement was not applied to them. Receive them again"
             )
         return res.locked_until
+
+    # ---- DataFrames (sparkqueue.spark, imported lazily: pyspark is optional) -------------------
+
+    def receive_dataframe(self, max_message_count: int, spark: SparkSession | None = None) -> DataFrame:
+        """Lock up to max_message_count messages in Spark tasks (one per partition); a DataFrame of them (SPEC §12)."""
+        from sparkqueue.spark.receive import receive_dataframe
+
+        return receive_dataframe(self, max_message_count, spark)
+
+    def complete_dataframe(self, df: DataFrame) -> DataFrame:
+        """Complete the messages of df's `lock_token` column; a DataFrame of (lock_token, status "ok"/"lock_lost")."""
+        return self._settle_dataframe(df, lifecycle.COMPLETE)
+
+    def abandon_dataframe(self, df: DataFrame) -> DataFrame:
+        """Abandon the messages of df's `lock_token` column; a DataFrame of (lock_token, status)."""
+        return self._settle_dataframe(df, lifecycle.ABANDON)
+
+    def defer_dataframe(self, df: DataFrame) -> DataFrame:
+        """Defer the messages of df's `lock_token` column; a DataFrame of (lock_token, status)."""
+        return self._settle_dataframe(df, lifecycle.DEFER)
+
+    def dead_letter_dataframe(
+        self, df: DataFrame, reason: str | None = None, error_description: str | None = None
+    ) -> DataFrame:
+        """Dead-letter df's messages (per-row `dead_letter_reason`/`dead_letter_error_description` columns win); statuses."""
+        return self._settle_dataframe(df, lifecycle.DEAD_LETTER, reason, error_description)
+
+    def _settle_dataframe(
+        self, df: DataFrame, op: str, reason: str | None = None, error_description: str | None = None
+    ) -> DataFrame:
+        from sparkqueue.spark.settle import settle_dataframe
+
+        return settle_dataframe(self, df, op, reason, error_description)
 
     # ---- helpers -------------------------------------------------------------------------------
 

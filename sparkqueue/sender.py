@@ -16,6 +16,8 @@ from sparkqueue.model.entity import utcnow
 from sparkqueue.model.topics import ACCEPTED_MARKER
 
 if TYPE_CHECKING:
+    from pyspark.sql import DataFrame, SparkSession
+
     from sparkqueue.namespace import Namespace
 
 log = logging.getLogger(__name__)
@@ -75,6 +77,16 @@ class Sender:
         for s in seqs:
             limits.check_int(s, "sequence_numbers", minimum=0)
         self._ns._entity(self.entity_type, self.entity_name).cancel_scheduled(seqs)
+
+    def send_dataframe(self, df: DataFrame, spark: SparkSession | None = None) -> int:
+        """Send each row of a DataFrame as a message, in Spark tasks per partition; returns how many were accepted.
+
+        Columns are named as Message fields (SPEC §12); `spark` is accepted for symmetry (the
+        DataFrame's own session runs the job). See sparkqueue.spark.send.
+        """
+        from sparkqueue.spark.send import send_dataframe
+
+        return send_dataframe(self, df)
 
     def _send(self, msgs: list[Message]) -> list[int]:
         if not msgs:

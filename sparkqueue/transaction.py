@@ -7,12 +7,14 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import pyarrow as pa
+import pyarrow.compute as pc
 
 from sparkqueue.errors import InvalidOperationError
 from sparkqueue.message import Message, ReceivedMessage, to_rows
 from sparkqueue.model import limits
-from sparkqueue.model.entity import Entity, PendingSettle, partition_of, utcnow
+from sparkqueue.model.entity import Entity, Guard, PendingSettle, partition_of, utcnow
 from sparkqueue.model.partitioning import partition_for_key
+from sparkqueue.model.topics import ACCEPTED_MARKER
 from sparkqueue.sender import Sender, send_settings
 
 if TYPE_CHECKING:
@@ -94,7 +96,13 @@ class Transaction:
         self._rows.append(rows)
 
     def add_settle(
-        self, receiver: Receiver, messages: list[ReceivedMessage], op: str, reason: str | None, description: str | None
+        self,
+        receiver: Receiver,
+        messages: list[ReceivedMessage],
+        op: str,
+        reason: str | None,
+        description: str | None,
+        guard: Guard | None = None,
     ) -> None:
         """Record a settlement; all settled messages must be in the transaction's partition."""
         self._bind(receiver.entity_type, receiver.entity_name)
@@ -104,7 +112,8 @@ class Transaction:
         if len(parts) > 1:
             raise InvalidOperationError("the messages settled in a transaction must all be in one partition")
         self._settle_partition = parts.pop() if parts else None
-        self._settles.append(PendingSettle(op, [(m.sequence_number, m.lock_token or "") for m in messages], reason, description))
+        items = [(m.sequence_number, m.lock_token or "") for m in messages]
+        self._settles.append(PendingSettle(op, items, reason, description, guard))
         self._check_size()
 
     def _check_size(self) -> None:
@@ -121,8 +130,15 @@ class Transaction:
         entity = self._entity
         partition = self._partition(entity)
         rows = pa.concat_tables(self._rows) if self._rows else None
-        stored = entity.transact(partition, rows, self._settles)
-        return stored.column("sequence_number").to_pylist() if stored is not None else []
+        entity_type, name = self._entity_key or ("", "")
+        expand = self.namespace._expander(entity_type, name) if rows is not None else None  # topic fan-out
+        stored = entity.transact(partition, rows, self._settles, expand)
+        if stored is None:
+            return []
+        stored = stored.filter(pc.invert(pc.fill_null(pc.equal(stored.column("subscription"), ACCEPTED_MARKER), False)))
+        if stored.num_rows and entity_type in ("queue", "topic"):
+            self.namespace._after_send(entity_type, name, [partition])  # auto-forward what arrived
+        return stored.column("sequence_number").to_pylist()
 
     def _partition(self, entity: Entity) -> int:
         """The one partition the transaction writes: its key's, which must also hold the settled messages."""

@@ -65,6 +65,7 @@ class PendingSettle:
     items: list[tuple[int, str]]
     reason: str | None = None
     description: str | None = None
+    guard: Guard | None = None  # a session receiver's lock check (and session-row touch), run inside the commit
 
 
 @dataclass
@@ -323,7 +324,9 @@ class Entity:
             return pc.is_valid(rows.column("sequence_number"))
         return pc.is_null(sub) if self.subscription is None else pc.fill_null(pc.equal(sub, self.subscription), False)
 
-    def transact(self, partition: int, new_rows: pa.Table | None, settles: Sequence[PendingSettle]) -> pa.Table | None:
+    def transact(
+        self, partition: int, new_rows: pa.Table | None, settles: Sequence[PendingSettle], expand: Expand | None = None
+    ) -> pa.Table | None:
         """Commit sends and settlements of one partition atomically (a transaction); all or nothing.
 
         Raises MessageLockLostError, applying nothing, when any settled message's lock is not current.
@@ -344,6 +347,9 @@ class Entity:
             now = utcnow()
             parts = []
             for st in settles:
+                touch = st.guard(dt, partition, now) if st.guard is not None else None  # SessionLockLostError
+                if touch is not None and touch.num_rows:
+                    parts.append(touch)
                 good, valid = self.locked_rows(dt, partition, st.items, now)
                 if not all(valid):
                     raise MessageLockLostError(
@@ -351,7 +357,7 @@ class Entity:
                     )
                 parts.append(lifecycle.settle(good, st.op, now, self.policy, st.reason, st.description))
             changes = pa.concat_tables(parts) if parts else empty_changes()
-            return self.table.apply(dt, partition, changes, new_rows, self.dedupe_since())
+            return self.table.apply(dt, partition, changes, new_rows, self.dedupe_since(), expand)
 
         return retry_commit(attempt, self.deadline(), f"transaction on {self.name}")
 

@@ -7,11 +7,16 @@ forwarded, (2) the originals are deleted at the source. A process that dies betw
 leaves originals whose sequence numbers the destination already records; the next forwarder
 only deletes them. Messages that must not travel (hop limit, missing or full destination) are
 dead-lettered at the source in step (2) instead.
+
+Dead letters enter their sub-queue in any sequence order, so for them a sequence-number fence
+cannot tell what was forwarded: each batch is first claimed at the source (see
+`_forward_dead_letters`) and appended under a txn app id naming the claim.
 """
 
 from __future__ import annotations
 
 import logging
+import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import datetime
@@ -33,7 +38,7 @@ from sparkqueue.storage.schema import (
     SUB_QUEUE_MAIN,
     TIMESTAMP,
 )
-from sparkqueue.storage.table import Expand, empty_changes
+from sparkqueue.storage.table import OP_SET, Expand, empty_changes
 
 log = logging.getLogger(__name__)
 
@@ -42,6 +47,7 @@ HOP_LIMIT_REASON = "MaxTransferHopCountExceeded"
 MISSING_REASON = "ForwardingDestinationNotFound"
 FULL_REASON = "ForwardingDestinationQuotaExceeded"
 BATCH = 1000
+CLAIM_PREFIX = "forward:"  # lock token of dead letters claimed by a forwarder (never a receiver's token)
 
 # Resolves a destination name to (entity, fan-out for topics), or raises EntityNotFoundError.
 Resolver = Callable[[str], tuple[Entity, Expand | None]]
@@ -91,6 +97,8 @@ def _app_id(entity: Entity, route: Route, p: int) -> str:
 
 def _forward_batch(entity: Entity, route: Route, p: int, resolve: Resolver) -> int:
     """Forward (or dead-letter) one leading run of a source partition; returns how many messages left the source."""
+    if route.sub_queue == SUB_QUEUE_DEAD_LETTER:
+        return _forward_dead_letters(entity, route, p, resolve)
     dt = entity.table.snapshot()
     now = utcnow()
     run = _leading_run(entity, dt, p, route.sub_queue, now)
@@ -117,6 +125,63 @@ def _forward_batch(entity: Entity, route: Route, p: int, resolve: Resolver) -> i
     retry_commit(lambda: _settle_source(entity, p, changes), entity.deadline(), f"forward from {entity.name}")
     log.debug("%d message(s) left %s for %s (partition %d)", changes.num_rows, entity.name, route.destination, p)
     return changes.num_rows
+
+
+def _forward_dead_letters(entity: Entity, route: Route, p: int, resolve: Resolver) -> int:
+    """Forward a batch of a partition's dead letters (after finishing any abandoned claim); returns how many left.
+
+    (1) A source commit claims the batch: its rows get a claim token as lock token and no
+    availability, so receivers skip them. (2) The copies are appended to the destination under
+    the txn app id of that claim, once. (3) The rows are removed at the source. A forwarder that
+    finds claimed rows (their forwarder died, or is still at work) finishes that claim: the app id
+    tells whether (2) already happened. Dead letters that cannot travel stay where they are.
+    """
+    try:
+        dest, expand = resolve(route.destination)
+    except EntityNotFoundError:
+        return 0
+    except SparkQueueError as exc:
+        log.warning("forwarding dead letters %s -> %s deferred: %s", entity.name, route.destination, exc)
+        return 0
+    total = 0
+    while True:
+        batch, token, abandoned = retry_commit(lambda: _claim(entity, p), entity.deadline(), f"claim in {entity.name}")
+        if batch.num_rows == 0:
+            return total
+        now = utcnow()
+        app = f"{_app_id(entity, route, p)}.{token.removeprefix(CLAIM_PREFIX)}"
+        try:
+            _deliver(dest, expand, _copies(batch, now), Transaction(app, 1))
+            changes, moved = lifecycle.changes(batch, lifecycle.removal(entity.policy)), batch.num_rows
+        except (EntityNotFoundError, QuotaExceededError):  # release the claim: they stay dead letters here
+            changes, moved = lifecycle.changes(batch, OP_SET, lock_token=None, locked_until_utc=None, available_at_utc=now), 0
+        except SparkQueueError as exc:  # destination unavailable: the claim stays for a later forwarder
+            log.warning("forwarding dead letters %s -> %s deferred: %s", entity.name, route.destination, exc)
+            return total
+        retry_commit(lambda c=changes: _settle_source(entity, p, c), entity.deadline(), f"forward from {entity.name}")
+        total += moved
+        if not abandoned or moved == 0:
+            return total
+
+
+def _claim(entity: Entity, p: int) -> tuple[pa.Table, str, bool]:
+    """Claim dead letters of a partition for forwarding: (rows, claim token, whether it is an earlier claim)."""
+    dt = entity.table.snapshot()
+    now = utcnow()
+    rows = entity.table.scan(dt, p, ROW_COLUMNS, subscription=entity.subscription)
+    rows = rows.filter(pc.equal(rows.column("sub_queue"), SUB_QUEUE_DEAD_LETTER))
+    claimed = pc.fill_null(pc.starts_with(rows.column("lock_token"), CLAIM_PREFIX), False)
+    if pc.any(claimed).as_py():
+        token = rows.filter(claimed).column("lock_token")[0].as_py()
+        return rows.filter(pc.fill_null(pc.equal(rows.column("lock_token"), token), False)), token, True
+    free = pc.invert(pc.fill_null(pc.greater(rows.column("locked_until_utc"), pa.scalar(now, TIMESTAMP)), False))
+    can_travel = pc.less_equal(pc.add(rows.column("transfer_hop_count"), 1), MAX_HOPS)
+    batch = rows.filter(pc.and_(free, can_travel)).slice(0, BATCH)
+    if batch.num_rows == 0:
+        return batch, "", False
+    token = f"{CLAIM_PREFIX}{uuid.uuid4().hex}"
+    entity.table.apply(dt, p, lifecycle.changes(batch, OP_SET, lock_token=token, locked_until_utc=None, available_at_utc=None))
+    return batch, token, False
 
 
 def _leading_run(entity: Entity, dt: DeltaTable, p: int, sub_queue: str, now: datetime) -> pa.Table:
@@ -146,6 +211,8 @@ def _copies(rows: pa.Table, now: datetime) -> pa.Table:
         "subscription": pa.nulls(n, pa.string()),
         "state": pa.array([STATE_ACTIVE] * n),
         "enqueued_time_utc": pa.array([now] * n, TIMESTAMP),
+        # a message's TTL counts from its enqueue at the destination (as at send), not from the first entity's
+        "expires_at_utc": pc.add(visible, rows.column("time_to_live_ms").cast(pa.int64()).cast(pa.duration("ms"))),
         "locked_until_utc": pa.nulls(n, TIMESTAMP),
         "lock_token": pa.nulls(n, pa.string()),
         "delivery_count": pa.array([0] * n, pa.int32()),

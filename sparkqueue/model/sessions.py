@@ -32,6 +32,7 @@ from sparkqueue.storage.schema import (
     KIND_SESSION,
     PARTITION_COLUMN,
     STATE_ACTIVE,
+    STATE_DEFERRED,
     SUB_QUEUE_MAIN,
     TIMESTAMP,
 )
@@ -117,17 +118,22 @@ class Sessions:
             if not self.entity.available(p):
                 continue
             dt = self.table.snapshot()
-            now = utcnow()
-            cands = self.table.candidates(dt, p, SUB_QUEUE_MAIN, now, 1000, subscription=self.entity.subscription)
             seen: set[str] = set()
-            for sid in cands.column("session_id").to_pylist():
-                if sid is None or sid in seen:
-                    continue
-                seen.add(sid)
-                try:
-                    return self._accept_named(sid)
-                except (SessionCannotBeLockedError, CommitFailedError):
-                    continue
+            window = 1000
+            while True:
+                now = utcnow()
+                cands = self.table.candidates(dt, p, SUB_QUEUE_MAIN, now, window, subscription=self.entity.subscription)
+                for sid in cands.column("session_id").to_pylist():
+                    if sid is None or sid in seen:
+                        continue
+                    seen.add(sid)
+                    try:
+                        return self._accept_named(sid)
+                    except (SessionCannotBeLockedError, CommitFailedError):
+                        continue
+                if cands.num_rows < window:
+                    break
+                window *= 4  # every session in the window is held: a free one may wait further back
         return None
 
     # ---- receive and settle --------------------------------------------------------------------
@@ -163,6 +169,31 @@ class Sessions:
             return lifecycle.changes(row, OP_SET)
 
         return check
+
+    def receive_deferred(self, lock: SessionLock, seqs: list[int], *, delete: bool) -> pa.Table:
+        """The held session's deferred messages with these sequence numbers; other sessions' are never returned."""
+        mine = [s for s in seqs if s >> 48 == lock.partition]
+
+        def attempt() -> pa.Table:
+            dt = self.table.snapshot()
+            now = utcnow()
+            touch = self.guard(lock)(dt, lock.partition, now)  # raises SessionLockLostError when the lock is gone
+            if not mine:
+                return empty_rows()
+            rows = self.table.rows_by_sequence(dt, lock.partition, mine, ROW_COLUMNS)
+            until = rows.column("locked_until_utc")
+            lock_free = pc.or_kleene(pc.is_null(until), pc.less_equal(until, pa.scalar(now, TIMESTAMP)))
+            in_session = pc.fill_null(pc.equal(rows.column("session_id"), lock.session_id), False)
+            ours = pc.and_(pc.equal(rows.column("kind"), KIND_MESSAGE), in_session)
+            deferred = pc.and_(pc.equal(rows.column("state"), STATE_DEFERRED), pc.equal(rows.column("sub_queue"), SUB_QUEUE_MAIN))
+            rows = rows.filter(pc.and_(pc.and_(deferred, lock_free), pc.and_(ours, self.entity._mine(rows))))
+            if rows.num_rows == 0:
+                return empty_rows()
+            d = lifecycle.deliver(rows, now, self.entity.policy, delete=delete)
+            self.table.apply(dt, lock.partition, pa.concat_tables([d.changes, touch]))
+            return d.delivered
+
+        return retry_commit(attempt, self.entity.deadline(), "receive deferred session messages")
 
     # ---- lock and state ------------------------------------------------------------------------
 

@@ -7,6 +7,7 @@ a send to a topic is one append: every matching subscription gets its copy atomi
 from __future__ import annotations
 
 from dataclasses import dataclass
+from datetime import timedelta
 from typing import Any
 
 import pyarrow as pa
@@ -34,6 +35,7 @@ class Subscriber:
 
     key: str
     rules: tuple[Rule, ...]
+    default_message_time_to_live: timedelta | None = None  # caps the TTL of the subscription's copies
 
 
 def fan_out(rows: pa.Table, subscribers: list[Subscriber], record_ids: bool) -> pa.Table:
@@ -52,11 +54,11 @@ def fan_out(rows: pa.Table, subscribers: list[Subscriber], record_ids: bool) -> 
                 continue
             matched = rows.filter(hit)
             if matched.num_rows:
-                parts.append(_tag(rule.action.apply(matched).select(rows.schema.names), sub.key))
+                parts.append(_cap_ttl(_tag(rule.action.apply(matched).select(rows.schema.names), sub.key), sub))
         if plain is not None:
             matched = rows.filter(plain)
             if matched.num_rows:
-                parts.append(_tag(matched, sub.key))
+                parts.append(_cap_ttl(_tag(matched, sub.key), sub))
     if record_ids:
         parts.append(_markers(rows))
     return pa.concat_tables([p.cast(rows.schema) for p in parts]) if parts else rows.schema.empty_table()
@@ -66,6 +68,24 @@ def _tag(rows: pa.Table, key: str) -> pa.Table:
     """Rows assigned to one subscription."""
     i = rows.schema.get_field_index("subscription")
     return rows.set_column(i, rows.schema.field(i), pa.array([key] * rows.num_rows, pa.string()))
+
+
+def _cap_ttl(rows: pa.Table, sub: Subscriber) -> pa.Table:
+    """Apply the subscription's default_message_time_to_live: a copy lives for the smaller of it and its own TTL."""
+    ttl = sub.default_message_time_to_live
+    if ttl is None:
+        return rows
+    cap_ms = int(ttl.total_seconds() * 1000)
+    current = rows.column("time_to_live_ms")
+    shorter = pc.fill_null(pc.less(pa.scalar(cap_ms, pa.int64()), current.cast(pa.int64())), True)
+    ttl_i = rows.schema.get_field_index("time_to_live_ms")
+    exp_i = rows.schema.get_field_index("expires_at_utc")
+    capped_expiry = pc.add(rows.column("available_at_utc"), pa.scalar(ttl, pa.duration("us")))
+    capped_ttl = pc.if_else(shorter, pa.scalar(cap_ms, pa.int64()), current.cast(pa.int64())).cast(current.type)
+    rows = rows.set_column(ttl_i, rows.schema.field(ttl_i), capped_ttl)
+    return rows.set_column(
+        exp_i, rows.schema.field(exp_i), pc.if_else(shorter, capped_expiry.cast(TIMESTAMP), rows.column("expires_at_utc"))
+    )
 
 
 def _markers(rows: pa.Table) -> pa.Table:

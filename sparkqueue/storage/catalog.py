@@ -45,6 +45,7 @@ class Catalog:
         self.uri = uri
         self._lock = threading.RLock()
         self._dt: DeltaTable | None = None
+        self._read: tuple[int, pa.Table] | None = None  # the rows of the last version read
 
     def open(self) -> None:
         """Open the catalog table, creating it when the namespace is new (a concurrent creator may win)."""
@@ -65,8 +66,16 @@ class Catalog:
             return self._dt
 
     def _rows(self, dt: DeltaTable | None = None) -> pa.Table:
-        """The whole catalog (it is small), typed as CATALOG_SCHEMA."""
-        return (dt or self._snapshot()).to_pyarrow_table().select(CATALOG_SCHEMA.names).cast(CATALOG_SCHEMA)
+        """The whole catalog (it is small), typed as CATALOG_SCHEMA; read again only when its version moved."""
+        dt = dt or self._snapshot()
+        version = dt.version()
+        with self._lock:
+            if self._read is not None and self._read[0] == version:
+                return self._read[1]
+        rows = dt.to_pyarrow_table().select(CATALOG_SCHEMA.names).cast(CATALOG_SCHEMA)
+        with self._lock:
+            self._read = (version, rows)
+        return rows
 
     def entries(self, entity_type: str | None = None) -> list[CatalogEntry]:
         """All rows (of one entity type when given), sorted by name."""

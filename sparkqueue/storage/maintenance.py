@@ -13,6 +13,7 @@
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
@@ -23,6 +24,7 @@ from deltalake.exceptions import CommitFailedError
 
 from sparkqueue.storage.commit import commit
 from sparkqueue.storage.files import remove_action
+from sparkqueue.storage.retry import backoff
 from sparkqueue.storage.schema import STATE_COMPLETED, TIMESTAMP
 from sparkqueue.storage.table import EntityTable, FileInfo
 
@@ -32,6 +34,8 @@ TARGET_ROWS = 20_000  # rows per compacted file: a lock or settle rewrites at mo
 TARGET_BYTES = 64 * 1024 * 1024
 SMALL_FRACTION = 0.25  # a file under a quarter of the target is "small"
 DEFAULT_VACUUM_RETENTION = timedelta(hours=1)
+VACUUM_ATTEMPTS = 8
+ORPHAN_RETENTION = timedelta(hours=1)  # never-committed files younger than this may belong to a live writer
 
 
 @dataclass
@@ -62,12 +66,14 @@ def compact(
         if not table.available(p):
             continue
         report.files_before += len(table.files(dt, p))
-        for group in _groups(table.files(dt, p)):
+        for group in _groups(table.files(dt, p), drop_before, live_subscriptions):
             try:
                 dropped = _rewrite(table, p, group, _droppable(drop_before, live_subscriptions))
             except CommitFailedError:
                 report.compactions_skipped += 1  # a settlement changed an input first; next run picks it up
                 continue
+            if dropped is None:
+                continue  # a lone file with nothing to drop after all: left as it is
             report.files_compacted += len(group)
             report.rows_dropped += dropped
     dt = table.snapshot()
@@ -79,23 +85,50 @@ def compact(
     return report
 
 
-def _groups(files: list[FileInfo]) -> Iterator[list[FileInfo]]:
-    """Runs of adjacent small files of one kind and subscription, each run within the target size."""
-    run: list[FileInfo] = []
-    rows = size = 0
+def _groups(files: list[FileInfo], drop_before: datetime | None = None, live: set[str] | None = None) -> Iterator[list[FileInfo]]:
+    """Per kind and subscription, runs of small files (in sequence order) within the target size.
+
+    Files of different subscriptions interleave in sequence order (a topic send writes one file per
+    subscription), so runs are formed per kind and subscription, not across neighbours. A file that
+    stays alone is still rewritten when its statistics show it may hold rows to drop.
+    """
+    by_klass: dict[tuple[str, str | None], list[FileInfo]] = {}
     for f in files:
-        small = f.num_records < TARGET_ROWS * SMALL_FRACTION and f.size_bytes < TARGET_BYTES * SMALL_FRACTION
-        same = bool(run) and _klass(run[0]) == _klass(f)
-        if run and (not small or not same or rows + f.num_records > TARGET_ROWS or size + f.size_bytes > TARGET_BYTES):
-            if len(run) > 1:
-                yield run
-            run, rows, size = [], 0, 0
-        if small and _klass(f) is not None:
-            run.append(f)
-            rows += f.num_records
-            size += f.size_bytes
-    if len(run) > 1:
+        k = _klass(f)
+        if k is not None:
+            by_klass.setdefault(k, []).append(f)
+    for klass, klass_files in by_klass.items():
+        run: list[FileInfo] = []
+        rows = size = 0
+        for f in klass_files:
+            small = f.num_records < TARGET_ROWS * SMALL_FRACTION and f.size_bytes < TARGET_BYTES * SMALL_FRACTION
+            if run and (not small or rows + f.num_records > TARGET_ROWS or size + f.size_bytes > TARGET_BYTES):
+                yield from _emit(run, klass, drop_before, live)
+                run, rows, size = [], 0, 0
+            if small:
+                run.append(f)
+                rows += f.num_records
+                size += f.size_bytes
+            else:
+                yield from _emit([f], klass, drop_before, live)
+        yield from _emit(run, klass, drop_before, live)
+
+
+def _emit(
+    run: list[FileInfo], klass: tuple[str, str | None], drop_before: datetime | None, live: set[str] | None
+) -> Iterator[list[FileInfo]]:
+    """A run worth rewriting: several files, or one that may hold rows to drop."""
+    if len(run) > 1 or (len(run) == 1 and _may_drop(run[0], klass, drop_before, live)):
         yield run
+
+
+def _may_drop(f: FileInfo, klass: tuple[str, str | None], drop_before: datetime | None, live: set[str] | None) -> bool:
+    """Could the file hold a row of a deleted subscription or a tombstone enqueued before `drop_before`?"""
+    if live is not None and klass[1] is not None and klass[1] not in live:
+        return True
+    if drop_before is None or f.min_enqueued is None or f.min_enqueued >= drop_before:
+        return False
+    return f.min_state is None or f.max_state is None or f.min_state <= STATE_COMPLETED <= f.max_state
 
 
 def _klass(f: FileInfo) -> tuple[str, str | None] | None:
@@ -119,15 +152,19 @@ def _droppable(drop_before: datetime | None, live: set[str] | None) -> Callable[
             out = pc.or_(out, pc.and_(pc.equal(rows.column("state"), STATE_COMPLETED), old))
         if live is not None:
             sub = rows.column("subscription")
-            orphan = pc.and_(pc.is_valid(sub), pc.invert(pc.fill_null(pc.is_in(sub, value_set=pa.array(sorted(live))), False)))
+            kept = pc.fill_null(pc.is_in(sub, value_set=pa.array(sorted(live), pa.string())), False)
+            orphan = pc.and_(pc.is_valid(sub), pc.invert(kept))
             out = pc.or_(out, orphan)
         return out
 
     return mask
 
 
-def _rewrite(table: EntityTable, p: int, group: list[FileInfo], droppable: Callable[[pa.Table], pa.Array] | None) -> int:
-    """Replace a run of files by one file of the same rows in sequence order; returns the rows dropped."""
+def _rewrite(table: EntityTable, p: int, group: list[FileInfo], droppable: Callable[[pa.Table], pa.Array] | None) -> int | None:
+    """Replace a run of files by one file of the same rows in sequence order; returns the rows dropped.
+
+    A single file from which nothing would be dropped is left alone (returns None).
+    """
     dt = table.snapshot()
     live = {f.path for f in table.files(dt, p)}
     if any(f.path not in live for f in group):
@@ -136,6 +173,8 @@ def _rewrite(table: EntityTable, p: int, group: list[FileInfo], droppable: Calla
     before = rows.num_rows
     if droppable is not None:
         rows = rows.filter(pc.invert(droppable(rows)))
+    if len(group) == 1 and rows.num_rows == before:
+        return None
     adds = [table.data.write(p, rows)] if rows.num_rows else []
     removes = [remove_action(f.path, f.partition, f.size_bytes) for f in group]
     try:
@@ -162,6 +201,26 @@ def vacuum(
     """Delete data files no version newer than `retention` references (and never-committed files that old)."""
     report = report or MaintenanceReport()
     hours = max(0, int(retention.total_seconds() // 3600))
-    removed = table.snapshot().vacuum(retention_hours=hours, dry_run=False, enforce_retention_duration=False)
+    removed = _vacuum(table, hours, full=False)
+    # Files no commit ever referenced (a writer killed between writing and committing) need a full
+    # listing; a live writer may still commit a fresh one, so those are kept at least ORPHAN_RETENTION.
+    orphan_hours = max(hours, int(ORPHAN_RETENTION.total_seconds() // 3600))
+    removed += _vacuum(table, orphan_hours, full=True)
     report.vacuumed_files = len(removed)
     return report
+
+
+def _vacuum(table: EntityTable, hours: int, *, full: bool) -> list[str]:
+    """One vacuum, retried on a fresh snapshot when its log entry loses a race with live writers.
+
+    delta-rs records a vacuum as a commit that conflicts with any concurrent removal (every
+    settlement); deleting unreferenced files is safe either way, so after a few attempts the
+    run gives up and leaves the rest to the next one.
+    """
+    for attempt in range(VACUUM_ATTEMPTS):
+        try:
+            return table.snapshot().vacuum(retention_hours=hours, dry_run=False, enforce_retention_duration=False, full=full)
+        except CommitFailedError:
+            time.sleep(backoff(attempt))
+    log.info("vacuum of %s lost %d commit races; the next maintenance run retries", table.uri, VACUUM_ATTEMPTS)
+    return []

@@ -99,6 +99,9 @@ class FileInfo:
     null_subscriptions: int | None = None
     min_session: str | None = None
     max_session: str | None = None
+    min_enqueued: datetime | None = None
+    min_state: str | None = None
+    max_state: str | None = None
 
     def may_hold(self, kind: str, sub_queue: str | None, subscription: str | None, session_id: str | None = None) -> bool:
         """False when the statistics prove the file holds no row of this kind, sub-queue, subscription and session."""
@@ -188,14 +191,17 @@ class EntityTable:
         and returns the stored rows. `expand` (topic fan-out) turns the surviving rows into the rows
         to store. `once` makes the append idempotent: it commits with that txn (app id, version)
         and is skipped, returning no rows, when the table already has the app id at that version or
-        later. Raises CommitFailedError when another sender to one of the partitions won the race
-        (the caller retries on a fresh snapshot).
+        later; rows whose `sequence_number` (the source's, for a forward) is at most the recorded
+        version were appended by an earlier attempt and are dropped. Raises CommitFailedError when
+        another sender to one of the partitions won the race (the caller retries on a fresh snapshot).
         """
         dt = self.snapshot()
         if once is not None:
             done = dt.transaction_version(once.app_id)
             if done is not None and done >= once.version:
                 return rows.schema.empty_table()
+            if done is not None:  # an earlier (crashed or concurrent) forward moved the rows up to `done`
+                rows = rows.filter(pc.greater(rows.column("sequence_number"), done))
         partitions = sorted(set(rows.column(PARTITION_COLUMN).to_pylist()))
         staged = [
             self._stage(dt, p, rows.filter(pc.equal(rows.column(PARTITION_COLUMN), p)), dedupe_since, expand) for p in partitions
@@ -381,6 +387,7 @@ class EntityTable:
         changes: pa.Table,
         new_rows: pa.Table | None = None,
         dedupe_since: datetime | None = None,
+        expand: Expand | None = None,
     ) -> pa.Table | None:
         """Apply per-row changes (CHANGE_SCHEMA), and append new rows, to one partition in one commit; one attempt.
 
@@ -405,7 +412,7 @@ class EntityTable:
                     adds.append(self.data.write(partition, new))
             if not removed:
                 raise CommitFailedError("none of the changed rows is live any more")
-        staged = self._stage(dt, partition, new_rows, dedupe_since) if new_rows is not None else None
+        staged = self._stage(dt, partition, new_rows, dedupe_since, expand) if new_rows is not None else None
         fences, valid = [], self._files_live([f.path for f in removed])
         if staged is not None:
             adds.extend(staged.adds)
@@ -514,6 +521,9 @@ def _file_index(dt: DeltaTable) -> tuple[dict[int, list[FileInfo]], set[str]]:
         col("null_count.subscription"),
         col("min.session_id"),
         col("max.session_id"),
+        col("min.enqueued_time_utc"),
+        col("min.state"),
+        col("max.state"),
         strict=True,
     )
     for path, part, size, n, lo, hi, avail, enq, sq_lo, sq_hi, *more in rows:
