@@ -31,6 +31,8 @@ STATS_COLUMNS = [
     if f.name != PARTITION_COLUMN and not pa.types.is_binary(f.type) and f.name != "application_properties"
 ]
 FILE_SCHEMA = pa.schema([f for f in ENTITY_SCHEMA if f.name != PARTITION_COLUMN])
+MAX_FILE_ROWS = 1000
+MAX_FILE_BYTES = 8 * 1024 * 1024
 CACHE_BYTES = 64 * 1024 * 1024  # per table handle: recently touched files, which settles re-read
 
 
@@ -86,6 +88,18 @@ class DataFiles:
         self._remember(rel, rows)
         size = self.fs.get_file_info(f"{self.root}/{rel}").size
         return AddAction(rel, size, {PARTITION_COLUMN: str(partition)}, _now_ms(), True, json.dumps(_stats(rows)))
+
+    def write_chunks(self, partition: int, rows: pa.Table) -> list[AddAction]:
+        """Write rows (in their order) as files of at most MAX_FILE_ROWS rows and about MAX_FILE_BYTES each.
+
+        Bounded files keep a lock or settle proportional to the messages it touches: MERGE-style
+        copy-on-write rewrites a whole file, never more than one bounded file per touched run.
+        """
+        if rows.num_rows == 0:
+            return []
+        per_row = max(1, rows.nbytes // rows.num_rows)
+        step = max(1, min(MAX_FILE_ROWS, MAX_FILE_BYTES // per_row))
+        return [self.write(partition, rows.slice(i, step)) for i in range(0, rows.num_rows, step)]
 
     def delete(self, paths: Sequence[str]) -> None:
         """Best-effort removal of files written by a commit that was abandoned (vacuum catches the rest)."""

@@ -23,15 +23,15 @@ import pyarrow.compute as pc
 from deltalake.exceptions import CommitFailedError
 
 from sparkqueue.storage.commit import commit
-from sparkqueue.storage.files import remove_action
+from sparkqueue.storage.files import MAX_FILE_BYTES, MAX_FILE_ROWS, remove_action
 from sparkqueue.storage.retry import backoff
 from sparkqueue.storage.schema import STATE_COMPLETED, TIMESTAMP
 from sparkqueue.storage.table import EntityTable, FileInfo
 
 log = logging.getLogger(__name__)
 
-TARGET_ROWS = 20_000  # rows per compacted file: a lock or settle rewrites at most one such file
-TARGET_BYTES = 64 * 1024 * 1024
+TARGET_ROWS = MAX_FILE_ROWS  # compaction removes small files; it never builds files a lock would be slow to rewrite
+TARGET_BYTES = MAX_FILE_BYTES
 SMALL_FRACTION = 0.25  # a file under a quarter of the target is "small"
 DEFAULT_VACUUM_RETENTION = timedelta(hours=1)
 VACUUM_ATTEMPTS = 8
@@ -161,7 +161,7 @@ def _droppable(drop_before: datetime | None, live: set[str] | None) -> Callable[
 
 
 def _rewrite(table: EntityTable, p: int, group: list[FileInfo], droppable: Callable[[pa.Table], pa.Array] | None) -> int | None:
-    """Replace a run of files by one file of the same rows in sequence order; returns the rows dropped.
+    """Replace a run of files by bounded files of the same rows in sequence order; returns the rows dropped.
 
     A single file from which nothing would be dropped is left alone (returns None).
     """
@@ -175,7 +175,7 @@ def _rewrite(table: EntityTable, p: int, group: list[FileInfo], droppable: Calla
         rows = rows.filter(pc.invert(droppable(rows)))
     if len(group) == 1 and rows.num_rows == before:
         return None
-    adds = [table.data.write(p, rows)] if rows.num_rows else []
+    adds = table.data.write_chunks(p, rows)
     removes = [remove_action(f.path, f.partition, f.size_bytes) for f in group]
     try:
         commit(dt, adds, removes, [], lambda d: all(f.path in {g.path for g in table.files(d, p)} for f in group))

@@ -249,7 +249,9 @@ class EntityTable:
                 for v in pc.unique(subs).to_pylist()
             ]
         )
-        return _Staged(app, seen, Transaction(app, last + part.num_rows), part, [self.data.write(p, g) for g in groups])
+        return _Staged(
+            app, seen, Transaction(app, last + part.num_rows), part, [a for g in groups for a in self.data.write_chunks(p, g)]
+        )
 
     def _check_quota(self, dt: DeltaTable, p: int, part: pa.Table) -> None:
         """Raise QuotaExceededError when new rows would take a partition beyond its size quota."""
@@ -404,12 +406,12 @@ class EntityTable:
             for f in self.files(dt, partition):
                 if f.max_seq < lo or f.min_seq > hi:
                     continue
-                new = _apply_changes(self.data.read(f.path), changes)
-                if new is None:
+                split = _apply_changes(self.data.read(f.path), changes)
+                if split is None:
                     continue
                 removed.append(f)
-                if new.num_rows:
-                    adds.append(self.data.write(partition, new))
+                for part in split:
+                    adds.extend(self.data.write_chunks(partition, part))
             if not removed:
                 raise CommitFailedError("none of the changed rows is live any more")
         staged = self._stage(dt, partition, new_rows, dedupe_since, expand) if new_rows is not None else None
@@ -445,17 +447,22 @@ class _Staged:
     adds: list
 
 
-def _apply_changes(rows: pa.Table, changes: pa.Table) -> pa.Table | None:
-    """A file's rows with the changes applied, or None when no changed row is in the file."""
+def _apply_changes(rows: pa.Table, changes: pa.Table) -> tuple[pa.Table, pa.Table] | None:
+    """A file's rows split into (changed rows with the changes applied, untouched rows); None when none changed.
+
+    Writing the two apart keeps what a receiver locked in a file of its own: its settlement then
+    drops that file whole, and the next receive skips it by statistics without opening it.
+    """
     idx = pc.index_in(rows.column("sequence_number"), value_set=changes.column("sequence_number"))
     hit = pc.is_valid(idx)
     if not pc.any(hit).as_py():
         return None
+    kept = rows.filter(pc.invert(hit))
+    rows, idx = rows.filter(hit), idx.filter(hit)
     ops = pc.take(changes.column("op"), idx)
     for c in MUTABLE_COLUMNS:
         pos = rows.schema.get_field_index(c)
-        new = pc.take(changes.column(c), idx)
-        rows = rows.set_column(pos, rows.field(c), pc.if_else(hit, new, rows.column(c)).cast(rows.field(c).type))
+        rows = rows.set_column(pos, rows.field(c), pc.take(changes.column(c), idx).cast(rows.field(c).type))
     body = pc.fill_null(pc.equal(ops, OP_SET_BODY), False)
     if pc.any(body).as_py():
         pos = rows.schema.get_field_index("body")
@@ -468,7 +475,7 @@ def _apply_changes(rows: pa.Table, changes: pa.Table) -> pa.Table | None:
         for c in TOMBSTONE_CLEARED:
             pos = rows.schema.get_field_index(c)
             rows = rows.set_column(pos, rows.field(c), pc.if_else(tomb, pa.scalar(None, rows.field(c).type), rows.column(c)))
-    return rows.filter(pc.invert(pc.fill_null(pc.equal(ops, OP_DELETE), False)))
+    return rows.filter(pc.invert(pc.fill_null(pc.equal(ops, OP_DELETE), False))), kept
 
 
 def _in_range(value: str, lo: str | None, hi: str | None) -> bool:
