@@ -71,16 +71,17 @@ class Receiver:
         self._closed = False
         self.session: ReceiverSession | None = None
         entity = self._entity()  # fail fast on an unknown entity
-        requires_session = bool(getattr(entity.props, "requires_session", False))
+        # The dead-letter sub-queue of a session-enabled entity is read without a session (SPEC §5).
+        requires_session = bool(getattr(entity.props, "requires_session", False)) and sub_queue is None
         if session_id is None and requires_session:
             raise InvalidOperationError(
                 f"{entity.name!r} requires sessions: pass session_id=<id> or session_id=NEXT_AVAILABLE_SESSION"
             )
         if session_id is not None:
-            if not requires_session:
-                raise InvalidOperationError(f"{entity.name!r} is not session-enabled; create it with requires_session=True")
             if sub_queue is not None:
                 raise InvalidOperationError("the dead-letter sub-queue is read without a session")
+            if not requires_session:
+                raise InvalidOperationError(f"{entity.name!r} is not session-enabled; create it with requires_session=True")
             sid = None if session_id is NEXT_AVAILABLE_SESSION else limits.check_key(session_id, "session_id")
             sessions = Sessions(entity)
             self.session = ReceiverSession(sessions, sessions.accept(sid, self.max_wait_time))

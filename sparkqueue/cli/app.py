@@ -1,0 +1,583 @@
+"""The `sparkqueue` command line: manage the entities of a namespace and move their messages."""
+
+import contextlib
+import functools
+import logging
+import os
+import sys
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from datetime import timedelta
+from enum import StrEnum
+from pathlib import Path
+from typing import Annotated, Any, NoReturn, ParamSpec, TypeVar
+
+import typer
+from rich.console import Console
+from rich.logging import RichHandler
+from rich.markup import escape
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+from rich.text import Text
+
+import sparkqueue
+from sparkqueue import Namespace, ReceivedMessage
+from sparkqueue.cli import ops, render
+from sparkqueue.errors import SparkQueueError
+from sparkqueue.receiver import Receiver
+
+DEFAULT_ROOT = "./sparkqueue-data"
+
+out = Console(highlight=False)
+err = Console(stderr=True, highlight=False)
+
+
+class _App(typer.Typer):
+    """A Typer app whose process exit skips native teardown (see `__call__`)."""
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        """Run the CLI; at exit, flush and leave with os._exit so no native library can abort the process.
+
+        pyarrow and delta-rs worker threads that are still alive while CPython finalizes can end a
+        finished process with SIGABRT ("terminate called without an active exception"), rarely and
+        under load. All work (Delta commits, output) is done by the time the command returns.
+        Only the program entry points (console script, `python -m`) exit this way; a call with
+        arguments (`app(["list"])`, in-process use) raises SystemExit as usual.
+        """
+        if args or set(kwargs) - {"prog_name"}:
+            return super().__call__(*args, **kwargs)
+        try:
+            return super().__call__(*args, **kwargs)
+        except SystemExit as e:
+            code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+            if isinstance(e.code, str):
+                err.print(e.code, markup=False, highlight=False)
+            logging.shutdown()
+            for stream in (sys.stdout, sys.stderr):
+                with contextlib.suppress(Exception):
+                    stream.flush()
+            os._exit(code)
+
+
+app = _App(
+    name="sparkqueue",
+    help="Partitioned queues and topics stored in Delta Lake: manage entities, send, peek, receive, purge, resubmit.",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_show_locals=False,
+)
+create_app = typer.Typer(help="Create a queue, a topic or a subscription.", no_args_is_help=True)
+delete_app = typer.Typer(help="Delete a queue, a topic (with its subscriptions) or a subscription.", no_args_is_help=True)
+app.add_typer(create_app, name="create")
+app.add_typer(delete_app, name="delete")
+
+P = ParamSpec("P")
+R = TypeVar("R")
+
+
+class CliError(Exception):
+    """An expected failure of the CLI itself (not of the library): reported in one line, exit code 1."""
+
+
+class Tier(StrEnum):
+    """Namespace tiers."""
+
+    standard = "standard"
+    premium = "premium"
+
+
+@dataclass
+class State:
+    """Global options, shared by all commands through the typer context."""
+
+    root: str
+    tier: str
+
+    def namespace(self, *, create: bool = False) -> Namespace:
+        """Open the namespace; only `create` commands may create a missing local root."""
+        if not create and "://" not in self.root and not Path(self.root).is_dir():
+            raise CliError(
+                f"namespace root {self.root!r} does not exist: pass --root PATH or set SPARKQUEUE_ROOT "
+                "(`sparkqueue create ...` creates it)"
+            )
+        return Namespace(self.root, tier=self.tier)
+
+
+def fail(message: str) -> NoReturn:
+    """Print a one-line error in red on stderr and exit with code 1."""
+    err.print(Text(f"Error: {message}", style="bold red"), soft_wrap=True)
+    raise typer.Exit(1)
+
+
+def handle_errors(fn: Callable[P, R]) -> Callable[P, R]:
+    """Turn expected errors (sparkqueue's, the CLI's, file I/O) into a one-line message and exit code 1."""
+
+    @functools.wraps(fn)
+    def wrapper(*args: P.args, **kwargs: P.kwargs) -> R:
+        try:
+            return fn(*args, **kwargs)
+        except (SparkQueueError, CliError) as e:
+            fail(str(e))
+        except OSError as e:
+            fail(f"{e.strerror or e}: {e.filename}" if e.filename else str(e))
+        except KeyboardInterrupt:
+            err.print(Text("Interrupted", style="yellow"))
+            raise typer.Exit(130) from None
+
+    return wrapper
+
+
+def state(ctx: typer.Context) -> State:
+    """The global options of this invocation."""
+    obj = ctx.find_object(State)
+    assert obj is not None
+    return obj
+
+
+def done(message: str) -> None:
+    """A success line on stdout."""
+    out.print(Text(message, style="green"), soft_wrap=True)
+
+
+def note(message: str) -> None:
+    """A warning line on stderr."""
+    err.print(Text(message, style="yellow"), soft_wrap=True)
+
+
+def print_json(data: Any) -> None:
+    """JSON on stdout, unwrapped (colored only on a terminal)."""
+    out.print_json(data=render.jsonable(data))
+
+
+@contextmanager
+def progress_bar(description: str, total: int | None) -> Iterator[Callable[[int], None]]:
+    """A rich progress bar on stderr (shown on terminals only); yields an `advance(n)` callback."""
+    columns = (SpinnerColumn(), TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
+    with Progress(*columns, console=err, disable=not err.is_terminal) as progress:
+        task = progress.add_task(escape(description), total=total)
+        yield lambda n: progress.advance(task, n)
+
+
+def seconds(value: float | None) -> timedelta | None:
+    """A duration option (seconds) as a timedelta."""
+    return timedelta(seconds=value) if value is not None else None
+
+
+def given(**settings: Any) -> dict[str, Any]:
+    """Only the settings given on the command line, so the library's defaults apply to the rest."""
+    return {k: v for k, v in settings.items() if v is not None}
+
+
+def _version(value: bool) -> None:
+    if value:
+        out.print(f"sparkqueue {sparkqueue.__version__}")
+        raise typer.Exit()
+
+
+@app.callback()
+def main(
+    ctx: typer.Context,
+    root: Annotated[
+        str, typer.Option("--root", envvar="SPARKQUEUE_ROOT", help="Namespace root: a directory or an object-store URI.")
+    ] = DEFAULT_ROOT,
+    tier: Annotated[Tier, typer.Option("--tier", envvar="SPARKQUEUE_TIER", help="Namespace tier.")] = Tier.standard,
+    verbose: Annotated[bool, typer.Option("--verbose", "-v", help="Show the library's log (INFO) on stderr.")] = False,
+    version: Annotated[
+        bool, typer.Option("--version", callback=_version, is_eager=True, help="Print the version and exit.")
+    ] = False,
+) -> None:
+    """Partitioned queues and topics stored in Delta Lake."""
+    logging.basicConfig(
+        level=logging.INFO if verbose else logging.WARNING,
+        format="%(message)s",
+        handlers=[RichHandler(console=err, show_path=False)],
+        force=True,
+    )
+    ctx.obj = State(root, tier.value)
+
+
+# ---- create / delete / list / show -----------------------------------------------------------------
+
+LockDuration = Annotated[float | None, typer.Option(help="Peek-lock duration in seconds (default 60, at most 300).")]
+MaxDelivery = Annotated[int | None, typer.Option(help="Deliveries before a message is dead-lettered (default 10).")]
+Ttl = Annotated[float | None, typer.Option("--ttl", help="Default message time to live in seconds (default: never).")]
+Sessions = Annotated[bool, typer.Option("--sessions", help="Require a session id on every message.")]
+NoPartitioning = Annotated[bool, typer.Option("--no-partitioning", help="One partition instead of 16.")]
+DupDetection = Annotated[bool, typer.Option("--duplicate-detection", help="Drop messages whose id was seen recently.")]
+DupWindow = Annotated[float | None, typer.Option(help="Duplicate detection window in seconds (default 600).")]
+MaxSize = Annotated[int | None, typer.Option("--max-size", help="Maximum size per partition in MB (1024 ... 5120).")]
+DlOnExpiry = Annotated[bool, typer.Option("--dead-letter-on-expiration", help="Dead-letter expired messages.")]
+ForwardTo = Annotated[str | None, typer.Option(help="Forward every message to this queue or topic.")]
+ForwardDlTo = Annotated[str | None, typer.Option(help="Forward dead letters to this queue or topic.")]
+AsJson = Annotated[bool, typer.Option("--json", help="Print JSON instead of a table.")]
+
+
+@create_app.command("queue")
+@handle_errors
+def create_queue(
+    ctx: typer.Context,
+    name: Annotated[str, typer.Argument(help="Queue name.")],
+    no_partitioning: NoPartitioning = False,
+    lock_duration: LockDuration = None,
+    max_delivery_count: MaxDelivery = None,
+    duplicate_detection: DupDetection = False,
+    duplicate_window: DupWindow = None,
+    sessions: Sessions = False,
+    ttl: Ttl = None,
+    dead_letter_on_expiration: DlOnExpiry = False,
+    max_size: MaxSize = None,
+    forward_to: ForwardTo = None,
+    forward_dead_letters_to: ForwardDlTo = None,
+) -> None:
+    """Create a queue."""
+    ns = state(ctx).namespace(create=True)
+    props = ns.create_queue(
+        name,
+        enable_partitioning=not no_partitioning,
+        requires_duplicate_detection=duplicate_detection,
+        requires_session=sessions,
+        dead_lettering_on_message_expiration=dead_letter_on_expiration,
+        **given(
+            lock_duration=seconds(lock_duration),
+            max_delivery_count=max_delivery_count,
+            duplicate_detection_history_time_window=seconds(duplicate_window),
+            default_message_time_to_live=seconds(ttl),
+            max_size_in_megabytes=max_size,
+            forward_to=forward_to,
+            forward_dead_lettered_messages_to=forward_dead_letters_to,
+        ),
+    )
+    done(f"Created queue {name!r} ({_partitions(props.partition_count)}).")
+
+
+@create_app.command("topic")
+@handle_errors
+def create_topic(
+    ctx: typer.Context,
+    name: Annotated[str, typer.Argument(help="Topic name.")],
+    no_partitioning: NoPartitioning = False,
+    duplicate_detection: DupDetection = False,
+    duplicate_window: DupWindow = None,
+    ttl: Ttl = None,
+    max_size: MaxSize = None,
+) -> None:
+    """Create a topic."""
+    ns = state(ctx).namespace(create=True)
+    props = ns.create_topic(
+        name,
+        enable_partitioning=not no_partitioning,
+        requires_duplicate_detection=duplicate_detection,
+        **given(
+            duplicate_detection_history_time_window=seconds(duplicate_window),
+            default_message_time_to_live=seconds(ttl),
+            max_size_in_megabytes=max_size,
+        ),
+    )
+    done(f"Created topic {name!r} ({_partitions(props.partition_count)}).")
+
+
+@create_app.command("subscription")
+@handle_errors
+def create_subscription(
+    ctx: typer.Context,
+    topic: Annotated[str, typer.Argument(help="Topic name.")],
+    name: Annotated[str, typer.Argument(help="Subscription name.")],
+    lock_duration: LockDuration = None,
+    max_delivery_count: MaxDelivery = None,
+    sessions: Sessions = False,
+    ttl: Ttl = None,
+    dead_letter_on_expiration: DlOnExpiry = False,
+    forward_to: ForwardTo = None,
+    forward_dead_letters_to: ForwardDlTo = None,
+) -> None:
+    """Create a subscription of a topic (its rule $Default matches every message)."""
+    state(ctx).namespace().create_subscription(
+        topic,
+        name,
+        requires_session=sessions,
+        dead_lettering_on_message_expiration=dead_letter_on_expiration,
+        **given(
+            lock_duration=seconds(lock_duration),
+            max_delivery_count=max_delivery_count,
+            default_message_time_to_live=seconds(ttl),
+            forward_to=forward_to,
+            forward_dead_lettered_messages_to=forward_dead_letters_to,
+        ),
+    )
+    done(f"Created subscription {topic}/{name}.")
+
+
+def _partitions(n: int) -> str:
+    return "1 partition" if n == 1 else f"{n} partitions"
+
+
+@delete_app.command("queue")
+@handle_errors
+def delete_queue(ctx: typer.Context, name: Annotated[str, typer.Argument(help="Queue name.")]) -> None:
+    """Delete a queue and all its messages."""
+    state(ctx).namespace().delete_queue(name)
+    done(f"Deleted queue {name!r}.")
+
+
+@delete_app.command("topic")
+@handle_errors
+def delete_topic(ctx: typer.Context, name: Annotated[str, typer.Argument(help="Topic name.")]) -> None:
+    """Delete a topic with its subscriptions and messages."""
+    state(ctx).namespace().delete_topic(name)
+    done(f"Deleted topic {name!r} and its subscriptions.")
+
+
+@delete_app.command("subscription")
+@handle_errors
+def delete_subscription(
+    ctx: typer.Context,
+    topic: Annotated[str, typer.Argument(help="Topic name.")],
+    name: Annotated[str, typer.Argument(help="Subscription name.")],
+) -> None:
+    """Delete a subscription and its messages."""
+    state(ctx).namespace().delete_subscription(topic, name)
+    done(f"Deleted subscription {topic}/{name}.")
+
+
+@app.command("list")
+@handle_errors
+def list_entities(
+    ctx: typer.Context,
+    as_json: AsJson = False,
+    counts: Annotated[bool, typer.Option("--counts/--no-counts", help="Read message counts (one table read per entity).")] = True,
+) -> None:
+    """List queues, and topics with their subscriptions."""
+    ns = state(ctx).namespace()
+    rows: list[dict[str, Any]] = []
+
+    def row(kind: str, name: str, props: Any, rp: Callable[[], Any]) -> dict[str, Any]:
+        r: dict[str, Any] = {"type": kind, "name": name, "partitions": props.partition_count}
+        if counts:
+            r.update({k: v for k, v in render.runtime_dict(rp()).items() if k != "partitions"})
+        return r
+
+    queues = sorted(ns.list_queues(), key=lambda p: p.name)
+    topics = sorted(ns.list_topics(), key=lambda p: p.name)
+    for q in queues:
+        rows.append(row("queue", q.name, q, lambda q=q: ns.get_queue_runtime_properties(q.name)))
+    for t in topics:
+        rows.append(row("topic", t.name, t, lambda t=t: ns.get_topic_runtime_properties(t.name)))
+        for s in sorted(ns.list_subscriptions(t.name), key=lambda p: p.name):
+            sub = row("subscription", s.name, s, lambda t=t, s=s: ns.get_subscription_runtime_properties(t.name, s.name))
+            sub["topic"] = t.name
+            rows.append(sub)
+    if as_json:
+        print_json(
+            {
+                "queues": [r for r in rows if r["type"] == "queue"],
+                "topics": [
+                    {**r, "subscriptions": [s for s in rows if s["type"] == "subscription" and s["topic"] == r["name"]]}
+                    for r in rows
+                    if r["type"] == "topic"
+                ],
+            }
+        )
+    elif not rows:
+        out.print(f"No queues or topics in {state(ctx).root}.")
+    else:
+        out.print(render.list_table(rows, counts=counts))
+
+
+@app.command()
+@handle_errors
+def show(
+    ctx: typer.Context,
+    name: Annotated[str, typer.Argument(help="Queue, topic, or subscription as TOPIC/SUBSCRIPTION.")],
+    as_json: AsJson = False,
+) -> None:
+    """Show runtime properties: counts, availability and the per-partition breakdown, with the settings."""
+    ns = state(ctx).namespace()
+    target = ops.resolve(ns, name)
+    props = ops.settings(ns, target)
+    rp = ops.runtime(ns, target)
+    subs: list[tuple[str, Any]] = []
+    if target.kind == ops.TOPIC:
+        subs = [
+            (s.name, ns.get_subscription_runtime_properties(target.name, s.name))
+            for s in sorted(ns.list_subscriptions(target.name), key=lambda p: p.name)
+        ]
+    if as_json:
+        data: dict[str, Any] = {
+            "type": target.kind,
+            "name": target.display,
+            "settings": render.settings_dict(props),
+            "runtime": render.runtime_dict(rp),
+        }
+        if target.kind == ops.TOPIC:
+            data["subscriptions"] = [
+                {"name": n, **{k: v for k, v in render.runtime_dict(srp).items() if k != "partitions"}} for n, srp in subs
+            ]
+        print_json(data)
+    else:
+        out.print(render.entity_view(target.kind, target.display, props, rp, subs))
+
+
+# ---- messages ----------------------------------------------------------------------------------------
+
+EntityName = Annotated[str, typer.Argument(help="Queue, or subscription as TOPIC/SUBSCRIPTION.")]
+Session = Annotated[
+    str | None, typer.Option(help=f"Session id, for session-enabled entities ('{ops.ANY_SESSION}': the next available).")
+]
+
+
+@app.command()
+@handle_errors
+def peek(
+    ctx: typer.Context,
+    name: EntityName,
+    count: Annotated[int, typer.Option("--count", "-n", min=1, help="Messages to show.")] = 10,
+    dead_letter: Annotated[bool, typer.Option("--dead-letter", help="Browse the dead-letter sub-queue.")] = False,
+    from_sequence: Annotated[int | None, typer.Option(min=0, help="Start at this sequence number.")] = None,
+    session: Session = None,
+    as_json: AsJson = False,
+) -> None:
+    """Browse messages without locking or removing them."""
+    ns = state(ctx).namespace()
+    target = ops.resolve(ns, name)
+    msgs = ops.peek(ns, target, count, dead_letter=dead_letter, from_sequence=from_sequence, session=session)
+    _print_messages(msgs, target, dead_letter, as_json, "Peeked")
+
+
+def _print_messages(msgs: list[ReceivedMessage], target: ops.Target, dead_letter: bool, as_json: bool, verb: str) -> None:
+    if as_json:
+        print_json([render.message_dict(m) for m in msgs])
+        return
+    where = f"{target.label}{' (dead-letter)' if dead_letter else ''}"
+    if not msgs:
+        out.print(f"No messages in {where}.")
+        return
+    title = f"{verb} {len(msgs)} message(s) from {where}"
+    out.print(render.messages_table(msgs, title, width=out.width, dead_letter=dead_letter))
+
+
+@app.command()
+@handle_errors
+def send(
+    ctx: typer.Context,
+    name: Annotated[str, typer.Argument(help="Queue or topic.")],
+    file: Annotated[
+        Path,
+        typer.Option("--file", "-f", dir_okay=False, allow_dash=True, help="Input file ('-' for stdin)."),
+    ],
+    jsonl: Annotated[
+        bool, typer.Option("--jsonl", help="JSON lines: 'body' (or 'body_base64') and optional message properties.")
+    ] = False,
+    batch: Annotated[int, typer.Option(min=1, help="Messages per atomic send.")] = 500,
+) -> None:
+    """Send one message per line of a file (or per JSON-lines record with --jsonl)."""
+    if str(file) != "-" and not file.is_file():
+        raise typer.BadParameter(f"file {str(file)!r} does not exist or is not a file", param_hint="'--file' / '-f'")
+    ns = state(ctx).namespace()
+    target = ops.resolve(ns, name)
+    with ops.sender(ns, target) as s:
+        if str(file) == "-":
+            stream, total = typer.get_binary_stream("stdin"), None
+            with progress_bar(f"Sending to {target.display}", total) as advance:
+                result = ops.send_stream(s, stream, "<stdin>", jsonl=jsonl, batch=batch, progress=advance)
+        else:
+            total = ops.count_messages(file, jsonl=jsonl, check=s)  # validate everything before sending anything
+            with file.open("rb") as stream, progress_bar(f"Sending to {target.display}", total) as advance:
+                result = ops.send_stream(s, stream, str(file), jsonl=jsonl, batch=batch, progress=advance)
+    if target.kind == ops.TOPIC:
+        done(f"Sent {result.read} message(s) to {target.label} ({result.stored} copies in subscriptions).")
+    else:
+        dropped = result.read - result.stored
+        extra = f"; {dropped} dropped as duplicates" if dropped else ""
+        done(f"Sent {result.read} message(s) to {target.label}{extra}.")
+
+
+@app.command()
+@handle_errors
+def receive(
+    ctx: typer.Context,
+    name: EntityName,
+    count: Annotated[int, typer.Option("--count", "-n", min=1, help="Messages to receive.")] = 1,
+    complete: Annotated[
+        bool, typer.Option("--complete/--abandon", help="Complete the messages (remove them), or abandon (release) them.")
+    ] = True,
+    dead_letter_queue: Annotated[
+        bool, typer.Option("--dead-letter-queue", help="Receive from the dead-letter sub-queue.")
+    ] = False,
+    wait: Annotated[float, typer.Option(min=0, help="Seconds to wait for the first message.")] = 1.0,
+    session: Session = None,
+    as_json: AsJson = False,
+) -> None:
+    """Receive messages (peek-lock), print them, then complete them (default) or abandon them."""
+    ns = state(ctx).namespace()
+    target = ops.resolve(ns, name)
+
+    def handle(r: Receiver, msgs: list[ReceivedMessage]) -> None:
+        _print_messages(msgs, target, dead_letter_queue, as_json, "Received")
+        (r.complete_messages if complete else r.abandon_messages)(msgs)
+
+    msgs = ops.receive(ns, target, count, wait=wait, dead_letter=dead_letter_queue, session=session, handle=handle)
+    if not msgs:
+        _print_messages(msgs, target, dead_letter_queue, as_json, "Received")
+    elif not as_json:
+        done(f"{'Completed' if complete else 'Abandoned'} {len(msgs)} message(s).")
+
+
+@app.command()
+@handle_errors
+def purge(
+    ctx: typer.Context,
+    name: EntityName,
+    dead_letter: Annotated[bool, typer.Option("--dead-letter", help="Purge the dead-letter sub-queue instead.")] = False,
+    batch: Annotated[int, typer.Option(min=1, help="Messages per receive.")] = 500,
+) -> None:
+    """Delete all available messages (receive-and-delete in batches)."""
+    ns = state(ctx).namespace()
+    target = ops.resolve(ns, name)
+    if target.kind == ops.TOPIC:
+        ops.receiver(ns, target)  # raises: topics are purged per subscription
+    before = ops.runtime(ns, target)
+    total = before.dead_letter_message_count if dead_letter else before.active_message_count
+    where = f"{target.label}{' (dead-letter)' if dead_letter else ''}"
+    with progress_bar(f"Purging {target.display}", total) as advance:
+        n = ops.purge(ns, target, dead_letter=dead_letter, batch=batch, progress=advance)
+    done(f"Purged {n} message(s) from {where}.")
+    after = ops.runtime(ns, target)
+    left = after.dead_letter_message_count if dead_letter else after.total_message_count - after.dead_letter_message_count
+    if left:
+        note(f"{left} message(s) remain: scheduled, deferred, locked by a receiver, or sent meanwhile.")
+
+
+@app.command()
+@handle_errors
+def resubmit(
+    ctx: typer.Context,
+    name: EntityName,
+    count: Annotated[int | None, typer.Option("--count", "-n", min=1, help="At most this many dead letters.")] = None,
+    via_topic: Annotated[
+        bool,
+        typer.Option(
+            "--via-topic", help="For a subscription: resend through its topic (every matching subscription gets a copy)."
+        ),
+    ] = False,
+    batch: Annotated[int, typer.Option(min=1, help="Dead letters per receive.")] = 100,
+) -> None:
+    """Move dead letters back to their queue (or, with --via-topic, a subscription's to its topic)."""
+    ns = state(ctx).namespace()
+    target = ops.resolve(ns, name)
+    total = ops.runtime(ns, target).dead_letter_message_count if target.kind != ops.TOPIC else None
+    if total is not None and count is not None:
+        total = min(total, count)
+    with progress_bar(f"Resubmitting {target.display}", total) as advance:
+        result = ops.resubmit(ns, target, via_topic=via_topic, limit=count, batch=batch, progress=advance)
+    how = []
+    if result.transactional:
+        how.append(f"{result.transactional} in transactions")
+    if result.at_least_once:
+        how.append(f"{result.at_least_once} sent then completed")
+    detail = f" ({', '.join(how)})" if how else ""
+    done(f"Resubmitted {result.resubmitted} dead letter(s) to {result.destination.label}{detail}.")
+    if result.not_accepted:
+        why = "dropped by duplicate detection: the id is still in the detection window"
+        if result.destination.kind == ops.TOPIC:
+            why += ", or no subscription matched"
+        note(f"{result.not_accepted} dead letter(s) were not accepted ({why}); they stay in the dead-letter queue.")

@@ -1,0 +1,328 @@
+"""Rich tables and JSON-ready dicts for the CLI's output."""
+
+import base64
+from datetime import datetime, timedelta
+from typing import Any
+
+from rich import box
+from rich.console import Group, RenderableType
+from rich.table import Table
+from rich.text import Text
+
+from sparkqueue import ReceivedMessage
+from sparkqueue.model.properties import PartitionRuntimeProperties, RuntimeProperties
+
+DURATION_SETTINGS = ("lock_duration", "duplicate_detection_history_time_window", "default_message_time_to_live")
+
+COUNT_COLUMNS = (
+    ("active_message_count", "Active"),
+    ("dead_letter_message_count", "Dead-letter"),
+    ("scheduled_message_count", "Scheduled"),
+    ("deferred_message_count", "Deferred"),
+    ("transfer_message_count", "Transfer"),
+    ("transfer_dead_letter_message_count", "Transfer DL"),
+    ("total_message_count", "Total"),
+)
+
+
+def human_size(n: int) -> str:
+    """Bytes as B, KiB, MiB or GiB."""
+    size = float(n)
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if size < 1024 or unit == "GiB":
+            return f"{int(size)} {unit}" if unit == "B" else f"{size:.1f} {unit}"
+        size /= 1024
+    return f"{n} B"  # pragma: no cover
+
+
+def _iso(value: datetime | None) -> str | None:
+    return value.isoformat() if value is not None else None
+
+
+def _status(available: bool | str) -> Text:
+    ok = available is True or available == "Available"
+    label = available if isinstance(available, str) else ("OK" if available else "DOWN")
+    return Text(label, style="green" if ok else "bold red")
+
+
+def jsonable(value: Any) -> Any:
+    """Timedeltas as seconds, datetimes as ISO-8601, containers recursively."""
+    if isinstance(value, timedelta):
+        return value.total_seconds()
+    if isinstance(value, datetime):
+        return value.isoformat()
+    if isinstance(value, dict):
+        return {k: jsonable(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [jsonable(v) for v in value]
+    return value
+
+
+# ---- messages --------------------------------------------------------------------------------------
+
+
+def message_dict(m: ReceivedMessage) -> dict[str, Any]:
+    """A received or peeked message as a JSON-ready dict (body as text, or body_base64 when not UTF-8)."""
+    out: dict[str, Any] = {
+        "sequence_number": m.sequence_number,
+        "partition_id": m.partition_id,
+        "message_id": m.message_id,
+        "session_id": m.session_id,
+        "partition_key": m.partition_key,
+        "state": m.state,
+        "delivery_count": m.delivery_count,
+        "enqueued_time_utc": _iso(m.enqueued_time_utc),
+        "scheduled_enqueue_time_utc": _iso(m.scheduled_enqueue_time_utc),
+        "expires_at_utc": _iso(m.expires_at_utc),
+        "locked_until_utc": _iso(m.locked_until_utc),
+        "time_to_live": m.time_to_live.total_seconds() if m.time_to_live is not None else None,
+        "content_type": m.content_type,
+        "correlation_id": m.correlation_id,
+        "subject": m.subject,
+        "to": m.to,
+        "reply_to": m.reply_to,
+        "reply_to_session_id": m.reply_to_session_id,
+        "application_properties": m.application_properties,
+        "dead_letter_reason": m.dead_letter_reason,
+        "dead_letter_error_description": m.dead_letter_error_description,
+        "dead_letter_source": m.dead_letter_source,
+        "size_in_bytes": m.size_in_bytes,
+    }
+    try:
+        out["body"] = m.body.decode("utf-8")
+    except UnicodeDecodeError:
+        out["body_base64"] = base64.b64encode(m.body).decode("ascii")
+    return out
+
+
+def _body_preview(body: bytes) -> Text:
+    try:
+        text = body.decode("utf-8")
+    except UnicodeDecodeError:
+        return Text(f"<{len(body)} bytes, binary>", style="dim")
+    return Text(text.replace("\n", "\\n"))
+
+
+def _fit(avail: int, wants: dict[str, tuple[int, int, int]]) -> dict[str, int]:
+    """Share `avail` columns among flexible columns given (minimum, natural, weight): weight-proportional, capped."""
+    widths = {k: lo for k, (lo, _, _) in wants.items()}
+    spare = avail - sum(widths.values())
+    while spare > 0:
+        open_ = {k: w for k, (_, hi, w) in wants.items() if widths[k] < hi}
+        if not open_:
+            break
+        total = sum(open_.values())
+        given = 0
+        for k, w in open_.items():
+            add = min(max(1, spare * w // total), wants[k][1] - widths[k], spare - given)
+            widths[k] += add
+            given += add
+        if given == 0:
+            break
+        spare -= given
+    return widths
+
+
+def messages_table(messages: list[ReceivedMessage], title: str, *, width: int, dead_letter: bool = False) -> Table:
+    """Messages as a table fitted to `width` (full details with --json); key, state and reason only when they say something."""
+    keys = any(m.session_id or m.partition_key for m in messages)
+    states = any(m.state != "active" for m in messages)
+    bodies = [_body_preview(m.body) for m in messages]
+    reasons = [_reason(m) for m in messages]
+    fixed: list[tuple[str, int]] = [("Seq", max(len(str(m.sequence_number)) for m in messages)), ("P", 2)]
+    fixed += [("Enqueued (UTC)", 14), ("Dlv", 3)] + ([("State", 9)] if states else [])
+    wants: dict[str, tuple[int, int, int]] = {"Message ID": (8, max(len(m.message_id) for m in messages), 3)}
+    if keys:
+        wants["Key"] = (6, max(len(m.session_id or m.partition_key or "") for m in messages), 1)
+    if dead_letter:
+        wants["Reason"] = (6, max(max(len(r) for r in reasons), 6), 2)
+    wants["Body"] = (8, max(max(len(b) for b in bodies), 4), 4)
+    gaps = 2 * (len(fixed) + len(wants)) + 1
+    fitted = _fit(width - gaps - sum(w for _, w in fixed), wants)
+
+    table = Table(title=title, title_justify="left", box=box.SIMPLE_HEAD, pad_edge=False, collapse_padding=True)
+    for name, w in fixed:
+        table.add_column(name, justify="left" if name in ("Enqueued (UTC)", "State") else "right", no_wrap=True, min_width=w)
+    for name in ("Message ID", "Key", "Reason"):
+        if name in fitted:
+            table.add_column(name, no_wrap=True, overflow="ellipsis", width=fitted[name])
+    table.add_column("Body", no_wrap=True, overflow="ellipsis", width=fitted["Body"])
+    for m, body, reason in zip(messages, bodies, reasons, strict=True):
+        row: list[RenderableType] = [
+            str(m.sequence_number),
+            str(m.partition_id),
+            m.enqueued_time_utc.strftime("%m-%d %H:%M:%S"),
+            str(m.delivery_count),
+        ]
+        if states:
+            row.append(m.state)
+        row.append(m.message_id)
+        if keys:
+            row.append(m.session_id or m.partition_key or "")
+        if dead_letter:
+            row.append(reason)
+        row.append(body)
+        table.add_row(*row)
+    return table
+
+
+def _reason(m: ReceivedMessage) -> str:
+    reason = m.dead_letter_reason or ""
+    if m.dead_letter_error_description:
+        reason = f"{reason}: {m.dead_letter_error_description}" if reason else m.dead_letter_error_description
+    return reason
+
+
+# ---- entities --------------------------------------------------------------------------------------
+
+
+def runtime_dict(rp: RuntimeProperties) -> dict[str, Any]:
+    """Runtime properties as a JSON-ready dict, with the partition breakdown."""
+    out: dict[str, Any] = {field: getattr(rp, field) for field, _ in COUNT_COLUMNS}
+    out["size_in_bytes"] = rp.size_in_bytes
+    out["availability_status"] = rp.availability_status
+    if rp.subscription_count is not None:
+        out["subscription_count"] = rp.subscription_count
+    out["created_at_utc"] = _iso(rp.created_at_utc)
+    out["updated_at_utc"] = _iso(rp.updated_at_utc)
+    out["partitions"] = [partition_dict(p) for p in rp.partitions]
+    return out
+
+
+def partition_dict(p: PartitionRuntimeProperties) -> dict[str, Any]:
+    """One partition's counts."""
+    out: dict[str, Any] = {"partition_id": p.partition_id, "available": p.available}
+    out.update({field: getattr(p, field) for field, _ in COUNT_COLUMNS})
+    out["size_in_bytes"] = p.size_in_bytes
+    return out
+
+
+def settings_dict(props: Any) -> dict[str, Any]:
+    """An entity's settings as a JSON-ready dict (durations in seconds), without its name."""
+    out = dict(props.settings())
+    out.pop("name", None)
+    return out
+
+
+def _setting_text(key: str, value: Any) -> str:
+    if value is None:
+        return "never" if "time_to_live" in key else "-"
+    if isinstance(value, bool):
+        return "yes" if value else "no"
+    if isinstance(value, float) and key in DURATION_SETTINGS:
+        return str(timedelta(seconds=value))
+    return str(value)
+
+
+def _grid() -> Table:
+    grid = Table.grid(padding=(0, 2))
+    grid.add_column(style="bold", no_wrap=True)
+    grid.add_column(no_wrap=True)
+    return grid
+
+
+SETTING_LABELS = {
+    "enable_partitioning": "Partitioned",
+    "max_size_in_megabytes": "Max size (MB/partition)",
+    "requires_duplicate_detection": "Duplicate detection",
+    "duplicate_detection_history_time_window": "Detection window",
+    "requires_session": "Sessions",
+    "lock_duration": "Lock duration",
+    "max_delivery_count": "Max delivery count",
+    "default_message_time_to_live": "Default TTL",
+    "dead_lettering_on_message_expiration": "Dead-letter on expiry",
+    "forward_to": "Forward to",
+    "forward_dead_lettered_messages_to": "Forward dead letters to",
+    "topic_name": "Topic",
+}
+PARTITION_COLUMNS = (
+    ("active_message_count", "Active"),
+    ("dead_letter_message_count", "DLQ"),
+    ("scheduled_message_count", "Sched."),
+    ("deferred_message_count", "Defer."),
+    ("transfer_message_count", "Transf."),
+    ("total_message_count", "Total"),
+)
+
+
+def entity_view(
+    kind: str, display: str, props: Any, rp: RuntimeProperties, subscriptions: list[tuple[str, RuntimeProperties]]
+) -> Group:
+    """`show`: counts beside settings, the per-partition breakdown, and (topics) the subscriptions."""
+    counts = _grid()
+    counts.add_row("Availability", _status(rp.availability_status))
+    counts.add_row("Partitions", str(len(rp.partitions)))
+    for field, label in COUNT_COLUMNS:
+        counts.add_row(label, str(getattr(rp, field)))
+    counts.add_row("Size", human_size(rp.size_in_bytes))
+    if rp.subscription_count is not None:
+        counts.add_row("Subscriptions", str(rp.subscription_count))
+    if rp.created_at_utc is not None:
+        counts.add_row("Created (UTC)", rp.created_at_utc.strftime("%Y-%m-%d %H:%M:%S"))
+    if rp.updated_at_utc is not None:
+        counts.add_row("Updated (UTC)", rp.updated_at_utc.strftime("%Y-%m-%d %H:%M:%S"))
+    conf = _grid()
+    for key, value in settings_dict(props).items():
+        conf.add_row(SETTING_LABELS.get(key, key.replace("_", " ").capitalize()), _setting_text(key, value))
+    summary = Table.grid(padding=(0, 4))
+    summary.add_row(counts, conf)
+
+    parts = Table(title="Partitions", title_justify="left")
+    parts.add_column("P", justify="right")
+    parts.add_column("Status", no_wrap=True)
+    for _, label in PARTITION_COLUMNS:
+        parts.add_column(label, justify="right")
+    parts.add_column("Size", justify="right", no_wrap=True)
+    for p in rp.partitions:
+        row: list[RenderableType] = [str(p.partition_id), _status(p.available)]
+        row += [str(getattr(p, f)) for f, _ in PARTITION_COLUMNS]
+        row.append(human_size(p.size_in_bytes))
+        parts.add_row(*row)
+
+    items: list[RenderableType] = [Text(f"{kind.capitalize()} {display}", style="bold cyan"), summary, Text(""), parts]
+    if subscriptions:
+        subs = Table(title="Subscriptions", title_justify="left")
+        subs.add_column("Subscription", no_wrap=True)
+        subs.add_column("Active", justify="right")
+        subs.add_column("DLQ", justify="right")
+        subs.add_column("Total", justify="right")
+        subs.add_column("Status", no_wrap=True)
+        for name, srp in subscriptions:
+            subs.add_row(
+                name,
+                str(srp.active_message_count),
+                str(srp.dead_letter_message_count),
+                str(srp.total_message_count),
+                _status(srp.availability_status),
+            )
+        items.append(subs)
+    return Group(*items)
+
+
+def list_table(rows: list[dict[str, Any]], *, counts: bool) -> Table:
+    """`list`: queues, topics and (indented under their topic) subscriptions."""
+    table = Table(title="Entities", title_justify="left")
+    table.add_column("Type", no_wrap=True)
+    table.add_column("Name", no_wrap=True)
+    table.add_column("Parts", justify="right")
+    if counts:
+        table.add_column("Active", justify="right")
+        table.add_column("DLQ", justify="right")
+        table.add_column("Total", justify="right")
+        table.add_column("Status", no_wrap=True)
+    for r in rows:
+        sub = r["type"] == "subscription"
+        row: list[RenderableType] = [
+            Text(r["type"], style="dim" if sub else ""),
+            Text(("  └ " if sub else "") + r["name"]),
+            str(r["partitions"]),
+        ]
+        if counts:
+            row += [
+                str(r["active_message_count"]),
+                str(r["dead_letter_message_count"]),
+                str(r["total_message_count"]),
+                _status(r["availability_status"]),
+            ]
+        table.add_row(*row)
+    return table

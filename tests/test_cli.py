@@ -1,0 +1,320 @@
+"""The `sparkqueue` command line, run as a real subprocess against real Delta tables in tmp_path."""
+
+import base64
+import json
+import os
+import subprocess
+import sys
+from concurrent.futures import ThreadPoolExecutor
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from sparkqueue import Message, Namespace
+from sparkqueue.cli import ops
+
+CLI_TIMEOUT_S = 120
+
+
+def sq(root: Path | str, *args: str, stdin: str | None = None) -> subprocess.CompletedProcess[str]:
+    """Run `python -m sparkqueue.cli ARGS` with SPARKQUEUE_ROOT=root; returns the finished process."""
+    env = {**os.environ, "SPARKQUEUE_ROOT": str(root), "COLUMNS": "200", "NO_COLOR": "1", "TERM": "dumb"}
+    return subprocess.run(
+        [sys.executable, "-m", "sparkqueue.cli", *args],
+        input=stdin,
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=CLI_TIMEOUT_S,
+        check=False,
+    )
+
+
+def sq_all(root: Path | str, *calls: tuple[str, ...]) -> list[subprocess.CompletedProcess[str]]:
+    """Run independent CLI invocations concurrently (each subprocess spends most of its time importing)."""
+    with ThreadPoolExecutor(max_workers=len(calls)) as pool:
+        return list(pool.map(lambda args: sq(root, *args), calls))
+
+
+def ok_all(root: Path | str, *calls: tuple[str, ...]) -> list[str]:
+    """Run invocations concurrently, assert each exits 0, return their stdouts."""
+    outs = []
+    for args, p in zip(calls, sq_all(root, *calls), strict=True):
+        assert p.returncode == 0, f"{args}: rc={p.returncode}\nstdout:\n{p.stdout}\nstderr:\n{p.stderr}"
+        outs.append(p.stdout)
+    return outs
+
+
+def ok(root: Path | str, *args: str, stdin: str | None = None) -> str:
+    """Run the CLI, assert exit code 0, return stdout."""
+    p = sq(root, *args, stdin=stdin)
+    assert p.returncode == 0, f"{args}: rc={p.returncode}\nstdout:\n{p.stdout}\nstderr:\n{p.stderr}"
+    return p.stdout
+
+
+def as_json(text: str) -> Any:
+    """Parse the CLI's --json output."""
+    return json.loads(text)
+
+
+def dead_letter_all(ns: Namespace, queue: str, expected: int, reason: str = "Poison") -> None:
+    """Receive `expected` messages from the queue and dead-letter them."""
+    done = 0
+    with ns.get_queue_receiver(queue) as r:
+        while done < expected:
+            got = r.receive_messages(max_message_count=expected - done, max_wait_time=2)
+            assert got, f"only {done} of {expected} messages arrived"
+            for m in got:
+                r.dead_letter_message(m, reason=reason, error_description="bad input")
+            done += len(got)
+
+
+@pytest.fixture
+def root(tmp_path: Path) -> Path:
+    """A namespace root that does not exist yet."""
+    return tmp_path / "ns"
+
+
+def test_create_list_delete(root: Path) -> None:
+    """create queue/topic/subscription with settings, list them (table and JSON), delete them."""
+    Namespace(root).close()  # the namespace exists, so the two concurrent creates do not both create its catalog
+    ok_all(
+        root,
+        ("create", "queue", "orders", "--no-partitioning", "--lock-duration", "30", "--max-delivery-count", "3",
+         "--duplicate-detection", "--ttl", "3600"),
+        ("create", "topic", "events"),
+    )  # fmt: skip
+    out = ok(root, "create", "subscription", "events", "audit", "--forward-to", "orders")
+    assert "events/audit" in out
+
+    with Namespace(root) as ns:
+        q = ns.get_queue("orders")
+        assert (q.enable_partitioning, q.lock_duration, q.max_delivery_count) == (False, timedelta(seconds=30), 3)
+        assert q.requires_duplicate_detection and q.default_message_time_to_live == timedelta(hours=1)
+        assert ns.get_subscription("events", "audit").forward_to == "orders"
+
+    table, listed_json = ok_all(root, ("list",), ("list", "--json"))
+    assert all(name in table for name in ("orders", "events", "audit", "Available"))
+    listed = as_json(listed_json)
+    assert [(q["name"], q["partitions"], q["active_message_count"]) for q in listed["queues"]] == [("orders", 1, 0)]
+    assert [t["name"] for t in listed["topics"]] == ["events"]
+    assert [s["name"] for s in listed["topics"][0]["subscriptions"]] == ["audit"]
+    assert listed["topics"][0]["partitions"] == 16
+
+    ok(root, "delete", "subscription", "events", "audit")
+    with Namespace(root) as ns:
+        assert ns.list_subscriptions("events") == []
+    ok_all(root, ("delete", "queue", "orders"), ("delete", "topic", "events"))
+    with Namespace(root) as ns:
+        assert ns.list_queues() == [] and ns.list_topics() == []
+
+
+def test_send_show_peek_receive(root: Path, tmp_path: Path) -> None:
+    """send a file in batches, show the counts per partition, peek, receive (complete and abandon)."""
+    with Namespace(root) as ns:
+        ns.create_queue("q")
+    lines = [f"line {i}" for i in range(30)]
+    src = tmp_path / "msgs.txt"
+    src.write_text("\n".join(lines[:15]) + "\n\n" + "\n".join(lines[15:]) + "\n")  # the blank line is skipped
+
+    assert "Sent 30 message(s)" in ok(root, "send", "q", "--file", str(src), "--batch", "7")
+
+    shown_json, table, peeked_json = ok_all(root, ("show", "q", "--json"), ("show", "q"), ("peek", "q", "--count", "5", "--json"))
+    shown = as_json(shown_json)
+    rt = shown["runtime"]
+    assert (shown["type"], rt["active_message_count"], rt["availability_status"]) == ("queue", 30, "Available")
+    assert len(rt["partitions"]) == 16
+    assert sum(p["active_message_count"] for p in rt["partitions"]) == 30
+    assert sum(1 for p in rt["partitions"] if p["active_message_count"]) >= 2  # batches spread over partitions
+    assert shown["settings"]["lock_duration"] == 60
+
+    assert "Partitions" in table and "Available" in table and "30" in table
+
+    peeked = as_json(peeked_json)
+    assert len(peeked) == 5 and {m["body"] for m in peeked} <= set(lines)
+    assert all(m["state"] == "active" and m["sequence_number"] >> 48 == m["partition_id"] for m in peeked)
+
+    got = as_json(ok(root, "receive", "q", "-n", "4", "--json"))
+    assert len(got) == 4 and all(m["delivery_count"] == 1 and m["body"] in lines for m in got)
+    out = ok(root, "receive", "q", "-n", "2", "--abandon")
+    assert "Abandoned 2 message(s)" in out and "line" in out
+
+    with Namespace(root) as ns:
+        rp = ns.get_queue_runtime_properties("q")
+        assert rp.active_message_count == 26  # 4 completed; 2 abandoned are available again
+        with ns.get_queue_receiver("q") as r:
+            bodies = []
+            while got2 := r.receive_messages(max_message_count=50, max_wait_time=0.5):
+                bodies += [str(m) for m in got2]
+                r.complete_messages(got2)
+        assert sorted(bodies + [m["body"] for m in got]) == sorted(lines)
+
+
+def test_send_jsonl_and_stdin(root: Path, tmp_path: Path) -> None:
+    """--jsonl sets message properties; a bad record fails before anything is sent; '-' reads stdin."""
+    with Namespace(root) as ns:
+        ns.create_queue("q")
+    records = [
+        {"body": "plain", "message_id": "m-1", "partition_key": "k", "properties": {"n": 1, "flag": True}, "subject": "s"},
+        {"body": {"x": [1, 2]}, "message_id": "m-2", "correlation_id": "c", "time_to_live": 60},
+        {"body_base64": base64.b64encode(b"\x00\xff").decode(), "message_id": "m-3"},
+    ]
+    src = tmp_path / "msgs.jsonl"
+    src.write_text("\n".join(json.dumps(r) for r in records) + "\n")
+    ok(root, "send", "q", "-f", str(src), "--jsonl")
+
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"body": "fine"}\n{"bodee": "typo"}\n')
+    with ThreadPoolExecutor(2) as pool:
+        rejected = pool.submit(sq, root, "send", "q", "-f", str(bad), "--jsonl")
+        from_stdin = pool.submit(sq, root, "send", "q", "-f", "-", stdin="from stdin 1\nfrom stdin 2\n")
+    assert rejected.result().returncode == 1 and "Traceback" not in rejected.result().stderr
+    assert "line 2" in rejected.result().stderr and "bodee" in rejected.result().stderr
+    assert from_stdin.result().returncode == 0, from_stdin.result().stderr
+
+    with Namespace(root) as ns:
+        assert ns.get_queue_runtime_properties("q").active_message_count == 5  # nothing of bad.jsonl
+        with ns.get_queue_receiver("q") as r:
+            msgs = {m.message_id: m for m in r.peek_messages(10)}
+            while more := r.peek_messages(10):
+                msgs.update({m.message_id: m for m in more})
+    assert msgs["m-1"].partition_key == "k" and msgs["m-1"].application_properties == {"n": 1, "flag": True}
+    assert msgs["m-1"].subject == "s" and msgs["m-1"].body == b"plain"
+    assert json.loads(msgs["m-2"].body) == {"x": [1, 2]} and msgs["m-2"].content_type == "application/json"
+    assert msgs["m-2"].time_to_live == timedelta(seconds=60) and msgs["m-2"].correlation_id == "c"
+    assert msgs["m-3"].body == b"\x00\xff"
+    assert sorted(str(m) for m in msgs.values() if m.message_id not in ("m-1", "m-2", "m-3")) == ["from stdin 1", "from stdin 2"]
+
+
+def test_topic_send_and_subscription_show(root: Path, tmp_path: Path) -> None:
+    """A send to a topic reaches every subscription; `show TOPIC/SUB` reads one subscription."""
+    with Namespace(root) as ns:
+        ns.create_topic("t")
+        ns.create_subscription("t", "a")
+        ns.create_subscription("t", "b")
+    src = tmp_path / "m.txt"
+    src.write_text("one\ntwo\nthree\n")
+    assert "6 copies" in ok(root, "send", "t", "-f", str(src))
+    sub_json, got_json = ok_all(root, ("show", "t/a", "--json"), ("receive", "t/b", "-n", "3", "--json"))
+    sub = as_json(sub_json)
+    assert (sub["type"], sub["name"], sub["runtime"]["active_message_count"]) == ("subscription", "t/a", 3)
+    got = as_json(got_json)
+    assert sorted(m["body"] for m in got) == ["one", "three", "two"]
+
+
+def test_purge(root: Path) -> None:
+    """purge empties the queue, or with --dead-letter its dead-letter sub-queue."""
+    with Namespace(root) as ns:
+        ns.create_queue("q")
+        with ns.get_queue_sender("q") as s:
+            s.send_messages([Message(f"m{i}") for i in range(1200)])
+        dead_letter_all(ns, "q", 5)
+    main, dead = ok_all(root, ("purge", "q"), ("purge", "q", "--dead-letter"))
+    assert "Purged 1195 message(s)" in main and "Purged 5 message(s)" in dead
+    with Namespace(root) as ns:
+        rp = ns.get_queue_runtime_properties("q")
+        assert (rp.active_message_count, rp.dead_letter_message_count) == (0, 0)
+
+
+def test_resubmit_dead_letters(root: Path) -> None:
+    """peek --dead-letter shows the reason; resubmit moves keyed and unkeyed dead letters back, properties intact."""
+    with Namespace(root) as ns:
+        ns.create_queue("q")
+        with ns.get_queue_sender("q") as s:
+            s.send_messages([Message(f"k{i}", message_id=f"k{i}", partition_key=f"key{i % 3}", application_properties={"i": i})
+                             for i in range(6)])  # fmt: skip
+            s.send_messages([Message(f"u{i}", message_id=f"u{i}", subject="unkeyed") for i in range(4)])
+        dead_letter_all(ns, "q", 10)
+
+    dlq_json, dlq_table = ok_all(root, ("peek", "q", "--dead-letter", "-n", "20", "--json"), ("peek", "q", "--dead-letter"))
+    dlq = as_json(dlq_json)
+    assert len(dlq) == 10 and all(m["dead_letter_reason"] == "Poison" for m in dlq)
+    assert "Poison: bad input" in dlq_table
+
+    out = ok(root, "resubmit", "q")
+    assert "Resubmitted 10 dead letter(s)" in out and "6 in transactions" in out
+
+    with Namespace(root) as ns:
+        rp = ns.get_queue_runtime_properties("q")
+        assert (rp.active_message_count, rp.dead_letter_message_count) == (10, 0)
+        with ns.get_queue_receiver("q") as r:
+            back = {m.message_id: m for m in r.receive_messages(max_message_count=10, max_wait_time=2)}
+            while len(back) < 10 and (more := r.receive_messages(max_message_count=10, max_wait_time=1)):
+                back.update({m.message_id: m for m in more})
+    assert sorted(back) == sorted([f"k{i}" for i in range(6)] + [f"u{i}" for i in range(4)])
+    assert all(
+        back[f"k{i}"].partition_key == f"key{i % 3}" and back[f"k{i}"].application_properties == {"i": i} for i in range(6)
+    )
+    assert all(back[f"u{i}"].subject == "unkeyed" and back[f"u{i}"].body == f"u{i}".encode() for i in range(4))
+    assert all(m.dead_letter_reason is None and m.delivery_count == 1 for m in back.values())
+
+
+def test_resubmit_keeps_duplicates_and_needs_via_topic(root: Path) -> None:
+    """A copy dropped by duplicate detection leaves its dead letter in place; subscriptions need --via-topic."""
+    with Namespace(root) as ns:
+        ns.create_queue("dd", requires_duplicate_detection=True)
+        with ns.get_queue_sender("dd") as s:
+            s.send_messages([Message("a", message_id="1"), Message("b", message_id="2")])
+        dead_letter_all(ns, "dd", 2)
+        ns.create_topic("t")
+        ns.create_subscription("t", "s")
+    p, sub = sq_all(root, ("resubmit", "dd"), ("resubmit", "t/s"))
+    assert p.returncode == 0 and "2 dead letter(s) were not accepted" in p.stderr
+    with Namespace(root) as ns:
+        assert ns.get_queue_runtime_properties("dd").dead_letter_message_count == 2
+    assert sub.returncode == 1 and "--via-topic" in sub.stderr
+
+
+ERROR_CASES: list[tuple[tuple[str, ...], int, str]] = [
+    (("show", "nosuch"), 1, "'nosuch'"),
+    (("peek", "nosuch/sub"), 1, "'nosuch/sub'"),
+    (("create", "queue", "bad name!"), 1, "invalid queue name 'bad name!'"),
+    (("create", "subscription", "nosuch", "s"), 1, "topic 'nosuch' does not exist"),
+    (("create", "queue", "q", "--lock-duration", "600"), 1, "lock_duration"),
+    (("peek", "t"), 1, "'t' is a topic"),
+    (("send", "t/s", "--file", __file__), 1, "send to its topic 't'"),
+    (("send", "q", "--file", "/nonexistent/file.txt"), 2, "does not exist"),
+]
+
+
+def test_errors(root: Path) -> None:
+    """Expected errors: one red line naming the problem, exit 1 (2 for usage errors), never a traceback."""
+    with Namespace(root) as ns:
+        ns.create_queue("q")
+        ns.create_topic("t")
+        ns.create_subscription("t", "s")
+    missing = root.parent / "typo"
+    with ThreadPoolExecutor(len(ERROR_CASES) + 1) as pool:
+        no_root = pool.submit(sq, missing, "list")
+        results = list(pool.map(lambda args: sq(root, *args), [args for args, _, _ in ERROR_CASES]))
+    assert no_root.result().returncode == 1 and "does not exist" in no_root.result().stderr
+    assert not missing.exists()  # only `create` creates a namespace root
+    for (args, code, expected), p in zip(ERROR_CASES, results, strict=True):
+        assert p.returncode == code, f"{args}: rc={p.returncode}\nstdout:\n{p.stdout}\nstderr:\n{p.stderr}"
+        assert "Traceback" not in p.stderr + p.stdout
+        assert expected in p.stderr, f"{args}: {p.stderr}"
+        if code == 1:
+            assert p.stderr.startswith("Error: ") and p.stderr.count("\n") == 1, p.stderr
+    with Namespace(root) as ns:
+        assert [q.name for q in ns.list_queues()] == ["q"]  # nothing was created by the failed commands
+
+
+def test_message_from_json() -> None:
+    """JSON-lines records: exactly one body field, known fields only, typed TTL and schedule."""
+    m = ops.message_from_json({"body": "x", "scheduled_enqueue_time_utc": "2030-01-01T00:00:00Z", "time_to_live": 1.5})
+    assert m.scheduled_enqueue_time_utc is not None and m.scheduled_enqueue_time_utc.year == 2030
+    assert m.time_to_live == timedelta(seconds=1.5)
+    bad_records: list[object] = [
+        {"message_id": "no body"},
+        {"body": "a", "body_base64": "YQ=="},
+        {"body": None},
+        {"body": "a", "time_to_live": "1"},
+        {"body": "a", "scheduled_enqueue_time_utc": "soon"},
+        {"body_base64": "***"},
+        ["not", "an", "object"],
+    ]
+    for bad in bad_records:
+        with pytest.raises(ValueError):
+            ops.message_from_json(bad)
