@@ -265,6 +265,7 @@ class Management:
         """Apply changed subscription settings (sessions are fixed at creation)."""
         self._check_destinations(subscription.settings())
         self._update(SUBSCRIPTION, sub_entity_name(topic_name, getattr(subscription, "name", "")), subscription)
+        self._forget(catalog_key(TOPIC, topic_name))  # fan-out caches the subscriptions' TTL and forwarding
 
     def delete_subscription(self: Namespace, topic_name: str, subscription_name: str) -> None:
         """Delete the subscription and its rules; its messages disappear with it (maintenance reclaims the space)."""

@@ -35,7 +35,8 @@ from sparkqueue.sender import Sender
 from sparkqueue.storage.catalog import Catalog, CatalogEntry, catalog_key
 from sparkqueue.storage.faults import FaultInjector
 from sparkqueue.storage.retry import Deadline
-from sparkqueue.storage.table import ANY_SUBSCRIPTION, EntityTable, Expand
+from sparkqueue.storage.schema import ANY_SUBSCRIPTION
+from sparkqueue.storage.table import EntityTable, Expand
 from sparkqueue.transaction import Transaction
 
 log = logging.getLogger(__name__)
@@ -55,6 +56,7 @@ class _CachedRules:
     subscribers: list[Subscriber]
     record_ids: bool
     loaded_at: float
+    forwarding: list[str]  # names of the subscriptions that forward (forward_to or dead letters)
 
 
 class Namespace(Management):
@@ -161,17 +163,27 @@ class Namespace(Management):
         """How a send to the entity turns messages into rows: topic fan-out, or as-is for a queue."""
         if entity_type != TOPIC:
             return None
+        cached = self._topic_rules(name)
+        subscribers, record_ids = cached.subscribers, cached.record_ids
+        return lambda rows: fan_out(rows, subscribers, record_ids)
+
+    def _topic_rules(self, name: str) -> _CachedRules:
+        """A topic's subscribers with their rules, and which of them forward; cached for PROPERTIES_TTL_S."""
         key = catalog_key(TOPIC, name)
         with self._lock:
             cached = self._rules.get(key)
         if cached is None or time.monotonic() - cached.loaded_at >= PROPERTIES_TTL_S:
-            cached = _CachedRules(
-                self._subscribers(name), self._props(TOPIC, name).requires_duplicate_detection, time.monotonic()
-            )
+            record_ids = self._props(TOPIC, name).requires_duplicate_detection
+            forwarding = []
+            for e in self._catalog.entries(SUBSCRIPTION):
+                topic, _, sub = e.name.split(":", 1)[1].partition("|")
+                props = SubscriptionProperties.from_json(e.properties) if topic == name else None
+                if props is not None and (props.forward_to or props.forward_dead_lettered_messages_to):
+                    forwarding.append(sub)
+            cached = _CachedRules(self._subscribers(name), record_ids, time.monotonic(), forwarding)
             with self._lock:
                 self._rules[key] = cached
-        subscribers, record_ids = cached.subscribers, cached.record_ids
-        return lambda rows: fan_out(rows, subscribers, record_ids)
+        return cached
 
     def _subscribers(self, topic_name: str) -> list[Subscriber]:
         """The topic's subscriptions with their rules, read from the catalog in one pass."""
@@ -216,15 +228,23 @@ class Namespace(Management):
         try:
             return [self._entity(QUEUE, name)]
         except EntityNotFoundError:
-            pass
+            return self._forwarding_subscriptions(name)
+
+    def _forwarding_subscriptions(self, topic_name: str) -> list[Entity]:
+        """The topic's subscriptions that forward (none when the topic is gone)."""
         try:
-            subs = self.list_subscriptions(name)
+            names = self._topic_rules(topic_name).forwarding
         except EntityNotFoundError:
             return []
-        # settings first: building an entity reads the catalog, so only for subscriptions that forward
-        names = [s.name for s in subs if s.forward_to or s.forward_dead_lettered_messages_to]
-        entities = [self._entity(SUBSCRIPTION, sub_entity_name(name, s)) for s in names]
-        return [e for e in entities if routes(e)]
+        out = []
+        for sub in names:
+            try:
+                entity = self._entity(SUBSCRIPTION, sub_entity_name(topic_name, sub))
+            except EntityNotFoundError:  # deleted since the rules were cached
+                continue
+            if routes(entity):
+                out.append(entity)
+        return out
 
     def forward_pending_messages(self) -> None:
         """Finish every pending auto-forward in the namespace (after a crash, or when forward_to was set later)."""
@@ -239,7 +259,7 @@ class Namespace(Management):
         if entity_type == QUEUE:
             self._pump(self._entity(QUEUE, name), stored_partitions)
         else:
-            for e in self._forwarding_entities(name):
+            for e in self._forwarding_subscriptions(name):
                 self._pump(e, stored_partitions)
 
     # ---- senders and receivers -----------------------------------------------------------------

@@ -275,9 +275,7 @@ class Receiver:
         """Defer the messages of df's `lock_token` column; a DataFrame of (lock_token, status)."""
         return self._settle_dataframe(df, lifecycle.DEFER)
 
-    def dead_letter_dataframe(
-        self, df: DataFrame, reason: str | None = None, error_description: str | None = None
-    ) -> DataFrame:
+    def dead_letter_dataframe(self, df: DataFrame, reason: str | None = None, error_description: str | None = None) -> DataFrame:
         """Dead-letter df's messages (per-row `dead_letter_reason`/`dead_letter_error_description` columns win); statuses."""
         return self._settle_dataframe(df, lifecycle.DEAD_LETTER, reason, error_description)
 

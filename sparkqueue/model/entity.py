@@ -25,6 +25,7 @@ from sparkqueue.model.partitioning import RoundRobin, partition_for_key
 from sparkqueue.model.properties import PartitionRuntimeProperties, RuntimeProperties, _EntityProperties
 from sparkqueue.storage.retry import Deadline, backoff, retry_commit
 from sparkqueue.storage.schema import (
+    ANY_SUBSCRIPTION,
     ENTITY_COLUMNS,
     ENTITY_SCHEMA,
     PARTITION_COLUMN,
@@ -35,7 +36,7 @@ from sparkqueue.storage.schema import (
     SUB_QUEUE_MAIN,
     TIMESTAMP,
 )
-from sparkqueue.storage.table import ANY_SUBSCRIPTION, SEQUENCE_BITS, SEQUENCE_MASK, EntityTable, Expand, empty_changes
+from sparkqueue.storage.table import SEQUENCE_BITS, SEQUENCE_MASK, EntityTable, Expand, empty_changes
 
 log = logging.getLogger(__name__)
 

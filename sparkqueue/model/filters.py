@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import datetime as dt
 import json
+import threading
 import uuid
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -587,9 +588,19 @@ def _arith(op: str, left: _Value, right: _Value) -> _Value:
 
 
 def _matches(tree: Node, batch: Batch) -> pa.Array:
-    """Evaluate a condition tree; NULL (unknown) counts as no match."""
-    ctx = _Context(_as_table(batch))
+    """Evaluate a condition tree; NULL (unknown) counts as no match.
+
+    Conditions only read their context, so filters evaluated one after another over the same table
+    (a topic's rules in fan-out) share it: the properties are decoded once per batch, not per rule.
+    """
+    table = _as_table(batch)
+    ctx: _Context | None = getattr(_last_context, "ctx", None)
+    if ctx is None or ctx.table is not table:
+        ctx = _last_context.ctx = _Context(table)
     return pc.fill_null(_eval(tree, ctx).truth(), False)
+
+
+_last_context = threading.local()  # this thread's last filter context (it holds its table, so `is` is safe)
 
 
 # --------------------------------------------------------------------------- JSON descriptions

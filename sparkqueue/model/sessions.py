@@ -36,7 +36,7 @@ from sparkqueue.storage.schema import (
     SUB_QUEUE_MAIN,
     TIMESTAMP,
 )
-from sparkqueue.storage.table import MUTABLE_COLUMNS, OP_SET, OP_SET_BODY, empty_changes
+from sparkqueue.storage.table import MUTABLE_COLUMNS, OP_DELETE, OP_SET, OP_SET_BODY, empty_changes
 
 log = logging.getLogger(__name__)
 
@@ -227,7 +227,11 @@ class Sessions:
         retry_commit(attempt, self.entity.deadline(), "set session state")
 
     def release(self, lock: SessionLock) -> None:
-        """Give the session up at once, releasing its locked messages too; a lost lock is left alone."""
+        """Give the session up at once, releasing its locked messages too; a lost lock is left alone.
+
+        A session left with no state and no messages is forgotten (its row deleted), so finished
+        sessions do not pile up as one small file each; accepting it again starts afresh.
+        """
 
         def attempt() -> None:
             dt = self.table.snapshot()
@@ -235,6 +239,12 @@ class Sessions:
             try:
                 row = self._held_row(dt, lock, now)
             except SessionLockLostError:
+                return
+            sub = self.entity.subscription
+            if row.column("body")[0].as_py() is None and not self.table.scan(
+                dt, lock.partition, ["sequence_number"], subscription=sub, session_id=lock.session_id
+            ).num_rows:
+                self.table.apply(dt, lock.partition, lifecycle.changes(row, OP_DELETE))
                 return
             release = lifecycle.changes(row, OP_SET, lock_token=None, locked_until_utc=None)
             self.table.apply(

@@ -16,6 +16,9 @@ TIMESTAMP = pa.timestamp("us", tz="UTC")
 KIND_MESSAGE = "message"
 KIND_SESSION = "session"
 
+# Scope of a topic's own operations: the rows of every subscription.
+ANY_SUBSCRIPTION = "*"
+
 # Sub-queues.
 SUB_QUEUE_MAIN = "main"
 SUB_QUEUE_DEAD_LETTER = "deadletter"

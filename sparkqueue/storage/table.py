@@ -17,7 +17,6 @@ import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import datetime
-from urllib.parse import unquote
 
 import pyarrow as pa
 import pyarrow.compute as pc
@@ -28,7 +27,9 @@ from sparkqueue.errors import QuotaExceededError
 from sparkqueue.storage.commit import commit, fences_unchanged
 from sparkqueue.storage.faults import FaultInjector
 from sparkqueue.storage.files import FILE_SCHEMA, DataFiles, remove_action
+from sparkqueue.storage.index import FileIndex, FileInfo
 from sparkqueue.storage.schema import (
+    ANY_SUBSCRIPTION,
     ENTITY_SCHEMA,
     KIND_MESSAGE,
     PARTITION_COLUMN,
@@ -60,7 +61,6 @@ CHANGE_SCHEMA = pa.schema(
     + [ENTITY_SCHEMA.field(c).with_nullable(True) for c in MUTABLE_COLUMNS]
     + [pa.field("body", pa.binary())]  # written only by OP_SET_BODY (a session's state)
 )
-ANY_SUBSCRIPTION = "*"  # scope of a topic's own operations: the rows of every subscription
 OP_SET = "set"  # write the mutable columns from the change row
 OP_DELETE = "delete"  # remove the row
 OP_TOMBSTONE = "tombstone"  # keep only what duplicate detection needs
@@ -78,46 +78,6 @@ def sequence_number(partition: int, counter: int) -> int:
     return (partition << SEQUENCE_BITS) | counter
 
 
-@dataclass(frozen=True)
-class FileInfo:
-    """Statistics of one data file, enough to decide whether a read must open it."""
-
-    path: str
-    partition: int
-    size_bytes: int
-    num_records: int
-    min_seq: int
-    max_seq: int
-    min_available_at: datetime | None
-    max_enqueued: datetime | None
-    min_sub_queue: str | None
-    max_sub_queue: str | None
-    min_kind: str | None = None
-    max_kind: str | None = None
-    min_subscription: str | None = None
-    max_subscription: str | None = None
-    null_subscriptions: int | None = None
-    min_session: str | None = None
-    max_session: str | None = None
-    min_enqueued: datetime | None = None
-    min_state: str | None = None
-    max_state: str | None = None
-
-    def may_hold(self, kind: str, sub_queue: str | None, subscription: str | None, session_id: str | None = None) -> bool:
-        """False when the statistics prove the file holds no row of this kind, sub-queue, subscription and session."""
-        if not _in_range(kind, self.min_kind, self.max_kind):
-            return False
-        if sub_queue is not None and not _in_range(sub_queue, self.min_sub_queue, self.max_sub_queue):
-            return False
-        if session_id is not None and not _in_range(session_id, self.min_session, self.max_session):
-            return False
-        if subscription == ANY_SUBSCRIPTION:
-            return True
-        if subscription is None:
-            return self.null_subscriptions != 0
-        return _in_range(subscription, self.min_subscription, self.max_subscription)
-
-
 class EntityTable:
     """Thread-safe handle on one entity's Delta table; every method works on a fresh snapshot."""
 
@@ -127,11 +87,7 @@ class EntityTable:
         self.max_partition_bytes: int | None = None  # the entity's size quota per partition
         self.faults = faults or FaultInjector()
         self.data = DataFiles(self.uri)
-        self._lock = threading.RLock()
         self._local = threading.local()
-        self._index_version = -1
-        self._index: dict[int, list[FileInfo]] = {}
-        self._live: set[str] = set()
 
     # ---- lifecycle -------------------------------------------------------------------------
 
@@ -166,18 +122,18 @@ class EntityTable:
     def files(self, dt: DeltaTable, partition: int) -> list[FileInfo]:
         """The partition's live files at `dt`'s version, ordered by lowest sequence number."""
         self.faults.check(partition, "read")
-        return self._indexed(dt)[0].get(partition, [])
+        return self._index(dt).partition(partition)
 
-    def _indexed(self, dt: DeltaTable) -> tuple[dict[int, list[FileInfo]], set[str]]:
-        """File statistics of a version, cached for the latest version seen."""
-        with self._lock:
-            if self._index_version != dt.version():
-                self._index, self._live = _file_index(dt)
-                self._index_version = dt.version()
-            return self._index, self._live
+    def _index(self, dt: DeltaTable) -> FileIndex:
+        """This thread's file index, moved to `dt`'s version."""
+        index: FileIndex | None = getattr(self._local, "index", None)
+        if index is None:
+            index = self._local.index = FileIndex(self.uri, self.data.fs, self.data.root)
+        return index.at(dt)
 
-    def _files_live(self, paths: Sequence[str]):
-        return lambda dt: all(p in self._indexed(dt)[1] for p in paths)
+    def _files_live(self, paths: Sequence[str]) -> Callable[[DeltaTable], bool]:
+        """A validity check for commit(): every one of these files is still live."""
+        return lambda dt: all(p in self._index(dt) for p in paths)
 
     # ---- send --------------------------------------------------------------------------------
 
@@ -478,14 +434,6 @@ def _apply_changes(rows: pa.Table, changes: pa.Table) -> tuple[pa.Table, pa.Tabl
     return rows.filter(pc.invert(pc.fill_null(pc.equal(ops, OP_DELETE), False))), kept
 
 
-def _in_range(value: str, lo: str | None, hi: str | None) -> bool:
-    """Could a file whose string stats are [lo, hi] hold `value`? Missing stats: assume yes.
-
-    sparkqueue writes its own, untruncated string statistics (files.py), so a plain range check is exact.
-    """
-    return lo is None or hi is None or lo <= value <= hi
-
-
 def _in_scope(t: pa.Table, kind: str, subscription: str | None) -> pa.ChunkedArray:
     """Rows of a kind that belong to the queue (subscription None) or to one subscription."""
     is_kind = pc.equal(t.column("kind"), kind)
@@ -499,44 +447,3 @@ def _in_scope(t: pa.Table, kind: str, subscription: str | None) -> pa.ChunkedArr
 def empty_changes() -> pa.Table:
     """A change table with no rows."""
     return CHANGE_SCHEMA.empty_table()
-
-
-def _file_index(dt: DeltaTable) -> tuple[dict[int, list[FileInfo]], set[str]]:
-    """Per-partition file statistics of a snapshot (each list ordered by lowest sequence number) and live paths."""
-    a = pa.table(dt.get_add_actions(flatten=True))
-
-    def col(name: str) -> list:
-        return a.column(name).to_pylist() if name in a.column_names else [None] * a.num_rows
-
-    index: dict[int, list[FileInfo]] = {}
-    live: set[str] = set()
-    rows = zip(
-        col("path"),
-        col(f"partition.{PARTITION_COLUMN}"),
-        col("size_bytes"),
-        col("num_records"),
-        col("min.sequence_number"),
-        col("max.sequence_number"),
-        col("min.available_at_utc"),
-        col("max.enqueued_time_utc"),
-        col("min.sub_queue"),
-        col("max.sub_queue"),
-        col("min.kind"),
-        col("max.kind"),
-        col("min.subscription"),
-        col("max.subscription"),
-        col("null_count.subscription"),
-        col("min.session_id"),
-        col("max.session_id"),
-        col("min.enqueued_time_utc"),
-        col("min.state"),
-        col("max.state"),
-        strict=True,
-    )
-    for path, part, size, n, lo, hi, avail, enq, sq_lo, sq_hi, *more in rows:
-        info = FileInfo(unquote(path), int(part), size, n or 0, lo or 0, hi or 0, avail, enq, sq_lo, sq_hi, *more)
-        index.setdefault(info.partition, []).append(info)
-        live.add(info.path)
-    for files in index.values():
-        files.sort(key=lambda f: f.min_seq)
-    return index, live

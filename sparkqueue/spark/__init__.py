@@ -1,0 +1,53 @@
+"""Spark integration (SPEC §12): send, receive and settle messages as DataFrames, and read entities as DataFrames.
+
+Entry points are methods of the core objects (this package is imported lazily, so pyspark stays
+optional for the core library):
+
+- `sender.send_dataframe(df)` -> number of messages accepted
+- `receiver.receive_dataframe(max_message_count)` -> DataFrame of locked messages
+- `receiver.complete_dataframe(df)`, `abandon_dataframe(df)`, `defer_dataframe(df)`,
+  `dead_letter_dataframe(df, reason=None, error_description=None)` -> DataFrame (lock_token, status)
+- `spark.read.format("sparkqueue").option("namespace", root).load(entity)` after `register(spark)`
+
+and the helpers below: `spark_session()` builds a local session configured for sparkqueue,
+`table_path()` / `row_filter()` locate an entity's Delta table for other Delta readers, and
+`release()` / `cleanup_staging()` remove the staging files behind returned DataFrames.
+"""
+
+from __future__ import annotations
+
+from pyspark.sql import DataFrame
+
+from sparkqueue.spark.datasource import SparkQueueDataSource, register, row_filter, table_path
+from sparkqueue.spark.schema import RECEIVED_SCHEMA, STATUS_LOCK_LOST, STATUS_OK
+from sparkqueue.spark.session import DEFAULT_CONF, spark_session
+from sparkqueue.spark.staging import STAGING_ATTRIBUTE, STAGING_DIR, STAGING_RETENTION, cleanup_staging, local_uri, remove_dirs
+
+
+def release(df: DataFrame) -> int:
+    """Delete the staging files a DataFrame from receive_dataframe or a *_dataframe settle reads; returns dirs removed.
+
+    The DataFrame cannot be evaluated afterwards. Other DataFrames are rejected.
+    """
+    dirs = {local_uri(f).rsplit("/", 1)[0] for f in df.inputFiles()}
+    staged = getattr(df, STAGING_ATTRIBUTE, None)  # set on the returned DataFrame: covers empty results too
+    if staged:
+        dirs.add(staged)
+    return remove_dirs(sorted(dirs))
+
+
+__all__ = [
+    "DEFAULT_CONF",
+    "RECEIVED_SCHEMA",
+    "STAGING_DIR",
+    "STAGING_RETENTION",
+    "STATUS_LOCK_LOST",
+    "STATUS_OK",
+    "SparkQueueDataSource",
+    "cleanup_staging",
+    "register",
+    "release",
+    "row_filter",
+    "spark_session",
+    "table_path",
+]

@@ -1,0 +1,195 @@
+"""Read an entity as a DataFrame without locking: the `sparkqueue` Python data source (SPEC §12).
+
+    sparkqueue.spark.register(spark)
+    df = spark.read.format("sparkqueue").option("namespace", root).load("orders")
+    dlq = spark.read.format("sparkqueue").option("namespace", root).option("sub_queue", "deadletter").load("orders")
+
+The reader pins the table version when the query is planned and reads that version's Parquet
+files directly (delta-rs writes no deletion vectors or column mapping), one reader partition
+per Delta partition. A filter on `partition_id` (= or IN) prunes whole partitions when
+`spark.sql.python.filterPushdown.enabled` is true. Rows are the live messages of the sub-queue
+(completed tombstones excluded) in the received-message layout, with `state` active, deferred
+or scheduled; lock columns show current locks.
+
+Subscriptions load as "<topic>/Subscriptions/<subscription>" (or option entity_type=subscription).
+
+With the Delta Lake jars on the cluster, `spark.read.format("delta").load(table_path(ns, name))`
+reads the same table; `row_filter(...)` gives the predicate that selects an entity's live messages.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable, Iterator
+from urllib.parse import unquote
+
+import pyarrow as pa
+import pyarrow.compute as pc
+from deltalake import DeltaTable
+from pyspark.sql import SparkSession
+from pyspark.sql.datasource import DataSource, DataSourceReader, EqualTo, Filter, In, InputPartition
+from pyspark.sql.types import StructType
+
+from sparkqueue.errors import EntityNotFoundError, InvalidOperationError
+from sparkqueue.management import QUEUE, SUBSCRIPTION, TOPIC, split_subscription_path, sub_entity_name
+from sparkqueue.model.entity import ROW_COLUMNS, utcnow
+from sparkqueue.spark.schema import RECEIVED_SCHEMA, received_arrow, staged_rows
+from sparkqueue.storage.files import DataFiles
+from sparkqueue.storage.schema import (
+    KIND_MESSAGE,
+    PARTITION_COLUMN,
+    STATE_COMPLETED,
+    SUB_QUEUE_DEAD_LETTER,
+    SUB_QUEUE_MAIN,
+)
+
+log = logging.getLogger(__name__)
+
+SUB_QUEUES = {
+    None: SUB_QUEUE_MAIN,
+    "": SUB_QUEUE_MAIN,
+    "main": SUB_QUEUE_MAIN,
+    "deadletter": SUB_QUEUE_DEAD_LETTER,
+    "dead_letter": SUB_QUEUE_DEAD_LETTER,
+    "$deadletterqueue": SUB_QUEUE_DEAD_LETTER,
+}
+READ_COLUMNS = list(dict.fromkeys([*ROW_COLUMNS, "kind", "subscription"]))
+
+
+def register(spark: SparkSession) -> None:
+    """Register the `sparkqueue` data source on a session."""
+    spark.dataSource.register(SparkQueueDataSource)
+
+
+def resolve(namespace: object, name: str, entity_type: str | None = None) -> tuple[str, str, str | None]:
+    """(Delta table path, entity type, subscription key or None) of a queue or subscription name.
+
+    "<topic>/Subscriptions/<subscription>" names a subscription, as Service Bus paths do.
+    """
+    from sparkqueue.namespace import Namespace
+
+    ns = namespace if isinstance(namespace, Namespace) else Namespace(str(namespace))
+    if entity_type not in (None, QUEUE, SUBSCRIPTION):
+        raise InvalidOperationError(f"entity_type must be 'queue' or 'subscription', got {entity_type!r}")
+    topic, sep, sub = name.partition("/Subscriptions/")
+    if entity_type == SUBSCRIPTION or (entity_type is None and sep):
+        if not sep:
+            raise InvalidOperationError(f"name a subscription as '<topic>/Subscriptions/<subscription>', got {name!r}")
+        entry = ns._entry(SUBSCRIPTION, sub_entity_name(topic, sub))
+        path, key = split_subscription_path(entry.table_path)
+        return path, SUBSCRIPTION, key
+    try:
+        return ns._entry(QUEUE, name).table_path, QUEUE, None
+    except EntityNotFoundError:
+        ns._entry(TOPIC, name)  # a clearer error for topics: their messages live in subscriptions
+        raise InvalidOperationError(
+            f"{name!r} is a topic; read one of its subscriptions ('{name}/Subscriptions/<name>')"
+        ) from None
+
+
+def table_path(namespace: object, name: str, entity_type: str | None = None) -> str:
+    """The Delta table that stores a queue or subscription (subscriptions share their topic's table)."""
+    return resolve(namespace, name, entity_type)[0]
+
+
+def row_filter(namespace: object, name: str, entity_type: str | None = None, sub_queue: str | None = None) -> str:
+    """A SQL predicate selecting an entity's live messages of a sub-queue in its Delta table."""
+    _, _, key = resolve(namespace, name, entity_type)
+    scope = "subscription IS NULL" if key is None else f"subscription = '{key}'"
+    return f"kind = '{KIND_MESSAGE}' AND {scope} AND sub_queue = '{_sub_queue(sub_queue)}' AND state <> '{STATE_COMPLETED}'"
+
+
+def _sub_queue(value: str | None) -> str:
+    key = value.lower() if isinstance(value, str) else value
+    if key not in SUB_QUEUES:
+        raise InvalidOperationError(f"sub_queue must be 'deadletter' or unset, got {value!r}")
+    return SUB_QUEUES[key]
+
+
+class EntityPartition(InputPartition):
+    """One Delta partition of the pinned version: its data files, ordered by lowest sequence number."""
+
+    def __init__(self, partition_id: int, paths: list[str]) -> None:
+        super().__init__(partition_id)
+        self.partition_id = partition_id
+        self.paths = paths
+
+
+class SparkQueueDataSource(DataSource):
+    """`spark.read.format("sparkqueue").option("namespace", root).load(entity)`: an entity's messages, unlocked."""
+
+    @classmethod
+    def name(cls) -> str:
+        """The format name."""
+        return "sparkqueue"
+
+    def schema(self) -> StructType:
+        """The received-message layout."""
+        return RECEIVED_SCHEMA
+
+    def reader(self, schema: StructType) -> DataSourceReader:
+        """A reader pinned to the table's current version."""
+        return EntityReader(dict(self.options))
+
+
+class EntityReader(DataSourceReader):
+    """Reads the pinned version's files of one entity, a Delta partition per reader partition."""
+
+    def __init__(self, options: dict[str, str]) -> None:
+        root = options.get("namespace")
+        name = options.get("path")
+        if not root or not name:
+            raise InvalidOperationError('use spark.read.format("sparkqueue").option("namespace", root).load(entity_name)')
+        self.table_uri, _, self.subscription = resolve(root, name, options.get("entity_type"))
+        self.sub_queue = _sub_queue(options.get("sub_queue"))
+        dt = DeltaTable(self.table_uri)
+        self.version = dt.version()
+        self.files = _files_by_partition(dt)
+        self.wanted: set[int] | None = None
+        log.debug("reading %s at version %d (%d partitions)", self.table_uri, self.version, len(self.files))
+
+    def pushFilters(self, filters: list[Filter]) -> Iterable[Filter]:  # noqa: N802 - pyspark's name
+        """Prune partitions on `partition_id = v` and `partition_id IN (...)`; other filters stay with Spark."""
+        for f in filters:
+            if isinstance(f, (EqualTo, In)) and f.attribute == (PARTITION_COLUMN,):
+                values = {f.value} if isinstance(f, EqualTo) else set(f.value)
+                self.wanted = values if self.wanted is None else self.wanted & values
+            else:
+                yield f
+
+    def partitions(self) -> list[InputPartition]:
+        """One input partition per Delta partition holding files (at least one, possibly empty)."""
+        parts: list[InputPartition] = [
+            EntityPartition(p, paths) for p, paths in sorted(self.files.items()) if self.wanted is None or p in self.wanted
+        ]
+        return parts or [EntityPartition(-1, [])]
+
+    def read(self, partition: InputPartition) -> Iterator[pa.RecordBatch]:
+        """The partition's live messages of the sub-queue, file by file in sequence order."""
+        assert isinstance(partition, EntityPartition)
+        data = DataFiles(self.table_uri)
+        now = utcnow()
+        for path in partition.paths:
+            t = data.read(path, READ_COLUMNS)
+            sub = t.column("subscription")
+            scope = pc.is_null(sub) if self.subscription is None else pc.fill_null(pc.equal(sub, self.subscription), False)
+            mask = pc.and_(
+                pc.and_(pc.equal(t.column("kind"), KIND_MESSAGE), scope),
+                pc.and_(pc.equal(t.column("sub_queue"), self.sub_queue), pc.not_equal(t.column("state"), STATE_COMPLETED)),
+            )
+            t = t.filter(mask)
+            if t.num_rows:
+                yield from received_arrow(staged_rows(t.sort_by("sequence_number"), now)).to_batches()
+
+
+def _files_by_partition(dt: DeltaTable) -> dict[int, list[str]]:
+    """Relative paths of the version's data files per partition, ordered by lowest sequence number."""
+    a = pa.table(dt.get_add_actions(flatten=True))
+    if a.num_rows == 0:
+        return {}
+    mins = a.column("min.sequence_number").to_pylist() if "min.sequence_number" in a.column_names else [0] * a.num_rows
+    rows = zip(a.column("path").to_pylist(), a.column(f"partition.{PARTITION_COLUMN}").to_pylist(), mins, strict=True)
+    out: dict[int, list[tuple[int, str]]] = {}
+    for path, part, lo in rows:
+        out.setdefault(int(part), []).append((lo or 0, unquote(path)))
+    return {p: [path for _, path in sorted(files)] for p, files in out.items()}

@@ -1,0 +1,180 @@
+"""Receive messages as a DataFrame (SPEC §12): Spark tasks lock them in parallel, one task per queue partition.
+
+Each task locks (or, in RECEIVE_AND_DELETE mode, removes) up to its share of messages in its
+partition, in commits of `RECEIVE_CHUNK`, and writes them to a staging Parquet file. The returned
+DataFrame reads the staging directory, so counting or collecting it again reads the same locked
+messages and never receives again (see staging.py for cleanup).
+
+Shares: the call splits `max_message_count` over the available partitions; partitions that
+filled their share may hold more, so further rounds (at most `MAX_ROUNDS`) split what is still
+missing among them. A receive therefore gathers from several partitions and never locks more
+than asked for.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from datetime import timedelta
+from functools import partial
+from typing import TYPE_CHECKING
+
+import pyarrow as pa
+from pyspark.sql import DataFrame, SparkSession
+
+from sparkqueue.errors import InvalidOperationError
+from sparkqueue.model import limits
+from sparkqueue.model.entity import Entity, utcnow
+from sparkqueue.spark.schema import STAGED_SCHEMA_SPARK, received_columns, staged_rows
+from sparkqueue.spark.session import active_session, spark_errors
+from sparkqueue.spark.staging import STAGING_ATTRIBUTE, Staging, cleanup_staging
+from sparkqueue.spark.worker import EntityRef, marking_errors
+
+if TYPE_CHECKING:
+    from sparkqueue.receiver import Receiver
+
+log = logging.getLogger(__name__)
+
+RECEIVE_CHUNK = 16_384  # messages per lock commit inside a task (two send files)
+MAX_ROUNDS = 4
+POLL_MIN_S, POLL_MAX_S = 0.05, 1.0
+ROUND_DDL = "partition_id int, requested long, received long"
+
+
+@dataclass(frozen=True)
+class ReceiveJob:
+    """What the lock tasks of one receive need (picklable)."""
+
+    ref: EntityRef
+    sub_queue: str
+    delete: bool
+    staging: Staging
+    chunk: int = RECEIVE_CHUNK
+
+
+def check_dataframe_receiver(receiver: Receiver) -> None:
+    """DataFrame calls need an open, non-session receiver outside a transaction."""
+    receiver._check_open()
+    if receiver.session is not None:
+        raise InvalidOperationError(
+            "session receivers receive and settle with the message API; DataFrames cover sessionless entities"
+        )
+    if receiver._ns._active_transaction is not None:
+        raise InvalidOperationError("DataFrame receives and settlements cannot join a transaction")
+
+
+def receive_dataframe(
+    receiver: Receiver,
+    max_message_count: int,
+    spark: SparkSession | None = None,
+    *,
+    max_wait_time: float | timedelta | None = None,
+    chunk: int = RECEIVE_CHUNK,
+) -> DataFrame:
+    """Lock up to max_message_count messages in Spark tasks and return them as a DataFrame (ReceivedMessage columns)."""
+    from sparkqueue.receiver import _wait_seconds
+
+    want = limits.check_int(max_message_count, "max_message_count")
+    check_dataframe_receiver(receiver)
+    session = active_session(spark)
+    wait = receiver.max_wait_time if max_wait_time is None else _wait_seconds(max_wait_time, "max_wait_time")
+    ns = receiver._ns
+    cleanup_staging(ns.root)
+    job = ReceiveJob(
+        EntityRef.of(ns, receiver.entity_type, receiver.entity_name),
+        receiver._sub_queue,
+        receiver._deleting,
+        Staging.create(ns.root, "receive"),
+        limits.check_int(chunk, "chunk"),
+    )
+    give_up = time.monotonic() + wait
+    poll = POLL_MIN_S
+    rounds = 0
+    while True:
+        got, rounds = gather(session, job, receiver._entity(), want, rounds)
+        if got or time.monotonic() >= give_up:
+            break
+        time.sleep(min(poll, max(0.0, give_up - time.monotonic())))
+        poll = min(POLL_MAX_S, poll * 2)
+    log.info("received %d of %d messages from %s into %s", got, want, job.ref.name, job.staging.uri)
+    return read_staged(session, job.staging)
+
+
+def read_staged(spark: SparkSession, staging: Staging) -> DataFrame:
+    """The received messages a staging directory holds, in the ReceivedMessage layout."""
+    df = staging.read(spark, STAGED_SCHEMA_SPARK).select(*received_columns())
+    setattr(df, STAGING_ATTRIBUTE, staging.uri)
+    return df
+
+
+def gather(spark: SparkSession, job: ReceiveJob, entity: Entity, want: int, rounds: int) -> tuple[int, int]:
+    """Receive up to `want` messages in rounds of parallel lock tasks; returns (received, rounds run so far)."""
+    candidates = [p for p in range(entity.partition_count) if entity.available(p)]
+    if candidates:
+        shift = random.randrange(len(candidates))
+        candidates = candidates[shift:] + candidates[:shift]
+    total = 0
+    for _ in range(MAX_ROUNDS):
+        plan = shares(want - total, candidates)
+        if not plan:
+            break
+        with spark_errors():
+            results = (
+                spark.range(0, len(plan), 1, numPartitions=len(plan))
+                .mapInArrow(partial(lock_task, job, tuple(plan), rounds), ROUND_DDL)
+                .collect()
+            )
+        rounds += 1
+        total += sum(r.received for r in results)
+        candidates = [r.partition_id for r in results if r.received >= r.requested]
+        if total >= want or not candidates:
+            break
+    return total, rounds
+
+
+def shares(count: int, partitions: list[int]) -> list[tuple[int, int]]:
+    """Split `count` messages over partitions as evenly as possible: (partition, share) with share > 0."""
+    if count <= 0 or not partitions:
+        return []
+    base, extra = divmod(count, len(partitions))
+    out = [(p, base + (1 if i < extra else 0)) for i, p in enumerate(partitions)]
+    return [(p, n) for p, n in out if n > 0]
+
+
+@marking_errors
+def lock_task(
+    job: ReceiveJob, plan: tuple[tuple[int, int], ...], round_no: int, batches: Iterator[pa.RecordBatch]
+) -> Iterator[pa.RecordBatch]:
+    """Lock this task's share of its partition, stage the messages, and report how many."""
+    entity = job.ref.entity()
+    for batch in batches:
+        for i in batch.column("id").to_pylist():
+            p, share = plan[i]
+            got = lock_partition(job, entity, p, share, round_no)
+            yield pa.RecordBatch.from_pydict(
+                {
+                    "partition_id": pa.array([p], pa.int32()),
+                    "requested": pa.array([share], pa.int64()),
+                    "received": pa.array([got], pa.int64()),
+                }
+            )
+
+
+def lock_partition(job: ReceiveJob, entity: Entity, p: int, share: int, round_no: int) -> int:
+    """Lock up to `share` messages of partition p in commits of job.chunk; stage them in one file."""
+    staged: list[pa.Table] = []
+    got = 0
+    while got < share:
+        ask = min(job.chunk, share - got)
+        rows = entity._receive_partition(entity.table.snapshot(), p, job.sub_queue, ask, job.delete)
+        if rows.num_rows:
+            staged.append(staged_rows(rows, utcnow()))
+            got += rows.num_rows
+        if rows.num_rows < ask:
+            break
+    if staged:
+        job.staging.write(f"part-r{round_no:03d}-p{p:05d}.parquet", pa.concat_tables(staged))
+    return got

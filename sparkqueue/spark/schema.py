@@ -1,0 +1,134 @@
+"""Column layouts of the Spark API: received-message DataFrames, settle results, and their Arrow forms.
+
+A received DataFrame has the `ReceivedMessage` fields as columns. `application_properties` is a
+map<string,string> (string values as they are; numbers and booleans as their JSON text) and
+`time_to_live` a day-time interval. Staged files keep the time to live as milliseconds, because
+Parquet has no interval type; the DataFrame over them computes the interval.
+"""
+
+from __future__ import annotations
+
+import json
+from datetime import datetime
+
+import pyarrow as pa
+import pyarrow.compute as pc
+from pyspark.sql import Column
+from pyspark.sql import functions as sf
+from pyspark.sql import types as st
+
+from sparkqueue.storage.schema import STATE_ACTIVE, TIMESTAMP
+
+PROPS_TYPE = pa.map_(pa.string(), pa.string())
+
+# Received messages as staged (Arrow / Parquet): time to live in milliseconds.
+STAGED_SCHEMA = pa.schema(
+    [
+        pa.field("body", pa.binary()),
+        pa.field("message_id", pa.string()),
+        pa.field("sequence_number", pa.int64()),
+        pa.field("partition_id", pa.int32()),
+        pa.field("enqueued_time_utc", TIMESTAMP),
+        pa.field("delivery_count", pa.int32()),
+        pa.field("state", pa.string()),
+        pa.field("lock_token", pa.string()),
+        pa.field("locked_until_utc", TIMESTAMP),
+        pa.field("expires_at_utc", TIMESTAMP),
+        pa.field("session_id", pa.string()),
+        pa.field("partition_key", pa.string()),
+        pa.field("application_properties", PROPS_TYPE),
+        pa.field("content_type", pa.string()),
+        pa.field("correlation_id", pa.string()),
+        pa.field("subject", pa.string()),
+        pa.field("to", pa.string()),
+        pa.field("reply_to", pa.string()),
+        pa.field("reply_to_session_id", pa.string()),
+        pa.field("time_to_live_ms", pa.int64()),
+        pa.field("scheduled_enqueue_time_utc", TIMESTAMP),
+        pa.field("dead_letter_reason", pa.string()),
+        pa.field("dead_letter_error_description", pa.string()),
+        pa.field("dead_letter_source", pa.string()),
+        pa.field("size_in_bytes", pa.int32()),
+    ]
+)
+
+# Received messages as users see them (Arrow form, as the data source yields it).
+RECEIVED_ARROW_SCHEMA = pa.schema(
+    [pa.field("time_to_live", pa.duration("us")) if f.name == "time_to_live_ms" else f for f in STAGED_SCHEMA]
+)
+
+_SPARK_TYPES: dict[str, st.DataType] = {
+    "body": st.BinaryType(),
+    "sequence_number": st.LongType(),
+    "partition_id": st.IntegerType(),
+    "delivery_count": st.IntegerType(),
+    "size_in_bytes": st.IntegerType(),
+    "application_properties": st.MapType(st.StringType(), st.StringType()),
+    "time_to_live_ms": st.LongType(),
+    "time_to_live": st.DayTimeIntervalType(),
+}
+
+
+def _struct(schema: pa.Schema) -> st.StructType:
+    """The Spark schema of an Arrow layout above (strings and timestamps unless listed)."""
+
+    def spark_type(f: pa.Field) -> st.DataType:
+        if f.name in _SPARK_TYPES:
+            return _SPARK_TYPES[f.name]
+        return st.TimestampType() if pa.types.is_timestamp(f.type) else st.StringType()
+
+    return st.StructType([st.StructField(f.name, spark_type(f)) for f in schema])
+
+
+STAGED_SCHEMA_SPARK = _struct(STAGED_SCHEMA)
+RECEIVED_SCHEMA = _struct(RECEIVED_ARROW_SCHEMA)
+RECEIVED_COLUMNS = RECEIVED_ARROW_SCHEMA.names
+
+SETTLE_RESULT_SCHEMA = pa.schema([pa.field("lock_token", pa.string()), pa.field("status", pa.string())])
+SETTLE_RESULT_SPARK = st.StructType([st.StructField("lock_token", st.StringType()), st.StructField("status", st.StringType())])
+STATUS_OK = "ok"
+STATUS_LOCK_LOST = "lock_lost"
+
+
+def received_columns() -> list[Column]:
+    """Spark columns turning staged rows into the received-message layout."""
+    return [
+        (sf.col("time_to_live_ms") * sf.expr("INTERVAL '0.001' SECOND")).alias("time_to_live")
+        if name == "time_to_live"
+        else sf.col(name)
+        for name in RECEIVED_COLUMNS
+    ]
+
+
+def props_map(json_props: pa.ChunkedArray | pa.Array) -> pa.Array:
+    """JSON application properties as map<string,string>: strings as they are, other values as their JSON text."""
+    out: list[list[tuple[str, str | None]] | None] = []
+    for text in json_props.to_pylist():
+        if text is None:
+            out.append(None)
+            continue
+        out.append([(k, v if isinstance(v, str) or v is None else json.dumps(v)) for k, v in json.loads(text).items()])
+    return pa.array(out, PROPS_TYPE)
+
+
+def staged_rows(rows: pa.Table, now: datetime) -> pa.Table:
+    """Entity rows (ROW_COLUMNS) as staged received messages, with partition id and the reported state."""
+    seq = rows.column("sequence_number")
+    sched = rows.column("scheduled_enqueue_time_utc")
+    future = pc.fill_null(pc.greater(sched, pa.scalar(now, TIMESTAMP)), False)
+    state = pc.if_else(pc.and_(pc.equal(rows.column("state"), STATE_ACTIVE), future), "scheduled", rows.column("state"))
+    computed = {
+        "partition_id": pc.shift_right(seq, 48).cast(pa.int32()),
+        "state": state,
+        "application_properties": props_map(rows.column("application_properties")),
+        "body": pc.fill_null(rows.column("body"), b""),
+    }
+    arrays = [computed[f.name] if f.name in computed else rows.column(f.name) for f in STAGED_SCHEMA]
+    return pa.Table.from_arrays([pa.chunked_array(a) if isinstance(a, pa.Array) else a for a in arrays], schema=STAGED_SCHEMA)
+
+
+def received_arrow(staged: pa.Table) -> pa.Table:
+    """Staged rows in the user-facing Arrow layout (time to live as a duration)."""
+    ttl = pc.multiply(staged.column("time_to_live_ms"), 1000).cast(pa.duration("us"))
+    i = staged.schema.get_field_index("time_to_live_ms")
+    return staged.set_column(i, RECEIVED_ARROW_SCHEMA.field("time_to_live"), ttl)

@@ -1,0 +1,490 @@
+"""Send a DataFrame of messages (SPEC §12): validated and placed in Spark, written and committed per queue partition.
+
+The plan has two stages separated by a shuffle:
+
+1. Map stage (JVM expressions plus two small Arrow UDFs that see only the key and the
+   properties): fill missing message ids, apply the key precedence of SPEC §3 and place keyed
+   rows by mmh3 exactly as `model.partitioning` does (unkeyed rows spread round-robin over the
+   available partitions), convert application properties to the core's JSON, and validate every
+   row (size, key lengths, sessions, time to live). A bad row fails the stage with the sparkqueue
+   error, and Spark runs no task of the second stage, so nothing is stored.
+2. Reduce stage: `repartition` by a key whose Spark hash sends each queue partition to its own
+   task; each task builds entity rows and appends them to its partition in bounded files, one
+   commit per file (duplicate detection, quota and sequence fences as in a core send). Commits on
+   different partitions do not conflict, so tasks commit in parallel.
+
+The driver only collects the per-task counts.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import random
+from collections.abc import Iterator
+from dataclasses import dataclass
+from datetime import timedelta
+from functools import partial
+from typing import TYPE_CHECKING
+
+import pyarrow as pa
+import pyarrow.compute as pc
+from pyspark.sql import Column, DataFrame
+from pyspark.sql import functions as sf
+from pyspark.sql import types as st
+from pyspark.sql.functions import arrow_udf
+
+from sparkqueue.errors import InvalidOperationError, MessageSizeExceededError, PartitionUnavailableError
+from sparkqueue.message import SendSettings
+from sparkqueue.model import limits
+from sparkqueue.model.entity import utcnow
+from sparkqueue.model.partitioning import partition_for_key
+from sparkqueue.spark.session import marked, shuffle_keys, spark_errors, task_error
+from sparkqueue.spark.worker import EntityRef, marking_errors
+from sparkqueue.storage.retry import retry_commit
+from sparkqueue.storage.schema import ENTITY_SCHEMA, KIND_MESSAGE, PARTITION_COLUMN, STATE_ACTIVE, SUB_QUEUE_MAIN, TIMESTAMP
+
+if TYPE_CHECKING:
+    from sparkqueue.sender import Sender
+
+log = logging.getLogger(__name__)
+
+FILE_ROWS = 8192  # rows per data file (and commit) a send writes: keeps later lock rewrites small
+FILE_BYTES = 8 << 20  # and at most this many message bytes per file
+
+KEY_FIELDS = ("message_id", "session_id", "partition_key")
+STRING_FIELDS = (*KEY_FIELDS, "correlation_id", "subject", "to", "reply_to", "reply_to_session_id", "content_type")
+MESSAGE_FIELDS = ("body", *STRING_FIELDS, "application_properties", "time_to_live", "scheduled_enqueue_time_utc")
+WRITE_COLUMNS = (
+    "body",
+    *STRING_FIELDS,
+    "application_properties",
+    "time_to_live_ms",
+    "scheduled_enqueue_time_utc",
+    "size_in_bytes",
+    "_qp",
+)
+RESULT_DDL = "partition_id int, accepted long, files int"
+_PROPERTY_VALUE_TYPES = (st.StringType, st.IntegralType, st.FloatType, st.DoubleType, st.BooleanType, st.NullType)
+
+
+@dataclass(frozen=True)
+class SendPlan:
+    """Everything the tasks of one DataFrame send need (picklable)."""
+
+    ref: EntityRef
+    settings: SendSettings
+    partition_count: int
+    available: tuple[int, ...]
+    file_rows: int = FILE_ROWS
+    file_bytes: int = FILE_BYTES
+
+
+def send_dataframe(
+    sender: Sender, df: DataFrame, *, preserve_order: bool = True, file_rows: int = FILE_ROWS, file_bytes: int = FILE_BYTES
+) -> int:
+    """Send every row of `df` as a message; returns how many were accepted (duplicates dropped are not counted).
+
+    `preserve_order` keeps the DataFrame's row order within each queue partition (a sort per
+    task); turn it off when the order of rows does not matter.
+    """
+    ns = sender._ns
+    if ns._active_transaction is not None:
+        raise InvalidOperationError("a DataFrame send cannot join a transaction; send it outside the `with` block")
+    entity = ns._entity(sender.entity_type, sender.entity_name)
+    available = tuple(p for p in range(entity.partition_count) if entity.available(p))
+    if not available:
+        raise PartitionUnavailableError(f"no partition of {entity.name!r} is available; nothing was sent")
+    from sparkqueue.sender import send_settings
+
+    plan = SendPlan(
+        EntityRef.of(ns, sender.entity_type, sender.entity_name),
+        send_settings(ns.tier, entity.props),
+        entity.partition_count,
+        available,
+        limits.check_int(file_rows, "file_rows"),
+        limits.check_int(file_bytes, "file_bytes"),
+    )
+    staged = shuffle_by_partition(prepare(df, plan), plan.partition_count, preserve_order)
+    with spark_errors():
+        counts = staged.mapInArrow(partial(write_task, plan), RESULT_DDL).collect()
+    accepted = sum(r.accepted for r in counts)
+    log.info("sent %d messages to %s over %d partitions", accepted, entity.name, len({r.partition_id for r in counts}))
+    return accepted
+
+
+def shuffle_by_partition(prepared: DataFrame, partitions: int, preserve_order: bool) -> DataFrame:
+    """Rows grouped so each Spark partition holds exactly one queue partition's rows."""
+    keys = sf.array(*[sf.lit(k) for k in shuffle_keys(partitions)])
+    out = prepared.withColumn("_sk", sf.element_at(keys, sf.col("_qp") + 1)).repartition(partitions, "_sk")
+    if preserve_order:
+        out = out.sortWithinPartitions("_ord")
+    return out.select(*WRITE_COLUMNS)
+
+
+# ---- map stage: columns, placement and validation ----------------------------------------------
+
+
+def prepare(df: DataFrame, plan: SendPlan) -> DataFrame:
+    """The DataFrame's messages as normalized columns with their queue partition (`_qp`), validated row by row."""
+    types = {f.name: f.dataType for f in df.schema.fields}
+    if "body" not in types:
+        raise InvalidOperationError(f"the DataFrame needs a `body` column (binary or string); it has {sorted(types)}")
+    ignored = sorted(set(types) - set(MESSAGE_FIELDS))
+    if ignored:
+        log.debug("columns that are not message fields are ignored: %s", ignored)
+    first = df.select(
+        _body(types["body"]).alias("body"),
+        sf.coalesce(_string(types, "message_id"), sf.expr("uuid()")).alias("message_id"),
+        *[_string(types, name).alias(name) for name in STRING_FIELDS if name != "message_id"],
+        _string(types, "message_id").alias("_user_message_id"),
+        _properties_json(types).alias("application_properties"),
+        _ttl_us(types).alias("_ttl_us"),
+        _scheduled(types).alias("scheduled_enqueue_time_utc"),
+        sf.monotonically_increasing_id().alias("_ord"),
+        sf.spark_partition_id().alias("_task"),
+    )
+    start = random.randrange(len(plan.available))
+    rr = sf.pmod(sf.col("_ord") + sf.col("_task") + sf.lit(start), sf.lit(len(plan.available))).cast("int")
+    return first.select(
+        *[sf.col(c) for c in ("body", *STRING_FIELDS, "application_properties", "scheduled_enqueue_time_utc", "_ord")],
+        (sf.col("_ttl_us") / 1000).cast("long").alias("time_to_live_ms"),
+        _checked_size(plan.settings).alias("size_in_bytes"),
+        _partition(plan, sf.element_at(sf.array(*[sf.lit(p) for p in plan.available]), rr + 1)).alias("_qp"),
+    )
+
+
+def _fail(error: type[Exception], *parts: Column | str) -> Column:
+    """A column that fails the task with a sparkqueue error (see session.spark_errors)."""
+    pieces = [sf.lit(f"[sparkqueue:{error.__name__}] ")] + [sf.lit(p) if isinstance(p, str) else p for p in parts]
+    return sf.raise_error(sf.concat(*pieces))
+
+
+def _body(dtype: st.DataType) -> Column:
+    if isinstance(dtype, st.BinaryType):
+        return sf.col("body")
+    if isinstance(dtype, st.StringType):
+        return sf.col("body").cast("binary")
+    raise InvalidOperationError(f"body must be binary or string, got {dtype.simpleString()}")
+
+
+def _string(types: dict[str, st.DataType], name: str) -> Column:
+    dtype = types.get(name)
+    if dtype is None or isinstance(dtype, st.NullType):
+        return sf.lit(None).cast("string")
+    if not isinstance(dtype, st.StringType):
+        raise InvalidOperationError(f"{name} must be a string column, got {dtype.simpleString()}")
+    return sf.col(name)
+
+
+def _properties_json(types: dict[str, st.DataType]) -> Column:
+    """application_properties (a map, a struct or a JSON object string) as the core's JSON text."""
+    dtype = types.get("application_properties")
+    if dtype is None or isinstance(dtype, st.NullType):
+        return sf.lit(None).cast("string")
+    if isinstance(dtype, st.MapType):
+        if not isinstance(dtype.keyType, st.StringType) or not isinstance(dtype.valueType, _PROPERTY_VALUE_TYPES):
+            raise InvalidOperationError(
+                f"application_properties must map strings to strings, numbers or booleans; got {dtype.simpleString()}"
+            )
+    elif isinstance(dtype, st.StructType):
+        bad = [f.name for f in dtype.fields if not isinstance(f.dataType, _PROPERTY_VALUE_TYPES)]
+        if bad:
+            raise InvalidOperationError(f"application_properties fields {bad} must be string, integer, float, double or boolean")
+    elif not isinstance(dtype, st.StringType):
+        raise InvalidOperationError(
+            f"application_properties must be a map, a struct or a JSON object string, got {dtype.simpleString()}"
+        )
+    return properties_udf(sf.col("application_properties"))
+
+
+@arrow_udf(st.StringType())  # type: ignore[call-overload]
+def properties_udf(values: pa.Array) -> pa.Array:
+    """Per row: the properties as json.dumps writes them (what the core stores and counts), None when empty."""
+    out: list[str | None] = []
+    for v in values.to_pylist():
+        props = _as_dict(v)
+        try:
+            limits.check_application_properties(props)
+        except InvalidOperationError as exc:
+            raise task_error(exc) from exc
+        out.append(json.dumps(props) if props else None)
+    return pa.array(out, pa.string())
+
+
+def _as_dict(value: object) -> dict | None:
+    """A map (list of pairs), struct (dict) or JSON text as a dict."""
+    if value is None or isinstance(value, dict):
+        return value
+    if isinstance(value, list):
+        return dict(value)
+    try:
+        parsed = json.loads(str(value))
+    except ValueError:
+        parsed = None
+    if not isinstance(parsed, dict):
+        raise RuntimeError(marked(InvalidOperationError(f"application_properties must be a JSON object, got {value!r}")))
+    return parsed
+
+
+def _ttl_us(types: dict[str, st.DataType]) -> Column:
+    """time_to_live (seconds, or a day-time interval) in microseconds."""
+    dtype = types.get("time_to_live")
+    if dtype is None or isinstance(dtype, st.NullType):
+        return sf.lit(None).cast("long")
+    if isinstance(dtype, st.DayTimeIntervalType):
+        return sf.expr("unix_micros(timestamp_micros(0) + time_to_live)")
+    if isinstance(dtype, st.NumericType):
+        return (sf.col("time_to_live").cast("double") * 1_000_000).cast("long")
+    raise InvalidOperationError(f"time_to_live must be seconds (a number) or a day-time interval, got {dtype.simpleString()}")
+
+
+def _scheduled(types: dict[str, st.DataType]) -> Column:
+    """scheduled_enqueue_time_utc as a timestamp; a timestamp without time zone is read as UTC (converted in the task)."""
+    dtype = types.get("scheduled_enqueue_time_utc")
+    if dtype is None or isinstance(dtype, st.NullType):
+        return sf.lit(None).cast("timestamp")
+    if isinstance(dtype, (st.TimestampType, st.TimestampNTZType)):
+        return sf.col("scheduled_enqueue_time_utc")
+    raise InvalidOperationError(f"scheduled_enqueue_time_utc must be a timestamp, got {dtype.simpleString()}")
+
+
+def _size(c: str) -> Column:
+    return sf.coalesce(sf.octet_length(sf.col(c)), sf.lit(0))
+
+
+def _checked_size(settings: SendSettings) -> Column:
+    """size_in_bytes as the core counts it (body, user-given strings, properties JSON), failing invalid rows."""
+    max_bytes = limits.MAX_MESSAGE_BYTES[settings.tier]
+    counted = ["_user_message_id", *[c for c in STRING_FIELDS if c != "message_id"], "application_properties"]
+    size = sf.octet_length("body")
+    for c in counted:
+        size = size + _size(c)
+    mid = sf.col("message_id")
+    checks: list[tuple[Column, Column]] = [
+        (sf.col("body").isNull(), _fail(InvalidOperationError, "body must be bytes or str, got null (message ", mid, ")"))
+    ]
+    for name, col in (("message_id", "_user_message_id"), ("session_id", "session_id"), ("partition_key", "partition_key")):
+        length = sf.char_length(sf.col(col))
+        checks.append(
+            (
+                length > limits.MAX_KEY_LENGTH,
+                _fail(
+                    InvalidOperationError,
+                    f"{name} is ",
+                    length.cast("string"),
+                    f" characters long; at most {limits.MAX_KEY_LENGTH} are allowed",
+                ),
+            )
+        )
+    if settings.requires_session:
+        checks.append(
+            (
+                sf.col("session_id").isNull(),
+                _fail(InvalidOperationError, "the entity requires sessions: every message needs a session_id"),
+            )
+        )
+    checks += [
+        (
+            sf.col("partition_key").isNotNull()
+            & sf.col("session_id").isNotNull()
+            & (sf.col("partition_key") != sf.col("session_id")),
+            _fail(
+                InvalidOperationError,
+                "partition_key '",
+                sf.col("partition_key"),
+                "' differs from session_id '",
+                sf.col("session_id"),
+                "'; a session's messages are placed by the session id, so leave partition_key unset or equal",
+            ),
+        ),
+        (
+            sf.col("_ttl_us") <= 0,
+            _fail(
+                InvalidOperationError, "time_to_live must be positive, got ", sf.col("_ttl_us").cast("string"), " microseconds"
+            ),
+        ),
+        (
+            size > max_bytes,
+            _fail(
+                MessageSizeExceededError,
+                "message '",
+                mid,
+                "' is ",
+                size.cast("string"),
+                f" bytes; the {settings.tier} tier allows {max_bytes}",
+            ),
+        ),
+    ]
+    out = sf.when(checks[0][0], checks[0][1])
+    for cond, fail in checks[1:]:
+        out = out.when(cond, fail)
+    return out.otherwise(size).cast("int")
+
+
+def _partition(plan: SendPlan, round_robin: Column) -> Column:
+    """The queue partition: by mmh3 of the key (SPEC §3 precedence), else round-robin over available partitions."""
+    key = sf.coalesce(
+        sf.col("session_id"),
+        sf.col("partition_key"),
+        sf.col("message_id") if plan.settings.requires_duplicate_detection else sf.lit(None).cast("string"),
+    )
+    hashed = sf.lit(0) if plan.partition_count == 1 else mmh3_udf(plan.partition_count)(key)
+    unavailable = ~sf.array_contains(sf.array(*[sf.lit(p) for p in plan.available]), hashed)
+    return (
+        sf.when(key.isNull(), round_robin)
+        .when(
+            unavailable,
+            _fail(
+                PartitionUnavailableError,
+                "partition ",
+                hashed.cast("string"),
+                f" of {plan.ref.name!r}, which key '",
+                key,
+                "' maps to, is unavailable; nothing was sent",
+            ),
+        )
+        .otherwise(hashed)
+        .cast("int")
+    )
+
+
+def mmh3_udf(partition_count: int):
+    """An Arrow UDF: the partition of each key, exactly as model.partitioning.partition_for_key computes it."""
+
+    @arrow_udf(st.IntegerType())  # type: ignore[call-overload]
+    def partition_of(keys: pa.Array) -> pa.Array:
+        return pa.array([None if k is None else partition_for_key(k, partition_count) for k in keys.to_pylist()], pa.int32())
+
+    return partition_of
+
+
+# ---- reduce stage: rows, files and commits per partition ------------------------------------------
+
+
+@marking_errors
+def write_task(plan: SendPlan, batches: Iterator[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
+    """Append this task's rows to their queue partition(s), one commit per bounded file; yields counts."""
+    writer = PartitionWriter(plan)
+    for batch in batches:
+        writer.add(pa.Table.from_batches([batch]))
+    writer.finish()
+    yield writer.summary()
+
+
+class PartitionWriter:
+    """Buffers a task's rows per queue partition and commits them a file at a time."""
+
+    def __init__(self, plan: SendPlan) -> None:
+        self.plan = plan
+        ns = plan.ref.namespace()
+        self.entity = plan.ref.entity()
+        self.expand = ns._expander(plan.ref.entity_type, plan.ref.name)
+        self.pending: dict[int, list[pa.Table]] = {}
+        self.accepted: dict[int, int] = {}
+        self.files: dict[int, int] = {}
+
+    def add(self, rows: pa.Table) -> None:
+        """Buffer rows, committing full files as they fill."""
+        partitions = pc.unique(rows.column("_qp")).to_pylist()
+        for p in partitions:
+            part = rows if len(partitions) == 1 else rows.filter(pc.equal(rows.column("_qp"), p))
+            buffered = [*self.pending.get(p, []), part]
+            table = pa.concat_tables(buffered)
+            limit = self._file_limit(table)
+            while table.num_rows >= limit:
+                self._commit(p, table.slice(0, limit))
+                table = table.slice(limit)
+            self.pending[p] = [table] if table.num_rows else []
+
+    def finish(self) -> None:
+        """Commit what is left, then forward what arrived if the entity forwards."""
+        for p, tables in self.pending.items():
+            if tables:
+                self._commit(p, pa.concat_tables(tables))
+        self.pending.clear()
+        touched = sorted(p for p, n in self.accepted.items() if n)
+        if touched:
+            self.plan.ref.namespace()._after_send(self.plan.ref.entity_type, self.plan.ref.name, touched)
+
+    def summary(self) -> pa.RecordBatch:
+        """Per partition: messages accepted and files committed."""
+        parts = sorted(self.files)
+        return pa.RecordBatch.from_pydict(
+            {
+                "partition_id": pa.array(parts, pa.int32()),
+                "accepted": pa.array([self.accepted.get(p, 0) for p in parts], pa.int64()),
+                "files": pa.array([self.files[p] for p in parts], pa.int32()),
+            }
+        )
+
+    def _file_limit(self, rows: pa.Table) -> int:
+        """Rows per file: the row cap, lowered so a file's message bytes stay under the byte cap."""
+        if rows.num_rows == 0:
+            return self.plan.file_rows
+        mean = max(1, (pc.sum(rows.column("size_in_bytes")).as_py() or 0) // rows.num_rows)
+        return max(1, min(self.plan.file_rows, self.plan.file_bytes // mean))
+
+    def _commit(self, p: int, chunk: pa.Table) -> None:
+        """Append one file's rows to partition p (duplicates dropped, quota checked), retrying lost races."""
+        rows = entity_rows(chunk, self.plan.settings)
+        entity = self.entity  # the table checks the partition's size quota inside the commit
+        counted = [0]
+
+        def expand(survivors: pa.Table) -> pa.Table:
+            counted[0] = survivors.num_rows
+            return self.expand(survivors) if self.expand is not None else survivors
+
+        def attempt() -> pa.Table:
+            counted[0] = 0
+            return entity.table.append(rows, entity.dedupe_since(), expand)
+
+        retry_commit(attempt, entity.deadline(), f"send to {entity.name}")
+        self.accepted[p] = self.accepted.get(p, 0) + counted[0]
+        self.files[p] = self.files.get(p, 0) + 1
+
+
+def entity_rows(chunk: pa.Table, settings: SendSettings) -> pa.Table:
+    """Prepared message columns as entity rows (ENTITY_SCHEMA), enqueued now; the vectorized `message.to_rows`."""
+    now = utcnow()
+    n = chunk.num_rows
+    now_s = pa.scalar(now, TIMESTAMP)
+    sched = _as_utc(chunk.column("scheduled_enqueue_time_utc"))
+    visible = pc.if_else(pc.fill_null(pc.greater(sched, now_s), False), sched, now_s)
+    ttl = chunk.column("time_to_live_ms")
+    default = settings.default_message_time_to_live
+    if default is not None:
+        ttl = pc.min_element_wise(ttl, pa.scalar(_ms(default), pa.int64()))
+    expires = pc.add(visible, pc.multiply(ttl, 1000).cast(pa.duration("us")))
+    cols: dict[str, pa.Array | pa.ChunkedArray] = {
+        PARTITION_COLUMN: chunk.column("_qp"),
+        "sequence_number": pa.repeat(pa.scalar(0, pa.int64()), n),
+        "available_at_utc": visible,
+        "sub_queue": pa.repeat(pa.scalar(SUB_QUEUE_MAIN), n),
+        "state": pa.repeat(pa.scalar(STATE_ACTIVE), n),
+        "kind": pa.repeat(pa.scalar(KIND_MESSAGE), n),
+        "enqueued_time_utc": pa.repeat(now_s, n),
+        "expires_at_utc": expires,
+        "scheduled_enqueue_time_utc": sched,
+        "delivery_count": pa.repeat(pa.scalar(0, pa.int32()), n),
+        "time_to_live_ms": ttl,
+        "transfer_hop_count": pa.repeat(pa.scalar(0, pa.int32()), n),
+    }
+    arrays = []
+    for f in ENTITY_SCHEMA:
+        a = cols.get(f.name)
+        if a is None:
+            a = chunk.column(f.name) if f.name in chunk.column_names else pa.nulls(n, f.type)
+        arrays.append(a.cast(f.type))
+    return pa.Table.from_arrays([pa.chunked_array([a]) if isinstance(a, pa.Array) else a for a in arrays], schema=ENTITY_SCHEMA)
+
+
+def _as_utc(ts: pa.ChunkedArray) -> pa.ChunkedArray:
+    """Timestamps as UTC microseconds; values without a time zone are read as UTC."""
+    if isinstance(ts.type, pa.TimestampType) and ts.type.tz is None:
+        return ts.cast(pa.timestamp("us")).cast(pa.int64()).cast(TIMESTAMP)
+    return ts.cast(TIMESTAMP)
+
+
+def _ms(d: timedelta) -> int:
+    return int(d.total_seconds() * 1000)

@@ -1,0 +1,122 @@
+"""SparkSession helpers: the session to use, a local session configured for sparkqueue, and error translation.
+
+Errors raised inside Spark tasks reach the driver as Spark exceptions. Tasks mark sparkqueue
+errors as ``[sparkqueue:<ErrorClass>] <message>`` (raise_error in SQL, or a re-raise in Python);
+`spark_errors()` turns such a failure back into the sparkqueue error on the driver.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import struct
+import sys
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
+from functools import cache
+
+import mmh3
+from pyspark import SparkContext
+from pyspark.errors import PySparkException
+from pyspark.sql import SparkSession
+
+from sparkqueue import errors
+from sparkqueue.errors import InvalidOperationError, SparkQueueError
+
+log = logging.getLogger(__name__)
+
+MARKER = re.compile(r"\[sparkqueue:(\w+)\] (.*?)(?: SQLSTATE: \w+)?$", re.MULTILINE)
+
+# Settings every sparkqueue session needs (workers run this interpreter, so sparkqueue imports there).
+DEFAULT_CONF: dict[str, str] = {
+    "spark.pyspark.python": sys.executable,
+    "spark.pyspark.driver.python": sys.executable,
+    "spark.sql.session.timeZone": "UTC",
+    "spark.sql.python.filterPushdown.enabled": "true",
+    "spark.sql.execution.arrow.pyspark.enabled": "true",
+    "spark.python.worker.reuse": "true",
+    "spark.ui.showConsoleProgress": "false",
+}
+
+
+def spark_session(
+    master: str | None = "local[2]", app_name: str = "sparkqueue", conf: Mapping[str, str] | None = None
+) -> SparkSession:
+    """A SparkSession configured for sparkqueue (workers on this interpreter, UTC, pushdown on), data source registered.
+
+    master=None leaves the master to the launcher (spark-submit --master).
+    """
+    os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
+    os.environ.setdefault("PYSPARK_DRIVER_PYTHON", sys.executable)
+    builder = SparkSession.builder.appName(app_name)
+    if master:
+        builder = builder.master(master)
+    for key, value in {**DEFAULT_CONF, **(conf or {})}.items():
+        builder = builder.config(key, value)
+    spark = builder.getOrCreate()
+    from sparkqueue.spark.datasource import register
+
+    register(spark)
+    return spark
+
+
+def active_session(spark: SparkSession | None = None) -> SparkSession:
+    """The given session, else the active one (or the process's running one, from other threads); raises if none."""
+    if spark is not None:
+        return spark
+    active = SparkSession.getActiveSession()  # thread-local: other threads see none ...
+    if active is None and SparkContext._active_spark_context is not None:
+        active = SparkSession.builder.getOrCreate()  # ... but the process's running session is meant
+    if active is None:
+        raise InvalidOperationError("no active SparkSession: pass spark=... or create one (sparkqueue.spark.spark_session())")
+    return active
+
+
+def marked(exc: SparkQueueError) -> str:
+    """The text a task raises so the driver can rebuild the sparkqueue error."""
+    return f"[sparkqueue:{type(exc).__name__}] {exc}"
+
+
+def task_error(exc: SparkQueueError) -> RuntimeError:
+    """A task-side exception carrying a sparkqueue error across the Spark boundary."""
+    return RuntimeError(marked(exc))
+
+
+def translate(exc: BaseException) -> SparkQueueError | None:
+    """The sparkqueue error a failed Spark job carries, if any."""
+    found = MARKER.search(str(exc))
+    if found is None:
+        return None
+    cls = getattr(errors, found.group(1), None)
+    if not (isinstance(cls, type) and issubclass(cls, SparkQueueError)):
+        cls = SparkQueueError
+    return cls(found.group(2).strip())
+
+
+@contextmanager
+def spark_errors() -> Iterator[None]:
+    """Re-raise a Spark job failure that carries a sparkqueue error as that error."""
+    try:
+        yield
+    except PySparkException as exc:
+        err = translate(exc)
+        if err is None:
+            raise
+        raise err from exc
+
+
+@cache
+def shuffle_keys(partitions: int) -> tuple[int, ...]:
+    """Per queue partition p, a long whose Spark hash lands in shuffle partition p of `partitions`.
+
+    Spark's HashPartitioning is pmod(murmur3_x86_32(long as 8 little-endian bytes, seed 42), n), so
+    repartition(n, key) with these keys sends each queue partition to its own task, one to one.
+    """
+    keys: dict[int, int] = {}
+    candidate = 0
+    while len(keys) < partitions:
+        bucket = mmh3.hash(struct.pack("<q", candidate), 42) % partitions
+        keys.setdefault(bucket, candidate)
+        candidate += 1
+    return tuple(keys[p] for p in range(partitions))

@@ -1,0 +1,123 @@
+"""Staging directories: where Spark tasks leave received messages and settle results for the returned DataFrame.
+
+`receive_dataframe` and the `*_dataframe` settle calls act once, in Spark tasks that write what
+they did to Parquet files under ``<namespace root>/_spark_staging/<kind>/<stamp>-<id>/``; the
+DataFrame they return reads those files, so evaluating it again never receives or settles again.
+
+Cleanup: each call removes staging directories older than `STAGING_RETENTION` (1 hour; the
+longest lock lasts 5 minutes). `release(df)` removes the directories a returned DataFrame reads
+at once, and `cleanup_staging(root, older_than)` sweeps a namespace, e.g. from a scheduled job.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import uuid
+from dataclasses import dataclass
+from datetime import UTC, datetime, timedelta
+from urllib.parse import unquote, urlparse
+
+import pyarrow as pa
+import pyarrow.fs as pafs
+import pyarrow.parquet as pq
+from pyspark.sql import DataFrame, SparkSession
+from pyspark.sql import types as st
+
+log = logging.getLogger(__name__)
+
+STAGING_DIR = "_spark_staging"
+STAGING_RETENTION = timedelta(hours=1)
+STAGING_ATTRIBUTE = "_sparkqueue_staging"  # attribute of a returned DataFrame: the staging directory it reads
+_STAMP = "%Y%m%dT%H%M%S"
+
+
+def _filesystem(uri: str) -> tuple[pafs.FileSystem, str]:
+    """A pyarrow filesystem and the path of `uri` on it."""
+    if "://" not in uri or uri.startswith("file://"):
+        return pafs.LocalFileSystem(), uri.removeprefix("file://").rstrip("/")
+    fs, path = pafs.FileSystem.from_uri(uri)
+    return fs, path.rstrip("/")
+
+
+def local_uri(uri: str) -> str:
+    """A Spark file URI (file:/a, file:///a) as a plain path; other URIs unchanged."""
+    return unquote(urlparse(uri).path) if uri.startswith("file:") else uri
+
+
+def spark_path(uri: str) -> str:
+    """The form Spark reads a location in: file:// URIs for local paths."""
+    return f"file://{uri}" if "://" not in uri else uri
+
+
+@dataclass(frozen=True)
+class Staging:
+    """One staging directory (picklable: tasks write into it)."""
+
+    uri: str
+
+    @classmethod
+    def create(cls, root: str, kind: str) -> Staging:
+        """A new, empty staging directory of a kind ("receive", "settle") under the namespace root."""
+        stamp = datetime.now(UTC).strftime(_STAMP)
+        staging = cls(f"{root.rstrip('/')}/{STAGING_DIR}/{kind}/{stamp}-{uuid.uuid4().hex[:12]}")
+        fs, path = _filesystem(staging.uri)
+        fs.create_dir(path, recursive=True)
+        return staging
+
+    def write(self, name: str, table: pa.Table) -> None:
+        """Write a Parquet file atomically where the filesystem renames atomically (temp name, then rename)."""
+        fs, path = _filesystem(self.uri)
+        tmp = f"{path}/_tmp-{uuid.uuid4().hex}-{name}"  # names starting with '_' are invisible to Spark
+        pq.write_table(table, tmp, filesystem=fs, compression="snappy")
+        fs.move(tmp, f"{path}/{name}")
+
+    def read(self, spark: SparkSession, schema: st.StructType) -> DataFrame:
+        """A DataFrame over the directory's files (empty while there are none), tagged with the directory."""
+        df = spark.read.schema(schema).parquet(self.spark_path)
+        setattr(df, STAGING_ATTRIBUTE, self.uri)
+        return df
+
+    @property
+    def spark_path(self) -> str:
+        """The directory as Spark reads it."""
+        return spark_path(self.uri)
+
+
+def cleanup_staging(root: str, older_than: timedelta = STAGING_RETENTION) -> int:
+    """Remove staging directories of a namespace older than `older_than`; returns how many were removed."""
+    fs, base = _filesystem(f"{root.rstrip('/')}/{STAGING_DIR}")
+    cutoff = datetime.now(UTC) - older_than
+    removed = 0
+    try:
+        infos = fs.get_file_info(pafs.FileSelector(base, allow_not_found=True))
+    except OSError:
+        return 0
+    for kind in (i for i in infos if i.type == pafs.FileType.Directory):
+        for d in fs.get_file_info(pafs.FileSelector(kind.path, allow_not_found=True)):
+            if d.type != pafs.FileType.Directory:
+                continue
+            try:
+                made = datetime.strptime(d.base_name.split("-", 1)[0], _STAMP).replace(tzinfo=UTC)
+            except ValueError:
+                continue
+            if made < cutoff:
+                with contextlib.suppress(OSError):
+                    fs.delete_dir(d.path)
+                    removed += 1
+    if removed:
+        log.info("removed %d staging directories older than %s under %s", removed, older_than, root)
+    return removed
+
+
+def remove_dirs(uris: list[str]) -> int:
+    """Delete staging directories by URI (those under a `_spark_staging` directory only); returns how many."""
+    removed = 0
+    for uri in uris:
+        if f"/{STAGING_DIR}/" not in uri:
+            raise ValueError(f"{uri!r} is not a sparkqueue staging directory")
+        fs, path = _filesystem(local_uri(uri))
+        with contextlib.suppress(OSError):
+            fs.delete_dir(path)
+            removed += 1
+    return removed

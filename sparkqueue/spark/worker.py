@@ -1,0 +1,72 @@
+"""What a Spark task needs to reach an entity: a small picklable reference, resolved once per worker process.
+
+Tasks run in Python workers (reused between tasks), so each worker opens a namespace once and
+keeps it, with its table handles and snapshots, for later tasks of any job.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from functools import wraps
+from typing import TYPE_CHECKING, TypeVar
+
+from sparkqueue.errors import SparkQueueError
+from sparkqueue.spark.session import task_error
+
+if TYPE_CHECKING:
+    from sparkqueue.model.entity import Entity
+    from sparkqueue.namespace import Namespace
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+_namespaces: dict[tuple[str, str, float], Namespace] = {}
+_lock = threading.Lock()
+
+
+@dataclass(frozen=True)
+class EntityRef:
+    """An entity as tasks address it: namespace root, tier, timeout, entity type and catalog name."""
+
+    root: str
+    tier: str
+    operation_timeout: float
+    entity_type: str
+    name: str
+
+    @classmethod
+    def of(cls, ns: Namespace, entity_type: str, name: str) -> EntityRef:
+        """The reference of an entity of a driver-side namespace."""
+        return cls(ns.root, ns.tier, ns.operation_timeout, entity_type, name)
+
+    def namespace(self) -> Namespace:
+        """This process's namespace handle for the root (opened on first use)."""
+        from sparkqueue.namespace import Namespace
+
+        key = (self.root, self.tier, self.operation_timeout)
+        with _lock:
+            ns = _namespaces.get(key)
+            if ns is None:
+                ns = _namespaces[key] = Namespace(self.root, self.tier, operation_timeout=self.operation_timeout)
+            return ns
+
+    def entity(self) -> Entity:
+        """The entity, with settings at most a second old."""
+        return self.namespace()._entity(self.entity_type, self.name)
+
+
+def marking_errors(fn: Callable[..., Iterator[T]]) -> Callable[..., Iterator[T]]:
+    """Wrap a task function so sparkqueue errors cross to the driver with their class (see session.spark_errors)."""
+
+    @wraps(fn)
+    def wrapper(*args: object, **kwargs: object) -> Iterator[T]:
+        try:
+            yield from fn(*args, **kwargs)
+        except SparkQueueError as exc:
+            log.warning("task failed: %s", exc)
+            raise task_error(exc) from exc
+
+    return wrapper
