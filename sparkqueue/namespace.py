@@ -173,21 +173,27 @@ class Namespace(Management):
         with self._lock:
             cached = self._rules.get(key)
         if cached is None or time.monotonic() - cached.loaded_at >= PROPERTIES_TTL_S:
-            record_ids = self._props(TOPIC, name).requires_duplicate_detection
+            entries = self._catalog.entries()  # one read for the topic, its subscriptions and rules
+            topic = next((e for e in entries if e.name == key), None)
+            if topic is None:
+                raise EntityNotFoundError(f"topic {name!r} does not exist in namespace {self.root!r}")
+            record_ids = PROPERTY_TYPES[TOPIC].from_json(topic.properties).requires_duplicate_detection
             forwarding = []
-            for e in self._catalog.entries(SUBSCRIPTION):
-                topic, _, sub = e.name.split(":", 1)[1].partition("|")
-                props = SubscriptionProperties.from_json(e.properties) if topic == name else None
-                if props is not None and (props.forward_to or props.forward_dead_lettered_messages_to):
+            for e in entries:
+                owner, _, sub = e.name.split(":", 1)[1].partition("|")
+                if e.entity_type != SUBSCRIPTION or owner != name:
+                    continue
+                props = SubscriptionProperties.from_json(e.properties)
+                if props.forward_to or props.forward_dead_lettered_messages_to:
                     forwarding.append(sub)
-            cached = _CachedRules(self._subscribers(name), record_ids, time.monotonic(), forwarding)
+            cached = _CachedRules(self._subscribers(name, entries), record_ids, time.monotonic(), forwarding)
             with self._lock:
                 self._rules[key] = cached
         return cached
 
-    def _subscribers(self, topic_name: str) -> list[Subscriber]:
+    def _subscribers(self, topic_name: str, entries: list[CatalogEntry] | None = None) -> list[Subscriber]:
         """The topic's subscriptions with their rules, read from the catalog in one pass."""
-        entries = self._catalog.entries()
+        entries = self._catalog.entries() if entries is None else entries
         rules: dict[str, list[Rule]] = {}
         for e in entries:
             if e.entity_type == RULE and e.name.split(":", 1)[1].startswith(f"{topic_name}|"):

@@ -1,0 +1,487 @@
+"""Auto-forwarding (SPEC §9): chains, hop limit, partition keys, subscriptions and topics, dead letters, failures."""
+
+from __future__ import annotations
+
+import time
+from collections import Counter
+from datetime import UTC, datetime, timedelta
+
+import pytest
+from procs import drain, partition_for, peek_all
+
+from sparkqueue import Message, Namespace, SqlRuleFilter, SubQueue
+from sparkqueue.errors import InvalidOperationError
+
+HOP_LIMIT = "MaxTransferHopCountExceeded"
+MISSING = "ForwardingDestinationNotFound"
+
+
+def queue_ids(ns: Namespace, queue: str, *, dead_letter: bool = False) -> Counter[str]:
+    """message_id -> copies in a queue (or its dead-letter sub-queue)."""
+    with ns.get_queue_receiver(queue, sub_queue=SubQueue.DEAD_LETTER if dead_letter else None) as r:
+        return Counter(m.message_id for m in peek_all(r))
+
+
+def sub_ids(ns: Namespace, topic: str, sub: str, *, dead_letter: bool = False) -> Counter[str]:
+    """message_id -> copies in a subscription (or its dead-letter sub-queue)."""
+    with ns.get_subscription_receiver(topic, sub, sub_queue=SubQueue.DEAD_LETTER if dead_letter else None) as r:
+        return Counter(m.message_id for m in peek_all(r))
+
+
+def batch(prefix: str, n: int) -> list[Message]:
+    """n messages, half with a partition key, half without."""
+    return [
+        Message(f"{prefix}{i}", message_id=f"{prefix}{i}", partition_key=f"k{i}" if i % 2 else None, subject="s")
+        for i in range(n)
+    ]
+
+
+# ---- chains and the hop limit -------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("hops", [1, 2, 3, 4])
+def test_forwarding_chain(ns: Namespace, hops: int) -> None:
+    """A chain of up to 4 forwarding hops delivers every message exactly once at its end."""
+    for i in range(hops, -1, -1):
+        ns.create_queue(f"q{i}", forward_to=f"q{i + 1}" if i < hops else None, enable_partitioning=i % 2 == 0)
+    ns.get_queue_sender("q0").send_messages(batch("m", 6))
+    want = Counter({f"m{i}": 1 for i in range(6)})
+    assert queue_ids(ns, f"q{hops}") == want
+    for i in range(hops):
+        assert queue_ids(ns, f"q{i}") == Counter()
+        assert queue_ids(ns, f"q{i}", dead_letter=True) == Counter()
+    assert ns.get_queue_runtime_properties("q0").total_message_count == 0
+    with ns.get_queue_receiver(f"q{hops}") as r:
+        got = drain(r, 6)
+    assert sorted(m.message_id for m in got) == sorted(want)
+    assert all(m.delivery_count == 1 and m.subject == "s" and str(m) == m.message_id for m in got)
+
+
+def test_fifth_hop_dead_letters_at_fifth_source(ns: Namespace) -> None:
+    """A fifth hop is refused: the message is dead-lettered at the fifth source with MaxTransferHopCountExceeded."""
+    for i in range(5, -1, -1):
+        ns.create_queue(f"q{i}", forward_to=f"q{i + 1}" if i < 5 else None)
+    ns.get_queue_sender("q0").send_messages(batch("m", 4))
+    want = Counter({f"m{i}": 1 for i in range(4)})
+    assert queue_ids(ns, "q4", dead_letter=True) == want
+    for i in range(6):
+        assert queue_ids(ns, f"q{i}") == Counter(), i
+        if i != 4:
+            assert queue_ids(ns, f"q{i}", dead_letter=True) == Counter(), i
+    assert ns.get_queue_runtime_properties("q4").dead_letter_message_count == 4
+    with ns.get_queue_receiver("q4", sub_queue=SubQueue.DEAD_LETTER) as dlq:
+        got = drain(dlq, 4)
+    assert {m.dead_letter_reason for m in got} == {HOP_LIMIT}
+    assert sorted(m.message_id for m in got) == sorted(want)
+
+
+def test_forwarding_loop_stops_at_hop_limit(ns: Namespace) -> None:
+    """A forwarding cycle cannot move a message forever: it ends dead-lettered once, nothing is lost or doubled."""
+    ns.create_queue("a", forward_to="b")
+    ns.create_queue("b", forward_to="a")
+    ns.get_queue_sender("a").send_messages(batch("m", 3))
+    ns.forward_pending_messages()
+    everywhere = (
+        queue_ids(ns, "a") + queue_ids(ns, "b") + queue_ids(ns, "a", dead_letter=True) + queue_ids(ns, "b", dead_letter=True)
+    )
+    assert everywhere == Counter({f"m{i}": 1 for i in range(3)})
+    # after 4 hops (a->b->a->b->a) the messages sit dead-lettered in a
+    assert queue_ids(ns, "a", dead_letter=True) == Counter({f"m{i}": 1 for i in range(3)})
+
+
+def test_self_forwarding_queue_dead_letters(ns: Namespace) -> None:
+    """A queue that forwards to itself dead-letters arriving messages once the hop limit is reached."""
+    ns.create_queue("self", forward_to="self")
+    ns.get_queue_sender("self").send_messages(Message("x", message_id="m"))
+    ns.forward_pending_messages()
+    assert queue_ids(ns, "self") == Counter()
+    with ns.get_queue_receiver("self", sub_queue=SubQueue.DEAD_LETTER) as dlq:
+        (m,) = drain(dlq, 1)
+    assert (m.message_id, m.dead_letter_reason) == ("m", HOP_LIMIT)
+
+
+# ---- partition keys -------------------------------------------------------------------------------
+
+
+def test_forwarding_keeps_partition_key(ns: Namespace) -> None:
+    """A forwarded message lands in the destination partition its key selects (session id, partition key, message id)."""
+    ns.create_queue("dst", requires_duplicate_detection=True)
+    ns.create_queue("src", forward_to="dst", enable_partitioning=False)
+    msgs = (
+        [Message("p", message_id=f"p{i}", partition_key=f"pk-{i}") for i in range(8)]
+        + [Message("s", message_id=f"s{i}", session_id=f"sess-{i}") for i in range(4)]
+        + [Message("m", message_id=f"id-{i}") for i in range(8)]
+    )
+    ns.get_queue_sender("src").send_messages(msgs)
+    with ns.get_queue_receiver("dst") as r:
+        got = peek_all(r)
+    assert len(got) == len(msgs)
+    for m in got:
+        key = m.session_id or m.partition_key or m.message_id
+        assert m.partition_id == partition_for(key), m.message_id
+        assert m.sequence_number >> 48 == m.partition_id
+
+
+def test_forwarding_into_partitioned_topic_by_key(ns: Namespace) -> None:
+    """Copies of a message forwarded into a partitioned topic sit in the partition of its key in every subscription."""
+    ns.create_topic("t")
+    ns.create_subscription("t", "a")
+    ns.create_subscription("t", "b")
+    ns.create_queue("src", forward_to="t", enable_partitioning=False)
+    ns.get_queue_sender("src").send_messages([Message("x", message_id=f"m{i}", partition_key=f"key{i}") for i in range(10)])
+    for sub in ("a", "b"):
+        with ns.get_subscription_receiver("t", sub) as r:
+            got = peek_all(r)
+        assert sorted(m.message_id for m in got) == [f"m{i}" for i in range(10)]
+        assert all(m.partition_id == partition_for(m.partition_key or "") for m in got)
+
+
+def test_forwarding_session_messages(ns: Namespace) -> None:
+    """Session messages forwarded into a session-enabled queue keep their session and order."""
+    ns.create_queue("dst", requires_session=True)
+    ns.create_queue("src", forward_to="dst")
+    sender = ns.get_queue_sender("src")
+    for i in range(5):
+        sender.send_messages(Message(f"{i}", message_id=f"a{i}", session_id="A"))
+    with ns.get_queue_receiver("dst", session_id="A") as r:
+        got = drain(r, 5)
+    assert [m.message_id for m in got] == [f"a{i}" for i in range(5)]
+    assert all(m.partition_id == partition_for("A") for m in got)
+
+
+# ---- subscriptions and topics -------------------------------------------------------------------------
+
+
+def test_subscription_forwards_to_queue(ns: Namespace) -> None:
+    """A subscription with forward_to moves its matching copies to a queue; other subscriptions keep theirs."""
+    ns.create_queue("q")
+    ns.create_topic("t")
+    ns.create_subscription("t", "fwd", forward_to="q")
+    ns.delete_rule("t", "fwd", "$Default")
+    ns.create_rule("t", "fwd", "even", filter=SqlRuleFilter("n % 2 = 0"))
+    ns.create_subscription("t", "keep")
+    ns.get_topic_sender("t").send_messages(
+        [Message(f"{i}", message_id=f"m{i}", application_properties={"n": i}) for i in range(10)]
+    )
+    assert queue_ids(ns, "q") == Counter({f"m{i}": 1 for i in range(0, 10, 2)})
+    assert sub_ids(ns, "t", "fwd") == Counter()
+    assert sub_ids(ns, "t", "keep") == Counter({f"m{i}": 1 for i in range(10)})
+    with ns.get_queue_receiver("q") as r:
+        got = drain(r, 5)
+    assert all(m.application_properties == {"n": int(m.message_id[1:])} for m in got)
+
+
+def test_queue_forwards_to_topic(ns: Namespace) -> None:
+    """A queue forwarding to a topic fans its messages out to the topic's matching subscriptions."""
+    ns.create_topic("t")
+    ns.create_subscription("t", "all")
+    ns.create_subscription("t", "red")
+    ns.delete_rule("t", "red", "$Default")
+    ns.create_rule("t", "red", "r", filter=SqlRuleFilter("color = 'red'"))
+    ns.create_queue("q", forward_to="t")
+    ns.get_queue_sender("q").send_messages(
+        [Message("x", message_id=f"m{i}", application_properties={"color": "red" if i < 3 else "blue"}) for i in range(7)]
+    )
+    assert queue_ids(ns, "q") == Counter()
+    assert sub_ids(ns, "t", "all") == Counter({f"m{i}": 1 for i in range(7)})
+    assert sub_ids(ns, "t", "red") == Counter({f"m{i}": 1 for i in range(3)})
+
+
+def test_topic_to_topic_through_subscription(ns: Namespace) -> None:
+    """topic -> subscription -> topic -> subscription -> queue: each stage applies its own rules."""
+    ns.create_queue("sink")
+    ns.create_topic("t2")
+    ns.create_subscription("t2", "s2", forward_to="sink")
+    ns.delete_rule("t2", "s2", "$Default")
+    ns.create_rule("t2", "s2", "big", filter=SqlRuleFilter("n > 2"))
+    ns.create_topic("t1")
+    ns.create_subscription("t1", "s1", forward_to="t2")
+    ns.get_topic_sender("t1").send_messages([Message("x", message_id=f"m{i}", application_properties={"n": i}) for i in range(5)])
+    assert queue_ids(ns, "sink") == Counter({"m3": 1, "m4": 1})
+    assert sub_ids(ns, "t1", "s1") == Counter()
+    assert sub_ids(ns, "t2", "s2") == Counter()
+
+
+def test_topic_chain_hop_limit(ns: Namespace) -> None:
+    """Hops through topics count too: a fifth hop is dead-lettered at the subscription that would make it."""
+    # q0 -> t1/s1 -> q2 -> t3/s3 -> q4 -> q5 : the move q4 -> q5 is the 5th hop
+    ns.create_queue("q5")
+    ns.create_queue("q4", forward_to="q5")
+    ns.create_topic("t3")
+    ns.create_subscription("t3", "s3", forward_to="q4")
+    ns.create_queue("q2", forward_to="t3")
+    ns.create_topic("t1")
+    ns.create_subscription("t1", "s1", forward_to="q2")
+    ns.create_queue("q0", forward_to="t1")
+    ns.get_queue_sender("q0").send_messages(Message("x", message_id="m"))
+    assert queue_ids(ns, "q5") == Counter()
+    assert queue_ids(ns, "q4", dead_letter=True) == Counter({"m": 1})
+    with ns.get_queue_receiver("q4", sub_queue=SubQueue.DEAD_LETTER) as dlq:
+        (m,) = drain(dlq, 1)
+    assert m.dead_letter_reason == HOP_LIMIT
+
+
+# ---- dead letters -------------------------------------------------------------------------------------
+
+
+def test_queue_dead_letters_are_forwarded(ns: Namespace) -> None:
+    """forward_dead_lettered_messages_to moves a queue's dead letters to another queue, keeping the reason."""
+    ns.create_queue("dlq-target")
+    ns.create_queue("q", forward_dead_lettered_messages_to="dlq-target")
+    ns.get_queue_sender("q").send_messages([Message("bad", message_id="bad"), Message("ok", message_id="ok")])
+    with ns.get_queue_receiver("q") as r:
+        for m in drain(r, 2):
+            if m.message_id == "bad":
+                r.dead_letter_message(m, reason="Poison", error_description="bad payload")
+            else:
+                r.complete_message(m)
+    assert queue_ids(ns, "q", dead_letter=True) == Counter()
+    assert queue_ids(ns, "q") == Counter()
+    with ns.get_queue_receiver("dlq-target") as r:
+        (m,) = drain(r, 1)
+    assert (m.message_id, str(m), m.dead_letter_reason) == ("bad", "bad", "Poison")
+
+
+def test_dead_letters_forwarded_in_any_order(ns: Namespace) -> None:
+    """Dead letters are all forwarded whatever order they were dead-lettered in (none is lost)."""
+    ns.create_queue("dlq-target")
+    ns.create_queue("q", enable_partitioning=False, forward_dead_lettered_messages_to="dlq-target")
+    ns.get_queue_sender("q").send_messages([Message(f"{i}", message_id=f"m{i}") for i in range(6)])
+    with ns.get_queue_receiver("q") as r:
+        got = sorted(drain(r, 6), key=lambda m: m.sequence_number)
+        for i in (5, 2, 4, 0, 3, 1):  # highest sequence number first, then lower ones
+            r.dead_letter_message(got[i], reason=f"r{i}")
+    assert queue_ids(ns, "q", dead_letter=True) == Counter()
+    with ns.get_queue_receiver("dlq-target") as r:
+        arrived = {m.message_id: m.dead_letter_reason for m in drain(r, 6)}
+    assert arrived == {f"m{i}": f"r{i}" for i in range(6)}
+
+
+def test_unforwardable_dead_letters_stay_receivable(ns: Namespace) -> None:
+    """Dead letters whose destination is missing stay in the dead-letter sub-queue and can be received there."""
+    ns.create_queue("q", forward_dead_lettered_messages_to="not-there")
+    ns.get_queue_sender("q").send_messages(Message("x", message_id="m"))
+    with ns.get_queue_receiver("q") as r:
+        (m,) = drain(r, 1)
+        r.dead_letter_message(m, reason="Mine")
+    ns.forward_pending_messages()
+    with ns.get_queue_receiver("q", sub_queue=SubQueue.DEAD_LETTER) as dlq:
+        (m,) = drain(dlq, 1)
+        assert (m.message_id, m.dead_letter_reason) == ("m", "Mine")
+        dlq.complete_message(m)
+    assert queue_ids(ns, "q", dead_letter=True) == Counter()
+
+
+def test_subscription_dead_letters_are_forwarded(ns: Namespace) -> None:
+    """A subscription's dead letters go to its forward_dead_lettered_messages_to destination (a topic here)."""
+    ns.create_topic("errors")
+    ns.create_subscription("errors", "audit")
+    ns.create_topic("t")
+    ns.create_subscription("t", "s", forward_dead_lettered_messages_to="errors")
+    ns.get_topic_sender("t").send_messages(Message("x", message_id="m"))
+    with ns.get_subscription_receiver("t", "s") as r:
+        (m,) = drain(r, 1)
+        r.dead_letter_message(m, reason="Nope")
+    assert sub_ids(ns, "t", "s", dead_letter=True) == Counter()
+    assert sub_ids(ns, "errors", "audit") == Counter({"m": 1})
+
+
+def test_expired_and_over_delivered_dead_letters_are_forwarded(ns: Namespace) -> None:
+    """Dead letters from TTL expiry and MaxDeliveryCountExceeded reach the dead-letter destination, not lost."""
+    ns.create_queue("dlq-target", dead_lettering_on_message_expiration=True)
+    ns.create_queue(
+        "q",
+        enable_partitioning=False,
+        max_delivery_count=1,
+        dead_lettering_on_message_expiration=True,
+        forward_dead_lettered_messages_to="dlq-target",
+    )
+    sender = ns.get_queue_sender("q")
+    sender.send_messages(
+        [Message("x", message_id="expiring", time_to_live=timedelta(milliseconds=200)), Message("y", message_id="poison")]
+    )
+    time.sleep(0.4)
+    with ns.get_queue_receiver("q") as r:
+        (m,) = r.receive_messages(max_wait_time=2)
+        assert m.message_id == "poison"
+        r.abandon_message(m)
+        assert r.receive_messages(max_wait_time=0.3) == []
+    ns.forward_pending_messages()
+    assert queue_ids(ns, "q", dead_letter=True) == Counter()
+    with ns.get_queue_receiver("dlq-target") as r:
+        arrived = {m.message_id: m for m in peek_all(r)}
+    # the forwarded message's TTL counts from its arrival; if it lapsed since, it is in the target's DLQ
+    with ns.get_queue_receiver("dlq-target", sub_queue=SubQueue.DEAD_LETTER) as r:
+        expired_again = {m.message_id: m for m in peek_all(r)}
+    assert sorted([*arrived, *expired_again]) == ["expiring", "poison"]
+    assert arrived["poison"].dead_letter_reason == "MaxDeliveryCountExceeded"
+    if "expiring" in arrived:
+        m = arrived["expiring"]
+        assert m.dead_letter_reason == "TTLExpiredException"
+        assert m.expires_at_utc is not None and m.expires_at_utc >= m.enqueued_time_utc
+
+
+def test_forwarded_message_ttl_counts_from_arrival(ns: Namespace) -> None:
+    """A forwarded message expires at its enqueued_time_utc at the destination plus its TTL."""
+    ns.create_queue("dst")
+    ns.create_queue("src", forward_to="dst")
+    ns.get_queue_sender("src").send_messages(Message("x", message_id="m", time_to_live=timedelta(minutes=5)))
+    with ns.get_queue_receiver("dst") as r:
+        (m,) = drain(r, 1)
+    assert m.time_to_live == timedelta(minutes=5)
+    assert m.expires_at_utc == m.enqueued_time_utc + timedelta(minutes=5)
+
+
+# ---- failures and recovery ------------------------------------------------------------------------------
+
+
+def test_missing_destination_dead_letters_at_source(ns: Namespace) -> None:
+    """A missing destination dead-letters at the source with ForwardingDestinationNotFound; nothing is lost."""
+    ns.create_queue("src", forward_to="nowhere")
+    ns.get_queue_sender("src").send_messages(batch("m", 4))
+    assert queue_ids(ns, "src") == Counter()
+    with ns.get_queue_receiver("src", sub_queue=SubQueue.DEAD_LETTER) as dlq:
+        got = drain(dlq, 4)
+    assert sorted(m.message_id for m in got) == [f"m{i}" for i in range(4)]
+    assert {m.dead_letter_reason for m in got} == {MISSING}
+    # once the destination exists, later messages travel; the dead letters stay where they are
+    ns.create_queue("nowhere")
+    ns.get_queue_sender("src").send_messages(Message("later", message_id="later"))
+    assert queue_ids(ns, "nowhere") == Counter({"later": 1})
+    assert sum(queue_ids(ns, "src", dead_letter=True).values()) == 4
+
+
+def test_subscription_missing_destination(ns: Namespace) -> None:
+    """A subscription forwarding to a deleted queue dead-letters its copies at the subscription."""
+    ns.create_queue("q")
+    ns.create_topic("t")
+    ns.create_subscription("t", "s", forward_to="q")
+    ns.create_subscription("t", "other")
+    ns.delete_queue("q")
+    ns.get_topic_sender("t").send_messages(Message("x", message_id="m"))
+    with ns.get_subscription_receiver("t", "s", sub_queue=SubQueue.DEAD_LETTER) as dlq:
+        (m,) = drain(dlq, 1)
+    assert (m.message_id, m.dead_letter_reason) == ("m", MISSING)
+    assert sub_ids(ns, "t", "other") == Counter({"m": 1})
+
+
+def test_forward_to_set_later_moves_waiting_messages(ns: Namespace) -> None:
+    """Setting forward_to on a queue with waiting messages moves them with forward_pending_messages()."""
+    ns.create_queue("dst")
+    ns.create_queue("src")
+    ns.get_queue_sender("src").send_messages(batch("m", 5))
+    props = ns.get_queue("src")
+    props.forward_to = "dst"
+    ns.update_queue(props)
+    assert ns.get_queue("src").forward_to == "dst"
+    ns.forward_pending_messages()
+    assert queue_ids(ns, "src") == Counter()
+    assert queue_ids(ns, "dst") == Counter({f"m{i}": 1 for i in range(5)})
+    ns.forward_pending_messages()  # idempotent
+    assert queue_ids(ns, "dst") == Counter({f"m{i}": 1 for i in range(5)})
+
+
+def test_subscription_forward_to_set_by_update(ns: Namespace) -> None:
+    """forward_to set on a subscription by update_subscription applies to the next send."""
+    ns.create_queue("q")
+    ns.create_topic("t")
+    ns.create_subscription("t", "s")
+    sender = ns.get_topic_sender("t")
+    sender.send_messages(Message("x", message_id="before"))
+    props = ns.get_subscription("t", "s")
+    props.forward_to = "q"
+    ns.update_subscription("t", props)
+    sender.send_messages(Message("y", message_id="after"))
+    assert queue_ids(ns, "q")["after"] == 1
+    ns.forward_pending_messages()  # moves what was waiting before forward_to was set
+    assert queue_ids(ns, "q") == Counter({"before": 1, "after": 1})
+    assert sub_ids(ns, "t", "s") == Counter()
+    props.forward_to = None
+    ns.update_subscription("t", props)
+    sender.send_messages(Message("z", message_id="kept"))
+    assert sub_ids(ns, "t", "s") == Counter({"kept": 1})
+
+
+def test_invalid_forward_to_name(ns: Namespace) -> None:
+    """forward_to must be a valid entity name (InvalidOperationError), also on update."""
+    with pytest.raises(InvalidOperationError):
+        ns.create_queue("q", forward_to="bad//name")
+    ns.create_queue("q")
+    props = ns.get_queue("q")
+    props.forward_dead_lettered_messages_to = "-bad"
+    with pytest.raises(InvalidOperationError):
+        ns.update_queue(props)
+    assert ns.get_queue("q").forward_dead_lettered_messages_to is None
+
+
+def test_scheduled_message_keeps_its_time_when_forwarded(ns: Namespace) -> None:
+    """A scheduled message is forwarded at once but stays invisible at the destination until its time."""
+    ns.create_queue("dst")
+    ns.create_queue("src", forward_to="dst")
+    when = datetime.now(UTC) + timedelta(seconds=1.5)
+    ns.get_queue_sender("src").schedule_messages(Message("later", message_id="s"), when)
+    assert queue_ids(ns, "src") == Counter()
+    assert ns.get_queue_runtime_properties("dst").scheduled_message_count == 1
+    with ns.get_queue_receiver("dst") as r:
+        assert r.receive_messages(max_wait_time=0.2) == []
+        time.sleep(max(0.0, (when - datetime.now(UTC)).total_seconds()) + 0.1)
+        (m,) = drain(r, 1)
+    assert m.message_id == "s"
+
+
+def test_duplicate_detection_at_destination(ns: Namespace) -> None:
+    """A duplicate-detecting destination drops a forwarded message whose id it already accepted."""
+    ns.create_queue("dst", requires_duplicate_detection=True)
+    ns.create_queue("src", forward_to="dst")
+    sender = ns.get_queue_sender("src")
+    sender.send_messages(Message("1", message_id="same"))
+    sender.send_messages(Message("2", message_id="same"))
+    assert queue_ids(ns, "src") == Counter()
+    assert queue_ids(ns, "dst") == Counter({"same": 1})
+
+
+def test_forwarding_by_another_process_namespace(root: str) -> None:
+    """Messages stored by one client are forwarded by another client's forward_pending_messages()."""
+    with Namespace(root) as a:
+        a.create_queue("dst")
+        a.create_queue("src", forward_to="nowhere-yet")
+        props = a.get_queue("src")
+        props.forward_to = None
+        a.update_queue(props)
+        a.get_queue_sender("src").send_messages(batch("m", 6))
+        props.forward_to = "dst"
+        a.update_queue(props)
+    with Namespace(root) as b:
+        b.forward_pending_messages()
+        assert queue_ids(b, "dst") == Counter({f"m{i}": 1 for i in range(6)})
+        assert queue_ids(b, "src") == Counter()
+
+
+# ---- transactions ------------------------------------------------------------------------------------
+
+
+def test_transaction_send_is_forwarded(ns: Namespace) -> None:
+    """Messages sent in a transaction to a forwarding queue are forwarded like any other send."""
+    ns.create_queue("dst")
+    ns.create_queue("src", forward_to="dst")
+    sender = ns.get_queue_sender("src")
+    with ns.transaction():
+        sender.send_messages([Message(f"{i}", message_id=f"m{i}", partition_key="k") for i in range(3)])
+    assert queue_ids(ns, "dst") == Counter({f"m{i}": 1 for i in range(3)})
+    assert queue_ids(ns, "src") == Counter()
+
+
+def test_transaction_send_to_topic_fans_out(ns: Namespace) -> None:
+    """Messages sent in a transaction to a topic reach its matching subscriptions."""
+    ns.create_topic("t")
+    ns.create_subscription("t", "a")
+    ns.create_subscription("t", "b")
+    ns.delete_rule("t", "b", "$Default")
+    ns.create_rule("t", "b", "r", filter=SqlRuleFilter("n = 1"))
+    sender = ns.get_topic_sender("t")
+    with ns.transaction():
+        sender.send_messages(
+            [Message(f"{i}", message_id=f"m{i}", partition_key="k", application_properties={"n": i}) for i in range(3)]
+        )
+    assert sub_ids(ns, "t", "a") == Counter({f"m{i}": 1 for i in range(3)})
+    assert sub_ids(ns, "t", "b") == Counter({"m1": 1})

@@ -1,0 +1,408 @@
+"""Subscription rules end to end through topics (SPEC §7, §8): management, every filter construct, actions."""
+
+from __future__ import annotations
+
+import time
+from collections import Counter
+from typing import Any
+
+import pytest
+from procs import peek_all
+
+from sparkqueue import (
+    CorrelationRuleFilter,
+    FalseRuleFilter,
+    Message,
+    Namespace,
+    SqlRuleAction,
+    SqlRuleFilter,
+    TrueRuleFilter,
+)
+from sparkqueue.errors import (
+    EntityAlreadyExistsError,
+    EntityNotFoundError,
+    FilterSyntaxError,
+    InvalidOperationError,
+)
+
+# Five messages that exercise the filter constructs; each subscription below names the ids it must get.
+MESSAGES = [
+    Message(
+        "1",
+        message_id="m1",
+        subject="orders",
+        correlation_id="c1",
+        content_type="json",
+        to="shop",
+        reply_to="r",
+        application_properties={"color": "red", "qty": 5, "price": 2.5, "region": "EU", "flag": True},
+    ),
+    Message(
+        "2",
+        message_id="m2",
+        subject="invoice",
+        correlation_id="c2",
+        application_properties={"color": "blue", "qty": 12, "price": 10.0, "region": "US", "note": None},
+    ),
+    Message("3", message_id="m3", subject="order_x", application_properties={"color": "green", "qty": "5"}),
+    Message("4", message_id="m4"),
+    Message("5", message_id="m5", reply_to_session_id="rs", application_properties={"color": "Red", "qty": 0, "region": "APAC"}),
+]
+ALL = {"m1", "m2", "m3", "m4", "m5"}
+
+FILTER_CASES: list[tuple[str, Any, set[str]]] = [
+    ("sys-label", SqlRuleFilter("sys.Label = 'orders'"), {"m1"}),
+    ("sys-label-like", SqlRuleFilter("sys.Label LIKE 'order%'"), {"m1", "m3"}),
+    ("like-escape", SqlRuleFilter("sys.Label LIKE 'order!_%' ESCAPE '!'"), {"m3"}),
+    ("like-underscore", SqlRuleFilter("color LIKE 'r_d'"), {"m1"}),
+    ("not-like", SqlRuleFilter("color NOT LIKE '%r%'"), {"m2", "m5"}),
+    ("sys-messageid-in", SqlRuleFilter("sys.MessageId IN ('m2', 'm4', 'zz')"), {"m2", "m4"}),
+    ("app-eq-case-sensitive", SqlRuleFilter("color = 'red'"), {"m1"}),
+    ("user-prefix", SqlRuleFilter("user.color = 'blue'"), {"m2"}),
+    ("in", SqlRuleFilter("region IN ('EU', 'APAC')"), {"m1", "m5"}),
+    ("not-in", SqlRuleFilter("region NOT IN ('EU')"), {"m2", "m5"}),
+    ("is-null", SqlRuleFilter("region IS NULL"), {"m3", "m4"}),
+    ("sys-is-not-null", SqlRuleFilter("sys.CorrelationId IS NOT NULL"), {"m1", "m2"}),
+    ("exists", SqlRuleFilter("EXISTS(note)"), {"m2"}),
+    ("not-exists", SqlRuleFilter("NOT EXISTS(color)"), {"m4"}),
+    ("arith-mul", SqlRuleFilter("qty * price > 20"), {"m2"}),
+    ("arith-mod-sub", SqlRuleFilter("qty % 5 = 0 AND qty - 1 >= 0"), {"m1"}),
+    ("arith-div-add", SqlRuleFilter("(qty + 3) / 2 = 7 OR (qty + 3) / 2.0 = 4.0"), {"m2", "m1"}),
+    ("typed-number", SqlRuleFilter("qty = 5"), {"m1"}),
+    ("typed-string", SqlRuleFilter("qty = '5'"), {"m3"}),
+    ("bool", SqlRuleFilter("flag = TRUE"), {"m1"}),
+    ("not-and-or", SqlRuleFilter("NOT (color = 'red') AND (qty > 1 OR flag = TRUE)"), {"m2"}),
+    ("comparison-ops", SqlRuleFilter("qty >= 5 AND qty <> 12 AND price < 3 AND price <= 2.5"), {"m1"}),
+    ("sys-reply-to-session", SqlRuleFilter("sys.ReplyToSessionId = 'rs'"), {"m5"}),
+    ("sys-to-content-type", SqlRuleFilter("sys.To = 'shop' AND sys.ContentType = 'json' AND sys.ReplyTo = 'r'"), {"m1"}),
+    ("parameter", SqlRuleFilter("color = @c", parameters={"@c": "green"}), {"m3"}),
+    (
+        "correlation-full",
+        CorrelationRuleFilter(correlation_id="c1", label="orders", properties={"color": "red", "qty": 5}),
+        {"m1"},
+    ),
+    ("correlation-typed-property", CorrelationRuleFilter(properties={"qty": 5}), {"m1"}),
+    ("correlation-fields", CorrelationRuleFilter(to="shop", content_type="json", reply_to="r"), {"m1"}),
+    ("correlation-message-id", CorrelationRuleFilter(message_id="m4"), {"m4"}),
+    ("correlation-reply-to-session", CorrelationRuleFilter(reply_to_session_id="rs", properties={"region": "APAC"}), {"m5"}),
+    ("correlation-no-match", CorrelationRuleFilter(correlation_id="c1", properties={"color": "blue"}), set()),
+    ("true", TrueRuleFilter(), ALL),
+    ("false", FalseRuleFilter(), set()),
+    ("sql-true", SqlRuleFilter("1=1"), ALL),
+]
+
+
+def ids_in(ns: Namespace, topic: str, sub: str) -> Counter[str]:
+    """message_id -> number of copies a subscription holds."""
+    with ns.get_subscription_receiver(topic, sub) as r:
+        return Counter(m.message_id for m in peek_all(r))
+
+
+def subscribe(ns: Namespace, topic: str, sub: str, rules: dict[str, tuple[Any, Any]]) -> None:
+    """Create a subscription whose rules are exactly `rules` (name -> (filter, action))."""
+    ns.create_subscription(topic, sub)
+    for name, (flt, action) in rules.items():
+        ns.create_rule(topic, sub, name, filter=flt, action=action)
+    ns.delete_rule(topic, sub, "$Default")
+
+
+# ---- management -----------------------------------------------------------------------------------
+
+
+def test_new_subscription_has_default_true_rule(ns: Namespace) -> None:
+    """A new subscription has exactly the rule $Default with a true filter and no action."""
+    ns.create_topic("t")
+    ns.create_subscription("t", "s")
+    rules = ns.list_rules("t", "s")
+    assert [r.name for r in rules] == ["$Default"]
+    rule = ns.get_rule("t", "s", "$Default")
+    assert rule.name == "$Default"
+    assert isinstance(rule.filter, TrueRuleFilter)
+    assert rule.action is None
+
+
+def test_rule_round_trip(ns: Namespace) -> None:
+    """create_rule stores filter and action; get_rule and list_rules return them."""
+    ns.create_topic("t")
+    ns.create_subscription("t", "s")
+    created = ns.create_rule(
+        "t", "s", "sql", filter=SqlRuleFilter("color = @c", parameters={"@c": "red"}), action=SqlRuleAction("SET seen = 1")
+    )
+    assert created.name == "sql"
+    ns.create_rule("t", "s", "corr", filter=CorrelationRuleFilter(correlation_id="c", properties={"n": 1, "b": True}))
+    ns.create_rule("t", "s", "never", filter=FalseRuleFilter())
+    ns.create_rule("t", "s", "default-filter")
+    assert sorted(r.name for r in ns.list_rules("t", "s")) == ["$Default", "corr", "default-filter", "never", "sql"]
+    sql = ns.get_rule("t", "s", "sql")
+    assert isinstance(sql.filter, SqlRuleFilter)
+    assert (sql.filter.sql_expression, sql.filter.parameters) == ("color = @c", {"@c": "red"})
+    assert isinstance(sql.action, SqlRuleAction) and sql.action.sql_expression == "SET seen = 1"
+    corr = ns.get_rule("t", "s", "corr")
+    assert isinstance(corr.filter, CorrelationRuleFilter)
+    assert (corr.filter.correlation_id, corr.filter.properties) == ("c", {"n": 1, "b": True})
+    assert corr.action is None
+    assert isinstance(ns.get_rule("t", "s", "never").filter, FalseRuleFilter)
+    assert isinstance(ns.get_rule("t", "s", "default-filter").filter, TrueRuleFilter)
+
+
+def test_rule_errors(ns: Namespace) -> None:
+    """Rules on missing entities raise EntityNotFoundError; repeated names raise EntityAlreadyExistsError."""
+    ns.create_topic("t")
+    ns.create_subscription("t", "s")
+    with pytest.raises(EntityNotFoundError):
+        ns.create_rule("t", "missing", "r", filter=TrueRuleFilter())
+    with pytest.raises(EntityNotFoundError):
+        ns.create_rule("missing", "s", "r", filter=TrueRuleFilter())
+    with pytest.raises(EntityNotFoundError):
+        ns.get_rule("t", "s", "nope")
+    with pytest.raises(EntityNotFoundError):
+        ns.delete_rule("t", "s", "nope")
+    with pytest.raises(EntityNotFoundError):
+        ns.list_rules("t", "missing")
+    ns.create_rule("t", "s", "r", filter=SqlRuleFilter("a = 1"))
+    with pytest.raises(EntityAlreadyExistsError):
+        ns.create_rule("t", "s", "r", filter=SqlRuleFilter("a = 2"))
+    with pytest.raises(EntityAlreadyExistsError):
+        ns.create_rule("t", "s", "$Default", filter=FalseRuleFilter())
+    assert ns.get_rule("t", "s", "r").filter.sql_expression == "a = 1"
+    ns.delete_rule("t", "s", "r")
+    with pytest.raises(EntityNotFoundError):
+        ns.delete_rule("t", "s", "r")
+    assert [r.name for r in ns.list_rules("t", "s")] == ["$Default"]
+
+
+@pytest.mark.parametrize("name", ["", "a/b", "a|b", "x" * 51, "a b", "-r", None, 5])
+def test_invalid_rule_names(ns: Namespace, name: object) -> None:
+    """Invalid rule names raise InvalidOperationError and add no rule."""
+    ns.create_topic("t")
+    ns.create_subscription("t", "s")
+    with pytest.raises(InvalidOperationError):
+        ns.create_rule("t", "s", name, filter=TrueRuleFilter())  # type: ignore[arg-type]
+    assert [r.name for r in ns.list_rules("t", "s")] == ["$Default"]
+
+
+@pytest.mark.parametrize(
+    ("flt", "action"),
+    [
+        ("color = 'red'", None),
+        ({"type": "TrueRuleFilter"}, None),
+        (42, None),
+        (SqlRuleAction("SET a = 1"), None),
+        (TrueRuleFilter(), "SET a = 1"),
+        (TrueRuleFilter(), SqlRuleFilter("a = 1")),
+        (TrueRuleFilter(), CorrelationRuleFilter(label="x")),
+    ],
+    ids=["str", "dict", "int", "action-as-filter", "str-action", "filter-as-action", "correlation-as-action"],
+)
+def test_bad_filter_or_action_objects(ns: Namespace, flt: object, action: object) -> None:
+    """A filter or action of the wrong kind raises InvalidOperationError at creation; the topic keeps working."""
+    ns.create_topic("t")
+    ns.create_subscription("t", "s")
+    with pytest.raises(InvalidOperationError):
+        ns.create_rule("t", "s", "bad", filter=flt, action=action)
+    assert [r.name for r in ns.list_rules("t", "s")] == ["$Default"]
+    ns.get_topic_sender("t").send_messages(Message("x", message_id="after"))
+    assert ids_in(ns, "t", "s") == Counter({"after": 1})
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda: SqlRuleFilter("color = = 'red'"),
+        lambda: SqlRuleFilter("color IN ()"),
+        lambda: SqlRuleFilter("(a = 1"),
+        lambda: SqlRuleFilter("a = 'unterminated"),
+        lambda: SqlRuleFilter("a LIKE"),
+        lambda: SqlRuleFilter("sys.NoSuchProperty = 1"),
+        lambda: SqlRuleFilter("a = @missing"),
+        lambda: SqlRuleAction("SET"),
+        lambda: SqlRuleAction("SET a 1"),
+        lambda: SqlRuleAction("DROP a"),
+    ],
+    ids=["double-eq", "empty-in", "paren", "string", "like", "sys-unknown", "parameter", "set", "set-no-eq", "unknown-stmt"],
+)
+def test_invalid_sql_fails_at_rule_creation(ns: Namespace, make: Any) -> None:
+    """Invalid SQL raises FilterSyntaxError (an InvalidOperationError) at rule creation and adds no rule."""
+    ns.create_topic("t")
+    ns.create_subscription("t", "s")
+    with pytest.raises(FilterSyntaxError) as err:
+        made = make()
+        if isinstance(made, SqlRuleAction):
+            ns.create_rule("t", "s", "bad", filter=TrueRuleFilter(), action=made)
+        else:
+            ns.create_rule("t", "s", "bad", filter=made)
+    assert isinstance(err.value, InvalidOperationError)
+    assert [r.name for r in ns.list_rules("t", "s")] == ["$Default"]
+
+
+def test_rules_cannot_change_inside_a_transaction(ns: Namespace) -> None:
+    """Adding or removing a rule inside a transaction raises InvalidOperationError and changes nothing."""
+    ns.create_topic("t")
+    ns.create_subscription("t", "s")
+    with pytest.raises(InvalidOperationError), ns.transaction():
+        ns.create_rule("t", "s", "r", filter=TrueRuleFilter())
+    with pytest.raises(InvalidOperationError), ns.transaction():
+        ns.delete_rule("t", "s", "$Default")
+    assert [r.name for r in ns.list_rules("t", "s")] == ["$Default"]
+
+
+def test_rule_changes_apply_to_later_sends(ns: Namespace) -> None:
+    """Adding and deleting rules changes what later sends deliver; earlier copies stay."""
+    ns.create_topic("t")
+    ns.create_subscription("t", "s")
+    sender = ns.get_topic_sender("t")
+    sender.send_messages(Message("a", message_id="1", application_properties={"k": 1}))
+    ns.delete_rule("t", "s", "$Default")
+    sender.send_messages(Message("b", message_id="2", application_properties={"k": 1}))  # no rule: nothing
+    ns.create_rule("t", "s", "k2", filter=SqlRuleFilter("k = 2"))
+    sender.send_messages([Message(f"{k}", message_id=f"k{k}", application_properties={"k": k}) for k in (1, 2)])
+    ns.delete_rule("t", "s", "k2")
+    ns.create_rule("t", "s", "k1", filter=CorrelationRuleFilter(properties={"k": 1}))
+    sender.send_messages([Message(f"{k}", message_id=f"again{k}", application_properties={"k": k}) for k in (1, 2)])
+    assert ids_in(ns, "t", "s") == Counter({"1": 1, "k2": 1, "again1": 1})
+
+
+def test_rule_changes_seen_by_another_namespace_instance(root: str) -> None:
+    """A rule added through one Namespace object filters sends made through another (a different client)."""
+    with Namespace(root) as admin, Namespace(root) as client:
+        admin.create_topic("t")
+        admin.create_subscription("t", "s")
+        sender = client.get_topic_sender("t")
+        sender.send_messages(Message("x", message_id="before", application_properties={"ok": False}))
+        admin.create_rule("t", "s", "ok", filter=SqlRuleFilter("ok = TRUE"))
+        admin.delete_rule("t", "s", "$Default")
+        time.sleep(1.1)  # clients may cache rules for up to PROPERTIES_TTL_S (1 s)
+        sender.send_messages(
+            [
+                Message("x", message_id="rejected", application_properties={"ok": False}),
+                Message("y", message_id="accepted", application_properties={"ok": True}),
+            ]
+        )
+        assert ids_in(admin, "t", "s") == Counter({"before": 1, "accepted": 1})
+
+
+# ---- every filter construct through a topic ---------------------------------------------------------
+
+
+def test_every_filter_construct_end_to_end(ns: Namespace) -> None:
+    """Every filter construct (sys.*, properties, IN, LIKE, IS NULL, EXISTS, arithmetic, correlation, true/false) works."""
+    ns.create_topic("t")
+    # one rule per construct, each tagging its own copy, so one subscription shows what every filter selected
+    subscribe(ns, "t", "s", {name: (flt, SqlRuleAction(f"SET via = '{name}'")) for name, flt, _ in FILTER_CASES})
+    ns.get_topic_sender("t").send_messages(MESSAGES)
+    with ns.get_subscription_receiver("t", "s") as r:
+        copies = peek_all(r)
+    got: dict[str, Counter[str]] = {name: Counter() for name, _, _ in FILTER_CASES}
+    for m in copies:
+        got[(m.application_properties or {})["via"]][m.message_id] += 1
+    want = {name: Counter(dict.fromkeys(expected, 1)) for name, _, expected in FILTER_CASES}
+    assert got == want
+
+
+def test_filters_on_unpartitioned_topic_and_many_batches(ns: Namespace) -> None:
+    """Filters give the same selection when messages arrive one at a time on an unpartitioned topic."""
+    ns.create_topic("t", enable_partitioning=False)
+    cases = [c for c in FILTER_CASES if c[0] in {"in", "is-null", "exists", "arith-mul", "correlation-full", "sys-label-like"}]
+    for name, flt, _ in cases:
+        subscribe(ns, "t", name, {"only": (flt, None)})
+    sender = ns.get_topic_sender("t")
+    for m in MESSAGES:
+        sender.send_messages(m)
+    for name, _, expected in cases:
+        assert ids_in(ns, "t", name) == Counter(dict.fromkeys(expected, 1)), name
+
+
+def test_filters_do_not_read_the_body(ns: Namespace) -> None:
+    """Filters see properties only: a body that looks like properties does not match."""
+    ns.create_topic("t")
+    subscribe(ns, "t", "s", {"only": (SqlRuleFilter("color = 'red'"), None)})
+    ns.get_topic_sender("t").send_messages(
+        [Message('{"color": "red"}', message_id="body"), Message("x", message_id="prop", application_properties={"color": "red"})]
+    )
+    assert ids_in(ns, "t", "s") == Counter({"prop": 1})
+
+
+# ---- actions -----------------------------------------------------------------------------------------
+
+
+def test_copies_per_rule_and_action(ns: Namespace) -> None:
+    """Each matching rule with an action gives its own modified copy; matching rules without action give one copy between them."""
+    ns.create_topic("t")
+    subscribe(
+        ns,
+        "t",
+        "s",
+        {
+            "red": (SqlRuleFilter("color = 'red'"), SqlRuleAction("SET tag = 'red'")),
+            "many": (SqlRuleFilter("qty > 1"), SqlRuleAction("SET tag = 'many'; SET qty = qty * 2")),
+            "region": (SqlRuleFilter("region IS NOT NULL"), None),
+            "label": (SqlRuleFilter("sys.Label LIKE 'order%'"), None),
+        },
+    )
+    ns.create_subscription("t", "plain")
+    ns.get_topic_sender("t").send_messages(MESSAGES)
+    with ns.get_subscription_receiver("t", "s") as r:
+        copies = peek_all(r)
+    by_id: dict[str, list[dict[str, Any] | None]] = {}
+    for m in copies:
+        by_id.setdefault(m.message_id, []).append(m.application_properties)
+    assert Counter({k: len(v) for k, v in by_id.items()}) == Counter({"m1": 3, "m2": 2, "m3": 1, "m5": 1})
+    m1 = MESSAGES[0].application_properties
+    m2 = MESSAGES[1].application_properties
+    assert m1 is not None and m2 is not None
+
+    def key(p: dict[str, Any] | None) -> str:
+        return repr(sorted((p or {}).items()))
+
+    assert sorted(by_id["m1"], key=key) == sorted(
+        [{**m1, "tag": "red"}, {**m1, "tag": "many", "qty": 10}, m1],
+        key=key,
+    )
+    assert sorted(by_id["m2"], key=key) == sorted([{**m2, "tag": "many", "qty": 24}, m2], key=key)
+    assert by_id["m3"] == [MESSAGES[2].application_properties]
+    # the copies of other subscriptions are not modified
+    with ns.get_subscription_receiver("t", "plain") as r:
+        plain = {m.message_id: m.application_properties for m in peek_all(r)}
+    assert plain["m1"] == m1 and plain["m2"] == m2
+
+
+def test_action_remove_and_system_property(ns: Namespace) -> None:
+    """Actions can REMOVE properties and SET system properties such as sys.Label on the copy."""
+    ns.create_topic("t")
+    subscribe(
+        ns,
+        "t",
+        "s",
+        {"r": (TrueRuleFilter(), SqlRuleAction("REMOVE color; SET sys.Label = 'relabelled'; SET total = qty * price"))},
+    )
+    ns.get_topic_sender("t").send_messages(MESSAGES[:2])
+    with ns.get_subscription_receiver("t", "s") as r:
+        got = {m.message_id: m for m in peek_all(r)}
+    assert set(got) == {"m1", "m2"}
+    assert got["m1"].subject == "relabelled"
+    assert got["m1"].application_properties == {"qty": 5, "price": 2.5, "region": "EU", "flag": True, "total": 12.5}
+    assert got["m2"].application_properties == {"qty": 12, "price": 10.0, "region": "US", "note": None, "total": 120.0}
+    assert got["m1"].body == b"1"
+
+
+def test_two_subscriptions_two_actions_each(ns: Namespace) -> None:
+    """Copy counts add up over subscriptions: N messages x matching action rules, per subscription."""
+    ns.create_topic("t")
+    for sub in ("a", "b"):
+        subscribe(
+            ns,
+            "t",
+            sub,
+            {
+                "x": (TrueRuleFilter(), SqlRuleAction(f"SET via = '{sub}-x'")),
+                "y": (SqlRuleFilter("n < 5"), SqlRuleAction(f"SET via = '{sub}-y'")),
+            },
+        )
+    seqs = ns.get_topic_sender("t").send_messages(
+        [Message(f"{i}", message_id=f"m{i}", application_properties={"n": i}) for i in range(10)]
+    )
+    assert len(seqs) == 2 * (10 + 5)
+    for sub in ("a", "b"):
+        with ns.get_subscription_receiver("t", sub) as r:
+            via = Counter((m.application_properties or {}).get("via") for m in peek_all(r))
+        assert via == Counter({f"{sub}-x": 10, f"{sub}-y": 5})
