@@ -1,0 +1,41 @@
+"""Shared fixtures: a fresh namespace per test, in pytest's tmp_path, backed by real Delta tables."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from sparkqueue import Namespace
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Skip tests marked slow unless SPARKQUEUE_SLOW=1 or `-m` selects them (see the marker in pyproject.toml)."""
+    if os.environ.get("SPARKQUEUE_SLOW") == "1" or "slow" in (config.option.markexpr or ""):
+        return
+    skip = pytest.mark.skip(reason="slow: set SPARKQUEUE_SLOW=1 to run")
+    for item in items:
+        if item.get_closest_marker("slow") is not None:
+            item.add_marker(skip)
+
+
+@pytest.fixture
+def root(tmp_path: Path) -> str:
+    """Root directory of a fresh namespace."""
+    return str(tmp_path / "ns")
+
+
+@pytest.fixture
+def ns(root: str) -> Iterator[Namespace]:
+    """A fresh standard-tier namespace."""
+    with Namespace(root) as namespace:
+        yield namespace
+
+
+@pytest.fixture
+def premium_ns(tmp_path: Path) -> Iterator[Namespace]:
+    """A fresh premium-tier namespace."""
+    with Namespace(tmp_path / "premium", tier="premium") as namespace:
+        yield namespace

@@ -1,0 +1,173 @@
+"""Helpers shared by the core tests, and the functions the multi-process tests run in child processes.
+
+Child functions take plain picklable arguments, open their own `Namespace(root)` and report back
+through multiprocessing primitives or files, so they work with the "spawn" start method.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from datetime import UTC, datetime
+from typing import Any
+
+import mmh3
+
+from sparkqueue import Message, Namespace, ReceivedMessage
+from sparkqueue.errors import EntityAlreadyExistsError, MessageLockLostError
+from sparkqueue.receiver import Receiver
+
+PARTITIONS = 16
+
+
+# ---- helpers for tests in this process -----------------------------------------------------------
+
+
+def partition_for(key: str, n: int = PARTITIONS) -> int:
+    """The partition the contract (SPEC §3) assigns to a key."""
+    return mmh3.hash(key.encode("utf-8"), 0, signed=False) % n
+
+
+def key_for_partition(partition: int, prefix: str = "key", n: int = PARTITIONS) -> str:
+    """A partition key that the contract places in `partition`."""
+    for i in range(100_000):
+        key = f"{prefix}-{i}"
+        if partition_for(key, n) == partition:
+            return key
+    raise AssertionError(f"no key found for partition {partition}")
+
+
+def sleep_past(moment: datetime, margin_s: float = 0.2) -> None:
+    """Sleep until the wall clock is `margin_s` past `moment` (a lock expiry, a TTL, a schedule time)."""
+    delay = (moment - datetime.now(UTC)).total_seconds() + margin_s
+    if delay > 0:
+        time.sleep(delay)
+
+
+def drain(receiver: Receiver, expected: int, timeout_s: float = 10.0, batch: int = 50) -> list[ReceivedMessage]:
+    """Receive until `expected` messages arrived or `timeout_s` passed (a bound on the loop, not an assertion)."""
+    out: list[ReceivedMessage] = []
+    give_up = time.monotonic() + timeout_s
+    while len(out) < expected and time.monotonic() < give_up:
+        out.extend(receiver.receive_messages(max_message_count=min(batch, expected - len(out)), max_wait_time=0.2))
+    return out
+
+
+def drain_all(receiver: Receiver, batch: int = 50, idle_s: float = 0.3) -> list[ReceivedMessage]:
+    """Receive until a receive that waited `idle_s` returns nothing."""
+    out: list[ReceivedMessage] = []
+    while True:
+        got = receiver.receive_messages(max_message_count=batch, max_wait_time=idle_s)
+        if not got:
+            return out
+        out.extend(got)
+
+
+def peek_all(receiver: Receiver, batch: int = 100) -> list[ReceivedMessage]:
+    """Browse every message from the start, looping as the contract asks (peek may return fewer than asked)."""
+    out = receiver.peek_messages(batch, sequence_number=0)
+    while True:
+        got = receiver.peek_messages(batch)
+        if not got:
+            return out
+        out.extend(got)
+
+
+# ---- child-process functions ---------------------------------------------------------------------
+
+
+def _wait(barrier: Any) -> None:
+    barrier.wait(timeout=60)
+
+
+def receive_and_complete(
+    root: str, queue: str, barrier: Any, done: Any, total: int, results: Any, worker: int, deadline_s: float = 90.0
+) -> None:
+    """Race other processes: receive and complete until `done` (shared counter) reaches `total`.
+
+    Reports (worker, delivered [(message_id, delivery_count)], completed [message_id], lock_lost count).
+    """
+    delivered: list[tuple[str, int]] = []
+    completed: list[str] = []
+    lost = 0
+    with Namespace(root) as ns, ns.get_queue_receiver(queue) as receiver:
+        _wait(barrier)
+        give_up = time.monotonic() + deadline_s
+        while done.value < total and time.monotonic() < give_up:
+            got = receiver.receive_messages(max_message_count=10, max_wait_time=0.2)
+            for m in got:
+                delivered.append((m.message_id, m.delivery_count))
+                try:
+                    receiver.complete_message(m)
+                except MessageLockLostError:
+                    lost += 1
+                    continue
+                completed.append(m.message_id)
+                with done.get_lock():
+                    done.value += 1
+    results.put((worker, delivered, completed, lost))
+
+
+def send_sequence(root: str, queue: str, barrier: Any, results: Any, worker: int, count: int, key: str, batch: int) -> None:
+    """Send `count` messages with one partition key, `batch` per call; report the sequence numbers in send order."""
+    seqs: list[int] = []
+    ids: list[str] = []
+    with Namespace(root) as ns, ns.get_queue_sender(queue) as sender:
+        _wait(barrier)
+        for start in range(0, count, batch):
+            msgs = [
+                Message(f"w{worker}-{i}", message_id=f"w{worker}-{i}", partition_key=key)
+                for i in range(start, min(count, start + batch))
+            ]
+            got = sender.send_messages(msgs)
+            seqs.extend(got)
+            ids.extend(m.message_id for m in msgs if m.message_id is not None)
+    results.put((worker, ids, seqs))
+
+
+def send_ids(root: str, queue: str, barrier: Any, results: Any, worker: int, ids: list[str], batch: int) -> None:
+    """Send messages with the given ids (`batch` per call); report how many sequence numbers the sends returned."""
+    stored = 0
+    with Namespace(root) as ns, ns.get_queue_sender(queue) as sender:
+        _wait(barrier)
+        for start in range(0, len(ids), batch):
+            msgs = [Message(f"from-{worker}", message_id=i) for i in ids[start : start + batch]]
+            stored += len(sender.send_messages(msgs))
+    results.put((worker, stored))
+
+
+def create_queue(root: str, queue: str, barrier: Any, results: Any, worker: int) -> None:
+    """Open the namespace (maybe creating it) and create the queue at once with the others.
+
+    max_delivery_count marks who created it; reports "created" or "exists".
+    """
+    _wait(barrier)
+    ns = Namespace(root)
+    try:
+        ns.create_queue(queue, max_delivery_count=worker + 1)
+    except EntityAlreadyExistsError:
+        results.put((worker, "exists"))
+        return
+    results.put((worker, "created"))
+
+
+def _record(path: str, lines: list[str]) -> None:
+    """Append lines to a file durably: once written, the parent can rely on them after a SIGKILL."""
+    with open(path, "a", encoding="utf-8") as f:
+        f.write("".join(f"{line}\n" for line in lines))
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def send_and_lock_until_killed(root: str, queue: str, sent_path: str, locked_path: str, batch: int) -> None:
+    """Loop forever: send a batch spread over partitions, record it, then lock a few messages and record them."""
+    n = 0
+    with Namespace(root) as ns, ns.get_queue_sender(queue) as sender, ns.get_queue_receiver(queue) as receiver:
+        while True:
+            msgs = [Message(f"b{n}", message_id=f"b{n}-{k}", partition_key=f"b{n}-{k}") for k in range(batch)]
+            sender.send_messages(msgs)
+            _record(sent_path, [m.message_id for m in msgs if m.message_id is not None])
+            got = receiver.receive_messages(max_message_count=2)
+            if got:
+                _record(locked_path, [m.message_id for m in got])
+            n += 1

@@ -1,0 +1,303 @@
+"""Several real processes ("spawn") on one namespace: competing receivers, concurrent senders,
+concurrent duplicate sends, racing creators, and a sender/receiver killed with SIGKILL
+(SPEC §1, §2, §4, §5, §10)."""
+
+from __future__ import annotations
+
+import itertools
+import multiprocessing as mp
+import os
+import queue
+import random
+import signal
+import time
+from collections import Counter, defaultdict
+from collections.abc import Callable
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import procs
+import pytest
+from procs import drain_all, key_for_partition, peek_all
+
+from sparkqueue import Message, Namespace
+from sparkqueue.errors import MessageLockLostError
+
+CTX = mp.get_context("spawn")
+CHILD_TIMEOUT_S = 120.0
+
+
+def _run(target: Callable[..., None], n: int, args: Callable[[int, Any, Any], tuple[Any, ...]]) -> list[Any]:
+    """Start n child processes running target(*args(i, barrier, results)) and return what each put on `results`."""
+    return _run_mixed([(target, args)] * n)
+
+
+def _run_mixed(specs: list[tuple[Callable[..., None], Callable[[int, Any, Any], tuple[Any, ...]]]]) -> list[Any]:
+    """Start one child per (target, args) spec, all released by one barrier; return what each put on `results`."""
+    barrier = CTX.Barrier(len(specs))
+    results = CTX.Queue()
+    children = [CTX.Process(target=t, args=a(i, barrier, results), daemon=True) for i, (t, a) in enumerate(specs)]
+    for c in children:
+        c.start()
+    out: list[Any] = []
+    give_up = time.monotonic() + CHILD_TIMEOUT_S
+    try:
+        while len(out) < len(children):
+            try:
+                out.append(results.get(timeout=1.0))
+            except queue.Empty:
+                crashed = [c.exitcode for c in children if c.exitcode not in (None, 0)]
+                assert not crashed, f"a child process failed with exit code(s) {crashed}"
+                assert time.monotonic() < give_up, "child processes did not report in time"
+        for c in children:
+            c.join(timeout=30)
+            assert c.exitcode == 0
+    finally:
+        for c in children:
+            if c.is_alive():
+                c.kill()
+    return out
+
+
+def _send(root: str, msgs: list[Message], queue_name: str = "q") -> list[int]:
+    with Namespace(root) as ns, ns.get_queue_sender(queue_name) as s:
+        seqs: list[int] = []
+        for start in range(0, len(msgs), 50):
+            seqs += s.send_messages(msgs[start : start + 50])
+        return seqs
+
+
+# ---- competing receivers ---------------------------------------------------------------------
+
+
+def _race_receivers(root: str, ids: list[str], workers: int) -> None:
+    """Run `workers` receiver processes until every id is completed; check each was delivered and completed once."""
+    done = CTX.Value("i", 0)
+    reports = _run(procs.receive_and_complete, workers, lambda i, b, r: (root, "q", b, done, len(ids), r, i))
+    delivered = [d for _, dl, _, _ in reports for d in dl]
+    completed = [c for _, _, cl, _ in reports for c in cl]
+    lost = sum(n for *_, n in reports)
+    dup_deliveries = [mid for mid, n in Counter(mid for mid, _ in delivered).items() if n > 1]
+    assert dup_deliveries == [], f"messages delivered twice under 60 s locks: {dup_deliveries[:10]}"
+    assert {dc for _, dc in delivered} == {1}
+    assert lost == 0
+    assert len(completed) == len(ids)
+    assert set(completed) == set(ids)
+    active_workers = sum(1 for _, _, cl, _ in reports if cl)
+    assert active_workers >= 2, "the race needs at least two receivers that got messages"
+    with Namespace(root) as ns:
+        assert ns.get_queue_runtime_properties("q").total_message_count == 0
+
+
+def test_competing_receivers_complete_each_message_once(root: str) -> None:
+    """4 receiver processes over 300 messages in all partitions: every message is delivered and completed exactly once."""
+    with Namespace(root) as ns:
+        ns.create_queue("q", lock_duration=timedelta(seconds=60))
+    ids = [f"m{i}" for i in range(300)]
+    msgs = [Message(i, message_id=i) for i in ids]
+    with Namespace(root) as ns, ns.get_queue_sender("q") as s:
+        for start in range(0, 300, 10):  # unkeyed batches spread round-robin over the partitions
+            s.send_messages(msgs[start : start + 10])
+        assert sum(1 for p in ns.get_queue_runtime_properties("q").partitions if p.active_message_count) == 16
+    _race_receivers(root, ids, workers=4)
+
+
+def test_competing_receivers_on_one_partition(root: str) -> None:
+    """4 receiver processes fighting over one partition's files: every message is delivered and completed exactly once."""
+    with Namespace(root) as ns:
+        ns.create_queue("q", lock_duration=timedelta(seconds=60))
+    key = key_for_partition(13, "hot")
+    ids = [f"h{i}" for i in range(300)]
+    seqs = _send(root, [Message(i, message_id=i, partition_key=key) for i in ids])
+    assert {s >> 48 for s in seqs} == {13}
+    _race_receivers(root, ids, workers=4)
+
+
+def test_senders_and_receivers_at_once(root: str) -> None:
+    """2 senders and 3 receivers running together: every message sent is delivered and completed exactly once."""
+    with Namespace(root) as ns:
+        ns.create_queue("q", lock_duration=timedelta(seconds=60))
+    per_sender = 80
+    done = CTX.Value("i", 0)
+    hot = key_for_partition(2, "mixed")
+    specs: list[tuple[Callable[..., None], Callable[[int, Any, Any], tuple[Any, ...]]]] = [
+        (procs.send_sequence, lambda i, b, r: (root, "q", b, r, i, per_sender, hot, 4)),
+        (procs.send_sequence, lambda i, b, r: (root, "q", b, r, i, per_sender, None, 4)),
+    ]
+    specs += [(procs.receive_and_complete, lambda i, b, r: (root, "q", b, done, 2 * per_sender, r, i))] * 3
+    reports = _run_mixed(specs)
+    sent = {mid for rep in reports if len(rep) == 3 for mid in rep[1]}
+    receiver_reports = [rep for rep in reports if len(rep) == 4]
+    delivered = [mid for _, dl, _, _ in receiver_reports for mid, _ in dl]
+    completed = [mid for _, _, cl, _ in receiver_reports for mid in cl]
+    assert len(sent) == 2 * per_sender
+    assert len(delivered) == len(set(delivered)), "a message was delivered twice under a 60 s lock"
+    assert sorted(completed) == sorted(sent)
+    assert sum(n for *_, n in receiver_reports) == 0
+
+
+# ---- concurrent senders ----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("batch", [1, 5])
+def test_concurrent_senders_to_one_partition(root: str, batch: int) -> None:
+    """3 sender processes on one partition: nothing lost, sequence numbers unique and increasing in each send order."""
+    with Namespace(root) as ns:
+        ns.create_queue("q")
+    key = key_for_partition(5, "shared")
+    per_worker = 40
+    reports = _run(procs.send_sequence, 3, lambda i, b, r: (root, "q", b, r, i, per_worker, key, batch))
+    sent: dict[str, int] = {}
+    for _, ids, seqs in reports:
+        assert len(seqs) == len(ids) == per_worker
+        assert all(a < b for a, b in itertools.pairwise(seqs)), "a process's sends must get increasing numbers"
+        sent.update(zip(ids, seqs, strict=True))
+    all_seqs = list(sent.values())
+    assert len(set(all_seqs)) == len(all_seqs) == 3 * per_worker
+    assert {s >> 48 for s in all_seqs} == {5}
+    with Namespace(root) as ns, ns.get_queue_receiver("q") as r:
+        stored = peek_all(r)
+    assert {m.message_id: m.sequence_number for m in stored} == sent
+    assert len(stored) == len(sent)
+
+
+def test_concurrent_unkeyed_senders_lose_nothing(root: str) -> None:
+    """3 processes sending unkeyed batches at once: every message is stored once, sequence numbers are unique."""
+    with Namespace(root) as ns:
+        ns.create_queue("q", enable_partitioning=False)
+    reports = _run(procs.send_sequence, 3, lambda i, b, r: (root, "q", b, r, i, 30, None, 3))
+    sent = {mid: seq for _, ids, seqs in reports for mid, seq in zip(ids, seqs, strict=True)}
+    assert len(sent) == 90
+    assert len(set(sent.values())) == 90
+    with Namespace(root) as ns, ns.get_queue_receiver("q") as r:
+        stored = drain_all(r)
+    assert sorted(m.message_id for m in stored) == sorted(sent)
+    assert [m.sequence_number for m in stored] == sorted(m.sequence_number for m in stored)
+
+
+def test_concurrent_duplicate_sends_store_one_copy(root: str) -> None:
+    """3 processes sending the same message ids to a duplicate-detecting queue store exactly one copy of each."""
+    with Namespace(root) as ns:
+        ns.create_queue("q", requires_duplicate_detection=True)
+    ids = [f"d{i}" for i in range(60)]
+
+    def args(i: int, b: Any, r: Any) -> tuple[Any, ...]:
+        order = ids[20 * i :] + ids[: 20 * i]  # each process starts elsewhere, so they collide everywhere
+        return (root, "q", b, r, i, order, 10)
+
+    reports = _run(procs.send_ids, 3, args)
+    assert sum(stored for _, stored in reports) == len(ids)
+    with Namespace(root) as ns, ns.get_queue_receiver("q") as r:
+        stored_msgs = peek_all(r)
+        assert ns.get_queue_runtime_properties("q").total_message_count == len(ids)
+    assert sorted(m.message_id for m in stored_msgs) == sorted(ids)
+
+
+def test_concurrent_duplicate_sends_to_one_partition(root: str) -> None:
+    """Duplicate sends racing on one partition (shared partition key) still store one copy of each id."""
+    with Namespace(root) as ns:
+        ns.create_queue("q", requires_duplicate_detection=True, enable_partitioning=False)
+    ids = [f"s{i}" for i in range(40)]
+    reports = _run(procs.send_ids, 3, lambda i, b, r: (root, "q", b, r, i, ids, 4))
+    assert sum(stored for _, stored in reports) == len(ids)
+    with Namespace(root) as ns, ns.get_queue_receiver("q") as r:
+        got = drain_all(r)
+    assert sorted(m.message_id for m in got) == sorted(ids)
+
+
+# ---- racing creators ---------------------------------------------------------------------------
+
+
+def test_racing_creators_one_wins(root: str) -> None:
+    """Processes creating the same queue at once: exactly one succeeds, the others get EntityAlreadyExistsError."""
+    Namespace(root).close()  # the catalog exists before the race
+    reports = _run(procs.create_queue, 3, lambda i, b, r: (root, "raced", b, r, i))
+    outcomes = Counter(outcome for _, outcome in reports)
+    assert outcomes == Counter({"created": 1, "exists": 2})
+    (winner,) = [w for w, outcome in reports if outcome == "created"]
+    with Namespace(root) as ns:
+        assert [q.name for q in ns.list_queues()] == ["raced"]
+        assert ns.get_queue("raced").max_delivery_count == winner + 1
+        with ns.get_queue_sender("raced") as s:
+            s.send_messages(Message("works"))
+        with ns.get_queue_receiver("raced") as r:
+            assert [str(m) for m in drain_all(r)] == ["works"]
+
+
+def test_racing_creators_on_a_new_namespace(root: str) -> None:
+    """Processes opening a namespace that does not exist yet and creating one queue: one wins, the others are told it exists."""
+    reports = _run(procs.create_queue, 2, lambda i, b, r: (root, "first", b, r, i))
+    assert sorted(outcome for _, outcome in reports) == ["created", "exists"]
+    with Namespace(root) as ns:
+        assert [q.name for q in ns.list_queues()] == ["first"]
+
+
+# ---- a process killed mid-way ----------------------------------------------------------------
+
+
+def _lines(path: Path) -> list[str]:
+    """Complete lines of a file written by a child (a torn last line is ignored)."""
+    if not path.exists():
+        return []
+    text = path.read_text(encoding="utf-8")
+    return text.split("\n")[:-1]
+
+
+@pytest.mark.parametrize("extra_delay", [0.0, 0.15])
+def test_killed_process_loses_nothing_and_its_locks_lapse(root: str, tmp_path: Path, extra_delay: float) -> None:
+    """After SIGKILL mid-loop: every accepted send is stored, no batch is half-applied, and its locks lapse."""
+    lock = timedelta(seconds=3)
+    batch = 4
+    with Namespace(root) as ns:
+        ns.create_queue("q", lock_duration=lock)
+    sent_path, locked_path = tmp_path / "sent.txt", tmp_path / "locked.txt"
+    child = CTX.Process(
+        target=procs.send_and_lock_until_killed, args=(root, "q", str(sent_path), str(locked_path), batch), daemon=True
+    )
+    child.start()
+    try:
+        give_up = time.monotonic() + CHILD_TIMEOUT_S
+        while len(_lines(sent_path)) < 10 * batch:
+            assert child.is_alive(), f"the child died early with exit code {child.exitcode}"
+            assert time.monotonic() < give_up, "the child made no progress"
+            time.sleep(0.02)
+        time.sleep(extra_delay + random.uniform(0, 0.05))
+        os.kill(child.pid, signal.SIGKILL)  # type: ignore[arg-type]
+        child.join(timeout=30)
+        killed_at = time.monotonic()
+    finally:
+        if child.is_alive():
+            child.kill()
+    assert child.exitcode == -signal.SIGKILL
+    accepted = set(_lines(sent_path))
+    locked_by_child = set(_lines(locked_path))
+    assert accepted and locked_by_child
+
+    # Wait for every lock the child held to lapse, then another receiver must get everything.
+    time.sleep(max(0.0, lock.total_seconds() + 0.3 - (time.monotonic() - killed_at)))
+    delivery_counts: dict[str, int] = {}
+    deliveries = 0
+    lost_locks = 0
+    with Namespace(root) as ns, ns.get_queue_receiver("q") as r:
+        while got := r.receive_messages(max_message_count=20, max_wait_time=0.5):
+            deliveries += len(got)
+            for m in got:
+                delivery_counts[m.message_id] = max(m.delivery_count, delivery_counts.get(m.message_id, 0))
+            try:
+                r.complete_messages(got)
+            except MessageLockLostError:
+                lost_locks += 1  # only on a badly overloaded machine: those messages come back and are completed later
+        assert ns.get_queue_runtime_properties("q").total_message_count == 0
+    ids = set(delivery_counts)
+    if lost_locks == 0:
+        assert deliveries == len(ids), "a message was delivered twice"
+    assert accepted <= ids, f"accepted sends lost: {sorted(accepted - ids)[:10]}"
+    batches: dict[str, set[str]] = defaultdict(set)
+    for mid in ids:
+        name, _, k = mid.partition("-")
+        assert name.startswith("b") and k.isdigit(), f"unexpected message {mid!r}"
+        batches[name].add(k)
+    assert all(len(ks) == batch for ks in batches.values()), "a batch was stored in part"
+    assert locked_by_child <= ids
+    assert all(delivery_counts[mid] >= 2 for mid in locked_by_child), "the dead child's deliveries were not counted"

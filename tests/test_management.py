@@ -1,0 +1,395 @@
+"""Queue management: create, get, update, delete, list, runtime properties, availability, the
+namespace's lifecycle and tiers (SPEC §1, §10, §11)."""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+
+import pytest
+from procs import drain, drain_all, key_for_partition
+
+from sparkqueue import Message, Namespace
+from sparkqueue.errors import (
+    EntityAlreadyExistsError,
+    EntityNotFoundError,
+    InvalidOperationError,
+    PartitionUnavailableError,
+    QuotaExceededError,
+)
+
+CUSTOM = {
+    "enable_partitioning": False,
+    "max_size_in_megabytes": 2048,
+    "requires_duplicate_detection": True,
+    "duplicate_detection_history_time_window": timedelta(minutes=30),
+    "requires_session": True,
+    "lock_duration": timedelta(seconds=45),
+    "max_delivery_count": 7,
+    "default_message_time_to_live": timedelta(days=3),
+    "dead_lettering_on_message_expiration": True,
+}
+
+DEFAULTS = {
+    "enable_partitioning": True,
+    "max_size_in_megabytes": 1024,
+    "requires_duplicate_detection": False,
+    "duplicate_detection_history_time_window": timedelta(minutes=10),
+    "requires_session": False,
+    "lock_duration": timedelta(seconds=60),
+    "max_delivery_count": 10,
+    "default_message_time_to_live": None,
+    "dead_lettering_on_message_expiration": False,
+    "forward_to": None,
+    "forward_dead_lettered_messages_to": None,
+}
+
+
+# ---- create, get, list, delete ---------------------------------------------------------------
+
+
+def test_create_queue_with_defaults(ns: Namespace) -> None:
+    """A queue created without settings has the contract's defaults, and get_queue returns them with its name."""
+    created = ns.create_queue("orders")
+    got = ns.get_queue("orders")
+    assert created.name == got.name == "orders"
+    for name, value in DEFAULTS.items():
+        assert getattr(got, name) == value, name
+    assert len(ns.get_queue_runtime_properties("orders").partitions) == 16
+
+
+def test_settings_round_trip(ns: Namespace) -> None:
+    """Every setting given at creation is returned by get_queue unchanged."""
+    ns.create_queue("q", **CUSTOM)
+    got = ns.get_queue("q")
+    for name, value in CUSTOM.items():
+        assert getattr(got, name) == value, name
+
+
+def test_forwarding_settings_round_trip(ns: Namespace) -> None:
+    """forward_to and forward_dead_lettered_messages_to are kept as given."""
+    ns.create_queue("dest")
+    ns.create_queue("q", forward_to="dest", forward_dead_lettered_messages_to="dest")
+    got = ns.get_queue("q")
+    assert (got.forward_to, got.forward_dead_lettered_messages_to) == ("dest", "dest")
+
+
+def test_list_queues(ns: Namespace) -> None:
+    """list_queues returns every queue (sorted by name); deleted ones disappear."""
+    assert ns.list_queues() == []
+    for name in ("b", "a", "c"):
+        ns.create_queue(name)
+    assert [q.name for q in ns.list_queues()] == ["a", "b", "c"]
+    ns.delete_queue("b")
+    assert [q.name for q in ns.list_queues()] == ["a", "c"]
+
+
+def test_create_existing_queue_fails_and_keeps_settings(ns: Namespace) -> None:
+    """Creating a queue whose name is taken raises EntityAlreadyExistsError and leaves the existing one as it was."""
+    ns.create_queue("q", max_delivery_count=3)
+    with ns.get_queue_sender("q") as s:
+        s.send_messages(Message("kept"))
+    with pytest.raises(EntityAlreadyExistsError):
+        ns.create_queue("q", max_delivery_count=9)
+    assert ns.get_queue("q").max_delivery_count == 3
+    assert len(ns.list_queues()) == 1
+    with ns.get_queue_receiver("q") as r:
+        assert [str(m) for m in drain(r, 1)] == ["kept"]
+
+
+def test_delete_queue_removes_it_and_its_messages(ns: Namespace) -> None:
+    """A deleted queue is gone with its messages: a new queue of the same name starts empty."""
+    ns.create_queue("q")
+    with ns.get_queue_sender("q") as s:
+        s.send_messages([Message(f"m{i}") for i in range(5)])
+    ns.delete_queue("q")
+    with pytest.raises(EntityNotFoundError):
+        ns.get_queue("q")
+    ns.create_queue("q")
+    assert ns.get_queue_runtime_properties("q").total_message_count == 0
+    with ns.get_queue_receiver("q") as r:
+        assert drain_all(r) == []
+
+
+def test_unknown_queue_raises_entity_not_found(ns: Namespace) -> None:
+    """get, delete, runtime properties, sender and receiver of an unknown queue raise EntityNotFoundError."""
+    with pytest.raises(EntityNotFoundError):
+        ns.get_queue("missing")
+    with pytest.raises(EntityNotFoundError):
+        ns.delete_queue("missing")
+    with pytest.raises(EntityNotFoundError):
+        ns.get_queue_runtime_properties("missing")
+    with pytest.raises(EntityNotFoundError):
+        ns.get_queue_sender("missing")
+    with pytest.raises(EntityNotFoundError):
+        ns.get_queue_receiver("missing")
+    assert ns.list_queues() == []
+
+
+def test_update_of_deleted_queue_raises_entity_not_found(ns: Namespace) -> None:
+    """update_queue with the properties of a queue that was deleted raises EntityNotFoundError."""
+    ns.create_queue("q")
+    props = ns.get_queue("q")
+    ns.delete_queue("q")
+    props.max_delivery_count = 5
+    with pytest.raises(EntityNotFoundError):
+        ns.update_queue(props)
+    assert ns.list_queues() == []
+
+
+def test_sender_of_deleted_queue_fails(ns: Namespace) -> None:
+    """Sending through a sender whose queue was deleted (by another namespace handle) raises EntityNotFoundError."""
+    ns.create_queue("q")
+    sender = ns.get_queue_sender("q")
+    with Namespace(ns.root) as other:
+        other.delete_queue("q")
+    ns.close()  # drop cached settings so the deletion is seen at once
+    with pytest.raises(EntityNotFoundError):
+        sender.send_messages(Message("x"))
+
+
+# ---- update ----------------------------------------------------------------------------------
+
+
+def test_update_queue_changes_settings_and_behaviour(ns: Namespace) -> None:
+    """update_queue applies changed settings; the next delivery uses the new lock_duration."""
+    ns.create_queue("q")
+    props = ns.get_queue("q")
+    props.lock_duration = timedelta(seconds=5)
+    props.max_delivery_count = 4
+    props.default_message_time_to_live = timedelta(hours=2)
+    ns.update_queue(props)
+    got = ns.get_queue("q")
+    assert (got.lock_duration, got.max_delivery_count, got.default_message_time_to_live) == (
+        timedelta(seconds=5),
+        4,
+        timedelta(hours=2),
+    )
+    with ns.get_queue_sender("q") as s:
+        s.send_messages(Message("x"))
+    with ns.get_queue_receiver("q") as r:
+        before = datetime.now(UTC)
+        (m,) = drain(r, 1)
+        after = datetime.now(UTC)
+    assert m.locked_until_utc is not None
+    assert before + timedelta(seconds=5) <= m.locked_until_utc <= after + timedelta(seconds=5)
+    assert m.expires_at_utc == m.enqueued_time_utc + timedelta(hours=2)
+
+
+def test_update_is_seen_by_another_namespace_handle(ns: Namespace) -> None:
+    """Settings updated through one Namespace object are read by another one opened on the same root."""
+    ns.create_queue("q")
+    props = ns.get_queue("q")
+    props.max_delivery_count = 2
+    ns.update_queue(props)
+    with Namespace(ns.root) as other:
+        assert other.get_queue("q").max_delivery_count == 2
+
+
+@pytest.mark.parametrize(("field", "value"), [("enable_partitioning", False), ("requires_session", True)])
+def test_update_cannot_change_settings_fixed_at_creation(ns: Namespace, field: str, value: bool) -> None:
+    """An update changing enable_partitioning or requires_session raises InvalidOperationError and changes nothing."""
+    ns.create_queue("q")
+    props = ns.get_queue("q")
+    setattr(props, field, value)
+    props.max_delivery_count = 3
+    with pytest.raises(InvalidOperationError):
+        ns.update_queue(props)
+    got = ns.get_queue("q")
+    assert getattr(got, field) == (not value)
+    assert got.max_delivery_count == 10
+
+
+def test_update_with_invalid_setting_fails(ns: Namespace) -> None:
+    """An update with a setting outside the limits raises InvalidOperationError and changes nothing."""
+    ns.create_queue("q")
+    props = ns.get_queue("q")
+    props.lock_duration = timedelta(minutes=10)
+    with pytest.raises(InvalidOperationError):
+        ns.update_queue(props)
+    assert ns.get_queue("q").lock_duration == timedelta(seconds=60)
+
+
+# ---- runtime properties ----------------------------------------------------------------------
+
+
+def test_runtime_properties_count_without_overlap(ns: Namespace) -> None:
+    """active, deferred, scheduled and dead-letter counts are disjoint and add up to the total."""
+    ns.create_queue("q")
+    with ns.get_queue_sender("q") as s:
+        s.send_messages([Message(f"m{i}", partition_key=f"k{i}") for i in range(6)])
+        s.schedule_messages([Message("s1"), Message("s2")], datetime.now(UTC) + timedelta(minutes=10))
+    with ns.get_queue_receiver("q") as r:
+        got = drain(r, 3)
+        r.defer_message(got[0])
+        r.dead_letter_message(got[1], reason="r")
+        # got[2] stays locked: a locked message is still active
+        rp = ns.get_queue_runtime_properties("q")
+    assert rp.name == "q"
+    assert rp.active_message_count == 4
+    assert rp.deferred_message_count == 1
+    assert rp.dead_letter_message_count == 1
+    assert rp.scheduled_message_count == 2
+    assert rp.total_message_count == 8
+    assert rp.transfer_message_count == 0
+    assert rp.transfer_dead_letter_message_count == 0
+    assert rp.availability_status == "Available"
+
+
+def test_runtime_properties_per_partition(ns: Namespace) -> None:
+    """Runtime properties list 16 partitions whose counts add up to the totals."""
+    ns.create_queue("q")
+    placed = {3: 2, 9: 1, 14: 4}
+    with ns.get_queue_sender("q") as s:
+        for p, n in placed.items():
+            s.send_messages([Message(f"{p}-{i}", partition_key=key_for_partition(p, "rt")) for i in range(n)])
+    rp = ns.get_queue_runtime_properties("q")
+    assert [p.partition_id for p in rp.partitions] == list(range(16))
+    assert {p.partition_id: p.active_message_count for p in rp.partitions if p.active_message_count} == placed
+    assert sum(p.total_message_count for p in rp.partitions) == rp.total_message_count == 7
+    assert sum(p.size_in_bytes for p in rp.partitions) == rp.size_in_bytes
+
+
+def test_size_in_bytes_follows_the_messages(ns: Namespace) -> None:
+    """size_in_bytes is 0 for an empty queue, grows with messages, and shrinks when they are completed."""
+    ns.create_queue("q")
+    assert ns.get_queue_runtime_properties("q").size_in_bytes == 0
+    with ns.get_queue_sender("q") as s:
+        s.send_messages([Message(b"x" * 10_000, partition_key="k") for _ in range(5)])
+    full = ns.get_queue_runtime_properties("q").size_in_bytes
+    assert full > 0
+    with ns.get_queue_sender("q") as s:
+        s.send_messages([Message(b"y" * 50_000, partition_key="k2") for _ in range(5)])
+    assert ns.get_queue_runtime_properties("q").size_in_bytes > full
+    with ns.get_queue_receiver("q") as r:
+        r.complete_messages(drain(r, 10))
+    assert ns.get_queue_runtime_properties("q").size_in_bytes == 0
+
+
+def test_availability_is_limited_while_a_partition_is_down(ns: Namespace) -> None:
+    """availability_status is "Limited" while any partition is unavailable, and "Available" again after."""
+    ns.create_queue("q")
+    faults = ns.fault_injector("q")
+    faults.fail(6, ("read", "write"))
+    rp = ns.get_queue_runtime_properties("q")
+    assert rp.availability_status == "Limited"
+    assert [p.partition_id for p in rp.partitions if not p.available] == [6]
+    faults.heal()
+    assert ns.get_queue_runtime_properties("q").availability_status == "Available"
+
+
+# ---- management during a partition outage ----------------------------------------------------
+
+
+def test_update_with_an_unavailable_partition_fails(ns: Namespace) -> None:
+    """update_queue with a partition down raises PartitionUnavailableError and leaves the settings as they were."""
+    ns.create_queue("q")
+    ns.fault_injector("q").fail(11, ("read", "write"))
+    props = ns.get_queue("q")
+    props.max_delivery_count = 2
+    with pytest.raises(PartitionUnavailableError):
+        ns.update_queue(props)
+    assert ns.get_queue("q").max_delivery_count == 10
+    ns.fault_injector("q").heal()
+    ns.update_queue(props)
+    assert ns.get_queue("q").max_delivery_count == 2
+
+
+def test_delete_with_an_unavailable_partition_fails(ns: Namespace) -> None:
+    """delete_queue with a partition down raises PartitionUnavailableError; the queue and its messages remain."""
+    ns.create_queue("q")
+    with ns.get_queue_sender("q") as s:
+        s.send_messages([Message(f"m{i}", partition_key=f"k{i}") for i in range(4)])
+    ns.fault_injector("q").fail(0, ("write",))
+    with pytest.raises(PartitionUnavailableError):
+        ns.delete_queue("q")
+    ns.fault_injector("q").heal()
+    assert [q.name for q in ns.list_queues()] == ["q"]
+    assert ns.get_queue_runtime_properties("q").total_message_count == 4
+    with ns.get_queue_receiver("q") as r:
+        assert len(drain(r, 4)) == 4
+    ns.delete_queue("q")
+    assert ns.list_queues() == []
+
+
+# ---- namespace -------------------------------------------------------------------------------
+
+
+def test_catalog_survives_reopening(root: str) -> None:
+    """Queues, settings and messages persist: a new Namespace on the same root sees them."""
+    with Namespace(root) as first:
+        first.create_queue("q", max_delivery_count=4, lock_duration=timedelta(seconds=20))
+        with first.get_queue_sender("q") as s:
+            s.send_messages(Message("persisted", message_id="p1"))
+    with Namespace(root) as second:
+        got = second.get_queue("q")
+        assert (got.max_delivery_count, got.lock_duration) == (4, timedelta(seconds=20))
+        with second.get_queue_receiver("q") as r:
+            (m,) = drain(r, 1)
+    assert (m.message_id, str(m)) == ("p1", "persisted")
+
+
+def test_namespace_is_reentrant_after_close(root: str) -> None:
+    """Namespace is a context manager that can be entered again after it was closed."""
+    ns = Namespace(root)
+    with ns:
+        ns.create_queue("q")
+        with ns.get_queue_sender("q") as s:
+            s.send_messages(Message("one"))
+    with ns:
+        with ns.get_queue_sender("q") as s:
+            s.send_messages(Message("two"))
+        with ns.get_queue_receiver("q") as r:
+            got = drain(r, 2)
+    assert sorted(str(m) for m in got) == ["one", "two"]
+    ns.close()
+    assert [q.name for q in ns.list_queues()] == ["q"]
+
+
+def test_namespace_creates_its_root(tmp_path: Path) -> None:
+    """Opening a namespace on a path that does not exist creates it."""
+    root = tmp_path / "a" / "b" / "ns"
+    with Namespace(root) as ns:
+        ns.create_queue("q")
+    assert root.is_dir()
+    with Namespace(str(root)) as again:
+        assert [q.name for q in again.list_queues()] == ["q"]
+
+
+def test_unknown_tier_is_refused(tmp_path: Path) -> None:
+    """Only the "standard" and "premium" tiers exist."""
+    for tier in ("basic", "Standard", ""):
+        with pytest.raises(InvalidOperationError):
+            Namespace(tmp_path / "ns", tier=tier)
+    assert Namespace(tmp_path / "std").tier == "standard"
+
+
+def test_premium_sizes(tmp_path: Path) -> None:
+    """Premium allows max_size_in_megabytes up to 81920; standard refuses sizes above 5120."""
+    with Namespace(tmp_path / "p", tier="premium") as premium:
+        for size in (10240, 20480, 40960, 81920):
+            premium.create_queue(f"q{size}", max_size_in_megabytes=size)
+            assert premium.get_queue(f"q{size}").max_size_in_megabytes == size
+    with Namespace(tmp_path / "s") as standard:
+        for size in (1024, 2048, 3072, 4096, 5120):
+            standard.create_queue(f"q{size}", max_size_in_megabytes=size)
+        with pytest.raises(InvalidOperationError):
+            standard.create_queue("big", max_size_in_megabytes=10240)
+        assert len(standard.list_queues()) == 5
+
+
+def test_at_most_100_partitioned_entities(ns: Namespace) -> None:
+    """The 101st partitioned queue or topic raises QuotaExceededError; non-partitioned ones can still be created."""
+    for i in range(60):
+        ns.create_queue(f"q{i}")
+    for i in range(40):
+        ns.create_topic(f"t{i}")
+    with pytest.raises(QuotaExceededError):
+        ns.create_queue("one-too-many")
+    with pytest.raises(QuotaExceededError):
+        ns.create_topic("topic-too-many")
+    assert len(ns.list_queues()) == 60
+    ns.create_queue("unpartitioned", enable_partitioning=False)
+    assert ns.get_queue("unpartitioned").enable_partitioning is False
+    ns.delete_queue("q0")
+    ns.create_queue("q-after-delete")

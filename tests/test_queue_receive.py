@@ -1,0 +1,300 @@
+"""Receiving from queues: modes, gathering across partitions, waiting, prefetch, ordering, locks,
+peeking and iteration (SPEC §5, §10, §11)."""
+
+from __future__ import annotations
+
+import threading
+import time
+from datetime import UTC, datetime, timedelta
+
+import pytest
+from procs import drain, drain_all, key_for_partition, peek_all, sleep_past
+
+from sparkqueue import Message, Namespace, ReceiveMode
+from sparkqueue.errors import InvalidOperationError
+
+
+def _send(ns: Namespace, msgs: list[Message], queue: str = "q") -> list[int]:
+    with ns.get_queue_sender(queue) as s:
+        return s.send_messages(msgs)
+
+
+def test_peek_lock_is_the_default_mode(ns: Namespace) -> None:
+    """A receiver defaults to PEEK_LOCK: messages come with a lock and stay stored until settled."""
+    ns.create_queue("q")
+    _send(ns, [Message("a")])
+    with ns.get_queue_receiver("q") as r:
+        assert r.receive_mode == ReceiveMode.PEEK_LOCK
+        (m,) = drain(r, 1)
+        assert m.lock_token is not None
+        assert m.locked_until_utc is not None
+        assert ns.get_queue_runtime_properties("q").total_message_count == 1
+        with ns.get_queue_receiver("q") as other:
+            assert other.receive_messages(max_message_count=5, max_wait_time=0.3) == []
+
+
+def test_receive_and_delete_removes_on_receipt(ns: Namespace) -> None:
+    """RECEIVE_AND_DELETE returns messages without a lock and removes them from the queue."""
+    ns.create_queue("q")
+    _send(ns, [Message(f"m{i}") for i in range(3)])
+    with ns.get_queue_receiver("q", receive_mode=ReceiveMode.RECEIVE_AND_DELETE) as r:
+        got = drain(r, 3)
+        assert sorted(str(m) for m in got) == ["m0", "m1", "m2"]
+        assert all(m.lock_token is None for m in got)
+        assert all(m.delivery_count == 1 for m in got)
+    assert ns.get_queue_runtime_properties("q").total_message_count == 0
+    with ns.get_queue_receiver("q") as r:
+        assert peek_all(r) == []
+        assert r.receive_messages(max_message_count=5, max_wait_time=0.2) == []
+
+
+def test_one_receive_gathers_from_several_partitions(ns: Namespace) -> None:
+    """One receive_messages call collects messages spread over partitions, up to max_message_count."""
+    ns.create_queue("q")
+    parts = [0, 3, 7, 12, 15]
+    _send(ns, [Message(f"p{p}", partition_key=key_for_partition(p, "g")) for p in parts])
+    with ns.get_queue_receiver("q") as r:
+        got = r.receive_messages(max_message_count=10)
+    assert sorted(m.partition_id for m in got) == parts
+
+
+def test_max_message_count_caps_a_receive(ns: Namespace) -> None:
+    """A receive returns at most max_message_count messages; the default is one."""
+    ns.create_queue("q")
+    _send(ns, [Message(f"m{i}", partition_key=f"k{i % 4}") for i in range(12)])
+    with ns.get_queue_receiver("q") as r:
+        assert len(r.receive_messages(max_wait_time=2)) == 1
+        assert len(r.receive_messages(max_message_count=4, max_wait_time=2)) == 4
+        rest = drain_all(r)
+    assert len(rest) == 7
+
+
+def test_max_wait_time_returns_empty_list_when_nothing_arrives(ns: Namespace) -> None:
+    """With nothing to receive, receive_messages waits up to max_wait_time and returns []."""
+    ns.create_queue("q")
+    with ns.get_queue_receiver("q") as r:
+        start = time.monotonic()
+        assert r.receive_messages(max_message_count=3, max_wait_time=0.5) == []
+        assert time.monotonic() - start >= 0.45, "the receive returned before max_wait_time"
+        assert r.receive_messages(max_message_count=3, max_wait_time=timedelta(milliseconds=200)) == []
+
+
+def test_receive_returns_a_message_that_arrives_during_the_wait(ns: Namespace) -> None:
+    """A message sent while a receive waits is returned by that receive."""
+    ns.create_queue("q")
+    sender = threading.Timer(0.4, lambda: _send(ns, [Message("late")]))
+    with ns.get_queue_receiver("q") as r:
+        sender.start()
+        try:
+            got = r.receive_messages(max_message_count=1, max_wait_time=10)
+        finally:
+            sender.join()
+    assert [str(m) for m in got] == ["late"]
+
+
+def test_receiver_default_max_wait_time(ns: Namespace) -> None:
+    """max_wait_time set on the receiver applies to receives that do not pass one."""
+    ns.create_queue("q")
+    with ns.get_queue_receiver("q", max_wait_time=0.4) as r:
+        start = time.monotonic()
+        assert r.receive_messages() == []
+        assert time.monotonic() - start >= 0.35
+
+
+def test_prefetched_messages_are_locked_and_invisible_to_others(ns: Namespace) -> None:
+    """Messages in one receiver's prefetch cache are locked: another receiver cannot get them; the cache serves them."""
+    ns.create_queue("q", enable_partitioning=False)
+    _send(ns, [Message(f"m{i}") for i in range(5)])
+    with ns.get_queue_receiver("q", prefetch_count=10) as a:
+        first = a.receive_messages(max_message_count=1, max_wait_time=2)
+        assert [str(m) for m in first] == ["m0"]
+        with ns.get_queue_receiver("q") as b:
+            assert b.receive_messages(max_message_count=5, max_wait_time=0.3) == []
+        with ns.get_queue_receiver("q") as browser:
+            assert len(peek_all(browser)) == 5
+        rest = a.receive_messages(max_message_count=10)
+        assert [str(m) for m in rest] == ["m1", "m2", "m3", "m4"]
+        assert all(m.lock_token for m in rest)
+        a.complete_messages(first + rest)
+    assert ns.get_queue_runtime_properties("q").total_message_count == 0
+
+
+def test_closing_a_receiver_releases_its_prefetched_messages(ns: Namespace) -> None:
+    """Closing a receiver releases the messages in its prefetch cache at once."""
+    ns.create_queue("q", enable_partitioning=False)
+    _send(ns, [Message(f"m{i}") for i in range(4)])
+    a = ns.get_queue_receiver("q", prefetch_count=10)
+    (taken,) = a.receive_messages(max_message_count=1, max_wait_time=2)
+    with ns.get_queue_receiver("q") as b:
+        assert b.receive_messages(max_message_count=5) == []
+        a.close()
+        got = b.receive_messages(max_message_count=5)
+    assert sorted(str(m) for m in got) == ["m1", "m2", "m3"]
+    assert str(taken) == "m0"
+
+
+def test_messages_of_a_partition_come_in_sequence_order(ns: Namespace) -> None:
+    """Within a partition, messages are received in sequence-number order."""
+    ns.create_queue("q")
+    keys = [key_for_partition(p, "ord") for p in (2, 9)]
+    with ns.get_queue_sender("q") as s:
+        for i in range(10):
+            for k in keys:
+                s.send_messages([Message(f"{k}-{i}-{j}", partition_key=k) for j in range(2)])
+    with ns.get_queue_receiver("q") as r:
+        got = []
+        while len(got) < 40:
+            batch = r.receive_messages(max_message_count=7, max_wait_time=2)
+            assert batch
+            got.extend(batch)
+    for p in (2, 9):
+        seqs = [m.sequence_number for m in got if m.partition_id == p]
+        assert len(seqs) == 20
+        assert seqs == sorted(seqs)
+
+
+def test_each_delivery_gets_a_fresh_lock(ns: Namespace) -> None:
+    """Every delivery has a new lock token, locked_until = now + lock_duration, and delivery_count + 1."""
+    ns.create_queue("q", lock_duration=timedelta(seconds=30))
+    _send(ns, [Message("x")])
+    with ns.get_queue_receiver("q") as r:
+        before = datetime.now(UTC)
+        (m1,) = drain(r, 1)
+        after = datetime.now(UTC)
+        assert m1.delivery_count == 1
+        assert m1.locked_until_utc is not None
+        assert before + timedelta(seconds=30) <= m1.locked_until_utc <= after + timedelta(seconds=30)
+        r.abandon_message(m1)
+        (m2,) = drain(r, 1)
+    assert m2.sequence_number == m1.sequence_number
+    assert m2.lock_token != m1.lock_token
+    assert m2.delivery_count == 2
+
+
+def test_expired_lock_makes_the_message_available_again(ns: Namespace) -> None:
+    """When a lock expires the message can be received again, with a new token and a higher delivery count."""
+    ns.create_queue("q", lock_duration=timedelta(seconds=2))
+    _send(ns, [Message("x")])
+    with ns.get_queue_receiver("q") as a, ns.get_queue_receiver("q") as b:
+        (m1,) = drain(a, 1)
+        assert b.receive_messages(max_message_count=1) == []
+        assert m1.locked_until_utc is not None
+        sleep_past(m1.locked_until_utc)
+        (m2,) = drain(b, 1)
+    assert m2.sequence_number == m1.sequence_number
+    assert m2.lock_token != m1.lock_token
+    assert m2.delivery_count == 2
+
+
+def test_prefetched_messages_whose_lock_expired_are_not_served(ns: Namespace) -> None:
+    """A receive never returns a prefetched message whose lock has expired; it is received afresh instead."""
+    ns.create_queue("q", lock_duration=timedelta(seconds=2), enable_partitioning=False)
+    _send(ns, [Message(f"m{i}") for i in range(3)])
+    with ns.get_queue_receiver("q", prefetch_count=5) as r:
+        (first,) = r.receive_messages(max_message_count=1, max_wait_time=2)
+        assert first.locked_until_utc is not None
+        sleep_past(first.locked_until_utc)
+        rest = r.receive_messages(max_message_count=3, max_wait_time=2)
+        now = datetime.now(UTC)
+        assert rest
+        for m in rest:
+            assert m.locked_until_utc is not None and m.locked_until_utc > now
+            assert m.delivery_count == 2
+
+
+def test_peek_browses_without_locking(ns: Namespace) -> None:
+    """peek_messages returns messages without a lock, does not count a delivery, and leaves them receivable."""
+    ns.create_queue("q")
+    _send(ns, [Message(f"m{i}") for i in range(3)])
+    with ns.get_queue_receiver("q") as r:
+        peeked = peek_all(r)
+        assert sorted(str(m) for m in peeked) == ["m0", "m1", "m2"]
+        assert all(m.lock_token is None for m in peeked)
+        assert all(m.delivery_count == 0 for m in peeked)
+        got = drain(r, 3)
+    assert sorted(m.sequence_number for m in got) == sorted(m.sequence_number for m in peeked)
+    assert all(m.delivery_count == 1 for m in got)
+
+
+def test_peek_includes_locked_deferred_and_scheduled_messages(ns: Namespace) -> None:
+    """Peek shows locked, deferred and scheduled messages, with their state, and never exposes a lock token."""
+    ns.create_queue("q", enable_partitioning=False)
+    with ns.get_queue_sender("q") as s:
+        s.send_messages([Message("locked"), Message("deferred"), Message("free")])
+        s.schedule_messages(Message("scheduled"), datetime.now(UTC) + timedelta(minutes=10))
+    with ns.get_queue_receiver("q") as r:
+        locked, deferred = r.receive_messages(max_message_count=2, max_wait_time=2)
+        r.defer_message(deferred)
+        with ns.get_queue_receiver("q") as browser:
+            peeked = {str(m): m for m in peek_all(browser)}
+        assert set(peeked) == {"locked", "deferred", "free", "scheduled"}
+        assert peeked["deferred"].state == "deferred"
+        assert peeked["scheduled"].state == "scheduled"
+        assert peeked["free"].state == "active"
+        assert peeked["locked"].state == "active"
+        assert all(m.lock_token is None for m in peeked.values())
+        r.complete_message(locked)
+
+
+def test_peek_continues_where_the_last_call_stopped(ns: Namespace) -> None:
+    """Successive peeks continue: together they return every message once, then []."""
+    ns.create_queue("q")
+    _send(ns, [Message(f"m{i}", partition_key=f"k{i % 5}") for i in range(20)])
+    with ns.get_queue_receiver("q") as r:
+        seen: list[int] = []
+        for _ in range(40):
+            got = r.peek_messages(3)
+            if not got:
+                break
+            assert len(got) <= 3
+            seen.extend(m.sequence_number for m in got)
+        assert r.peek_messages(3) == []
+    assert len(seen) == 20
+    assert len(set(seen)) == 20
+
+
+def test_peek_from_a_sequence_number(ns: Namespace) -> None:
+    """peek_messages(sequence_number=s) starts at s, in sequence order."""
+    ns.create_queue("q", enable_partitioning=False)
+    seqs = _send(ns, [Message(f"m{i}") for i in range(6)])
+    with ns.get_queue_receiver("q") as r:
+        got = r.peek_messages(10, sequence_number=seqs[2])
+        got += r.peek_messages(10)
+        assert [m.sequence_number for m in got] == seqs[2:]
+        again = r.peek_messages(2, sequence_number=seqs[0])
+    assert [m.sequence_number for m in again] == seqs[:2]
+
+
+def test_iterating_a_receiver_yields_messages_and_ends(ns: Namespace) -> None:
+    """`for m in receiver` yields the available messages and stops after max_wait_time with none."""
+    ns.create_queue("q")
+    _send(ns, [Message(f"m{i}") for i in range(5)])
+    got = []
+    with ns.get_queue_receiver("q", max_wait_time=0.5) as r:
+        for m in r:
+            got.append(str(m))
+            r.complete_message(m)
+    assert sorted(got) == [f"m{i}" for i in range(5)]
+    assert ns.get_queue_runtime_properties("q").total_message_count == 0
+
+
+def test_receive_skips_an_unavailable_partition(ns: Namespace) -> None:
+    """Receives skip an unavailable partition and return the messages of the others."""
+    ns.create_queue("q")
+    down, up = key_for_partition(4, "d"), key_for_partition(10, "u")
+    _send(ns, [Message("down", partition_key=down), Message("up", partition_key=up)])
+    faults = ns.fault_injector("q")
+    faults.fail(4, ("read", "write"))
+    with ns.get_queue_receiver("q") as r:
+        assert [str(m) for m in drain_all(r)] == ["up"]
+        faults.heal()
+        assert [str(m) for m in drain_all(r)] == ["down"]
+
+
+def test_receiver_on_a_closed_receiver_fails(ns: Namespace) -> None:
+    """A closed receiver refuses further receives."""
+    ns.create_queue("q")
+    r = ns.get_queue_receiver("q")
+    r.close()
+    with pytest.raises(InvalidOperationError):
+        r.receive_messages()

@@ -1,0 +1,287 @@
+"""Argument validation: every bad argument raises the documented error and nothing is stored or created
+(SPEC §1, §2, §5, §11)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from datetime import timedelta
+from typing import Any
+
+import pytest
+from procs import drain, peek_all
+
+from sparkqueue import Message, Namespace
+from sparkqueue.errors import InvalidOperationError, MessageLockLostError, SparkQueueError
+
+
+def _nothing_stored(ns: Namespace, queue: str = "q") -> None:
+    assert ns.get_queue_runtime_properties(queue).total_message_count == 0
+    with ns.get_queue_receiver(queue) as r:
+        assert peek_all(r) == []
+
+
+# ---- messages --------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("body", [123, None, 1.5, ["a"], {"a": 1}, object()])
+def test_body_must_be_bytes_or_str(body: object) -> None:
+    """A body that is neither bytes nor str raises InvalidOperationError."""
+    with pytest.raises(InvalidOperationError):
+        Message(body)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("props", [["a", 1], "k=v", 42, ("a", 1)])
+def test_application_properties_must_be_a_dict(props: object) -> None:
+    """application_properties that are not a dict raise InvalidOperationError."""
+    with pytest.raises(InvalidOperationError):
+        Message("x", application_properties=props)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("props", [{"k": [1, 2]}, {"k": {"nested": 1}}, {"k": object()}, {"k": {1, 2}}, {1: "int key"}])
+def test_application_property_values_must_be_supported_types(props: dict[Any, Any]) -> None:
+    """Application property values of unsupported types (and non-str names) raise InvalidOperationError."""
+    with pytest.raises(InvalidOperationError):
+        Message("x", application_properties=props)
+
+
+@pytest.mark.parametrize("field", ["message_id", "session_id", "partition_key"])
+@pytest.mark.parametrize("value", [42, b"bytes", 1.0])
+def test_keys_must_be_strings(field: str, value: object) -> None:
+    """message_id, session_id and partition_key must be str."""
+    with pytest.raises(InvalidOperationError):
+        Message("x", **{field: value})
+
+
+@pytest.mark.parametrize("field", ["content_type", "correlation_id", "subject", "to", "reply_to", "reply_to_session_id"])
+def test_string_properties_must_be_strings(field: str) -> None:
+    """Broker string properties of another type raise InvalidOperationError."""
+    with pytest.raises(InvalidOperationError):
+        Message("x", **{field: 5})
+
+
+@pytest.mark.parametrize("ttl", [5, "1h", timedelta(0), timedelta(seconds=-1)])
+def test_time_to_live_must_be_a_positive_timedelta(ttl: object) -> None:
+    """time_to_live must be a positive timedelta."""
+    with pytest.raises(InvalidOperationError):
+        Message("x", time_to_live=ttl)  # type: ignore[arg-type]
+
+
+def test_scheduled_time_must_be_a_datetime() -> None:
+    """scheduled_enqueue_time_utc must be a datetime."""
+    with pytest.raises(InvalidOperationError):
+        Message("x", scheduled_enqueue_time_utc="2030-01-01T00:00:00Z")  # type: ignore[arg-type]
+
+
+def test_send_rejects_non_messages(ns: Namespace) -> None:
+    """send_messages accepts a Message, a list of them or a batch; anything else raises and stores nothing."""
+    ns.create_queue("q")
+    with ns.get_queue_sender("q") as s:
+        for bad in ("text", b"bytes", 42, {"body": "x"}, [Message("ok"), b"raw"]):
+            with pytest.raises(InvalidOperationError):
+                s.send_messages(bad)  # type: ignore[arg-type]
+        with pytest.raises(InvalidOperationError):
+            s.schedule_messages(Message("x"), "tomorrow")  # type: ignore[arg-type]
+        with pytest.raises(InvalidOperationError):
+            s.cancel_scheduled_messages([-1])
+        with pytest.raises(InvalidOperationError):
+            s.create_message_batch(max_size_in_bytes=256 * 1024 + 1)
+    _nothing_stored(ns)
+
+
+def test_every_error_is_a_sparkqueue_error() -> None:
+    """Validation errors derive from SparkQueueError (and InvalidOperationError from ValueError)."""
+    with pytest.raises(SparkQueueError):
+        Message(1)  # type: ignore[arg-type]
+    with pytest.raises(ValueError):
+        Message("x", message_id="m" * 200)
+
+
+# ---- queue settings --------------------------------------------------------------------------
+
+
+BAD_SETTINGS: list[dict[str, Any]] = [
+    {"lock_duration": 30},
+    {"lock_duration": "PT30S"},
+    {"lock_duration": timedelta(minutes=5, seconds=1)},
+    {"lock_duration": timedelta(0)},
+    {"duplicate_detection_history_time_window": timedelta(seconds=19)},
+    {"duplicate_detection_history_time_window": timedelta(days=7, seconds=1)},
+    {"duplicate_detection_history_time_window": 600},
+    {"max_size_in_megabytes": 1000},
+    {"max_size_in_megabytes": 10240},
+    {"max_size_in_megabytes": "1024"},
+    {"max_size_in_megabytes": True},
+    {"max_delivery_count": 0},
+    {"max_delivery_count": -3},
+    {"max_delivery_count": 2.5},
+    {"default_message_time_to_live": 60},
+    {"default_message_time_to_live": timedelta(seconds=-5)},
+    {"enable_partitioning": "yes"},
+    {"requires_session": 1},
+    {"requires_duplicate_detection": None},
+    {"dead_lettering_on_message_expiration": "false"},
+    {"forward_to": "bad name!"},
+    {"no_such_setting": 1},
+]
+
+
+@pytest.mark.parametrize("settings", BAD_SETTINGS, ids=lambda s: "-".join(f"{k}={v!r}" for k, v in s.items()))
+def test_invalid_queue_settings_are_refused(ns: Namespace, settings: dict[str, Any]) -> None:
+    """A setting of the wrong type or outside the contract's limits raises InvalidOperationError; no queue is created."""
+    with pytest.raises(InvalidOperationError):
+        ns.create_queue("q", **settings)
+    assert ns.list_queues() == []
+
+
+@pytest.mark.parametrize(
+    "settings",
+    [
+        {"lock_duration": timedelta(minutes=5)},
+        {"lock_duration": timedelta(seconds=1)},
+        {"duplicate_detection_history_time_window": timedelta(seconds=20)},
+        {"duplicate_detection_history_time_window": timedelta(days=7)},
+        {"max_delivery_count": 1},
+    ],
+    ids=lambda s: "-".join(f"{k}={v!r}" for k, v in s.items()),
+)
+def test_settings_at_the_limits_are_accepted(ns: Namespace, settings: dict[str, Any]) -> None:
+    """Settings exactly at the contract's limits are accepted and stored."""
+    ns.create_queue("q", **settings)
+    got = ns.get_queue("q")
+    for k, v in settings.items():
+        assert getattr(got, k) == v
+
+
+BAD_NAMES: list[object] = [
+    "",
+    "a" * 261,
+    "has space",
+    "star*",
+    "semi;colon",
+    "hash#",
+    "pipe|name",
+    "-leading",
+    "trailing-",
+    ".dot",
+    "a//b",
+    "ünïcode",
+    None,
+    123,
+]
+
+
+@pytest.mark.parametrize("name", BAD_NAMES, ids=repr)
+def test_invalid_queue_names_are_refused(ns: Namespace, name: object) -> None:
+    """Bad queue names (empty, too long, illegal characters, leading '-') raise InvalidOperationError."""
+    with pytest.raises(InvalidOperationError):
+        ns.create_queue(name)  # type: ignore[arg-type]
+    assert ns.list_queues() == []
+
+
+@pytest.mark.parametrize("name", ["a", "a" * 260, "orders.v2", "my_queue-1", "A1", "path/to/queue"])
+def test_valid_queue_names_are_accepted(ns: Namespace, name: str) -> None:
+    """Names of 1 to 260 letters, digits, '.', '-', '_' and '/' (alphanumeric at both ends) work end to end."""
+    ns.create_queue(name)
+    with ns.get_queue_sender(name) as s:
+        s.send_messages(Message("x"))
+    with ns.get_queue_receiver(name) as r:
+        assert [str(m) for m in drain(r, 1)] == ["x"]
+    assert [q.name for q in ns.list_queues()] == [name]
+
+
+def test_namespace_operation_timeout_must_be_positive(root: str) -> None:
+    """operation_timeout must be a positive number."""
+    for bad in (0, -1, "60", True):
+        with pytest.raises(InvalidOperationError):
+            Namespace(root, operation_timeout=bad)  # type: ignore[arg-type]
+
+
+# ---- receivers ---------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def loaded(ns: Namespace) -> Namespace:
+    """A namespace whose queue "q" holds three messages."""
+    ns.create_queue("q")
+    with ns.get_queue_sender("q") as s:
+        s.send_messages([Message(f"m{i}") for i in range(3)])
+    return ns
+
+
+def _untouched(ns: Namespace) -> None:
+    """All three messages are still there, unlocked and never delivered."""
+    with ns.get_queue_receiver("q") as r:
+        got = drain(r, 3)
+    assert len(got) == 3
+    assert {m.delivery_count for m in got} == {1}
+
+
+@pytest.mark.parametrize("count", [0, -1, "3", 2.0, True])
+def test_receive_rejects_bad_max_message_count(loaded: Namespace, count: object) -> None:
+    """max_message_count must be a positive int; a bad one raises and locks nothing."""
+    with loaded.get_queue_receiver("q") as r, pytest.raises(InvalidOperationError):
+        r.receive_messages(max_message_count=count)  # type: ignore[arg-type]
+    _untouched(loaded)
+
+
+@pytest.mark.parametrize("wait", [-1, "5", timedelta(seconds=-1)])
+def test_receive_rejects_bad_max_wait_time(loaded: Namespace, wait: object) -> None:
+    """max_wait_time must be a non-negative number or timedelta."""
+    with loaded.get_queue_receiver("q") as r, pytest.raises(InvalidOperationError):
+        r.receive_messages(max_message_count=3, max_wait_time=wait)  # type: ignore[arg-type]
+    with pytest.raises(InvalidOperationError):
+        loaded.get_queue_receiver("q", max_wait_time=wait)  # type: ignore[arg-type]
+    _untouched(loaded)
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        {"receive_mode": "lock-it"},
+        {"sub_queue": "poison"},
+        {"prefetch_count": -1},
+        {"prefetch_count": "10"},
+    ],
+    ids=repr,
+)
+def test_receiver_rejects_bad_options(loaded: Namespace, kwargs: dict[str, Any]) -> None:
+    """Unknown receive modes or sub-queues and negative prefetch counts raise InvalidOperationError."""
+    with pytest.raises(InvalidOperationError):
+        loaded.get_queue_receiver("q", **kwargs)
+    _untouched(loaded)
+
+
+@pytest.mark.parametrize(
+    "call",
+    [
+        lambda r: r.peek_messages(0),
+        lambda r: r.peek_messages(5, sequence_number=-1),
+        lambda r: r.receive_deferred_messages([-5]),
+        lambda r: r.receive_deferred_messages(["1"]),
+    ],
+    ids=["peek-0", "peek-negative-seq", "deferred-negative", "deferred-str"],
+)
+def test_browse_and_deferred_calls_validate_arguments(loaded: Namespace, call: Callable[[Any], object]) -> None:
+    """peek_messages and receive_deferred_messages validate counts and sequence numbers."""
+    with loaded.get_queue_receiver("q") as r, pytest.raises(InvalidOperationError):
+        call(r)
+    _untouched(loaded)
+
+
+def test_settle_rejects_non_messages_and_bad_reasons(loaded: Namespace) -> None:
+    """Settling something that is not a ReceivedMessage, or dead-lettering with a non-str reason, raises; the lock holds."""
+    with loaded.get_queue_receiver("q") as r:
+        (m,) = drain(r, 1)
+        with pytest.raises(InvalidOperationError):
+            r.complete_message("not a message")  # type: ignore[arg-type]
+        with pytest.raises(InvalidOperationError):
+            r.complete_message(Message("sent, not received"))  # type: ignore[arg-type]
+        with pytest.raises(InvalidOperationError):
+            r.dead_letter_message(m, reason=42)  # type: ignore[arg-type]
+        with pytest.raises(InvalidOperationError):
+            r.dead_letter_message(m, reason="ok", error_description=b"bytes")  # type: ignore[arg-type]
+        assert loaded.get_queue_runtime_properties("q").dead_letter_message_count == 0
+        r.complete_message(m)
+        with pytest.raises(MessageLockLostError):
+            r.complete_message(m)
+    assert loaded.get_queue_runtime_properties("q").total_message_count == 2
