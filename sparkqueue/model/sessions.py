@@ -241,9 +241,12 @@ class Sessions:
             except SessionLockLostError:
                 return
             sub = self.entity.subscription
-            if row.column("body")[0].as_py() is None and not self.table.scan(
-                dt, lock.partition, ["sequence_number"], subscription=sub, session_id=lock.session_id
-            ).num_rows:
+            if (
+                row.column("body")[0].as_py() is None
+                and not self.table.scan(
+                    dt, lock.partition, ["sequence_number"], subscription=sub, session_id=lock.session_id
+                ).num_rows
+            ):
                 self.table.apply(dt, lock.partition, lifecycle.changes(row, OP_DELETE))
                 return
             release = lifecycle.changes(row, OP_SET, lock_token=None, locked_until_utc=None)

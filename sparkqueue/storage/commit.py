@@ -13,7 +13,7 @@ import logging
 from collections.abc import Callable, Sequence
 
 from deltalake import CommitProperties, DeltaTable, Transaction
-from deltalake.exceptions import CommitFailedError
+from deltalake.exceptions import CommitFailedError, DeltaError
 from deltalake.transaction import AddAction, RemoveAction
 
 from sparkqueue.storage.schema import ENTITY_SCHEMA, PARTITION_COLUMN
@@ -42,10 +42,17 @@ def commit(
                 actions, mode="append", schema=ENTITY_SCHEMA, partition_by=[PARTITION_COLUMN], commit_properties=props
             )
             return dt.version()
-        except CommitFailedError:
+        except DeltaError as exc:
+            # A handle older than the log retention cannot check the commits since its version
+            # (their log entries are gone): delta-rs says "Invalid table version". Refresh and
+            # revalidate, as for a lost race.
+            if not isinstance(exc, CommitFailedError) and "Invalid table version" not in str(exc):
+                raise
             dt.update_incremental()
             if not still_valid(dt):
-                raise
+                if isinstance(exc, CommitFailedError):
+                    raise
+                raise CommitFailedError(f"the snapshot fell behind the log: {exc}") from exc
             log.debug("commit rebased onto version %d", dt.version())
     raise CommitFailedError(f"commit kept losing races after {MAX_REBASES} rebases")
 

@@ -14,16 +14,18 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import datetime
 
 import pyarrow as pa
 import pyarrow.compute as pc
+import pyarrow.fs as pafs
 from deltalake import DeltaTable, Transaction
-from deltalake.exceptions import CommitFailedError
+from deltalake.exceptions import CommitFailedError, DeltaError, TableNotFoundError
 
-from sparkqueue.errors import QuotaExceededError
+from sparkqueue.errors import EntityNotFoundError, QuotaExceededError
 from sparkqueue.storage.commit import commit, fences_unchanged
 from sparkqueue.storage.faults import FaultInjector
 from sparkqueue.storage.files import FILE_SCHEMA, DataFiles, remove_action
@@ -41,6 +43,7 @@ from sparkqueue.storage.schema import (
 
 log = logging.getLogger(__name__)
 
+LOG_RETENTION = "interval 1 minute"  # commits older than this (and before a checkpoint) are deleted
 SEQUENCE_BITS = 48
 SEQUENCE_MASK = (1 << SEQUENCE_BITS) - 1
 
@@ -99,7 +102,10 @@ class EntityTable:
             schema=ENTITY_SCHEMA,
             partition_by=[PARTITION_COLUMN],
             mode="error",
-            configuration={"delta.checkpointInterval": "50", "delta.logRetentionDuration": "interval 2 days"},
+            # A short log: delta-rs lists the whole _delta_log directory on every snapshot update and
+            # commit on local and Azure storage, so a log kept for days makes every operation slower
+            # as commits accumulate (bench_soak). Checkpoints every 50 commits trim it as they go.
+            configuration={"delta.checkpointInterval": "50", "delta.logRetentionDuration": LOG_RETENTION},
         )
 
     def snapshot(self) -> DeltaTable:
@@ -109,11 +115,22 @@ class EntityTable:
         and no other thread moves that handle underneath it.
         """
         dt: DeltaTable | None = getattr(self._local, "dt", None)
-        if dt is None:
-            dt = self._local.dt = DeltaTable(self.uri)
-        else:
-            dt.update_incremental()
+        with self.existing():
+            if dt is None:
+                dt = self._local.dt = DeltaTable(self.uri)
+            else:
+                dt.update_incremental()
         return dt
+
+    @contextmanager
+    def existing(self) -> Iterator[None]:
+        """Turn an engine error about a table that another process deleted into EntityNotFoundError."""
+        try:
+            yield
+        except (TableNotFoundError, DeltaError, OSError) as exc:
+            if self.data.fs.get_file_info(f"{self.data.root}/_delta_log").type == pafs.FileType.NotFound:
+                raise EntityNotFoundError(f"the entity stored at {self.uri} was deleted") from exc
+            raise
 
     def available(self, partition: int) -> bool:
         """False while a fault is injected on the partition."""
@@ -151,6 +168,10 @@ class EntityTable:
         version were appended by an earlier attempt and are dropped. Raises CommitFailedError when
         another sender to one of the partitions won the race (the caller retries on a fresh snapshot).
         """
+        with self.existing():
+            return self._append(rows, dedupe_since, expand, once)
+
+    def _append(self, rows: pa.Table, dedupe_since: datetime | None, expand: Expand | None, once: Transaction | None) -> pa.Table:
         dt = self.snapshot()
         if once is not None:
             done = dt.transaction_version(once.app_id)
@@ -353,6 +374,18 @@ class EntityTable:
         computed from: if any of those files (or, with new rows, the partition's fence) changed
         since, this raises CommitFailedError. Returns the stored new rows, if any were given.
         """
+        with self.existing():
+            return self._apply(dt, partition, changes, new_rows, dedupe_since, expand)
+
+    def _apply(
+        self,
+        dt: DeltaTable,
+        partition: int,
+        changes: pa.Table,
+        new_rows: pa.Table | None,
+        dedupe_since: datetime | None,
+        expand: Expand | None,
+    ) -> pa.Table | None:
         self.faults.check(partition, "write")
         changes = changes.cast(CHANGE_SCHEMA)
         adds, removed = [], []
