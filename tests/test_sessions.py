@@ -1,0 +1,638 @@
+"""Sessions (SPEC §6, with §5 and §11): session-id sends, named and next-available session receivers,
+the exclusive and expiring session lock, strict per-session FIFO, session state, listing, and
+session-enabled subscriptions. Single-process rules; multi-process ones are in
+test_sessions_concurrency.py."""
+
+from __future__ import annotations
+
+import time
+from datetime import UTC, datetime, timedelta
+
+import pytest
+
+from sparkqueue import NEXT_AVAILABLE_SESSION, Message, Namespace, ReceivedMessage, ReceiveMode
+from sparkqueue.errors import (
+    InvalidOperationError,
+    MessageLockLostError,
+    SessionCannotBeLockedError,
+    SessionLockLostError,
+)
+from sparkqueue.receiver import Receiver
+
+SHORT = timedelta(seconds=2)  # short, yet long enough for a loaded machine to act within one lock
+
+
+# ---- helpers ---------------------------------------------------------------------------------
+
+
+def _session_queue(ns: Namespace, name: str = "q", lock: timedelta | None = None, **kw: object) -> None:
+    """Create a session-enabled queue (optionally with a short lock)."""
+    if lock is not None:
+        kw["lock_duration"] = lock
+    ns.create_queue(name, requires_session=True, **kw)
+
+
+def _send(ns: Namespace, session: str, bodies: list[str], queue: str = "q") -> list[int]:
+    with ns.get_queue_sender(queue) as s:
+        return s.send_messages([Message(b, session_id=session, message_id=b) for b in bodies])
+
+
+def _take(receiver: Receiver, expected: int, timeout_s: float = 10.0) -> list[ReceivedMessage]:
+    """Receive (one call at a time, up to `expected`) until `expected` arrived or the loop bound passed."""
+    out: list[ReceivedMessage] = []
+    give_up = time.monotonic() + timeout_s
+    while len(out) < expected and time.monotonic() < give_up:
+        out.extend(receiver.receive_messages(max_message_count=expected - len(out), max_wait_time=0.2))
+    return out
+
+
+def _consume_all(receiver: Receiver, idle_s: float = 0.3) -> list[ReceivedMessage]:
+    """Receive and complete one message at a time until a receive that waited `idle_s` returns none."""
+    out: list[ReceivedMessage] = []
+    while True:
+        got = receiver.receive_messages(max_message_count=1, max_wait_time=idle_s)
+        if not got:
+            return out
+        for m in got:
+            receiver.complete_message(m)
+        out.extend(got)
+
+
+def _sleep_past(until: datetime, margin_s: float = 0.25) -> None:
+    """Sleep until a UTC instant has passed (plus a margin), so an expiry is certain, not raced."""
+    wait = (until - datetime.now(UTC)).total_seconds() + margin_s
+    if wait > 0:
+        time.sleep(wait)
+
+
+def _sessions(ns: Namespace, queue: str = "q") -> dict[str, object]:
+    return {s.session_id: s for s in ns.list_queue_sessions(queue)}
+
+
+# ---- sending ---------------------------------------------------------------------------------
+
+
+def test_send_without_session_id_is_refused_and_stores_nothing(ns: Namespace) -> None:
+    """A session-enabled queue refuses a message without session_id (InvalidOperationError), also inside a batch."""
+    _session_queue(ns)
+    with ns.get_queue_sender("q") as s:
+        with pytest.raises(InvalidOperationError):
+            s.send_messages(Message("no session"))
+        with pytest.raises(InvalidOperationError):
+            s.send_messages([Message("ok", session_id="s1"), Message("no session", partition_key="k")])
+    assert ns.get_queue_runtime_properties("q").total_message_count == 0
+    assert ns.list_queue_sessions("q") == []
+
+
+def test_session_messages_share_the_partition_of_their_session(ns: Namespace) -> None:
+    """All messages of one session land in one partition (the session id is the partition key)."""
+    _session_queue(ns)
+    seqs = _send(ns, "s-a", [f"a{i}" for i in range(5)]) + _send(ns, "s-a", ["a5"])
+    assert len({s >> 48 for s in seqs}) == 1
+    assert seqs == sorted(seqs)
+
+
+# ---- accepting sessions ------------------------------------------------------------------------
+
+
+def test_receiver_without_session_id_on_session_queue_is_refused(ns: Namespace) -> None:
+    """A session-enabled queue is read through session receivers only; session_id on a plain queue is refused."""
+    _session_queue(ns)
+    ns.create_queue("plain")
+    with pytest.raises(InvalidOperationError):
+        ns.get_queue_receiver("q")
+    with pytest.raises(InvalidOperationError):
+        ns.get_queue_receiver("plain", session_id="s1")
+
+
+def test_named_session_receiver_gets_only_its_session_in_order(ns: Namespace) -> None:
+    """A receiver for a named session gets that session's messages only, in sequence order."""
+    _session_queue(ns)
+    for i in range(4):
+        _send(ns, "s1", [f"s1-{i}"])
+        _send(ns, "s2", [f"s2-{i}"])
+    with ns.get_queue_receiver("q", session_id="s1") as r:
+        assert r.session is not None and r.session.session_id == "s1"
+        got = _take(r, 4)
+        assert [m.message_id for m in got] == [f"s1-{i}" for i in range(4)]
+        assert all(m.session_id == "s1" for m in got)
+        assert [m.sequence_number for m in got] == sorted(m.sequence_number for m in got)
+        for m in got:
+            r.complete_message(m)
+        assert r.receive_messages(max_message_count=5, max_wait_time=0.3) == []
+    assert _sessions(ns)["s2"].active_message_count == 4
+
+
+def test_named_session_can_be_accepted_before_it_has_messages(ns: Namespace) -> None:
+    """Accepting a named session that has no messages yet succeeds; messages sent later reach its receiver."""
+    _session_queue(ns)
+    with ns.get_queue_receiver("q", session_id="later") as r:
+        assert r.receive_messages(max_message_count=1, max_wait_time=0.2) == []
+        _send(ns, "later", ["l0", "l1"])
+        assert [m.message_id for m in _take(r, 2)] == ["l0", "l1"]
+
+
+def test_next_available_session_locks_distinct_sessions_with_messages(ns: Namespace) -> None:
+    """NEXT_AVAILABLE_SESSION locks a free session that has messages; a second one gets a different session."""
+    _session_queue(ns)
+    _send(ns, "a", ["a0", "a1"])
+    _send(ns, "b", ["b0"])
+    with ns.get_queue_receiver("q", session_id="empty"):
+        pass  # a session that exists but has no messages is never chosen
+    r1 = ns.get_queue_receiver("q", session_id=NEXT_AVAILABLE_SESSION, max_wait_time=2)
+    r2 = ns.get_queue_receiver("q", session_id=NEXT_AVAILABLE_SESSION, max_wait_time=2)
+    try:
+        assert r1.session is not None and r2.session is not None
+        assert {r1.session.session_id, r2.session.session_id} == {"a", "b"}
+        for r in (r1, r2):
+            got = _take(r, 2 if r.session.session_id == "a" else 1)
+            assert {m.session_id for m in got} == {r.session.session_id}
+        with pytest.raises(SessionCannotBeLockedError):
+            ns.get_queue_receiver("q", session_id=NEXT_AVAILABLE_SESSION, max_wait_time=0.3)
+    finally:
+        r1.close()
+        r2.close()
+
+
+def test_next_available_session_with_no_messages_times_out(ns: Namespace) -> None:
+    """NEXT_AVAILABLE_SESSION on a queue with no messages raises SessionCannotBeLockedError after max_wait_time."""
+    _session_queue(ns)
+    with pytest.raises(SessionCannotBeLockedError):
+        ns.get_queue_receiver("q", session_id=NEXT_AVAILABLE_SESSION, max_wait_time=0.3)
+
+
+def test_next_available_session_waits_for_a_session_to_arrive(ns: Namespace, root: str) -> None:
+    """NEXT_AVAILABLE_SESSION with max_wait_time picks up a session whose first message arrives while it waits."""
+    import threading
+
+    _session_queue(ns)
+
+    def late_send() -> None:
+        time.sleep(0.5)
+        with Namespace(root) as other:
+            _send(other, "late", ["x"])
+
+    t = threading.Thread(target=late_send)
+    t.start()
+    try:
+        with ns.get_queue_receiver("q", session_id=NEXT_AVAILABLE_SESSION, max_wait_time=10) as r:
+            assert r.session is not None and r.session.session_id == "late"
+            assert [m.message_id for m in _take(r, 1)] == ["x"]
+    finally:
+        t.join()
+
+
+def test_second_receiver_for_a_held_session_is_refused(ns: Namespace) -> None:
+    """While one receiver holds a session, another receiver for it gets SessionCannotBeLockedError."""
+    _session_queue(ns)
+    _send(ns, "s1", ["m0"])
+    with ns.get_queue_receiver("q", session_id="s1") as holder:
+        with pytest.raises(SessionCannotBeLockedError):
+            ns.get_queue_receiver("q", session_id="s1")
+        with Namespace(ns.root) as other, pytest.raises(SessionCannotBeLockedError):
+            other.get_queue_receiver("q", session_id="s1")
+        assert [m.message_id for m in _take(holder, 1)] == ["m0"]
+
+
+def test_close_releases_the_session_and_its_message_locks_at_once(ns: Namespace) -> None:
+    """Closing a session receiver releases the session lock and its messages' locks at once (no wait for expiry)."""
+    _session_queue(ns)  # default lock_duration: 60 s, so only the release can free the session here
+    _send(ns, "s1", ["m0", "m1"])
+    first = ns.get_queue_receiver("q", session_id="s1")
+    (m0,) = _take(first, 1)
+    assert m0.delivery_count == 1
+    first.close()
+    assert _sessions(ns)["s1"].locked_until_utc is None
+    with ns.get_queue_receiver("q", session_id="s1") as second:
+        (again,) = _take(second, 1)
+        assert again.message_id == "m0"
+        assert again.delivery_count == 2
+    with pytest.raises(InvalidOperationError):
+        first.receive_messages()
+
+
+def test_closed_receiver_cannot_settle_after_another_took_the_session(ns: Namespace) -> None:
+    """After a session is released and accepted again, the earlier delivery's lock token settles nothing."""
+    _session_queue(ns)
+    _send(ns, "s1", ["m0"])
+    first = ns.get_queue_receiver("q", session_id="s1")
+    (m0,) = _take(first, 1)
+    first.close()
+    with ns.get_queue_receiver("q", session_id="s1") as second:
+        (again,) = _take(second, 1)
+        with pytest.raises(MessageLockLostError):
+            second.complete_message(m0)  # the old delivery's token is not the current lock
+        second.complete_message(again)
+    assert ns.get_queue_runtime_properties("q").total_message_count == 0
+
+
+# ---- session lock expiry and renewal ------------------------------------------------------------
+
+
+def test_operations_after_session_lock_expiry_raise_session_lock_lost(ns: Namespace) -> None:
+    """Once the session lock expires, receive, settle, state and renew calls raise SessionLockLostError."""
+    _session_queue(ns, lock=SHORT)
+    _send(ns, "s1", ["m0", "m1"])
+    r = ns.get_queue_receiver("q", session_id="s1")
+    assert r.session is not None
+    (m0,) = _take(r, 1)
+    _sleep_past(r.session.locked_until_utc)
+    with pytest.raises(SessionLockLostError):
+        r.receive_messages(max_message_count=1)
+    with pytest.raises(SessionLockLostError):
+        r.complete_message(m0)
+    with pytest.raises(SessionLockLostError):
+        r.session.get_state()
+    with pytest.raises(SessionLockLostError):
+        r.session.set_state(b"x")
+    with pytest.raises(SessionLockLostError):
+        r.session.renew_lock()
+    r.close()  # closing after the loss is harmless
+    assert _sessions(ns)["s1"].active_message_count == 2  # the failed complete changed nothing
+    assert _sessions(ns)["s1"].state is None  # nor did the failed set_state
+
+
+def test_expired_session_can_be_taken_over_and_old_holder_cannot_act(ns: Namespace) -> None:
+    """After session expiry a new holder gets the unsettled head first; the former holder's settle raises, changing nothing."""
+    _session_queue(ns, lock=SHORT)
+    _send(ns, "s1", ["m0", "m1"])
+    old = ns.get_queue_receiver("q", session_id="s1")
+    assert old.session is not None
+    (m0,) = _take(old, 1)
+    _sleep_past(old.session.locked_until_utc)
+    with ns.get_queue_receiver("q", session_id="s1") as new:
+        (again,) = _take(new, 1)
+        assert again.message_id == "m0"
+        with pytest.raises(SessionLockLostError):
+            old.complete_message(m0)
+        with pytest.raises(SessionLockLostError):
+            old.session.set_state(b"stale")
+        new.complete_message(again)
+        assert new.session is not None and new.session.get_state() is None
+        assert [m.message_id for m in _take(new, 1)] == ["m1"]
+    old.close()
+    assert ns.get_queue_runtime_properties("q").total_message_count == 1
+
+
+def test_delivery_count_rises_when_a_session_lock_expires(ns: Namespace) -> None:
+    """A message redelivered after its session lock expired has a higher delivery_count."""
+    _session_queue(ns, lock=SHORT)
+    _send(ns, "s1", ["m0"])
+    counts = []
+    for _ in range(3):
+        r = ns.get_queue_receiver("q", session_id="s1")
+        assert r.session is not None
+        (m,) = _take(r, 1)
+        assert m.message_id == "m0"
+        counts.append(m.delivery_count)
+        _sleep_past(r.session.locked_until_utc)
+    assert counts == [1, 2, 3]
+
+
+def test_renew_lock_extends_the_session_lock(ns: Namespace) -> None:
+    """renew_lock moves locked_until_utc forward and keeps the session held past its first expiry."""
+    _session_queue(ns, lock=timedelta(seconds=3))
+    _send(ns, "s1", ["m0", "m1"])
+    with ns.get_queue_receiver("q", session_id="s1") as r:
+        assert r.session is not None
+        first_until = r.session.locked_until_utc
+        (m0,) = _take(r, 1)
+        last = first_until
+        while datetime.now(UTC) < first_until + timedelta(seconds=1):
+            time.sleep(0.3)
+            new_until = r.session.renew_lock()
+            assert new_until > last
+            assert r.session.locked_until_utc == new_until
+            r.renew_message_lock(m0)
+            last = new_until
+        # past the original expiry: still held by r, and r can still work
+        with pytest.raises(SessionCannotBeLockedError):
+            ns.get_queue_receiver("q", session_id="s1")
+        assert _sessions(ns)["s1"].locked_until_utc is not None
+        r.complete_message(m0)
+        assert [m.message_id for m in _take(r, 1)] == ["m1"]
+
+
+# ---- per-session FIFO ----------------------------------------------------------------------------
+
+
+def test_next_message_is_not_delivered_while_an_earlier_one_is_locked(ns: Namespace) -> None:
+    """Strict FIFO: while a session's earlier message is locked, its next message is not delivered."""
+    _session_queue(ns)
+    _send(ns, "s1", ["m0", "m1", "m2"])
+    with ns.get_queue_receiver("q", session_id="s1") as r:
+        (m0,) = r.receive_messages(max_message_count=1, max_wait_time=2)
+        assert m0.message_id == "m0"
+        assert r.receive_messages(max_message_count=1, max_wait_time=0.3) == []
+        r.complete_message(m0)
+        (m1,) = _take(r, 1)
+        assert m1.message_id == "m1"
+
+
+def test_batch_receive_returns_a_session_prefix_in_order(ns: Namespace) -> None:
+    """A multi-message receive returns the session's leading messages in sequence order."""
+    _session_queue(ns)
+    _send(ns, "s1", [f"m{i}" for i in range(6)])
+    with ns.get_queue_receiver("q", session_id="s1") as r:
+        got = r.receive_messages(max_message_count=4, max_wait_time=2)
+        assert [m.message_id for m in got] == ["m0", "m1", "m2", "m3"]
+        for m in got:
+            r.complete_message(m)
+        assert [m.message_id for m in _take(r, 2)] == ["m4", "m5"]
+
+
+def test_abandoned_message_is_redelivered_before_later_ones(ns: Namespace) -> None:
+    """Strict FIFO across abandon: an abandoned message comes back before the session's later messages."""
+    _session_queue(ns)
+    _send(ns, "s1", ["m0", "m1"])
+    with ns.get_queue_receiver("q", session_id="s1") as r:
+        order = []
+        for _ in range(3):
+            (m,) = _take(r, 1)
+            order.append((m.message_id, m.delivery_count))
+            r.abandon_message(m)
+        (m,) = _take(r, 1)
+        r.complete_message(m)
+        order.append((m.message_id, m.delivery_count))
+        (m,) = _take(r, 1)
+        order.append((m.message_id, m.delivery_count))
+    assert order == [("m0", 1), ("m0", 2), ("m0", 3), ("m0", 4), ("m1", 1)]
+
+
+def test_message_whose_lock_expired_is_redelivered_before_later_ones(ns: Namespace) -> None:
+    """Strict FIFO across message-lock expiry: with the session renewed, the expired message comes back first."""
+    _session_queue(ns, lock=SHORT)
+    _send(ns, "s1", ["m0", "m1"])
+    with ns.get_queue_receiver("q", session_id="s1") as r:
+        assert r.session is not None
+        (m0,) = _take(r, 1)
+        assert m0.locked_until_utc is not None
+        while datetime.now(UTC) < m0.locked_until_utc + timedelta(milliseconds=300):
+            r.session.renew_lock()  # keep the session, let the message lock lapse
+            time.sleep(0.2)
+        r.session.renew_lock()
+        (again,) = _take(r, 1)
+        assert (again.message_id, again.delivery_count) == ("m0", 2)
+        with pytest.raises(MessageLockLostError):
+            r.complete_message(m0)
+        r.complete_message(again)
+        assert [m.message_id for m in _take(r, 1)] == ["m1"]
+
+
+def test_dead_lettered_and_deferred_messages_step_out_of_the_sequence(ns: Namespace) -> None:
+    """Deferring or dead-lettering a session's head lets its next message through; the deferred one is fetched by number."""
+    _session_queue(ns)
+    _send(ns, "s1", ["m0", "m1", "m2"])
+    with ns.get_queue_receiver("q", session_id="s1") as r:
+        (m0,) = _take(r, 1)
+        r.defer_message(m0)
+        (m1,) = _take(r, 1)
+        assert m1.message_id == "m1"
+        r.dead_letter_message(m1, reason="bad")
+        (m2,) = _take(r, 1)
+        assert m2.message_id == "m2"
+        r.complete_message(m2)
+        (d,) = r.receive_deferred_messages([m0.sequence_number])
+        assert d.message_id == "m0"
+        info = _sessions(ns)["s1"]
+        assert (info.active_message_count, info.deferred_message_count) == (0, 1)
+        r.complete_message(d)
+    assert ns.get_queue_runtime_properties("q").dead_letter_message_count == 1
+
+
+def test_receive_and_delete_session_receiver_takes_messages_in_order(ns: Namespace) -> None:
+    """In RECEIVE_AND_DELETE mode a session receiver removes the session's messages in sequence order."""
+    _session_queue(ns)
+    _send(ns, "s1", [f"m{i}" for i in range(5)])
+    _send(ns, "s2", ["other"])
+    with ns.get_queue_receiver("q", session_id="s1", receive_mode=ReceiveMode.RECEIVE_AND_DELETE) as r:
+        got = [m.message_id for m in _take(r, 5)]
+    assert got == [f"m{i}" for i in range(5)]
+    assert ns.get_queue_runtime_properties("q").total_message_count == 1
+
+
+# ---- session state ---------------------------------------------------------------------------------
+
+
+def test_session_state_survives_receiver_restarts_and_none_clears_it(ns: Namespace) -> None:
+    """Session state set by one receiver is read by later ones (any process) until set_state(None) clears it."""
+    _session_queue(ns)
+    _send(ns, "s1", ["m0"])
+    with ns.get_queue_receiver("q", session_id="s1") as r:
+        assert r.session is not None
+        assert r.session.get_state() is None
+        r.session.set_state(b"\x00step-1\xff")
+        assert r.session.get_state() == b"\x00step-1\xff"
+    with Namespace(ns.root) as other, other.get_queue_receiver("q", session_id="s1") as r:
+        assert r.session is not None
+        assert r.session.get_state() == b"\x00step-1\xff"
+        r.session.set_state("step-2 ✓")  # str is stored as UTF-8
+    with ns.get_queue_receiver("q", session_id="s1") as r:
+        assert r.session is not None
+        assert r.session.get_state() == "step-2 ✓".encode()
+        r.session.set_state(None)
+        assert r.session.get_state() is None
+    with ns.get_queue_receiver("q", session_id="s1") as r:
+        assert r.session is not None
+        assert r.session.get_state() is None
+    assert _sessions(ns)["s1"].state is None
+
+
+def test_session_state_outlives_the_sessions_messages(ns: Namespace) -> None:
+    """State is kept after the session's last message is completed, and listed with the session."""
+    _session_queue(ns)
+    _send(ns, "s1", ["m0"])
+    with ns.get_queue_receiver("q", session_id="s1") as r:
+        assert r.session is not None
+        (m,) = _take(r, 1)
+        r.complete_message(m)
+        r.session.set_state(b"done")
+    info = _sessions(ns)["s1"]
+    assert info.state == b"done"
+    assert info.active_message_count == 0
+    with ns.get_queue_receiver("q", session_id="s1") as r:
+        assert r.session is not None
+        assert r.session.get_state() == b"done"
+
+
+def test_session_state_rejects_other_types(ns: Namespace) -> None:
+    """set_state accepts bytes, str or None only (InvalidOperationError otherwise) and keeps the old state."""
+    _session_queue(ns)
+    with ns.get_queue_receiver("q", session_id="s1") as r:
+        assert r.session is not None
+        r.session.set_state(b"keep")
+        with pytest.raises(InvalidOperationError):
+            r.session.set_state(42)  # type: ignore[arg-type]
+        assert r.session.get_state() == b"keep"
+
+
+def test_session_states_are_independent(ns: Namespace) -> None:
+    """Each session has its own state, also for sessions in the same partition."""
+    _session_queue(ns, enable_partitioning=False)  # one partition: every session shares it
+    for sid in ("a", "b", "c"):
+        with ns.get_queue_receiver("q", session_id=sid) as r:
+            assert r.session is not None
+            r.session.set_state(f"state-{sid}")
+    with ns.get_queue_receiver("q", session_id="b") as r:
+        assert r.session is not None
+        r.session.set_state(None)
+    states = {k: v.state for k, v in _sessions(ns).items()}
+    assert (states["a"], states.get("b"), states["c"]) == (b"state-a", None, b"state-c")
+
+
+# ---- listing sessions --------------------------------------------------------------------------------
+
+
+def test_list_sessions_reports_state_lock_and_counts(ns: Namespace) -> None:
+    """list_queue_sessions lists each session with its state, lock expiry (None when free) and message counts."""
+    _session_queue(ns)
+    _send(ns, "busy", ["b0", "b1", "b2"])
+    _send(ns, "idle", ["i0", "i1"])
+    with ns.get_queue_receiver("q", session_id="stateful") as r:
+        assert r.session is not None
+        r.session.set_state(b"s")
+    holder = ns.get_queue_receiver("q", session_id="busy")
+    try:
+        assert holder.session is not None
+        (b0,) = _take(holder, 1)
+        holder.defer_message(b0)
+        listed = ns.list_queue_sessions("q")
+        assert [s.session_id for s in listed] == sorted(s.session_id for s in listed)
+        info = {s.session_id: s for s in listed}
+        assert set(info) == {"busy", "idle", "stateful"}
+        assert (info["busy"].active_message_count, info["busy"].deferred_message_count) == (2, 1)
+        assert info["busy"].locked_until_utc == holder.session.locked_until_utc
+        assert info["busy"].state is None
+        assert (info["idle"].active_message_count, info["idle"].deferred_message_count) == (2, 0)
+        assert info["idle"].locked_until_utc is None
+        assert info["stateful"].state == b"s"
+        assert (info["stateful"].active_message_count, info["stateful"].locked_until_utc) == (0, None)
+    finally:
+        holder.close()
+    assert _sessions(ns)["busy"].locked_until_utc is None
+
+
+def test_finished_session_without_state_is_no_longer_listed(ns: Namespace) -> None:
+    """A released session with no messages and no state is forgotten; one with state or messages stays listed."""
+    _session_queue(ns)
+    _send(ns, "done", ["d0"])
+    _send(ns, "kept", ["k0"])
+    _send(ns, "pending", ["p0", "p1"])
+    for sid in ("done", "kept"):
+        with ns.get_queue_receiver("q", session_id=sid) as r:
+            assert r.session is not None
+            _consume_all(r)
+            r.session.set_state(b"x")
+            if sid == "done":
+                r.session.set_state(None)
+    with ns.get_queue_receiver("q", session_id="pending") as r:
+        (p0,) = _take(r, 1)
+        r.complete_message(p0)
+    info = _sessions(ns)
+    assert set(info) == {"kept", "pending"}
+    assert (info["kept"].state, info["pending"].active_message_count) == (b"x", 1)
+    with ns.get_queue_receiver("q", session_id="done") as r:  # accepting it again starts afresh
+        assert r.session is not None and r.session.get_state() is None
+        assert "done" in _sessions(ns)  # listed while locked
+
+
+def test_list_sessions_shows_an_expired_lock_as_free(ns: Namespace) -> None:
+    """A session whose lock expired is listed with locked_until_utc None."""
+    _session_queue(ns, lock=SHORT)
+    _send(ns, "s1", ["m0"])
+    r = ns.get_queue_receiver("q", session_id="s1")
+    assert r.session is not None
+    assert _sessions(ns)["s1"].locked_until_utc is not None
+    _sleep_past(r.session.locked_until_utc)
+    assert _sessions(ns)["s1"].locked_until_utc is None
+    r.close()
+
+
+# ---- subscriptions -------------------------------------------------------------------------------------
+
+
+def test_session_receivers_on_a_subscription(ns: Namespace) -> None:
+    """A session-enabled subscription gives named and next-available session receivers, exclusive and FIFO."""
+    ns.create_topic("t")
+    ns.create_subscription("t", "ss", requires_session=True)
+    ns.create_subscription("t", "plain")
+    with ns.get_topic_sender("t") as s:
+        for i in range(3):
+            s.send_messages([Message(f"{k}{i}", session_id=k, message_id=f"{k}{i}") for k in ("a", "b")])
+    with pytest.raises(InvalidOperationError):
+        ns.get_subscription_receiver("t", "ss")
+    with ns.get_subscription_receiver("t", "ss", session_id="a") as ra:
+        with pytest.raises(SessionCannotBeLockedError):
+            ns.get_subscription_receiver("t", "ss", session_id="a")
+        got = _consume_all(ra)
+        assert [m.message_id for m in got] == ["a0", "a1", "a2"]
+        assert ra.session is not None
+        ra.session.set_state(b"sub-state")
+    with ns.get_subscription_receiver("t", "ss", session_id=NEXT_AVAILABLE_SESSION, max_wait_time=2) as rb:
+        assert rb.session is not None and rb.session.session_id == "b"
+        assert [m.message_id for m in _consume_all(rb)] == ["b0", "b1", "b2"]
+    subs = {s.session_id: s for s in ns.list_subscription_sessions("t", "ss")}
+    assert set(subs) == {"a"}  # "b" ended with no state and no messages
+    assert (subs["a"].state, subs["a"].active_message_count) == (b"sub-state", 0)
+    # the plain subscription got its own copies, untouched by the session receivers
+    with ns.get_subscription_receiver("t", "plain") as rp:
+        got = []
+        while True:
+            batch = rp.receive_messages(max_message_count=10, max_wait_time=0.3)
+            if not batch:
+                break
+            got.extend(batch)
+    assert sorted(m.message_id for m in got) == sorted([f"a{i}" for i in range(3)] + [f"b{i}" for i in range(3)])
+
+
+def test_subscription_session_lock_expires(ns: Namespace) -> None:
+    """A subscription's session lock expires like a queue's: SessionLockLostError, then another receiver takes over."""
+    ns.create_topic("t")
+    ns.create_subscription("t", "ss", requires_session=True, lock_duration=SHORT)
+    with ns.get_topic_sender("t") as s:
+        s.send_messages(Message("x", session_id="a", message_id="x"))
+    r = ns.get_subscription_receiver("t", "ss", session_id="a")
+    assert r.session is not None
+    (m,) = _take(r, 1)
+    _sleep_past(r.session.locked_until_utc)
+    with pytest.raises(SessionLockLostError):
+        r.complete_message(m)
+    with ns.get_subscription_receiver("t", "ss", session_id="a") as r2:
+        (again,) = _take(r2, 1)
+        assert (again.message_id, again.delivery_count) == ("x", 2)
+        r2.complete_message(again)
+    r.close()
+    assert ns.get_subscription_runtime_properties("t", "ss").total_message_count == 0
+
+
+# ---- exclusivity corner cases ----------------------------------------------------------------------------
+
+
+def test_deferred_message_of_a_session_is_received_only_by_its_session(ns: Namespace) -> None:
+    """receive_deferred_messages on a session receiver returns only its own session's deferred messages."""
+    _session_queue(ns, enable_partitioning=False)  # both sessions in one partition
+    _send(ns, "a", ["a0"])
+    with ns.get_queue_receiver("q", session_id="a") as ra:
+        (a0,) = _take(ra, 1)
+        ra.defer_message(a0)
+        with ns.get_queue_receiver("q", session_id="b") as rb:
+            assert rb.receive_deferred_messages([a0.sequence_number]) == []
+        (d,) = ra.receive_deferred_messages([a0.sequence_number])
+        assert (d.message_id, d.session_id) == ("a0", "a")
+        ra.complete_message(d)
+    assert ns.get_queue_runtime_properties("q").total_message_count == 0
+
+
+def test_next_available_session_is_found_behind_a_large_held_session(ns: Namespace) -> None:
+    """NEXT_AVAILABLE_SESSION finds a free session even when a held session has a long backlog ahead of it."""
+    _session_queue(ns, enable_partitioning=False)
+    with ns.get_queue_sender("q") as s:
+        s.send_messages([Message(f"a{i}", session_id="big") for i in range(1500)])
+        s.send_messages(Message("small-0", session_id="small", message_id="small-0"))
+    big = ns.get_queue_receiver("q", session_id="big")
+    try:
+        with ns.get_queue_receiver("q", session_id=NEXT_AVAILABLE_SESSION, max_wait_time=2) as r:
+            assert r.session is not None and r.session.session_id == "small"
+            assert [m.message_id for m in _take(r, 1)] == ["small-0"]
+    finally:
+        big.close()
