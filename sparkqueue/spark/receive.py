@@ -23,15 +23,17 @@ from functools import partial
 from typing import TYPE_CHECKING
 
 import pyarrow as pa
+import pyarrow.compute as pc
 from pyspark.sql import DataFrame, SparkSession
 
-from sparkqueue.errors import InvalidOperationError
+from sparkqueue.errors import InvalidOperationError, PartitionUnavailableError
 from sparkqueue.model import limits
 from sparkqueue.model.entity import Entity, utcnow
 from sparkqueue.spark.schema import STAGED_SCHEMA_SPARK, received_columns, staged_rows
 from sparkqueue.spark.session import active_session, spark_errors
 from sparkqueue.spark.staging import STAGING_ATTRIBUTE, Staging, cleanup_staging
 from sparkqueue.spark.worker import EntityRef, marking_errors
+from sparkqueue.storage.schema import KIND_MESSAGE
 
 if TYPE_CHECKING:
     from sparkqueue.receiver import Receiver
@@ -39,7 +41,7 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 RECEIVE_CHUNK = 16_384  # messages per lock commit inside a task (two send files)
-MAX_ROUNDS = 4
+MAX_ROUNDS = 64  # a safety bound: rounds end on their own (see gather)
 POLL_MIN_S, POLL_MAX_S = 0.05, 1.0
 ROUND_DDL = "partition_id int, requested long, received long"
 
@@ -111,8 +113,13 @@ def read_staged(spark: SparkSession, staging: Staging) -> DataFrame:
 
 
 def gather(spark: SparkSession, job: ReceiveJob, entity: Entity, want: int, rounds: int) -> tuple[int, int]:
-    """Receive up to `want` messages in rounds of parallel lock tasks; returns (received, rounds run so far)."""
-    candidates = [p for p in range(entity.partition_count) if entity.available(p)]
+    """Receive up to `want` messages in rounds of parallel lock tasks; returns (received, rounds run so far).
+
+    Each round splits what is missing over the candidate partitions. A partition that returned
+    less than its share is exhausted for this call; one that filled it (or got no share yet) stays
+    a candidate. Every round takes messages or drops candidates, so the rounds end.
+    """
+    candidates = candidate_partitions(entity, job.sub_queue)
     if candidates:
         shift = random.randrange(len(candidates))
         candidates = candidates[shift:] + candidates[:shift]
@@ -129,10 +136,34 @@ def gather(spark: SparkSession, job: ReceiveJob, entity: Entity, want: int, roun
             )
         rounds += 1
         total += sum(r.received for r in results)
-        candidates = [r.partition_id for r in results if r.received >= r.requested]
-        if total >= want or not candidates:
+        planned = {p for p, _ in plan}
+        full = [r.partition_id for r in results if r.received >= r.requested]
+        candidates = full + [p for p in candidates if p not in planned]  # untried partitions go last
+        if total >= want:
             break
     return total, rounds
+
+
+def candidate_partitions(entity: Entity, sub_queue: str) -> list[int]:
+    """Available partitions whose file statistics allow a message of the sub-queue receivable now."""
+    dt = entity.table.snapshot()
+    now = utcnow()
+    out = []
+    for p in range(entity.partition_count):
+        if not entity.available(p):
+            continue
+        try:
+            files = entity.table.files(dt, p)
+        except PartitionUnavailableError:
+            continue
+        if any(
+            f.min_available_at is not None
+            and f.min_available_at <= now
+            and f.may_hold(KIND_MESSAGE, sub_queue, entity.subscription)
+            for f in files
+        ):
+            out.append(p)
+    return out
 
 
 def shares(count: int, partitions: list[int]) -> list[tuple[int, int]]:
@@ -176,5 +207,30 @@ def lock_partition(job: ReceiveJob, entity: Entity, p: int, share: int, round_no
         if rows.num_rows < ask:
             break
     if staged:
-        job.staging.write(f"part-r{round_no:03d}-p{p:05d}.parquet", pa.concat_tables(staged))
+        rows = newest_delivery(pa.concat_tables(staged))
+        suffix = f"-p{p:05d}.parquet"
+        drop_superseded(job.staging, suffix, rows.column("sequence_number"))
+        job.staging.write(f"part-r{round_no:03d}{suffix}", rows)
+        got = rows.num_rows
     return got
+
+
+def newest_delivery(rows: pa.Table) -> pa.Table:
+    """Each message once, as last delivered (a lock that lapsed during the call may have been taken again)."""
+    seqs = rows.column("sequence_number")
+    if len(pc.unique(seqs)) == rows.num_rows:
+        return rows
+    last = {s: i for i, s in enumerate(seqs.to_pylist())}
+    return rows.take(pa.array(sorted(last.values()), pa.int64()))
+
+
+def drop_superseded(staging: Staging, suffix: str, seqs: pa.ChunkedArray) -> None:
+    """Remove from earlier rounds' files of this partition the messages this round delivered again."""
+    for name in staging.names(suffix):
+        old = staging.read_file(name)
+        again = pc.is_in(old.column("sequence_number"), value_set=seqs.combine_chunks())
+        if pc.any(again).as_py():
+            log.info(
+                "%s: %d staged messages lost their locks during the call and were delivered again", name, pc.sum(again).as_py()
+            )
+            staging.write(name, old.filter(pc.invert(again)))

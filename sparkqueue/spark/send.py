@@ -49,8 +49,8 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-FILE_ROWS = 8192  # rows per data file (and commit) a send writes: keeps later lock rewrites small
-FILE_BYTES = 8 << 20  # and at most this many message bytes per file
+COMMIT_ROWS = 32_768  # rows per commit of a send task (storage splits them into bounded files)
+COMMIT_BYTES = 32 << 20  # and at most this many message bytes per commit
 
 KEY_FIELDS = ("message_id", "session_id", "partition_key")
 STRING_FIELDS = (*KEY_FIELDS, "correlation_id", "subject", "to", "reply_to", "reply_to_session_id", "content_type")
@@ -76,12 +76,17 @@ class SendPlan:
     settings: SendSettings
     partition_count: int
     available: tuple[int, ...]
-    file_rows: int = FILE_ROWS
-    file_bytes: int = FILE_BYTES
+    commit_rows: int = COMMIT_ROWS
+    commit_bytes: int = COMMIT_BYTES
 
 
 def send_dataframe(
-    sender: Sender, df: DataFrame, *, preserve_order: bool = True, file_rows: int = FILE_ROWS, file_bytes: int = FILE_BYTES
+    sender: Sender,
+    df: DataFrame,
+    *,
+    preserve_order: bool = True,
+    commit_rows: int = COMMIT_ROWS,
+    commit_bytes: int = COMMIT_BYTES,
 ) -> int:
     """Send every row of `df` as a message; returns how many were accepted (duplicates dropped are not counted).
 
@@ -102,8 +107,8 @@ def send_dataframe(
         send_settings(ns.tier, entity.props),
         entity.partition_count,
         available,
-        limits.check_int(file_rows, "file_rows"),
-        limits.check_int(file_bytes, "file_bytes"),
+        limits.check_int(commit_rows, "commit_rows"),
+        limits.check_int(commit_bytes, "commit_bytes"),
     )
     staged = shuffle_by_partition(prepare(df, plan), plan.partition_count, preserve_order)
     with spark_errors():
@@ -146,11 +151,12 @@ def prepare(df: DataFrame, plan: SendPlan) -> DataFrame:
     )
     start = random.randrange(len(plan.available))
     rr = sf.pmod(sf.col("_ord") + sf.col("_task") + sf.lit(start), sf.lit(len(plan.available))).cast("int")
+    round_robin = sf.element_at(sf.array(*[sf.lit(p) for p in plan.available]), rr + 1)
     return first.select(
         *[sf.col(c) for c in ("body", *STRING_FIELDS, "application_properties", "scheduled_enqueue_time_utc", "_ord")],
         (sf.col("_ttl_us") / 1000).cast("long").alias("time_to_live_ms"),
         _checked_size(plan.settings).alias("size_in_bytes"),
-        _partition(plan, sf.element_at(sf.array(*[sf.lit(p) for p in plan.available]), rr + 1)).alias("_qp"),
+        _partition(plan, round_robin, _may_have_keys(types, plan)).alias("_qp"),
     )
 
 
@@ -322,8 +328,16 @@ def _checked_size(settings: SendSettings) -> Column:
     return out.otherwise(size).cast("int")
 
 
-def _partition(plan: SendPlan, round_robin: Column) -> Column:
+def _may_have_keys(types: dict[str, st.DataType], plan: SendPlan) -> bool:
+    """False when no row can have a partition key (no key columns, no duplicate detection): no hashing needed."""
+    present = [n for n in ("session_id", "partition_key") if n in types and not isinstance(types[n], st.NullType)]
+    return bool(present) or plan.settings.requires_duplicate_detection
+
+
+def _partition(plan: SendPlan, round_robin: Column, keyed: bool = True) -> Column:
     """The queue partition: by mmh3 of the key (SPEC §3 precedence), else round-robin over available partitions."""
+    if not keyed:
+        return round_robin
     key = sf.coalesce(
         sf.col("session_id"),
         sf.col("partition_key"),
@@ -391,7 +405,7 @@ class PartitionWriter:
             part = rows if len(partitions) == 1 else rows.filter(pc.equal(rows.column("_qp"), p))
             buffered = [*self.pending.get(p, []), part]
             table = pa.concat_tables(buffered)
-            limit = self._file_limit(table)
+            limit = self._commit_limit(table)
             while table.num_rows >= limit:
                 self._commit(p, table.slice(0, limit))
                 table = table.slice(limit)
@@ -418,12 +432,12 @@ class PartitionWriter:
             }
         )
 
-    def _file_limit(self, rows: pa.Table) -> int:
-        """Rows per file: the row cap, lowered so a file's message bytes stay under the byte cap."""
+    def _commit_limit(self, rows: pa.Table) -> int:
+        """Rows per commit: the row cap, lowered so a commit's message bytes stay under the byte cap."""
         if rows.num_rows == 0:
-            return self.plan.file_rows
+            return self.plan.commit_rows
         mean = max(1, (pc.sum(rows.column("size_in_bytes")).as_py() or 0) // rows.num_rows)
-        return max(1, min(self.plan.file_rows, self.plan.file_bytes // mean))
+        return max(1, min(self.plan.commit_rows, self.plan.commit_bytes // mean))
 
     def _commit(self, p: int, chunk: pa.Table) -> None:
         """Append one file's rows to partition p (duplicates dropped, quota checked), retrying lost races."""

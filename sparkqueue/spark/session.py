@@ -36,6 +36,7 @@ DEFAULT_CONF: dict[str, str] = {
     "spark.sql.python.filterPushdown.enabled": "true",
     "spark.sql.execution.arrow.pyspark.enabled": "true",
     "spark.python.worker.reuse": "true",
+    "spark.python.daemon.module": "sparkqueue.spark.daemon",  # workers fork with sparkqueue already imported
     "spark.ui.showConsoleProgress": "false",
 }
 

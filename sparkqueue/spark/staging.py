@@ -72,6 +72,19 @@ class Staging:
         pq.write_table(table, tmp, filesystem=fs, compression="snappy")
         fs.move(tmp, f"{path}/{name}")
 
+    def names(self, suffix: str = ".parquet") -> list[str]:
+        """Names of the directory's finished files ending with `suffix`."""
+        fs, path = _filesystem(self.uri)
+        infos = fs.get_file_info(pafs.FileSelector(path, allow_not_found=True))
+        return sorted(
+            i.base_name for i in infos if i.is_file and not i.base_name.startswith("_") and i.base_name.endswith(suffix)
+        )
+
+    def read_file(self, name: str) -> pa.Table:
+        """One staged file."""
+        fs, path = _filesystem(self.uri)
+        return pq.read_table(f"{path}/{name}", filesystem=fs)
+
     def read(self, spark: SparkSession, schema: st.StructType) -> DataFrame:
         """A DataFrame over the directory's files (empty while there are none), tagged with the directory."""
         df = spark.read.schema(schema).parquet(self.spark_path)

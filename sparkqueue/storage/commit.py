@@ -9,10 +9,14 @@ base; only a real overlap is reported as a conflict for the caller to recompute.
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import re
+import time
 from collections.abc import Callable, Sequence
 
-from deltalake import CommitProperties, DeltaTable, Transaction
+import pyarrow.fs as pafs
+from deltalake import CommitProperties, DeltaTable, PostCommitHookProperties, Transaction
 from deltalake.exceptions import CommitFailedError, DeltaError
 from deltalake.transaction import AddAction, RemoveAction
 
@@ -21,6 +25,14 @@ from sparkqueue.storage.schema import ENTITY_SCHEMA, PARTITION_COLUMN
 log = logging.getLogger(__name__)
 
 MAX_REBASES = 64
+# delta-rs deletes expired log files after the checkpoints it writes every few commits, but fails
+# (after the commit went through) when another process deleted one of them first. sparkqueue
+# trims the log itself, tolerating concurrent trimmers (trim_log).
+NO_LOG_CLEANUP = PostCommitHookProperties(create_checkpoint=True, cleanup_expired_logs=False)
+DEFAULT_LOG_RETENTION_S = 30 * 86400.0  # Delta's default logRetentionDuration
+_INTERVAL = re.compile(r"^\s*interval\s+(\d+)\s+(\w+?)s?\s*$", re.IGNORECASE)
+_UNIT_S = {"second": 1, "minute": 60, "hour": 3600, "day": 86400, "week": 604800}
+_LOG_FILE = re.compile(r"^(\d{20})\.(json|crc|checkpoint\.parquet|checkpoint\.\d+\.\d+\.parquet)$")
 
 
 def commit(
@@ -39,9 +51,17 @@ def commit(
     for _ in range(MAX_REBASES):
         try:
             dt.create_write_transaction(
-                actions, mode="append", schema=ENTITY_SCHEMA, partition_by=[PARTITION_COLUMN], commit_properties=props
+                actions,
+                mode="append",
+                schema=ENTITY_SCHEMA,
+                partition_by=[PARTITION_COLUMN],
+                commit_properties=props,
+                post_commithook_properties=NO_LOG_CLEANUP,
             )
-            return dt.version()
+            version = dt.version()
+            if version % int(dt.metadata().configuration.get("delta.checkpointInterval", "100")) == 0:
+                trim_log(dt)  # delta-rs has just written a checkpoint at this version
+            return version
         except DeltaError as exc:
             # A handle older than the log retention cannot check the commits since its version
             # (their log entries are gone): delta-rs says "Invalid table version". Refresh and
@@ -64,3 +84,37 @@ def fences_unchanged(expected: dict[str, int | None]) -> Callable[[DeltaTable], 
         return all(dt.transaction_version(app) == v for app, v in expected.items())
 
     return check
+
+
+def log_retention_s(dt: DeltaTable) -> float:
+    """The table's delta.logRetentionDuration in seconds ("interval <n> <unit>"; Delta's default when unset)."""
+    m = _INTERVAL.match(dt.metadata().configuration.get("delta.logRetentionDuration") or "")
+    if m is None or m.group(2).lower() not in _UNIT_S:
+        return DEFAULT_LOG_RETENTION_S
+    return int(m.group(1)) * _UNIT_S[m.group(2).lower()]
+
+
+def trim_log(dt: DeltaTable) -> int:
+    """Delete log entries older than the log retention that precede the newest checkpoint; returns how many.
+
+    What delta-rs's cleanup does, except that files another process deleted first are skipped
+    rather than raised: every writer and every maintenance run may trim at once.
+    """
+    fs, root = pafs.FileSystem.from_uri(dt.table_uri)
+    try:
+        infos = fs.get_file_info(pafs.FileSelector(f"{root.rstrip('/')}/_delta_log"))
+    except OSError:
+        return 0
+    entries = [(int(m.group(1)), m.group(2), i) for i in infos if (m := _LOG_FILE.match(i.base_name))]
+    checkpoints = [v for v, kind, _ in entries if kind.startswith("checkpoint")]
+    if not checkpoints:
+        return 0
+    newest = max(checkpoints)
+    cutoff_ns = time.time_ns() - int(log_retention_s(dt) * 1e9)
+    removed = 0
+    for version, _, info in entries:
+        if version < newest and info.mtime_ns is not None and info.mtime_ns < cutoff_ns:
+            with contextlib.suppress(OSError):  # FileNotFoundError included: another trimmer was first
+                fs.delete_file(info.path)
+                removed += 1
+    return removed

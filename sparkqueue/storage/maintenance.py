@@ -22,7 +22,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 from deltalake.exceptions import CommitFailedError
 
-from sparkqueue.storage.commit import commit
+from sparkqueue.storage.commit import NO_LOG_CLEANUP, commit, trim_log
 from sparkqueue.storage.files import MAX_FILE_BYTES, MAX_FILE_ROWS, remove_action
 from sparkqueue.storage.retry import backoff
 from sparkqueue.storage.schema import STATE_COMPLETED, TIMESTAMP
@@ -190,7 +190,7 @@ def checkpoint(table: EntityTable, report: MaintenanceReport | None = None) -> M
     report = report or MaintenanceReport()
     dt = table.snapshot()
     dt.create_checkpoint()
-    dt.cleanup_metadata()
+    trim_log(dt)
     report.checkpointed_version = dt.version()
     return report
 
@@ -219,7 +219,13 @@ def _vacuum(table: EntityTable, hours: int, *, full: bool) -> list[str]:
     """
     for attempt in range(VACUUM_ATTEMPTS):
         try:
-            return table.snapshot().vacuum(retention_hours=hours, dry_run=False, enforce_retention_duration=False, full=full)
+            return table.snapshot().vacuum(
+                retention_hours=hours,
+                dry_run=False,
+                enforce_retention_duration=False,
+                full=full,
+                post_commithook_properties=NO_LOG_CLEANUP,
+            )
         except CommitFailedError:
             time.sleep(backoff(attempt))
     log.info("vacuum of %s lost %d commit races; the next maintenance run retries", table.uri, VACUUM_ATTEMPTS)

@@ -180,8 +180,10 @@ class EntityTable:
             if done is not None:  # an earlier (crashed or concurrent) forward moved the rows up to `done`
                 rows = rows.filter(pc.greater(rows.column("sequence_number"), done))
         partitions = sorted(set(rows.column(PARTITION_COLUMN).to_pylist()))
+        one = len(partitions) == 1  # a one-partition batch (a Spark send task's) needs no copying filter
         staged = [
-            self._stage(dt, p, rows.filter(pc.equal(rows.column(PARTITION_COLUMN), p)), dedupe_since, expand) for p in partitions
+            self._stage(dt, p, rows if one else rows.filter(pc.equal(rows.column(PARTITION_COLUMN), p)), dedupe_since, expand)
+            for p in partitions
         ]
         stored = [st.rows for st in staged if st.rows.num_rows]
         if not stored:

@@ -1,0 +1,166 @@
+"""What the Spark jobs share: configuration (conf/sparkqueue.toml plus command-line overrides), session and queue."""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import logging
+import os
+import tomllib
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+from pyspark.sql import SparkSession
+
+from sparkqueue import Namespace
+from sparkqueue.errors import EntityAlreadyExistsError, EntityNotFoundError
+from sparkqueue.spark import spark_session
+
+log = logging.getLogger(__name__)
+
+DEFAULT_CONFIG = Path(__file__).resolve().parent.parent / "conf" / "sparkqueue.toml"
+
+DEFAULTS: dict[str, Any] = {
+    "namespace": {"root": "./sparkqueue-data", "tier": "standard", "operation_timeout": 60},
+    "spark": {"master": "local[2]", "app_name": "sparkqueue-job", "conf": {}},
+    "queue": {
+        "name": "orders",
+        "create": True,
+        "enable_partitioning": True,
+        "requires_duplicate_detection": False,
+        "lock_duration": 60,
+        "max_delivery_count": 10,
+    },
+    "producer": {"source": "", "format": "parquet", "generate": 100_000, "body_bytes": 1024, "id_prefix": ""},
+    "consumer": {
+        "batch_size": 50_000,
+        "max_messages": 1_000_000,
+        "max_wait_time": 0,
+        "transform": "jobs.transforms:uppercase",
+        "output": "./sparkqueue-data/output/orders",
+    },
+}
+
+# Named flags and the configuration keys they set.
+FLAGS = {
+    "root": "namespace.root",
+    "queue": "queue.name",
+    "master": "spark.master",
+    "lock_duration": "queue.lock_duration",
+}
+
+
+def add_common_args(parser: argparse.ArgumentParser) -> None:
+    """Flags every job takes: the config file, the common overrides, and generic `--set key=value`."""
+    parser.add_argument("--config", default=str(DEFAULT_CONFIG), help="TOML configuration file (default: conf/sparkqueue.toml)")
+    parser.add_argument("--root", help="namespace root (namespace.root)")
+    parser.add_argument("--queue", help="queue name (queue.name)")
+    parser.add_argument("--master", help="Spark master, ignored under spark-submit (spark.master)")
+    parser.add_argument("--lock-duration", dest="lock_duration", type=float, help="seconds, when the job creates the queue")
+    parser.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE", help="override any setting")
+    parser.add_argument("--no-progress", action="store_true", help="do not draw a progress bar")
+    parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+
+
+def load_config(path: str | os.PathLike[str] | None, overrides: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Defaults, updated by the TOML file (if it exists), updated by dotted-key overrides."""
+    cfg = copy.deepcopy(DEFAULTS)
+    if path is not None and Path(path).exists():
+        with open(path, "rb") as f:
+            _merge(cfg, tomllib.load(f))
+    elif path is not None and Path(path) != DEFAULT_CONFIG:
+        raise FileNotFoundError(f"configuration file {path} does not exist")
+    for key, value in (overrides or {}).items():
+        _set(cfg, key, value)
+    return cfg
+
+
+def overrides_from(args: argparse.Namespace, flags: dict[str, str] | None = None) -> dict[str, Any]:
+    """Dotted-key overrides from parsed arguments: named flags that were given, then each --set."""
+    out: dict[str, Any] = {}
+    for attr, key in {**FLAGS, **(flags or {})}.items():
+        value = getattr(args, attr, None)
+        if value is not None:
+            out[key] = value
+    for item in args.set:
+        key, sep, raw = item.partition("=")
+        if not sep:
+            raise SystemExit(f"--set expects SECTION.KEY=VALUE, got {item!r}")
+        out[key.strip()] = _parse_value(raw)
+    return out
+
+
+def _parse_value(raw: str) -> Any:
+    """A TOML value (number, boolean, quoted string, array), else the raw text."""
+    try:
+        return tomllib.loads(f"v = {raw}")["v"]
+    except tomllib.TOMLDecodeError:
+        return raw
+
+
+def _merge(base: dict[str, Any], new: dict[str, Any]) -> None:
+    for key, value in new.items():
+        if isinstance(value, dict) and isinstance(base.get(key), dict):
+            _merge(base[key], value)
+        else:
+            base[key] = value
+
+
+def _set(cfg: dict[str, Any], dotted: str, value: Any) -> None:
+    *path, last = dotted.split(".")
+    node = cfg
+    for part in path:
+        node = node.setdefault(part, {})
+    node[last] = value
+
+
+def under_spark_submit() -> bool:
+    """True when spark-submit launched this process (it then owns the master and the gateway)."""
+    return "PYSPARK_GATEWAY_PORT" in os.environ
+
+
+def session(cfg: dict[str, Any]) -> SparkSession:
+    """The job's SparkSession: sparkqueue defaults, then the configured Spark settings."""
+    spark_cfg = cfg["spark"]
+    conf = {str(k): str(v) for k, v in spark_cfg.get("conf", {}).items()}
+    master = None if under_spark_submit() else spark_cfg["master"]
+    return spark_session(master, spark_cfg["app_name"], conf)
+
+
+def namespace(cfg: dict[str, Any]) -> Namespace:
+    """The configured namespace."""
+    ns_cfg = cfg["namespace"]
+    return Namespace(ns_cfg["root"], ns_cfg["tier"], operation_timeout=float(ns_cfg["operation_timeout"]))
+
+
+def ensure_queue(ns: Namespace, cfg: dict[str, Any]) -> str:
+    """The configured queue's name, creating the queue with the configured settings when allowed and missing."""
+    q = cfg["queue"]
+    try:
+        ns.get_queue(q["name"])
+        return q["name"]
+    except EntityNotFoundError:
+        if not q["create"]:
+            raise
+    try:
+        ns.create_queue(
+            q["name"],
+            enable_partitioning=bool(q["enable_partitioning"]),
+            requires_duplicate_detection=bool(q["requires_duplicate_detection"]),
+            lock_duration=timedelta(seconds=float(q["lock_duration"])),
+            max_delivery_count=int(q["max_delivery_count"]),
+        )
+        log.info("created queue %s", q["name"])
+    except EntityAlreadyExistsError:
+        pass  # another job created it first
+    return q["name"]
+
+
+def setup_logging(verbose: bool) -> None:
+    """Job logging to stderr (library modules log; jobs never print)."""
+    logging.basicConfig(
+        level=logging.DEBUG if verbose else logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    for noisy in ("py4j", "deltalake"):
+        logging.getLogger(noisy).setLevel(logging.WARNING)

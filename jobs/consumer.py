@@ -1,0 +1,211 @@
+"""Consumer job: drain up to a limit of messages in batches, transform them, merge the results into a Delta table
+(via deltalake), then complete the messages. Meant to run on a schedule; each run stops when the queue is empty
+or the limit is reached.
+
+    python -m jobs.consumer [--config conf/sparkqueue.toml] [--batch-size N] [--max-messages N] [--transform mod:fn]
+    spark-submit jobs/consumer.py --config conf/sparkqueue.toml
+
+No duplicate output after a crash: the output table is written with a deltalake MERGE that
+inserts only rows whose key (queue, sequence_number) is not there yet. A run that dies after
+writing a batch but before completing it leaves the messages locked; when the locks lapse the
+next run receives them again (same sequence numbers), and the MERGE skips the rows it already
+holds. `--crash-after-write` exits right after the write of the first batch, for crash drills.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import logging
+import os
+import sys
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+if __package__ in (None, ""):  # run as a file (spark-submit jobs/consumer.py): make `jobs` importable
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import pyarrow as pa
+from deltalake import DeltaTable
+from pyspark.sql import DataFrame, SparkSession
+from pyspark.sql import functions as sf
+from pyspark.sql.pandas.types import to_arrow_schema
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+from jobs import common
+from sparkqueue.errors import InvalidOperationError
+from sparkqueue.spark import STATUS_OK, release
+from sparkqueue.storage.retry import Deadline, retry_commit
+
+log = logging.getLogger("jobs.consumer")
+
+CRASH_EXIT_CODE = 75
+MERGE_TIMEOUT_S = 300.0
+FLAGS = {
+    "batch_size": "consumer.batch_size",
+    "max_messages": "consumer.max_messages",
+    "transform": "consumer.transform",
+    "output": "consumer.output",
+    "max_wait_time": "consumer.max_wait_time",
+}
+
+
+@dataclass
+class ConsumerResult:
+    """What one run did."""
+
+    batches: int = 0
+    received: int = 0
+    written: int = 0
+    completed: int = 0
+    lock_lost: int = 0
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """Command-line options (each overrides the configuration file)."""
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    common.add_common_args(p)
+    p.add_argument("--batch-size", dest="batch_size", type=int, help="messages per receive (consumer.batch_size)")
+    p.add_argument("--max-messages", dest="max_messages", type=int, help="stop after this many (consumer.max_messages)")
+    p.add_argument("--max-wait-time", dest="max_wait_time", type=float, help="seconds to wait for a batch's first message")
+    p.add_argument("--transform", help="module:function applied to each batch (consumer.transform)")
+    p.add_argument("--output", help="output Delta table path (consumer.output)")
+    p.add_argument("--crash-after-write", action="store_true", help="exit after writing the first batch (crash drill)")
+    return p.parse_args(argv)
+
+
+def load_transform(spec: str) -> Callable[[DataFrame], DataFrame]:
+    """The function a 'module:function' string names."""
+    module, sep, name = spec.partition(":")
+    if not sep or not module or not name:
+        raise InvalidOperationError(f"transform must be 'module:function', got {spec!r}")
+    fn = getattr(importlib.import_module(module), name, None)
+    if not callable(fn):
+        raise InvalidOperationError(f"{spec!r} is not a function")
+    return fn
+
+
+def output_rows(received: DataFrame, transform: Callable[[DataFrame], DataFrame], queue: str) -> DataFrame:
+    """The transform's rows, keyed by queue and sequence number."""
+    out = transform(received)
+    if "sequence_number" not in out.columns:
+        raise InvalidOperationError("the transform must keep the sequence_number column: it keys the output table")
+    return out.withColumn("queue", sf.lit(queue)).withColumn("processed_at_utc", sf.current_timestamp())
+
+
+def write_output(out: DataFrame, path: str, queue: str) -> int:
+    """Merge the rows into the output table (created when missing) in one Spark task; returns rows inserted."""
+    schema = to_arrow_schema(out.schema, timezone="UTC")
+    schema = pa.schema([f.with_nullable(True) for f in schema])
+    DeltaTable.create(path, schema=schema, partition_by=["queue"], mode="ignore")
+    counts = out.coalesce(1).mapInArrow(partial(merge_task, path, queue, schema), "inserted long").collect()
+    return sum(r.inserted for r in counts)
+
+
+def merge_task(path: str, queue: str, schema: pa.Schema, batches: Iterator[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
+    """Insert the rows whose (queue, sequence_number) the table does not hold yet; retries lost commit races."""
+    rows = [b for b in batches if b.num_rows]
+    inserted = 0
+    if rows:
+        source = pa.Table.from_batches(rows).cast(schema)
+
+        def attempt() -> int:
+            merged = (
+                DeltaTable(path)
+                .merge(
+                    source,
+                    f"t.queue = '{queue}' AND t.queue = s.queue AND t.sequence_number = s.sequence_number",
+                    source_alias="s",
+                    target_alias="t",
+                )
+                .when_not_matched_insert_all()
+                .execute()
+            )
+            return int(merged.get("num_target_rows_inserted", 0))
+
+        inserted = retry_commit(attempt, Deadline(MERGE_TIMEOUT_S), f"merge into {path}")
+    yield pa.RecordBatch.from_pydict({"inserted": pa.array([inserted], pa.int64())})
+
+
+@contextmanager
+def progress_bar(enabled: bool, total: int) -> Iterator[Callable[[int], None]]:
+    """A rich progress bar on stderr (or nothing); yields its advance function."""
+    if not enabled:
+        yield lambda n: None
+        return
+    columns = (TextColumn("consuming"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
+    with Progress(*columns, console=Console(stderr=True), transient=False) as bar:
+        task = bar.add_task("consume", total=total or None)
+        yield lambda n: bar.advance(task, n)
+
+
+def run(cfg: dict[str, Any], spark: SparkSession, *, crash_after_write: bool = False, progress: bool = True) -> ConsumerResult:
+    """Drain up to consumer.max_messages messages: receive, transform, merge, complete, batch by batch."""
+    c = cfg["consumer"]
+    transform = load_transform(str(c["transform"]))
+    limit, batch = int(c["max_messages"]), int(c["batch_size"])
+    result = ConsumerResult()
+    with common.namespace(cfg) as ns:
+        queue = common.ensure_queue(ns, cfg)
+        backlog = ns.get_queue_runtime_properties(queue).active_message_count
+        with (
+            ns.get_queue_receiver(queue, max_wait_time=float(c["max_wait_time"])) as receiver,
+            progress_bar(progress, min(limit, backlog)) as advance,
+        ):
+            while result.received < limit:
+                received = receiver.receive_dataframe(min(batch, limit - result.received), spark)
+                n = received.count()
+                if n == 0:
+                    break
+                written = write_output(output_rows(received, transform, queue), str(c["output"]), queue)
+                if crash_after_write:
+                    log.warning("crash drill: exiting after writing %d rows, before completing %d messages", written, n)
+                    logging.shutdown()
+                    os._exit(CRASH_EXIT_CODE)
+                settled = receiver.complete_dataframe(received)
+                ok = settled.where(sf.col("status") == STATUS_OK).count()
+                release(received)
+                release(settled)
+                result.batches += 1
+                result.received += n
+                result.written += written
+                result.completed += ok
+                result.lock_lost += n - ok
+                if ok < n:
+                    log.warning("%d messages lost their lock before completion; they come again and the merge skips them", n - ok)
+                advance(n)
+    log.info(
+        "consumed %d messages from %s in %d batches: %d rows written, %d completed, %d lock lost",
+        result.received,
+        queue,
+        result.batches,
+        result.written,
+        result.completed,
+        result.lock_lost,
+    )
+    return result
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of `python -m jobs.consumer` and `spark-submit jobs/consumer.py`."""
+    args = parse_args(argv)
+    common.setup_logging(args.verbose)
+    cfg = common.load_config(args.config, common.overrides_from(args, FLAGS))
+    spark = common.session(cfg)
+    started = time.perf_counter()
+    try:
+        result = run(cfg, spark, crash_after_write=args.crash_after_write, progress=not args.no_progress)
+    finally:
+        spark.stop()
+    log.info("done in %.1fs: %s", time.perf_counter() - started, result)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

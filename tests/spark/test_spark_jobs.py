@@ -1,0 +1,92 @@
+"""The producer and consumer jobs: configuration, and no duplicate output when a consumer dies mid-batch."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from deltalake import DeltaTable
+from pyspark.sql import functions as sf
+
+from jobs import common, consumer, producer
+from sparkqueue import Namespace
+
+pytestmark = pytest.mark.spark
+REPO = Path(__file__).resolve().parents[2]
+
+
+def write_config(tmp_path: Path, lock_s: int) -> Path:
+    """A job configuration for a fresh namespace under tmp_path."""
+    path = tmp_path / "job.toml"
+    path.write_text(
+        f"""
+[namespace]
+root = "{tmp_path / "ns"}"
+[spark]
+master = "local[2]"
+[spark.conf]
+"spark.sql.shuffle.partitions" = "4"
+"spark.ui.enabled" = "false"
+[queue]
+name = "jobs-q"
+lock_duration = {lock_s}
+[producer]
+generate = 3000
+body_bytes = 64
+id_prefix = "order"
+[consumer]
+batch_size = 1000
+max_messages = 100000
+output = "{tmp_path / "out"}"
+"""
+    )
+    return path
+
+
+def test_config_file_and_command_line_overrides(tmp_path):
+    path = write_config(tmp_path, 10)
+    args = consumer.parse_args(
+        ["--config", str(path), "--batch-size", "7", "--set", "queue.max_delivery_count=3", "--queue", "x"]
+    )
+    cfg = common.load_config(args.config, common.overrides_from(args, consumer.FLAGS))
+    assert cfg["consumer"]["batch_size"] == 7 and cfg["consumer"]["max_messages"] == 100000
+    assert cfg["queue"]["name"] == "x" and cfg["queue"]["max_delivery_count"] == 3 and cfg["queue"]["lock_duration"] == 10
+    assert cfg["namespace"]["tier"] == "standard"  # a default the file leaves alone
+    assert common.load_config(common.DEFAULT_CONFIG)["consumer"]["transform"] == "jobs.transforms:uppercase"
+
+
+def test_consumer_killed_after_writing_leaves_no_duplicate_output(spark, tmp_path):
+    path = write_config(tmp_path, 10)
+    cfg = common.load_config(path)
+    assert producer.run(cfg, spark) == 3000
+    assert producer.run(cfg, spark) == 3000  # no duplicate detection on this queue: 6000 messages
+    env = {**os.environ, "PYSPARK_PYTHON": sys.executable, "PYTHONPATH": str(REPO)}
+    crashed = subprocess.run(
+        [sys.executable, "-m", "jobs.consumer", "--config", str(path), "--crash-after-write", "--no-progress"],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
+    assert crashed.returncode == consumer.CRASH_EXIT_CODE, crashed.stderr[-3000:]
+    out = tmp_path / "out"
+    assert DeltaTable(str(out)).to_pyarrow_table().num_rows == 1000  # written, never completed
+    with Namespace(cfg["namespace"]["root"]) as ns:
+        assert ns.get_queue_runtime_properties("jobs-q").total_message_count == 6000
+        locked = spark.read.format("sparkqueue").option("namespace", ns.root).load("jobs-q").where("lock_token IS NOT NULL")
+        until_us = locked.agg(sf.max(sf.unix_micros("locked_until_utc"))).first()[0]
+    assert until_us is not None
+    time.sleep(max(0.0, until_us / 1e6 - time.time()) + 0.5)  # the crashed run's locks lapse
+    result = consumer.run(cfg, spark, progress=False)
+    assert result.received >= 6000 and result.completed >= 6000
+    rows = DeltaTable(str(out)).to_pyarrow_table(columns=["queue", "sequence_number", "message_id", "body_upper"])
+    seqs = rows.column("sequence_number").to_pylist()
+    assert len(seqs) == 6000 and len(set(seqs)) == 6000
+    assert rows.column("body_upper")[0].as_py().startswith('{"N": ')
+    with Namespace(cfg["namespace"]["root"]) as ns:
+        assert ns.get_queue_runtime_properties("jobs-q").total_message_count == 0

@@ -1,0 +1,190 @@
+"""DataFrame receive and settle (SPEC §12 with §5): locked once, read many times, settled with per-row statuses."""
+
+from __future__ import annotations
+
+import threading
+import time
+from datetime import timedelta
+
+import pytest
+from chispa import assert_df_equality
+from pyspark.sql import functions as sf
+
+from sparkqueue import ReceiveMode, SubQueue
+from sparkqueue.errors import InvalidOperationError
+from sparkqueue.spark import RECEIVED_SCHEMA, release
+
+pytestmark = pytest.mark.spark
+LONG_LOCK = timedelta(minutes=5)  # the longest allowed: a busy CI machine must not expire locks mid-test
+
+
+def statuses(result) -> dict[str, int]:
+    """Count of each status in a settle result."""
+    return {r.status: r["count"] for r in result.groupBy("status").count().collect()}
+
+
+def test_received_dataframe_is_locked_once_and_reads_the_same_rows_again(spark, ns, numbered):
+    ns.create_queue("q", lock_duration=LONG_LOCK)
+    with ns.get_queue_sender("q") as s:
+        s.send_dataframe(numbered(300))
+    with ns.get_queue_receiver("q") as r:
+        got = r.receive_dataframe(200)
+        assert got.schema == RECEIVED_SCHEMA
+        first = got.orderBy("sequence_number").collect()
+        assert len(first) == 200 and got.count() == 200
+        plain = got.drop("application_properties")  # maps cannot be sorted
+        assert_df_equality(plain, plain.select(*plain.columns), ignore_row_order=True)  # evaluating again: same rows
+        assert got.orderBy("sequence_number").collect() == first
+        assert {row.delivery_count for row in first} == {1}
+        assert all(row.lock_token and row.locked_until_utc for row in first)
+        assert all(row.sequence_number >> 48 == row.partition_id for row in first)
+        rest = r.receive_dataframe(500)  # the first 200 stay locked: only the other 100 come
+        assert rest.count() == 100
+        assert not {x.sequence_number for x in rest.collect()} & {x.sequence_number for x in first}
+        # The data source sees the locks the DataFrame holds.
+        cols = ["sequence_number", "message_id", "body", "lock_token", "delivery_count", "partition_id"]
+        shown = spark.read.format("sparkqueue").option("namespace", ns.root).load("q").where("lock_token IS NOT NULL")
+        assert_df_equality(got.union(rest).select(*cols), shown.select(*cols), ignore_row_order=True, ignore_nullable=True)
+        assert statuses(r.complete_dataframe(got.union(rest))) == {"ok": 300}
+    assert ns.get_queue_runtime_properties("q").total_message_count == 0
+    assert release(got) == 1
+
+
+def test_100k_messages_sent_then_received_and_completed_exactly_once(spark, ns):
+    ns.create_queue("q", lock_duration=LONG_LOCK)
+    n = 100_000
+    df = spark.range(0, n, 1, 2).select(
+        sf.concat(sf.lit("m-"), sf.col("id").cast("string")).alias("message_id"),
+        sf.rpad(sf.col("id").cast("string"), 100, ".").alias("body"),
+    )
+    with ns.get_queue_sender("q") as s:
+        assert s.send_dataframe(df) == n
+    seen: list[int] = []
+    ids: list[str] = []
+    with ns.get_queue_receiver("q") as r:
+        while True:
+            got = r.receive_dataframe(40_000)
+            rows = got.select("sequence_number", "message_id").collect()
+            if not rows:
+                break
+            seen += [x.sequence_number for x in rows]
+            ids += [x.message_id for x in rows]
+            assert statuses(r.complete_dataframe(got)) == {"ok": len(rows)}
+            release(got)
+    assert len(seen) == n and len(set(seen)) == n
+    assert sorted(ids) == sorted(f"m-{i}" for i in range(n))
+    assert ns.get_queue_runtime_properties("q").total_message_count == 0
+
+
+def test_two_concurrent_dataframe_consumers_never_share_a_message(spark, ns, numbered):
+    ns.create_queue("q", lock_duration=LONG_LOCK)
+    n = 6000
+    with ns.get_queue_sender("q") as s:
+        s.send_dataframe(numbered(n))
+    taken: dict[str, list[int]] = {"a": [], "b": []}
+    errors: list[BaseException] = []
+
+    def consume(name: str) -> None:
+        try:
+            with ns.get_queue_receiver("q") as r:
+                while True:
+                    got = r.receive_dataframe(700)
+                    seqs = [x.sequence_number for x in got.select("sequence_number").collect()]
+                    if not seqs:
+                        return
+                    taken[name] += seqs
+                    assert statuses(r.complete_dataframe(got)) == {"ok": len(seqs)}
+        except BaseException as exc:  # surfaced in the main thread
+            errors.append(exc)
+
+    threads = [threading.Thread(target=consume, args=(name,)) for name in taken]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors
+    assert not set(taken["a"]) & set(taken["b"])
+    assert len(taken["a"]) + len(taken["b"]) == n
+    assert taken["a"] and taken["b"]
+
+
+def test_stale_and_foreign_tokens_are_reported_per_row(spark, ns, numbered):
+    ns.create_queue("q", enable_partitioning=False, lock_duration=timedelta(seconds=2))  # one partition: one lock task
+    with ns.get_queue_sender("q") as s:
+        s.send_dataframe(numbered(40))
+    with ns.get_queue_receiver("q") as r:
+        old = r.receive_dataframe(40)
+        assert old.count() == 40
+        props = ns.get_queue("q")
+        props.lock_duration = LONG_LOCK  # later deliveries keep their locks however slow the machine is
+        ns.update_queue(props)
+        time.sleep(2.5)  # the first locks lapse (and every process's cached settings are renewed) ...
+        new = r.receive_dataframe(40)  # ... and a later delivery supersedes them
+        assert {x.delivery_count for x in new.collect()} == {2}
+        stale = r.complete_dataframe(old)
+        assert stale.count() == 40 and statuses(stale) == {"lock_lost": 40}
+        junk = spark.createDataFrame([("not-a-token",), (None,), ("00000000-0000-0001-0000-000000000000",)], "lock_token string")
+        result = {row.lock_token: row.status for row in r.complete_dataframe(junk.union(new.select("lock_token"))).collect()}
+        assert len(result) == 43
+        assert result["not-a-token"] == result[None] == result["00000000-0000-0001-0000-000000000000"] == "lock_lost"
+        assert sum(v == "ok" for v in result.values()) == 40
+    assert ns.get_queue_runtime_properties("q").total_message_count == 0
+
+
+def test_abandon_defer_and_dead_letter_by_dataframe(spark, ns, numbered):
+    ns.create_queue("q", lock_duration=LONG_LOCK)
+    with ns.get_queue_sender("q") as s:
+        s.send_dataframe(numbered(30).withColumn("partition_key", sf.lit("one")))  # one partition: sequence order = id order
+    with ns.get_queue_receiver("q") as r:
+        got = r.receive_dataframe(30).withColumn("i", sf.expr("cast(substring(message_id, 3) as int)"))
+        assert statuses(r.abandon_dataframe(got.where("i < 10"))) == {"ok": 10}
+        assert statuses(r.defer_dataframe(got.where("i >= 10 AND i < 20"))) == {"ok": 10}
+        dead = got.where("i >= 20").withColumn(
+            "dead_letter_reason", sf.when(sf.col("i") % 2 == 0, sf.concat(sf.lit("even-"), sf.col("i").cast("string")))
+        )
+        assert statuses(r.dead_letter_dataframe(dead, reason="Fallback", error_description="by test")) == {"ok": 10}
+        again = r.receive_dataframe(30).collect()
+        assert sorted(x.message_id for x in again) == sorted(f"m-{i}" for i in range(10))
+        assert {x.delivery_count for x in again} == {2}
+        deferred = sorted(x.sequence_number for x in got.where("i >= 10 AND i < 20").collect())
+        assert len(r.receive_deferred_messages(deferred)) == 10
+    rp = ns.get_queue_runtime_properties("q")
+    assert (rp.deferred_message_count, rp.dead_letter_message_count) == (10, 10)
+    dlq = spark.read.format("sparkqueue").option("namespace", ns.root).option("sub_queue", "deadletter").load("q")
+    reasons = {x.message_id: (x.dead_letter_reason, x.dead_letter_error_description) for x in dlq.collect()}
+    assert reasons["m-20"] == ("even-20", "by test") and reasons["m-21"] == ("Fallback", "by test")
+    with ns.get_queue_receiver("q", sub_queue=SubQueue.DEAD_LETTER) as d:
+        assert statuses(d.complete_dataframe(d.receive_dataframe(10))) == {"ok": 10}
+
+
+def test_gathers_across_partitions_and_never_takes_more_than_asked(spark, ns, numbered):
+    ns.create_queue("q", lock_duration=LONG_LOCK)
+    with ns.get_queue_sender("q") as s:
+        s.send_dataframe(numbered(12).withColumn("partition_key", sf.lit("a")))
+        s.send_dataframe(numbered(3).withColumn("partition_key", sf.lit("b")))
+    with ns.get_queue_receiver("q") as r:
+        assert r.receive_dataframe(10).count() == 10  # a share of 10/16 per partition, then rounds on the full ones
+        assert r.receive_dataframe(10).count() == 5
+        assert r.receive_dataframe(10).count() == 0
+
+
+def test_receive_and_delete_mode_and_receiver_checks(spark, ns, numbered):
+    ns.create_queue("q", lock_duration=LONG_LOCK)
+    ns.create_queue("s", requires_session=True, lock_duration=LONG_LOCK)
+    with ns.get_queue_sender("q") as s:
+        s.send_dataframe(numbered(20))
+    with ns.get_queue_receiver("q", receive_mode=ReceiveMode.RECEIVE_AND_DELETE) as r:
+        got = r.receive_dataframe(50)
+        assert got.count() == 20 and got.where("lock_token IS NOT NULL").count() == 0
+        with pytest.raises(InvalidOperationError, match="RECEIVE_AND_DELETE"):
+            r.complete_dataframe(got)
+    assert ns.get_queue_runtime_properties("q").total_message_count == 0
+    with ns.get_queue_receiver("q") as r:
+        with pytest.raises(InvalidOperationError, match="lock_token"):
+            r.complete_dataframe(spark.range(3))
+        with ns.transaction(), pytest.raises(InvalidOperationError, match="transaction"):
+            r.receive_dataframe(1)
+    with ns.get_queue_sender("s") as s:
+        s.send_dataframe(numbered(2).withColumn("session_id", sf.lit("x")))
+    with ns.get_queue_receiver("s", session_id="x") as r, pytest.raises(InvalidOperationError, match="session"):
+        r.receive_dataframe(1)

@@ -1,0 +1,177 @@
+"""DataFrame send (SPEC §12 with the rules of §2-4): placement, duplicate detection, validation before any commit."""
+
+from __future__ import annotations
+
+from collections import Counter
+from datetime import UTC, datetime, timedelta
+
+import pytest
+from pyspark.sql import functions as sf
+
+from sparkqueue import Namespace
+from sparkqueue.errors import InvalidOperationError, MessageSizeExceededError, PartitionUnavailableError
+from sparkqueue.model.partitioning import partition_for_key
+
+pytestmark = pytest.mark.spark
+
+
+def peek_all(ns: Namespace, queue: str, session_id: str | None = None) -> list:
+    """Every live message of the queue (or of one session), browsed without locking."""
+    out = []
+    with ns.get_queue_receiver(queue, session_id=session_id) as r:
+        while got := r.peek_messages(5000):
+            out.extend(got)
+    return out
+
+
+def test_send_counts_places_by_key_and_round_trips_fields(spark, ns):
+    ns.create_queue("q")
+    rows = [
+        ("plain", None, None, None),
+        ("keyed", "k1", None, None),
+        ("keyed2", "k2", None, None),
+        ("session", None, "s1", None),
+        ("session+same key", "s2", "s2", None),
+        ("with ttl", None, None, 30.0),
+    ] * 20
+    df = spark.createDataFrame(rows, "body string, partition_key string, session_id string, time_to_live double").select(
+        "*",
+        sf.create_map(sf.lit("n"), sf.lit(7), sf.lit("b"), sf.lit(True).cast("int")).alias("application_properties"),
+        sf.lit("text/plain").alias("content_type"),
+        sf.lit("c-1").alias("correlation_id"),
+        sf.lit("subj").alias("subject"),
+    )
+    with ns.get_queue_sender("q") as s:
+        assert s.send_dataframe(df) == len(rows)
+    got = peek_all(ns, "q")
+    assert len(got) == len(rows)
+    for m in got:
+        key = m.session_id or m.partition_key
+        if key is not None:
+            assert m.partition_id == partition_for_key(key, 16)
+        assert m.sequence_number >> 48 == m.partition_id
+        assert m.application_properties == {"n": 7, "b": 1}  # typed JSON, as the core stores it
+        assert (m.content_type, m.correlation_id, m.subject) == ("text/plain", "c-1", "subj")
+        assert m.message_id and len(m.message_id) == 36  # assigned UUIDs
+        if str(m) == "with ttl":
+            assert m.time_to_live == timedelta(seconds=30)
+            assert m.expires_at_utc == m.enqueued_time_utc + timedelta(seconds=30)
+    assert len({m.message_id for m in got}) == len(rows)
+
+
+def test_unkeyed_rows_spread_over_all_partitions(spark, ns, numbered):
+    ns.create_queue("q")
+    with ns.get_queue_sender("q") as s:
+        assert s.send_dataframe(numbered(3200, partitions=3).drop("message_id")) == 3200
+    depth = [p.active_message_count for p in ns.get_queue_runtime_properties("q").partitions]
+    assert len(depth) == 16 and min(depth) > 100, depth
+
+
+def test_duplicate_detection_counts_only_new_messages_and_places_by_message_id(spark, ns, numbered):
+    ns.create_queue("q", requires_duplicate_detection=True)
+    df = numbered(500)
+    repeated = df.union(df.limit(100))  # 100 repeats inside one DataFrame
+    with ns.get_queue_sender("q") as s:
+        assert s.send_dataframe(repeated) == 500
+        assert s.send_dataframe(numbered(600)) == 100  # 500 already accepted in the window
+    got = peek_all(ns, "q")
+    assert len(got) == 600
+    assert all(m.partition_id == partition_for_key(m.message_id, 16) for m in got)
+
+
+def test_session_order_follows_dataframe_order(spark, ns, numbered):
+    ns.create_queue("q", requires_session=True)
+    df = numbered(2000, partitions=4).withColumn("session_id", sf.lit("s-1"))
+    with ns.get_queue_sender("q") as s:
+        assert s.send_dataframe(df) == 2000
+    got = sorted(peek_all(ns, "q", "s-1"), key=lambda m: m.sequence_number)
+    assert [m.message_id for m in got] == [f"m-{i}" for i in range(2000)]
+
+
+def test_oversize_message_fails_before_anything_is_stored(spark, ns, numbered):
+    ns.create_queue("q")
+    big = numbered(1000).withColumn(
+        "body", sf.when(sf.col("id") == 777, sf.expr("unhex(repeat('ab', 300000))")).otherwise(sf.col("body"))
+    )
+    with ns.get_queue_sender("q") as s, pytest.raises(MessageSizeExceededError, match="m-777"):
+        s.send_dataframe(big)
+    assert ns.get_queue_runtime_properties("q").total_message_count == 0
+
+
+@pytest.mark.parametrize(
+    ("settings", "extra", "match"),
+    [
+        ({"requires_session": True}, {}, "requires sessions"),
+        ({}, {"session_id": "a", "partition_key": "b"}, "differs from session_id"),
+        ({}, {"partition_key": "k" * 129}, "at most 128"),
+        ({}, {"time_to_live": -1.0}, "must be positive"),
+    ],
+)
+def test_invalid_rows_raise_the_core_error_and_store_nothing(spark, ns, numbered, settings, extra, match):
+    ns.create_queue("q", **settings)
+    df = numbered(50)
+    for name, value in extra.items():
+        df = df.withColumn(name, sf.when(sf.col("id") == 42, sf.lit(value)))
+    if "session_id" in extra and "requires_session" not in settings:
+        df = df.withColumn("session_id", sf.when(sf.col("id") == 42, sf.lit("a")))
+    with ns.get_queue_sender("q") as s, pytest.raises(InvalidOperationError, match=match):
+        s.send_dataframe(df)
+    assert ns.get_queue_runtime_properties("q").total_message_count == 0
+
+
+def test_wrong_column_types_fail_on_the_driver(spark, ns):
+    ns.create_queue("q")
+    with ns.get_queue_sender("q") as s:
+        with pytest.raises(InvalidOperationError, match="body"):
+            s.send_dataframe(spark.range(3).select(sf.col("id").alias("body")))
+        with pytest.raises(InvalidOperationError, match="subject"):
+            s.send_dataframe(spark.range(3).select(sf.lit("x").alias("body"), sf.col("id").alias("subject")))
+        with pytest.raises(InvalidOperationError, match="body"):
+            s.send_dataframe(spark.range(3))
+
+
+def test_json_properties_interval_ttl_and_scheduled_time(spark, ns):
+    ns.create_queue("q", default_message_time_to_live=timedelta(minutes=5))
+    later = datetime.now(UTC) + timedelta(hours=1)
+    df = spark.createDataFrame(
+        [("a", '{"x": 1, "y": "z"}', timedelta(minutes=10), None), ("b", None, timedelta(minutes=1), later)],
+        "body string, application_properties string, time_to_live interval day to second, scheduled_enqueue_time_utc timestamp",
+    )
+    with ns.get_queue_sender("q") as s:
+        assert s.send_dataframe(df) == 2
+    by_body = {str(m): m for m in peek_all(ns, "q")}
+    assert by_body["a"].application_properties == {"x": 1, "y": "z"}
+    assert by_body["a"].time_to_live == timedelta(minutes=5)  # the entity's default is smaller
+    assert by_body["b"].time_to_live == timedelta(minutes=1)
+    assert by_body["b"].state == "scheduled"
+    assert abs(by_body["b"].scheduled_enqueue_time_utc - later) < timedelta(milliseconds=1)
+    assert ns.get_queue_runtime_properties("q").scheduled_message_count == 1
+
+
+def test_unavailable_key_partition_fails_and_unkeyed_rows_avoid_it(spark, ns, numbered):
+    ns.create_queue("q")
+    down = partition_for_key("k", 16)
+    ns.fault_injector("q").fail(down)  # the driver plans placement: its view of availability is what counts
+    with ns.get_queue_sender("q") as s:
+        with pytest.raises(PartitionUnavailableError):
+            s.send_dataframe(numbered(10).withColumn("partition_key", sf.lit("k")))
+        assert s.send_dataframe(numbered(320).drop("message_id")) == 320
+    ns.fault_injector("q").heal()
+    depth = [p.active_message_count for p in ns.get_queue_runtime_properties("q").partitions]
+    assert depth[down] == 0 and sum(depth) == 320
+
+
+def test_topic_send_copies_to_every_subscription(spark, ns, numbered):
+    ns.create_topic("t")
+    ns.create_subscription("t", "a")
+    ns.create_subscription("t", "b")
+    with ns.get_topic_sender("t") as s:
+        assert s.send_dataframe(numbered(300)) == 300
+    for sub in ("a", "b"):
+        assert ns.get_subscription_runtime_properties("t", sub).active_message_count == 300
+    counts = Counter()
+    with ns.get_subscription_receiver("t", "a") as r:
+        while got := r.receive_messages(300, max_wait_time=0):
+            counts.update(m.message_id for m in got)
+            r.complete_messages(got)
+    assert len(counts) == 300 and set(counts.values()) == {1}

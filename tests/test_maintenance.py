@@ -1,0 +1,440 @@
+"""Maintenance (compaction, cleanup, checkpoint, vacuum): it keeps every message and its state, never loses or
+doubles work done concurrently by other processes, and keeps tables small (ENGINE-NOTES; SPEC §4, §5, §10).
+
+Entity tables are plain Delta tables (SPEC §12): file counts, checkpoints and orphaned rows are read with deltalake.
+"""
+
+from __future__ import annotations
+
+import glob
+import multiprocessing as mp
+import os
+import shutil
+import subprocess
+import sys
+import time
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+
+import pyarrow.compute as pc
+import pytest
+from deltalake import DeltaTable
+from procs import PARTITIONS, drain, drain_all, key_for_partition, peek_all
+
+from sparkqueue import Message, Namespace, ReceivedMessage, SubQueue
+from sparkqueue.storage import maintenance
+from sparkqueue.storage.table import EntityTable
+
+CTX = mp.get_context("spawn")
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _table_path(root: str, kind: str = "queue") -> str:
+    """The one queue (or topic) table of a test namespace."""
+    (path,) = glob.glob(f"{root}/entities/{kind}-*")
+    return path
+
+
+def _live_files(path: str) -> set[str]:
+    return {Path(u.removeprefix("file://")).resolve().as_posix() for u in DeltaTable(path).file_uris()}
+
+
+def _files_on_disk(path: str) -> set[str]:
+    return {Path(p).resolve().as_posix() for p in glob.glob(f"{path}/partition_id=*/*.parquet")}
+
+
+def _send_one_by_one(ns: Namespace, msgs: list[Message], queue: str = "q") -> list[int]:
+    """One commit, hence one data file, per message: the small files compaction exists for."""
+    with ns.get_queue_sender(queue) as s:
+        return [seq for m in msgs for seq in s.send_messages(m)]
+
+
+def _snapshot(msgs: list[ReceivedMessage]) -> dict[str, tuple]:
+    """Everything a browse shows about each message, by id."""
+    return {
+        m.message_id: (
+            m.sequence_number,
+            m.body,
+            m.state,
+            m.delivery_count,
+            m.locked_until_utc,
+            m.dead_letter_reason,
+            m.application_properties,
+            m.scheduled_enqueue_time_utc,
+            m.enqueued_time_utc,
+        )
+        for m in msgs
+    }
+
+
+def _browse(ns: Namespace, queue: str = "q") -> dict[str, tuple]:
+    with ns.get_queue_receiver(queue) as r, ns.get_queue_receiver(queue, sub_queue=SubQueue.DEAD_LETTER) as d:
+        main, dead = peek_all(r), peek_all(d)
+    assert not set(_snapshot(main)) & set(_snapshot(dead))
+    return {**_snapshot(main), **_snapshot(dead)}
+
+
+# ---- compaction keeps messages and their state ------------------------------------------------------
+
+
+def test_compaction_reduces_files_and_keeps_every_message_and_state(ns: Namespace, root: str) -> None:
+    """Compaction merges small files and keeps each message with its state: active, deferred, scheduled, dead-lettered, locked."""
+    ns.create_queue("q", lock_duration=timedelta(minutes=5))
+    keys = [key_for_partition(p) for p in (1, 2, 3)]
+    later = datetime.now(UTC) + timedelta(hours=1)
+    msgs = [
+        Message(f"body-{i}", message_id=f"m{i}", partition_key=keys[i % 3], application_properties={"i": i}) for i in range(30)
+    ]
+    _send_one_by_one(ns, msgs)
+    with ns.get_queue_sender("q") as s:
+        sched_seqs = [
+            s.schedule_messages(Message("later", message_id=f"s{k}", partition_key=keys[k]), later)[0] for k in range(3)
+        ]
+    holder = ns.get_queue_receiver("q")
+    got = {m.message_id: m for m in drain(holder, 30)}
+    assert len(got) == 30
+    deferred = [got[f"m{i}"] for i in range(0, 6)]
+    dead = [got[f"m{i}"] for i in range(6, 12)]
+    abandoned = [got[f"m{i}"] for i in range(12, 18)]
+    locked = [got[f"m{i}"] for i in range(18, 24)]
+    for m in deferred:
+        holder.defer_message(m)
+    for m in dead:
+        holder.dead_letter_message(m, reason="bad", error_description="test")
+    for m in abandoned:
+        holder.abandon_message(m)
+    for m in got.values():
+        if m in locked or m in deferred or m in dead or m in abandoned:
+            continue
+        holder.complete_message(m)  # m24..m29 are gone before compaction
+    path = _table_path(root)
+    before_files = len(_live_files(path))
+    before = _browse(ns)
+    before_counts = ns.get_queue_runtime_properties("q")
+
+    reports = ns.run_maintenance()
+
+    after_files = len(_live_files(path))
+    assert reports["queue:q"].files_before == before_files
+    assert reports["queue:q"].files_after == after_files
+    assert after_files < before_files
+    assert after_files <= 3  # one file per partition in use
+    assert _browse(ns) == before
+    after_counts = ns.get_queue_runtime_properties("q")
+    for f in ("active_message_count", "deferred_message_count", "scheduled_message_count", "dead_letter_message_count"):
+        assert getattr(after_counts, f) == getattr(before_counts, f), f
+    assert (after_counts.deferred_message_count, after_counts.scheduled_message_count) == (6, 3)
+    assert after_counts.dead_letter_message_count == 6
+
+    for m in locked:  # the tokens handed out before compaction still hold
+        holder.complete_message(m)
+    with ns.get_queue_receiver("q") as r:
+        again = drain_all(r)
+        assert sorted(m.message_id for m in again) == sorted(m.message_id for m in abandoned)
+        assert all(m.delivery_count == 2 for m in again)
+        back = r.receive_deferred_messages([m.sequence_number for m in deferred])
+        assert sorted(m.message_id for m in back) == [f"m{i}" for i in range(6)]
+        for m in [*again, *back]:
+            r.complete_message(m)
+    with ns.get_queue_receiver("q", sub_queue=SubQueue.DEAD_LETTER) as d:
+        dl = drain_all(d)
+        assert sorted(m.message_id for m in dl) == sorted(m.message_id for m in dead)
+        assert {(m.dead_letter_reason, m.dead_letter_error_description) for m in dl} == {("bad", "test")}
+    with ns.get_queue_sender("q") as s:
+        s.cancel_scheduled_messages(sched_seqs)
+    holder.close()
+    assert ns.get_queue_runtime_properties("q").scheduled_message_count == 0
+
+
+def test_compaction_merges_a_topics_files_per_subscription(ns: Namespace, root: str) -> None:
+    """A topic's interleaved per-subscription files are compacted too, and every subscription keeps its copies."""
+    ns.create_topic("t")
+    for sub in ("a", "b", "c"):
+        ns.create_subscription("t", sub)
+    with ns.get_topic_sender("t") as s:
+        for i in range(20):
+            s.send_messages(Message(f"m{i}", message_id=f"m{i}", partition_key="one-key"))
+    path = _table_path(root, "topic")
+    assert len(_live_files(path)) == 60
+    report = ns.run_maintenance()["topic:t"]
+    assert len(_live_files(path)) == 3  # one file per subscription in the key's partition
+    assert report.rows_dropped == 0
+    for sub in ("a", "b", "c"):
+        with ns.get_subscription_receiver("t", sub) as r:
+            got = drain(r, 20)
+            assert [m.message_id for m in got] == [f"m{i}" for i in range(20)]  # still in sequence order
+
+
+def test_sequence_numbers_keep_increasing_after_maintenance(ns: Namespace, root: str) -> None:
+    """After compaction, checkpoint and vacuum (even of an emptied partition) new sequence numbers still increase."""
+    ns.create_queue("q")
+    key = key_for_partition(4)
+    first = _send_one_by_one(ns, [Message(f"a{i}", partition_key=key) for i in range(12)])
+    with ns.get_queue_receiver("q") as r:
+        for m in drain(r, 12):
+            r.complete_message(m)
+    ns.run_maintenance(vacuum_retention=timedelta(0))
+    assert DeltaTable(_table_path(root)).file_uris() == []  # nothing left in the table but its log
+    with Namespace(root) as fresh:  # a new client reads the counters from the table, not from memory
+        second = _send_one_by_one(fresh, [Message(f"b{i}", partition_key=key) for i in range(5)])
+        fresh.run_maintenance(vacuum_retention=timedelta(0))
+        third = _send_one_by_one(fresh, [Message(f"c{i}", partition_key=key) for i in range(3)])
+    seqs = first + second + third
+    assert seqs == sorted(seqs)
+    assert len(set(seqs)) == len(seqs)
+    assert {s >> 48 for s in seqs} == {4}
+
+
+# ---- duplicate detection and tombstones ---------------------------------------------------------------
+
+
+def test_duplicate_detection_holds_after_compaction(ns: Namespace, root: str) -> None:
+    """Within the window, ids of completed and pending messages are still detected after compaction (tombstones kept)."""
+    ns.create_queue("q", requires_duplicate_detection=True)
+    ids = [f"id-{i}" for i in range(40)]
+    _send_one_by_one(ns, [Message(i, message_id=i) for i in ids])
+    with ns.get_queue_receiver("q") as r:
+        for m in drain(r, 20):
+            r.complete_message(m)
+    path = _table_path(root)
+    before = len(_live_files(path))
+    ns.run_maintenance(vacuum_retention=timedelta(0))
+    assert len(_live_files(path)) < before
+    with ns.get_queue_sender("q") as s:
+        assert s.send_messages([Message("again", message_id=i) for i in ids]) == []
+        assert len(s.send_messages(Message("new", message_id="id-new"))) == 1
+    rp = ns.get_queue_runtime_properties("q")
+    assert rp.active_message_count == 21
+
+
+def test_topic_duplicate_detection_holds_after_maintenance(ns: Namespace) -> None:
+    """A duplicate-detecting topic still drops repeats after maintenance, with and without subscriptions."""
+    ns.create_topic("t", requires_duplicate_detection=True)
+    with ns.get_topic_sender("t") as s:
+        for i in range(10):
+            s.send_messages(Message("x", message_id=f"early-{i}"))
+    ns.run_maintenance(vacuum_retention=timedelta(0))  # a topic without subscriptions: only its id records
+    ns.create_subscription("t", "a")
+    time.sleep(1.1)  # senders re-read the subscriptions after at most a second
+    with ns.get_topic_sender("t") as s:
+        for i in range(10):
+            s.send_messages(Message("x", message_id=f"late-{i}"))
+    ns.run_maintenance(vacuum_retention=timedelta(0))
+    with ns.get_topic_sender("t") as s:
+        repeats = [Message("x", message_id=f"{w}-{i}") for w in ("early", "late") for i in range(10)]
+        assert s.send_messages(repeats) == []
+    with ns.get_subscription_receiver("t", "a") as r:
+        assert sorted(m.message_id for m in drain_all(r)) == sorted(f"late-{i}" for i in range(10))
+
+
+def test_compaction_drops_tombstones_older_than_the_cutoff(ns: Namespace, root: str) -> None:
+    """Compaction drops completed-message tombstones enqueued before its cutoff and keeps the younger ones."""
+    ns.create_queue("q", requires_duplicate_detection=True)
+    old = [f"old-{i}" for i in range(10)]
+    young = [f"young-{i}" for i in range(10)]
+    _send_one_by_one(ns, [Message(i, message_id=i, partition_key="k") for i in old])
+    time.sleep(0.05)
+    cutoff = datetime.now(UTC)
+    time.sleep(0.05)
+    _send_one_by_one(ns, [Message(i, message_id=i, partition_key="k") for i in young])
+    with ns.get_queue_receiver("q") as r:
+        for m in drain(r, 20):
+            r.complete_message(m)
+    path = _table_path(root)
+    report = maintenance.compact(EntityTable(path, PARTITIONS), drop_before=cutoff)
+    assert report.rows_dropped == 10
+    rows = DeltaTable(path).to_pyarrow_table(columns=["message_id", "state"])
+    assert sorted(rows.column("message_id").to_pylist()) == sorted(young)
+    assert set(rows.column("state").to_pylist()) == {"completed"}
+    again = maintenance.compact(EntityTable(path, PARTITIONS), drop_before=cutoff)  # a lone file: nothing to do
+    assert (again.rows_dropped, again.files_compacted) == (0, 0)
+
+
+@pytest.mark.slow
+def test_run_maintenance_drops_expired_tombstones(ns: Namespace, root: str) -> None:
+    """run_maintenance drops tombstones once the 20 s duplicate-detection window has passed, and not before."""
+    ns.create_queue("q", requires_duplicate_detection=True, duplicate_detection_history_time_window=timedelta(seconds=20))
+    ids = [f"id-{i}" for i in range(20)]
+    _send_one_by_one(ns, [Message(i, message_id=i) for i in ids])
+    with ns.get_queue_receiver("q") as r:
+        for m in drain(r, 20):
+            r.complete_message(m)
+    path = _table_path(root)
+    ns.run_maintenance()
+    assert DeltaTable(path).to_pyarrow_table(columns=["message_id"]).num_rows == 20
+    with ns.get_queue_sender("q") as s:
+        assert s.send_messages([Message("x", message_id=i) for i in ids]) == []
+    time.sleep(21)
+    reports = ns.run_maintenance()
+    assert reports["queue:q"].rows_dropped == 20
+    assert DeltaTable(path).to_pyarrow_table(columns=["message_id"]).num_rows == 0
+    with ns.get_queue_sender("q") as s:
+        assert len(s.send_messages([Message("x", message_id=i) for i in ids])) == 20
+
+
+def test_run_maintenance_drops_rows_of_deleted_subscriptions(ns: Namespace, root: str) -> None:
+    """Copies held for a deleted subscription are removed from the topic's table; the others stay receivable."""
+    ns.create_topic("t")
+    ns.create_subscription("t", "keep")
+    ns.create_subscription("t", "gone")
+    with ns.get_topic_sender("t") as s:
+        for i in range(30):
+            s.send_messages(Message(f"m{i}", message_id=f"m{i}", partition_key=f"k{i % 4}"))
+    path = _table_path(root, "topic")
+    subs = DeltaTable(path).to_pyarrow_table(columns=["subscription"]).column("subscription")
+    assert len(pc.unique(subs)) == 2
+    ns.delete_subscription("t", "gone")
+    reports = ns.run_maintenance(vacuum_retention=timedelta(0))
+    assert reports["topic:t"].rows_dropped == 30
+    left = DeltaTable(path).to_pyarrow_table(columns=["subscription", "message_id"])
+    assert left.num_rows == 30
+    assert len(pc.unique(left.column("subscription"))) == 1
+    assert reports["topic:t"].files_after < reports["topic:t"].files_before
+    with ns.get_subscription_receiver("t", "keep") as r:
+        assert sorted(m.message_id for m in drain(r, 30)) == sorted(f"m{i}" for i in range(30))
+
+
+def test_maintenance_leaves_an_unavailable_partition_alone(ns: Namespace, root: str) -> None:
+    """With a partition down, maintenance compacts the others and does not touch it; its messages survive."""
+    ns.create_queue("q")
+    down, up = key_for_partition(5), key_for_partition(9)
+    _send_one_by_one(ns, [Message(f"{k}-{i}", message_id=f"{k}-{i}", partition_key=k) for k in (down, up) for i in range(6)])
+    ns.fault_injector("q").fail(5, ("read", "write"))
+    report = ns.run_maintenance(vacuum_retention=timedelta(0))["queue:q"]
+    assert 5 not in report.per_partition_files
+    assert report.per_partition_files[9] == 1
+    ns.fault_injector("q").heal()
+    assert len([f for f in _live_files(_table_path(root)) if "/partition_id=5/" in f]) == 6
+    with ns.get_queue_receiver("q") as r:
+        assert len(drain(r, 12)) == 12
+
+
+# ---- checkpoint and vacuum -------------------------------------------------------------------------
+
+
+def test_run_maintenance_writes_a_checkpoint(ns: Namespace, root: str) -> None:
+    """run_maintenance writes a Delta checkpoint at the table's version; a new client reads the table from it."""
+    ns.create_queue("q")
+    _send_one_by_one(ns, [Message(f"m{i}", message_id=f"m{i}") for i in range(8)])
+    reports = ns.run_maintenance()
+    path = _table_path(root)
+    version = reports["queue:q"].checkpointed_version
+    assert version is not None
+    assert os.path.exists(f"{path}/_delta_log/{version:020d}.checkpoint.parquet")
+    assert glob.glob(f"{path}/_delta_log/*.checkpoint.parquet")
+    with Namespace(root) as fresh, fresh.get_queue_receiver("q") as r:
+        assert sorted(m.message_id for m in drain(r, 8)) == sorted(f"m{i}" for i in range(8))
+
+
+def test_vacuum_removes_unreferenced_files(ns: Namespace, root: str) -> None:
+    """With retention 0, vacuum deletes every data file the table no longer references; the default retention keeps them."""
+    ns.create_queue("q")
+    _send_one_by_one(ns, [Message(f"m{i}", message_id=f"m{i}", partition_key=f"k{i % 3}") for i in range(15)])
+    path = _table_path(root)
+    ns.run_maintenance()  # compaction with the default retention: replaced files stay on disk for old readers
+    assert len(_files_on_disk(path)) > len(_live_files(path))
+    reports = ns.run_maintenance(vacuum_retention=timedelta(0))
+    assert reports["queue:q"].vacuumed_files > 0
+    assert _files_on_disk(path) == _live_files(path)
+    with ns.get_queue_receiver("q") as r:
+        assert len(drain(r, 15)) == 15
+
+
+def test_vacuum_removes_old_never_committed_files_but_keeps_fresh_ones(ns: Namespace, root: str) -> None:
+    """Files a killed writer left uncommitted are vacuumed once old; a fresh one (a live writer's) is kept."""
+    ns.create_queue("q")
+    _send_one_by_one(ns, [Message("m", partition_key="k")])
+    path = _table_path(root)
+    (live,) = _live_files(path)
+    stale = f"{os.path.dirname(live)}/part-killed-writer.snappy.parquet"
+    fresh = f"{os.path.dirname(live)}/part-live-writer.snappy.parquet"
+    shutil.copy(live, stale)
+    shutil.copy(live, fresh)
+    two_hours_ago = time.time() - 7200
+    os.utime(stale, (two_hours_ago, two_hours_ago))
+    ns.run_maintenance(vacuum_retention=timedelta(0))
+    assert not os.path.exists(stale)
+    assert os.path.exists(fresh)
+    assert os.path.exists(live)
+    with ns.get_queue_receiver("q") as r:
+        assert len(drain_all(r)) == 1
+
+
+def test_maintenance_job_runs_in_a_subprocess(ns: Namespace, root: str) -> None:
+    """`python -m jobs.maintenance --root <root>` exits 0 and compacts the namespace's tables."""
+    ns.create_queue("q")
+    _send_one_by_one(ns, [Message(f"m{i}", partition_key="k") for i in range(10)])
+    path = _table_path(root)
+    assert len(_live_files(path)) == 10
+    proc = subprocess.run(
+        [sys.executable, "-m", "jobs.maintenance", "--root", root, "--vacuum-retention-hours", "0"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert len(_live_files(path)) == 1
+    assert _files_on_disk(path) == _live_files(path)
+
+
+# ---- maintenance beside live senders and receivers in other processes ------------------------------------
+
+
+def _sender(root: str, total: int, out: str) -> None:
+    """Send `total` messages in batches of 10, alternately keyed and unkeyed; record the ids of each acknowledged batch."""
+    with Namespace(root) as ns, ns.get_queue_sender("q") as s:
+        for b in range(total // 10):
+            ids = [f"b{b}-{k}" for k in range(10)]
+            key = f"key-{b % 7}" if b % 2 else None
+            s.send_messages([Message(i, message_id=i, partition_key=key) for i in ids])
+            with open(out, "a", encoding="utf-8") as f:
+                f.write("".join(f"{i}\n" for i in ids))
+
+
+def _receiver(root: str, total: int, out: str, deadline_s: float) -> None:
+    """Receive and complete until `total` completions succeeded; record each successful completion."""
+    done = 0
+    give_up = time.monotonic() + deadline_s
+    with Namespace(root) as ns, ns.get_queue_receiver("q") as r:
+        while done < total and time.monotonic() < give_up:
+            for m in r.receive_messages(max_message_count=20, max_wait_time=0.5):
+                r.complete_message(m)
+                done += 1
+                with open(out, "a", encoding="utf-8") as f:
+                    f.write(f"{m.message_id}\n")
+
+
+def _lines(path: str) -> list[str]:
+    return Path(path).read_text(encoding="utf-8").split() if os.path.exists(path) else []
+
+
+def test_compaction_beside_sender_and_receiver_processes_loses_and_doubles_nothing(
+    ns: Namespace, root: str, tmp_path: Path
+) -> None:
+    """Maintenance running beside a sender and a receiver process loses no message and completes none twice."""
+    total = 400
+    ns.create_queue("q", lock_duration=timedelta(seconds=30))
+    sent, completed = str(tmp_path / "sent"), str(tmp_path / "completed")
+    children = [
+        CTX.Process(target=_sender, args=(root, total, sent), daemon=True),
+        CTX.Process(target=_receiver, args=(root, total, completed, 150.0), daemon=True),
+    ]
+    for c in children:
+        c.start()
+    compacted = runs = 0
+    while any(c.is_alive() for c in children):
+        report = ns.run_maintenance(vacuum_retention=timedelta(0))["queue:q"]
+        compacted += report.files_compacted
+        runs += 1
+        time.sleep(0.2)
+    for c in children:
+        c.join()
+        assert c.exitcode == 0
+    assert runs >= 2
+    assert compacted > 0
+    sent_ids, done_ids = _lines(sent), _lines(completed)
+    assert len(sent_ids) == total
+    assert len(done_ids) == len(set(done_ids))  # no message was completed twice
+    assert set(done_ids) == set(sent_ids)  # and none was lost
+    assert ns.get_queue_runtime_properties("q").total_message_count == 0
