@@ -254,9 +254,10 @@ def test_sigkill_at_random_points_loses_nothing_and_applies_batches_whole(tmp_pa
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(1500)
 def test_sigkill_soak_many_iterations(tmp_path: Path) -> None:
     """The same rule over hundreds of SIGKILLs (slow)."""
-    h = _run(tmp_path, min_iterations=150, max_iterations=400, budget_s=600.0, seed=11)
+    h = _run(tmp_path, min_iterations=100, max_iterations=400, budget_s=480.0, seed=11)
     assert h.killed_mid_send > 0
 
 

@@ -326,6 +326,27 @@ def test_run_maintenance_writes_a_checkpoint(ns: Namespace, root: str) -> None:
         assert sorted(m.message_id for m in drain(r, 8)) == sorted(f"m{i}" for i in range(8))
 
 
+def test_maintenance_trims_the_delta_log(ns: Namespace, root: str) -> None:
+    """Log entries older than the log retention that precede the newest checkpoint are deleted; the table stays whole."""
+    ns.create_queue("q")
+    _send_one_by_one(ns, [Message(f"m{i}", message_id=f"m{i}", partition_key="k") for i in range(30)])
+    log_dir = f"{_table_path(root)}/_delta_log"
+    commits = sorted(glob.glob(f"{log_dir}/*.json"))
+    assert len(commits) > 30
+    an_hour_ago = time.time() - 3600
+    for f in commits:  # age the history past the retention
+        os.utime(f, (an_hour_ago, an_hour_ago))
+    version = ns.run_maintenance()["queue:q"].checkpointed_version
+    assert version is not None
+    left = sorted(int(Path(f).name[:20]) for f in glob.glob(f"{log_dir}/*.json"))
+    assert left and min(left) >= version - 1  # only the newest entries remain (the vacuum's own commits among them)
+    assert len(left) < 10
+    with Namespace(root) as fresh, fresh.get_queue_receiver("q") as r:
+        assert sorted(m.message_id for m in drain(r, 30)) == sorted(f"m{i}" for i in range(30))
+    with ns.get_queue_sender("q") as s:  # the open client's handles still work on the trimmed log
+        assert len(s.send_messages(Message("after", message_id="after"))) == 1
+
+
 def test_vacuum_removes_unreferenced_files(ns: Namespace, root: str) -> None:
     """With retention 0, vacuum deletes every data file the table no longer references; the default retention keeps them."""
     ns.create_queue("q")

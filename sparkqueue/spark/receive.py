@@ -1,14 +1,17 @@
 """Receive messages as a DataFrame (SPEC §12): Spark tasks lock them in parallel, one task per queue partition.
 
-Each task locks (or, in RECEIVE_AND_DELETE mode, removes) up to its share of messages in its
-partition, in commits of `RECEIVE_CHUNK`, and writes them to a staging Parquet file. The returned
-DataFrame reads the staging directory, so counting or collecting it again reads the same locked
-messages and never receives again (see staging.py for cleanup).
+(One task per partition up to the session's parallelism; beyond it a task takes several
+partitions in turn, see session.task_count.) Each task locks (or, in RECEIVE_AND_DELETE mode,
+removes) up to its share of messages in its partition, in commits of `RECEIVE_CHUNK`, and writes
+them to a staging Parquet file. The returned DataFrame reads the staging directory, so counting or
+collecting it again reads the same locked messages and never receives again (see staging.py for
+cleanup).
 
-Shares: the call splits `max_message_count` over the available partitions; partitions that
-filled their share may hold more, so further rounds (at most `MAX_ROUNDS`) split what is still
-missing among them. A receive therefore gathers from several partitions and never locks more
-than asked for.
+Shares: the call splits `max_message_count` over the partitions whose file statistics show
+receivable messages, none getting more than its files could hold; partitions that filled their
+share may hold more, so further rounds split what is still missing among them and the partitions
+not asked yet. A receive therefore gathers from several partitions and never locks more than
+asked for.
 """
 
 from __future__ import annotations
@@ -30,7 +33,7 @@ from sparkqueue.errors import InvalidOperationError, PartitionUnavailableError
 from sparkqueue.model import limits
 from sparkqueue.model.entity import Entity, utcnow
 from sparkqueue.spark.schema import STAGED_SCHEMA_SPARK, received_columns, staged_rows
-from sparkqueue.spark.session import active_session, spark_errors
+from sparkqueue.spark.session import active_session, spark_errors, task_count
 from sparkqueue.spark.staging import STAGING_ATTRIBUTE, Staging, cleanup_staging
 from sparkqueue.spark.worker import EntityRef, marking_errors
 from sparkqueue.storage.schema import KIND_MESSAGE
@@ -115,40 +118,48 @@ def read_staged(spark: SparkSession, staging: Staging) -> DataFrame:
 def gather(spark: SparkSession, job: ReceiveJob, entity: Entity, want: int, rounds: int) -> tuple[int, int]:
     """Receive up to `want` messages in rounds of parallel lock tasks; returns (received, rounds run so far).
 
-    Each round splits what is missing over the candidate partitions. A partition that returned
-    less than its share is exhausted for this call; one that filled it (or got no share yet) stays
-    a candidate. Every round takes messages or drops candidates, so the rounds end.
+    Each round splits what is missing over the candidate partitions, no partition getting more
+    than its files could hold. A partition that returned less than its share is exhausted for this
+    call; one that filled it (or got no share yet) stays a candidate. Every round takes messages or
+    drops candidates, so the rounds end.
     """
-    candidates = candidate_partitions(entity, job.sub_queue)
+    estimate = candidate_partitions(entity, job.sub_queue)
+    candidates = list(estimate)
     if candidates:
         shift = random.randrange(len(candidates))
         candidates = candidates[shift:] + candidates[:shift]
     total = 0
     for _ in range(MAX_ROUNDS):
-        plan = shares(want - total, candidates)
+        plan = shares(want - total, candidates, estimate)
         if not plan:
             break
         with spark_errors():
             results = (
-                spark.range(0, len(plan), 1, numPartitions=len(plan))
+                spark.range(0, len(plan), 1, numPartitions=task_count(spark, len(plan)))
                 .mapInArrow(partial(lock_task, job, tuple(plan), rounds), ROUND_DDL)
                 .collect()
             )
         rounds += 1
         total += sum(r.received for r in results)
+        for r in results:
+            estimate[r.partition_id] = max(0, estimate[r.partition_id] - r.received)
         planned = {p for p, _ in plan}
-        full = [r.partition_id for r in results if r.received >= r.requested]
+        full = [r.partition_id for r in results if r.received >= r.requested and estimate[r.partition_id] > 0]
         candidates = full + [p for p in candidates if p not in planned]  # untried partitions go last
         if total >= want:
             break
     return total, rounds
 
 
-def candidate_partitions(entity: Entity, sub_queue: str) -> list[int]:
-    """Available partitions whose file statistics allow a message of the sub-queue receivable now."""
+def candidate_partitions(entity: Entity, sub_queue: str) -> dict[int, int]:
+    """Available partitions that may hold a message of the sub-queue receivable now, with an upper bound of how many.
+
+    Read from the file statistics only: files whose earliest availability is ahead (locked,
+    scheduled) or that hold no row of the sub-queue and entity do not count.
+    """
     dt = entity.table.snapshot()
     now = utcnow()
-    out = []
+    out: dict[int, int] = {}
     for p in range(entity.partition_count):
         if not entity.available(p):
             continue
@@ -156,23 +167,28 @@ def candidate_partitions(entity: Entity, sub_queue: str) -> list[int]:
             files = entity.table.files(dt, p)
         except PartitionUnavailableError:
             continue
-        if any(
-            f.min_available_at is not None
-            and f.min_available_at <= now
-            and f.may_hold(KIND_MESSAGE, sub_queue, entity.subscription)
-            for f in files
-        ):
-            out.append(p)
+        due = [f for f in files if f.min_available_at is not None and f.min_available_at <= now]
+        bound = sum(f.num_records or 0 for f in due if f.may_hold(KIND_MESSAGE, sub_queue, entity.subscription))
+        if bound:
+            out[p] = bound
     return out
 
 
-def shares(count: int, partitions: list[int]) -> list[tuple[int, int]]:
-    """Split `count` messages over partitions as evenly as possible: (partition, share) with share > 0."""
-    if count <= 0 or not partitions:
-        return []
-    base, extra = divmod(count, len(partitions))
-    out = [(p, base + (1 if i < extra else 0)) for i, p in enumerate(partitions)]
-    return [(p, n) for p, n in out if n > 0]
+def shares(count: int, partitions: list[int], bound: dict[int, int] | None = None) -> list[tuple[int, int]]:
+    """Split `count` messages over partitions as evenly as their bounds allow: (partition, share) with share > 0."""
+    room = {p: (bound or {}).get(p, count) for p in partitions}
+    given = dict.fromkeys(partitions, 0)
+    left = count
+    while left > 0:
+        open_ = [p for p in partitions if given[p] < room[p]]
+        if not open_:
+            break
+        base, extra = divmod(left, len(open_))
+        for i, p in enumerate(open_):
+            add = min(base + (1 if i < extra else 0), room[p] - given[p])
+            given[p] += add
+            left -= add
+    return [(p, given[p]) for p in partitions if given[p] > 0]
 
 
 @marking_errors

@@ -4,14 +4,16 @@ The plan has two stages separated by a shuffle:
 
 1. Map stage (JVM expressions plus two small Arrow UDFs that see only the key and the
    properties): fill missing message ids, apply the key precedence of SPEC §3 and place keyed
-   rows by mmh3 exactly as `model.partitioning` does (unkeyed rows spread round-robin over the
-   available partitions), convert application properties to the core's JSON, and validate every
-   row (size, key lengths, sessions, time to live). A bad row fails the stage with the sparkqueue
-   error, and Spark runs no task of the second stage, so nothing is stored.
-2. Reduce stage: `repartition` by a key whose Spark hash sends each queue partition to its own
-   task; each task builds entity rows and appends them to its partition in bounded files, one
-   commit per file (duplicate detection, quota and sequence fences as in a core send). Commits on
-   different partitions do not conflict, so tasks commit in parallel.
+   rows by mmh3 exactly as `model.partitioning` does (unkeyed rows go round-robin over the
+   available partitions in blocks of ROUND_ROBIN_BLOCK rows), convert application properties to
+   the core's JSON, and validate every row (size, key lengths, sessions, time to live). A bad row
+   fails the stage with the sparkqueue error, and Spark runs no task of the second stage, so
+   nothing is stored.
+2. Reduce stage: `repartition` by a key whose Spark hash sends each queue partition to exactly
+   one task (one task per partition, up to the session's parallelism; see session.task_count);
+   each task builds entity rows and appends them to their partition in commits of COMMIT_ROWS
+   (duplicate detection, quota and sequence fences as in a core send). Commits on different
+   partitions do not conflict, so tasks commit in parallel.
 
 The driver only collects the per-task counts.
 """
@@ -21,7 +23,7 @@ from __future__ import annotations
 import json
 import logging
 import random
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from datetime import timedelta
 from functools import partial
@@ -39,16 +41,19 @@ from sparkqueue.message import SendSettings
 from sparkqueue.model import limits
 from sparkqueue.model.entity import utcnow
 from sparkqueue.model.partitioning import partition_for_key
-from sparkqueue.spark.session import marked, shuffle_keys, spark_errors, task_error
+from sparkqueue.spark.session import bucket_key, input_partitions, marked, spark_errors, task_count, task_error
 from sparkqueue.spark.worker import EntityRef, marking_errors
 from sparkqueue.storage.retry import retry_commit
 from sparkqueue.storage.schema import ENTITY_SCHEMA, KIND_MESSAGE, PARTITION_COLUMN, STATE_ACTIVE, SUB_QUEUE_MAIN, TIMESTAMP
 
 if TYPE_CHECKING:
+    from sparkqueue.model.entity import Entity
     from sparkqueue.sender import Sender
+    from sparkqueue.storage.table import Expand
 
 log = logging.getLogger(__name__)
 
+ROUND_ROBIN_BLOCK = 1024  # unkeyed rows go round-robin in blocks: a small DataFrame touches few partitions
 COMMIT_ROWS = 32_768  # rows per commit of a send task (storage splits them into bounded files)
 COMMIT_BYTES = 32 << 20  # and at most this many message bytes per commit
 
@@ -110,7 +115,8 @@ def send_dataframe(
         limits.check_int(commit_rows, "commit_rows"),
         limits.check_int(commit_bytes, "commit_bytes"),
     )
-    staged = shuffle_by_partition(prepare(df, plan), plan.partition_count, preserve_order)
+    tasks = task_count(df.sparkSession, plan.partition_count, input_partitions(df))
+    staged = shuffle_by_partition(prepare(df, plan), tasks, preserve_order)
     with spark_errors():
         counts = staged.mapInArrow(partial(write_task, plan), RESULT_DDL).collect()
     accepted = sum(r.accepted for r in counts)
@@ -118,10 +124,9 @@ def send_dataframe(
     return accepted
 
 
-def shuffle_by_partition(prepared: DataFrame, partitions: int, preserve_order: bool) -> DataFrame:
-    """Rows grouped so each Spark partition holds exactly one queue partition's rows."""
-    keys = sf.array(*[sf.lit(k) for k in shuffle_keys(partitions)])
-    out = prepared.withColumn("_sk", sf.element_at(keys, sf.col("_qp") + 1)).repartition(partitions, "_sk")
+def shuffle_by_partition(prepared: DataFrame, tasks: int, preserve_order: bool) -> DataFrame:
+    """Rows grouped so each of `tasks` Spark partitions holds whole queue partitions (q % tasks), in DataFrame order."""
+    out = prepared.withColumn("_sk", bucket_key(sf.col("_qp"), tasks)).repartition(tasks, "_sk")
     if preserve_order:
         out = out.sortWithinPartitions("_ord")
     return out.select(*WRITE_COLUMNS)
@@ -150,7 +155,11 @@ def prepare(df: DataFrame, plan: SendPlan) -> DataFrame:
         sf.spark_partition_id().alias("_task"),
     )
     start = random.randrange(len(plan.available))
-    rr = sf.pmod(sf.col("_ord") + sf.col("_task") + sf.lit(start), sf.lit(len(plan.available))).cast("int")
+    # Consecutive rows of an input partition share a queue partition (a block); input partition k takes
+    # blocks k, k + T, k + 2T, ... of the round (T input partitions), so a small DataFrame touches few
+    # queue partitions and a large one covers them all evenly.
+    block = sf.floor(sf.col("_ord") / ROUND_ROBIN_BLOCK) * sf.lit(input_partitions(df)) + sf.col("_task")
+    rr = sf.pmod(block + sf.lit(start), sf.lit(len(plan.available))).cast("int")
     round_robin = sf.element_at(sf.array(*[sf.lit(p) for p in plan.available]), rr + 1)
     return first.select(
         *[sf.col(c) for c in ("body", *STRING_FIELDS, "application_properties", "scheduled_enqueue_time_utc", "_ord")],
@@ -363,7 +372,7 @@ def _partition(plan: SendPlan, round_robin: Column, keyed: bool = True) -> Colum
     )
 
 
-def mmh3_udf(partition_count: int):
+def mmh3_udf(partition_count: int) -> Callable[[Column], Column]:
     """An Arrow UDF: the partition of each key, exactly as model.partitioning.partition_for_key computes it."""
 
     @arrow_udf(st.IntegerType())  # type: ignore[call-overload]
@@ -391,9 +400,8 @@ class PartitionWriter:
 
     def __init__(self, plan: SendPlan) -> None:
         self.plan = plan
-        ns = plan.ref.namespace()
-        self.entity = plan.ref.entity()
-        self.expand = ns._expander(plan.ref.entity_type, plan.ref.name)
+        self._entity: Entity | None = None
+        self.expand: Expand | None = None
         self.pending: dict[int, list[pa.Table]] = {}
         self.accepted: dict[int, int] = {}
         self.files: dict[int, int] = {}
@@ -439,8 +447,16 @@ class PartitionWriter:
         mean = max(1, (pc.sum(rows.column("size_in_bytes")).as_py() or 0) // rows.num_rows)
         return max(1, min(self.plan.commit_rows, self.plan.commit_bytes // mean))
 
+    @property
+    def entity(self) -> Entity:
+        """The entity (resolved on first use: a task without rows never opens the namespace)."""
+        if self._entity is None:
+            self._entity = self.plan.ref.entity()
+            self.expand = self.plan.ref.namespace()._expander(self.plan.ref.entity_type, self.plan.ref.name)
+        return self._entity
+
     def _commit(self, p: int, chunk: pa.Table) -> None:
-        """Append one file's rows to partition p (duplicates dropped, quota checked), retrying lost races."""
+        """Append one commit's rows to partition p (duplicates dropped, quota checked), retrying lost races."""
         rows = entity_rows(chunk, self.plan.settings)
         entity = self.entity  # the table checks the partition's size quota inside the commit
         counted = [0]

@@ -19,7 +19,8 @@ from functools import cache
 import mmh3
 from pyspark import SparkContext
 from pyspark.errors import PySparkException
-from pyspark.sql import SparkSession
+from pyspark.sql import Column, DataFrame, SparkSession
+from pyspark.sql import functions as sf
 
 from sparkqueue import errors
 from sparkqueue.errors import InvalidOperationError, SparkQueueError
@@ -121,3 +122,27 @@ def shuffle_keys(partitions: int) -> tuple[int, ...]:
         keys.setdefault(bucket, candidate)
         candidate += 1
     return tuple(keys[p] for p in range(partitions))
+
+
+def input_partitions(df: DataFrame) -> int:
+    """How many partitions a DataFrame has (planning only, no job); 1 when it cannot tell."""
+    try:
+        return max(1, df.rdd.getNumPartitions())
+    except Exception:  # only a sizing hint depends on it
+        return 1
+
+
+def task_count(spark: SparkSession, queue_partitions: int, inputs: int = 1) -> int:
+    """Spark tasks for work spread over queue partitions: one per partition, up to what the cluster runs at once.
+
+    Beyond the session's default parallelism (its cores, or the input's partition count when
+    larger) extra tasks only add scheduling and Python-worker overhead, so a task then handles
+    several queue partitions in turn (their commits still never conflict).
+    """
+    return max(1, min(queue_partitions, max(spark.sparkContext.defaultParallelism, inputs)))
+
+
+def bucket_key(queue_partition: Column, tasks: int) -> Column:
+    """A shuffle key that sends queue partition q to Spark partition q % tasks of `repartition(tasks, key)`."""
+    keys = sf.array(*[sf.lit(k) for k in shuffle_keys(tasks)])
+    return sf.element_at(keys, sf.pmod(queue_partition, sf.lit(tasks)) + 1)

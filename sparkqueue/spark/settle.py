@@ -30,7 +30,7 @@ from sparkqueue.model.entity import Entity, utcnow
 from sparkqueue.model.ids import sequence_of_token
 from sparkqueue.spark.receive import check_dataframe_receiver
 from sparkqueue.spark.schema import SETTLE_RESULT_SCHEMA, SETTLE_RESULT_SPARK, STATUS_LOCK_LOST, STATUS_OK
-from sparkqueue.spark.session import active_session, shuffle_keys, spark_errors
+from sparkqueue.spark.session import active_session, bucket_key, input_partitions, spark_errors, task_count
 from sparkqueue.spark.staging import Staging, cleanup_staging
 from sparkqueue.spark.worker import EntityRef, marking_errors
 from sparkqueue.storage.retry import retry_commit
@@ -88,7 +88,8 @@ def settle_dataframe(
         entity.partition_count,
         Staging.create(ns.root, "settle"),
     )
-    routed = route_tokens(token_columns(df, op, reason, error_description), job.partition_count)
+    tasks = task_count(session, job.partition_count, input_partitions(df))
+    routed = route_tokens(token_columns(df, op, reason, error_description), job.partition_count, tasks)
     with spark_errors():
         counts = routed.mapInArrow(partial(settle_task, job), COUNT_DDL).collect()
     ok, lost = sum(r.ok for r in counts), sum(r.lock_lost for r in counts)
@@ -110,12 +111,11 @@ def token_columns(df: DataFrame, op: str, reason: str | None, description: str |
     )
 
 
-def route_tokens(tokens: DataFrame, partitions: int) -> DataFrame:
-    """Tokens grouped so each Spark partition holds one queue partition's (top 16 bits of the token's first field)."""
+def route_tokens(tokens: DataFrame, partitions: int, tasks: int) -> DataFrame:
+    """Tokens grouped by queue partition (the top 16 bits of the token's first field), whole partitions per task."""
     qp = sf.conv(sf.substring("lock_token", 1, 4), 16, 10).cast("int")
     qp = sf.when(qp.isNull() | (qp < 0) | (qp >= partitions), sf.lit(0)).otherwise(qp)
-    keys = sf.array(*[sf.lit(k) for k in shuffle_keys(partitions)])
-    return tokens.withColumn("_sk", sf.element_at(keys, qp + 1)).repartition(partitions, "_sk").drop("_sk")
+    return tokens.withColumn("_sk", bucket_key(qp, tasks)).repartition(tasks, "_sk").drop("_sk")
 
 
 @marking_errors

@@ -25,10 +25,10 @@ from sparkqueue.storage.schema import ENTITY_SCHEMA, PARTITION_COLUMN
 log = logging.getLogger(__name__)
 
 MAX_REBASES = 64
-# delta-rs deletes expired log files after the checkpoints it writes every few commits, but fails
-# (after the commit went through) when another process deleted one of them first. sparkqueue
-# trims the log itself, tolerating concurrent trimmers (trim_log).
-NO_LOG_CLEANUP = PostCommitHookProperties(create_checkpoint=True, cleanup_expired_logs=False)
+# delta-rs writes a checkpoint every few commits and then deletes expired log files, inside the
+# commit call: when another process trimmed a file first, the call fails after the commit went
+# through. sparkqueue does both itself after the commit, tolerating concurrent trimmers.
+NO_LOG_CLEANUP = PostCommitHookProperties(create_checkpoint=False, cleanup_expired_logs=False)
 DEFAULT_LOG_RETENTION_S = 30 * 86400.0  # Delta's default logRetentionDuration
 _INTERVAL = re.compile(r"^\s*interval\s+(\d+)\s+(\w+?)s?\s*$", re.IGNORECASE)
 _UNIT_S = {"second": 1, "minute": 60, "hour": 3600, "day": 86400, "week": 604800}
@@ -60,7 +60,7 @@ def commit(
             )
             version = dt.version()
             if version % int(dt.metadata().configuration.get("delta.checkpointInterval", "100")) == 0:
-                trim_log(dt)  # delta-rs has just written a checkpoint at this version
+                checkpoint_quietly(dt)
             return version
         except DeltaError as exc:
             # A handle older than the log retention cannot check the commits since its version
@@ -86,6 +86,16 @@ def fences_unchanged(expected: dict[str, int | None]) -> Callable[[DeltaTable], 
     return check
 
 
+def checkpoint_quietly(dt: DeltaTable) -> None:
+    """Checkpoint at `dt`'s version and trim the log; a failure only postpones it (the commit stands)."""
+    try:
+        dt.create_checkpoint()
+    except (OSError, DeltaError) as exc:
+        log.debug("checkpoint of %s at version %d skipped: %s", dt.table_uri, dt.version(), exc)
+        return
+    trim_log(dt)
+
+
 def log_retention_s(dt: DeltaTable) -> float:
     """The table's delta.logRetentionDuration in seconds ("interval <n> <unit>"; Delta's default when unset)."""
     m = _INTERVAL.match(dt.metadata().configuration.get("delta.logRetentionDuration") or "")
@@ -100,10 +110,10 @@ def trim_log(dt: DeltaTable) -> int:
     What delta-rs's cleanup does, except that files another process deleted first are skipped
     rather than raised: every writer and every maintenance run may trim at once.
     """
-    fs, root = pafs.FileSystem.from_uri(dt.table_uri)
     try:
+        fs, root = pafs.FileSystem.from_uri(dt.table_uri)
         infos = fs.get_file_info(pafs.FileSelector(f"{root.rstrip('/')}/_delta_log"))
-    except OSError:
+    except (OSError, ValueError):  # a store pyarrow cannot reach: maintenance's checkpoint leaves the log as it is
         return 0
     entries = [(int(m.group(1)), m.group(2), i) for i in infos if (m := _LOG_FILE.match(i.base_name))]
     checkpoints = [v for v, kind, _ in entries if kind.startswith("checkpoint")]

@@ -20,6 +20,7 @@ from datetime import datetime, timedelta
 
 import pyarrow as pa
 import pyarrow.compute as pc
+from deltalake import DeltaTable
 from deltalake.exceptions import CommitFailedError
 
 from sparkqueue.storage.commit import NO_LOG_CLEANUP, commit, trim_log
@@ -188,10 +189,17 @@ def _rewrite(table: EntityTable, p: int, group: list[FileInfo], droppable: Calla
 def checkpoint(table: EntityTable, report: MaintenanceReport | None = None) -> MaintenanceReport:
     """Write a checkpoint at the current version and delete log files past the log retention."""
     report = report or MaintenanceReport()
-    dt = table.snapshot()
-    dt.create_checkpoint()
-    trim_log(dt)
-    report.checkpointed_version = dt.version()
+    for attempt in range(VACUUM_ATTEMPTS):
+        # A log entry this handle still lists may be trimmed by another process meanwhile: retry on a new handle.
+        dt = table.snapshot() if attempt == 0 else DeltaTable(table.uri)
+        try:
+            dt.create_checkpoint()
+        except FileNotFoundError:
+            time.sleep(backoff(attempt))
+            continue
+        trim_log(dt)
+        report.checkpointed_version = dt.version()
+        break
     return report
 
 
@@ -214,19 +222,21 @@ def _vacuum(table: EntityTable, hours: int, *, full: bool) -> list[str]:
     """One vacuum, retried on a fresh snapshot when its log entry loses a race with live writers.
 
     delta-rs records a vacuum as a commit that conflicts with any concurrent removal (every
-    settlement); deleting unreferenced files is safe either way, so after a few attempts the
-    run gives up and leaves the rest to the next one.
+    settlement), and reads log entries another process may trim meanwhile; deleting unreferenced
+    files is safe either way, so after a few attempts the run gives up and leaves the rest to the
+    next one.
     """
     for attempt in range(VACUUM_ATTEMPTS):
         try:
-            return table.snapshot().vacuum(
+            dt = table.snapshot() if attempt == 0 else DeltaTable(table.uri)
+            return dt.vacuum(
                 retention_hours=hours,
                 dry_run=False,
                 enforce_retention_duration=False,
                 full=full,
                 post_commithook_properties=NO_LOG_CLEANUP,
             )
-        except CommitFailedError:
+        except (CommitFailedError, FileNotFoundError):
             time.sleep(backoff(attempt))
     log.info("vacuum of %s lost %d commit races; the next maintenance run retries", table.uri, VACUUM_ATTEMPTS)
     return []

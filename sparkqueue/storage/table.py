@@ -43,7 +43,7 @@ from sparkqueue.storage.schema import (
 
 log = logging.getLogger(__name__)
 
-LOG_RETENTION = "interval 1 minute"  # commits older than this (and before a checkpoint) are deleted
+LOG_RETENTION = "interval 15 seconds"  # commits older than this (and before a checkpoint) are deleted
 SEQUENCE_BITS = 48
 SEQUENCE_MASK = (1 << SEQUENCE_BITS) - 1
 

@@ -88,7 +88,7 @@ def test_two_concurrent_dataframe_consumers_never_share_a_message(spark, ns, num
         try:
             with ns.get_queue_receiver("q") as r:
                 while True:
-                    got = r.receive_dataframe(700)
+                    got = r.receive_dataframe(1500)
                     seqs = [x.sequence_number for x in got.select("sequence_number").collect()]
                     if not seqs:
                         return

@@ -59,12 +59,15 @@ def test_send_counts_places_by_key_and_round_trips_fields(spark, ns):
     assert len({m.message_id for m in got}) == len(rows)
 
 
-def test_unkeyed_rows_spread_over_all_partitions(spark, ns, numbered):
+def test_unkeyed_rows_go_round_robin_in_blocks(spark, ns, numbered):
     ns.create_queue("q")
     with ns.get_queue_sender("q") as s:
-        assert s.send_dataframe(numbered(3200, partitions=3).drop("message_id")) == 3200
+        assert s.send_dataframe(numbered(100, partitions=2).drop("message_id")) == 100
+        small = [p.active_message_count for p in ns.get_queue_runtime_properties("q").partitions]
+        assert sum(1 for d in small if d) <= 2  # a block per input partition: few commits for a small DataFrame
+        assert s.send_dataframe(numbered(40_000, partitions=4).drop("message_id")) == 40_000
     depth = [p.active_message_count for p in ns.get_queue_runtime_properties("q").partitions]
-    assert len(depth) == 16 and min(depth) > 100, depth
+    assert len(depth) == 16 and min(depth) > 0 and sum(depth) == 40_100, depth
 
 
 def test_duplicate_detection_counts_only_new_messages_and_places_by_message_id(spark, ns, numbered):
