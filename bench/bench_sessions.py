@@ -41,6 +41,7 @@ from pathlib import Path
 from typing import Any
 
 import pyarrow as pa
+from common import latency_summary_ms as summary_ms
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 BODY_SIZE = 256
@@ -48,29 +49,6 @@ QUEUE = "sessions"
 
 
 # ---- statistics ------------------------------------------------------------------------------------
-
-
-def percentile(samples: list[float], p: float) -> float:
-    """The p-th percentile (0-100), linear interpolation between closest ranks; NaN when empty."""
-    if not samples:
-        return math.nan
-    xs = sorted(samples)
-    k = (len(xs) - 1) * p / 100.0
-    lo, hi = math.floor(k), math.ceil(k)
-    return xs[lo] + (xs[hi] - xs[lo]) * (k - lo)
-
-
-def summary_ms(samples_s: list[float]) -> dict[str, float]:
-    """p50/p90/p99/mean/max of latencies given in seconds, in milliseconds."""
-    ms = [s * 1e3 for s in samples_s]
-    return {
-        "p50_ms": percentile(ms, 50),
-        "p90_ms": percentile(ms, 90),
-        "p99_ms": percentile(ms, 99),
-        "mean_ms": sum(ms) / len(ms) if ms else math.nan,
-        "max_ms": max(ms) if ms else math.nan,
-        "n": len(ms),
-    }
 
 
 # ---- floor -------------------------------------------------------------------------------------------
