@@ -115,7 +115,7 @@ def deliver(rows: pa.Table, now: datetime, policy: Policy, *, delete: bool) -> D
             got = _with(got, lock_token=pa.nulls(got.num_rows, pa.string()), locked_until_utc=pa.nulls(got.num_rows, TIMESTAMP))
         else:
             until = now + policy.lock_duration
-            tokens = pa.array(lock_tokens(got.column("sequence_number").to_pylist()), pa.string())
+            tokens = lock_tokens(got.column("sequence_number"))
             avail = pc.if_else(
                 pc.equal(got.column("state"), STATE_ACTIVE), pa.scalar(until, TIMESTAMP), got.column("available_at_utc")
             )

@@ -132,14 +132,17 @@ def input_partitions(df: DataFrame) -> int:
         return 1
 
 
-def task_count(spark: SparkSession, queue_partitions: int, inputs: int = 1) -> int:
+def task_count(spark: SparkSession, queue_partitions: int) -> int:
     """Spark tasks for work spread over queue partitions: one per partition, up to what the cluster runs at once.
 
-    Beyond the session's default parallelism (its cores, or the input's partition count when
-    larger) extra tasks only add scheduling and Python-worker overhead, so a task then handles
-    several queue partitions in turn (their commits still never conflict).
+    Beyond the session's default parallelism (its cores) extra tasks only queue behind the first
+    wave and add Python-worker overhead, so a task then handles several queue partitions in turn
+    (their commits still never conflict). The count is the smallest that keeps the waves even:
+    16 partitions on 3 cores give 3 tasks of 6, 5 and 5, never a fourth task that runs alone.
     """
-    return max(1, min(queue_partitions, max(spark.sparkContext.defaultParallelism, inputs)))
+    cores = max(1, spark.sparkContext.defaultParallelism)
+    per_task = -(-max(1, queue_partitions) // cores)
+    return max(1, -(-max(1, queue_partitions) // per_task))
 
 
 def bucket_key(queue_partition: Column, tasks: int) -> Column:

@@ -12,13 +12,14 @@ from __future__ import annotations
 
 import logging
 import uuid
-from collections import defaultdict
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from functools import partial
 from typing import TYPE_CHECKING
 
+import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pc
 from pyspark.sql import Column, DataFrame, SparkSession
 from pyspark.sql import functions as sf
 from pyspark.sql import types as st
@@ -27,13 +28,14 @@ from sparkqueue.constants import ReceiveMode
 from sparkqueue.errors import InvalidOperationError
 from sparkqueue.model import lifecycle
 from sparkqueue.model.entity import Entity, utcnow
-from sparkqueue.model.ids import sequence_of_token
+from sparkqueue.model.ids import sequences_of_tokens
 from sparkqueue.spark.receive import check_dataframe_receiver
 from sparkqueue.spark.schema import SETTLE_RESULT_SCHEMA, SETTLE_RESULT_SPARK, STATUS_LOCK_LOST, STATUS_OK
-from sparkqueue.spark.session import active_session, bucket_key, input_partitions, spark_errors, task_count
+from sparkqueue.spark.session import active_session, bucket_key, spark_errors, task_count
 from sparkqueue.spark.staging import Staging, cleanup_staging
 from sparkqueue.spark.worker import EntityRef, marking_errors
 from sparkqueue.storage.retry import retry_commit
+from sparkqueue.storage.table import SEQUENCE_BITS
 
 if TYPE_CHECKING:
     from sparkqueue.receiver import Receiver
@@ -88,7 +90,7 @@ def settle_dataframe(
         entity.partition_count,
         Staging.create(ns.root, "settle"),
     )
-    tasks = task_count(session, job.partition_count, input_partitions(df))
+    tasks = task_count(session, job.partition_count)
     routed = route_tokens(token_columns(df, op, reason, error_description), job.partition_count, tasks)
     with spark_errors():
         counts = routed.mapInArrow(partial(settle_task, job), COUNT_DDL).collect()
@@ -125,59 +127,53 @@ def settle_task(job: SettleJob, batches: Iterator[pa.RecordBatch]) -> Iterator[p
     if not received:
         return
     table = pa.Table.from_batches(received)
-    tokens = table.column("lock_token").to_pylist()
-    reasons = table.column("reason").to_pylist() if "reason" in table.column_names else [None] * len(tokens)
-    descriptions = table.column("description").to_pylist() if "description" in table.column_names else [None] * len(tokens)
+    tokens = table.column("lock_token").combine_chunks()
+    n = len(tokens)
+
+    def texts(name: str) -> pa.Array:
+        return table.column(name).combine_chunks() if name in table.column_names else pa.nulls(n, pa.string())
+
     entity = job.ref.entity()
-    status = settle_tokens(entity, job, tokens, reasons, descriptions)
-    job.staging.write(
-        f"part-{uuid.uuid4().hex}.parquet",
-        pa.table(
-            {"lock_token": pa.array(tokens, pa.string()), "status": pa.array(status, pa.string())}, schema=SETTLE_RESULT_SCHEMA
-        ),
-    )
-    parts = sorted(
-        {s >> 48 for s in (sequence_of_token(t) for t in tokens if t) if s is not None} & set(range(job.partition_count))
-    )
+    status, parts = settle_tokens(entity, job, tokens, texts("reason"), texts("description"))
+    job.staging.write(f"part-{uuid.uuid4().hex}.parquet", pa.table([tokens, status], schema=SETTLE_RESULT_SCHEMA))
     if job.op == lifecycle.DEAD_LETTER and parts:
         job.ref.namespace()._pump(entity, parts)
-    ok = sum(1 for s in status if s == STATUS_OK)
+    ok = pc.sum(pc.equal(status, STATUS_OK)).as_py() or 0
     yield pa.RecordBatch.from_pydict(
         {
             "partition_id": pa.array([parts[0] if parts else -1], pa.int32()),
             "ok": pa.array([ok], pa.int64()),
-            "lock_lost": pa.array([len(status) - ok], pa.int64()),
+            "lock_lost": pa.array([n - ok], pa.int64()),
         }
     )
 
 
 def settle_tokens(
-    entity: Entity, job: SettleJob, tokens: list[str | None], reasons: list[str | None], descriptions: list[str | None]
-) -> list[str]:
-    """Status per token: settle the distinct valid tokens by partition and sequence; repeats share the first's status."""
-    status = [STATUS_LOCK_LOST] * len(tokens)
-    first: dict[str, int] = {}
-    by_partition: dict[int, list[int]] = defaultdict(list)
-    seqs: dict[int, int] = {}
-    for i, token in enumerate(tokens):
-        seq = sequence_of_token(token) if token is not None else None
-        if seq is None or token in first or (seq >> 48) >= job.partition_count:
-            continue
-        first[token] = i
-        seqs[i] = seq
-        by_partition[seq >> 48].append(i)
-    for p, idx in by_partition.items():
-        idx.sort(key=seqs.__getitem__)
-        for start in range(0, len(idx), job.chunk):
-            chunk = idx[start : start + job.chunk]
-            items = [(seqs[i], tokens[i] or "") for i in chunk]
-            held = settle_chunk(entity, p, items, job.op, [reasons[i] for i in chunk], [descriptions[i] for i in chunk])
-            for i, ok in zip(chunk, held, strict=True):
-                status[i] = STATUS_OK if ok else STATUS_LOCK_LOST
-    for i, token in enumerate(tokens):
-        if token is not None and token in first:
-            status[i] = status[first[token]]
-    return status
+    entity: Entity, job: SettleJob, tokens: pa.Array, reasons: pa.Array, descriptions: pa.Array
+) -> tuple[pa.Array, list[int]]:
+    """Status per token, and the partitions settled: distinct valid tokens go by partition in sequence order.
+
+    A repeated token shares its first occurrence's status; a token that is no sparkqueue token of
+    this entity's partitions is `lock_lost`.
+    """
+    n = len(tokens)
+    seqs = sequences_of_tokens(tokens)
+    seq_np = seqs.fill_null(-1).to_numpy()
+    part_np = np.where(seq_np >= 0, seq_np >> SEQUENCE_BITS, -1)
+    first = pc.index_in(tokens, value_set=tokens).to_numpy(zero_copy_only=False)
+    settle_me = (first == np.arange(n)) & (part_np >= 0) & (part_np < job.partition_count)
+    held = np.zeros(n, bool)
+    parts = sorted(int(p) for p in np.unique(part_np[settle_me]))
+    for p in parts:
+        positions = np.flatnonzero(settle_me & (part_np == p))
+        positions = positions[np.argsort(seq_np[positions], kind="stable")]
+        for start in range(0, len(positions), job.chunk):
+            chunk = pa.array(positions[start : start + job.chunk])
+            items = list(zip(seqs.take(chunk).to_pylist(), tokens.take(chunk).to_pylist(), strict=True))
+            ok = settle_chunk(entity, p, items, job.op, reasons.take(chunk).to_pylist(), descriptions.take(chunk).to_pylist())
+            held[positions[start : start + job.chunk]] = ok
+    status = np.where(held[first], STATUS_OK, STATUS_LOCK_LOST)
+    return pa.array(status, pa.string()), parts
 
 
 def settle_chunk(

@@ -24,6 +24,8 @@ import pyarrow.parquet as pq
 from pyspark.sql import DataFrame, SparkSession
 from pyspark.sql import types as st
 
+from sparkqueue.storage.files import write_parquet
+
 log = logging.getLogger(__name__)
 
 STAGING_DIR = "_spark_staging"
@@ -69,7 +71,7 @@ class Staging:
         """Write a Parquet file atomically where the filesystem renames atomically (temp name, then rename)."""
         fs, path = _filesystem(self.uri)
         tmp = f"{path}/_tmp-{uuid.uuid4().hex}-{name}"  # names starting with '_' are invisible to Spark
-        pq.write_table(table, tmp, filesystem=fs, compression="snappy")
+        write_parquet(fs, tmp, table)
         fs.move(tmp, f"{path}/{name}")
 
     def names(self, suffix: str = ".parquet") -> list[str]:

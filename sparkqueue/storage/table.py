@@ -392,16 +392,20 @@ class EntityTable:
         changes = changes.cast(CHANGE_SCHEMA)
         adds, removed = [], []
         if changes.num_rows:
-            seqs = changes.column("sequence_number")
+            seqs = changes.column("sequence_number").combine_chunks()
             lo, hi = pc.min(seqs).as_py(), pc.max(seqs).as_py()
+            deleted = changes.filter(pc.equal(changes.column("op"), OP_DELETE)).column("sequence_number").combine_chunks()
             for f in self.files(dt, partition):
                 if f.max_seq < lo or f.min_seq > hi:
                     continue
-                split = _apply_changes(self.data.read(f.path), changes)
-                if split is None:
+                in_file = self.data.read(f.path, ["sequence_number"]).column(0)
+                hit = pc.is_in(in_file, value_set=seqs)
+                if not pc.any(hit).as_py():
                     continue
                 removed.append(f)
-                for part in split:
+                if pc.all(pc.is_in(in_file, value_set=deleted)).as_py():
+                    continue  # every row of the file goes: drop it without reading (or rewriting) its bodies
+                for part in _apply_changes(self.data.read(f.path), changes) or ():
                     adds.extend(self.data.write_chunks(partition, part))
             if not removed:
                 raise CommitFailedError("none of the changed rows is live any more")
