@@ -78,15 +78,17 @@ class Sender:
             limits.check_int(s, "sequence_numbers", minimum=0)
         self._ns._entity(self.entity_type, self.entity_name).cancel_scheduled(seqs)
 
-    def send_dataframe(self, df: DataFrame, spark: SparkSession | None = None) -> int:
+    def send_dataframe(self, df: DataFrame, spark: SparkSession | None = None, *, preserve_order: bool | None = None) -> int:
         """Send each row of a DataFrame as a message, in Spark tasks per partition; returns how many were accepted.
 
         Columns are named as Message fields (SPEC §12); `spark` is accepted for symmetry (the
-        DataFrame's own session runs the job). See sparkqueue.spark.send.
+        DataFrame's own session runs the job). `preserve_order` (default: when rows may carry a
+        session id or partition key) keeps the DataFrame's row order within each queue partition.
+        See sparkqueue.spark.send.
         """
         from sparkqueue.spark.send import send_dataframe
 
-        return send_dataframe(self, df)
+        return send_dataframe(self, df, preserve_order=preserve_order)
 
     def _send(self, msgs: list[Message]) -> list[int]:
         if not msgs:

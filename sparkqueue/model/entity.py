@@ -192,7 +192,7 @@ class Entity:
             p = (start + i) % self.partition_count
             if not self.available(p):
                 continue
-            got = self._receive_partition(dt, p, sub_queue, remaining, delete)
+            got = self.receive_partition(dt, p, sub_queue, remaining, delete)
             if got.num_rows:
                 out.append(got)
                 remaining -= got.num_rows
@@ -200,11 +200,14 @@ class Entity:
                 break
         return pa.concat_tables(out) if out else empty_rows()
 
-    def _receive_partition(self, dt: DeltaTable, p: int, sub_queue: str, limit: int, delete: bool) -> pa.Table:
+    def receive_partition(
+        self, dt: DeltaTable, p: int, sub_queue: str, limit: int, delete: bool, written: list[str] | None = None
+    ) -> pa.Table:
         """Lock (or delete) up to `limit` messages of one partition; moves on after repeated conflicts.
 
         Starts from the caller's snapshot and refreshes only after a conflict or its own commit
-        (a commit does not advance the handle's version).
+        (a commit does not advance the handle's version). `written` collects the data files that
+        hold the rows this call changed (see EntityTable.apply).
         """
         out: list[pa.Table] = []
         attempt = 0
@@ -222,7 +225,7 @@ class Entity:
                 break
             d = lifecycle.deliver(cands, now, self.policy, delete=delete)
             try:
-                self.table.apply(dt, p, d.changes)
+                self.table.apply(dt, p, d.changes, written=written)
             except CommitFailedError:
                 time.sleep(backoff(attempt))
                 attempt += 1

@@ -2,10 +2,11 @@
 
 (One task per partition up to the session's parallelism; beyond it a task takes several
 partitions in turn, see session.task_count.) Each task locks (or, in RECEIVE_AND_DELETE mode,
-removes) up to its share of messages in its partition, in commits of `RECEIVE_CHUNK`, and writes
-them to a staging Parquet file. The returned DataFrame reads the staging directory, so counting or
-collecting it again reads the same locked messages and never receives again (see staging.py for
-cleanup).
+removes) up to its share of messages in its partition, in commits of `RECEIVE_CHUNK`, and stages
+them: a lock commit writes the locked rows to data files of their own, which are hard-linked into
+a staging directory (no copy; copied on stores without links), while removed messages are written
+there. The returned DataFrame reads the staging directory, so counting or collecting it again
+reads the same locked messages and never receives again (see staging.py for cleanup).
 
 Shares: the call splits `max_message_count` over the partitions whose file statistics show
 receivable messages, none getting more than its files could hold; partitions that filled their
@@ -19,20 +20,28 @@ from __future__ import annotations
 import logging
 import random
 import time
+import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
-from datetime import timedelta
+from datetime import datetime, timedelta
 from functools import partial
 from typing import TYPE_CHECKING
 
 import pyarrow as pa
 import pyarrow.compute as pc
 from pyspark.sql import DataFrame, SparkSession
+from pyspark.sql import functions as sf
 
 from sparkqueue.errors import InvalidOperationError, PartitionUnavailableError
 from sparkqueue.model import limits
 from sparkqueue.model.entity import Entity, utcnow
-from sparkqueue.spark.schema import STAGED_SCHEMA_SPARK, received_columns, staged_rows
+from sparkqueue.spark.schema import (
+    ENTITY_FILE_SPARK,
+    STAGED_SCHEMA_SPARK,
+    received_columns,
+    received_from_entity_rows,
+    staged_rows,
+)
 from sparkqueue.spark.session import active_session, spark_errors, task_count
 from sparkqueue.spark.staging import STAGING_ATTRIBUTE, Staging, cleanup_staging
 from sparkqueue.spark.worker import EntityRef, marking_errors
@@ -44,6 +53,7 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 RECEIVE_CHUNK = 16_384  # messages per lock commit inside a task (two send files)
+CLOCK_SKEW = timedelta(seconds=30)  # how far apart the driver's and executors' clocks may be
 MAX_ROUNDS = 64  # a safety bound: rounds end on their own (see gather)
 POLL_MIN_S, POLL_MAX_S = 0.05, 1.0
 ROUND_DDL = "partition_id int, requested long, received long"
@@ -57,6 +67,7 @@ class ReceiveJob:
     sub_queue: str
     delete: bool
     staging: Staging
+    started: datetime  # when the call began: no lock it takes can lapse before started + lock duration
     chunk: int = RECEIVE_CHUNK
 
 
@@ -93,6 +104,7 @@ def receive_dataframe(
         receiver._sub_queue,
         receiver._deleting,
         Staging.create(ns.root, "receive"),
+        utcnow(),
         limits.check_int(chunk, "chunk"),
     )
     give_up = time.monotonic() + wait
@@ -105,13 +117,22 @@ def receive_dataframe(
         time.sleep(min(poll, max(0.0, give_up - time.monotonic())))
         poll = min(POLL_MAX_S, poll * 2)
     log.info("received %d of %d messages from %s into %s", got, want, job.ref.name, job.staging.uri)
-    return read_staged(session, job.staging)
+    return read_staged(session, job, utcnow())
 
 
-def read_staged(spark: SparkSession, staging: Staging) -> DataFrame:
-    """The received messages a staging directory holds, in the ReceivedMessage layout."""
-    df = staging.read(spark, STAGED_SCHEMA_SPARK).select(*received_columns())
-    setattr(df, STAGING_ATTRIBUTE, staging.uri)
+def read_staged(spark: SparkSession, job: ReceiveJob, now: datetime) -> DataFrame:
+    """The received messages a staging directory holds, in the ReceivedMessage layout.
+
+    Peek-lock stages the lock commits' data files, whose rows are the messages locked (with a
+    token) and any dead-lettered or expired in the same commit (without); RECEIVE_AND_DELETE
+    stages the messages themselves.
+    """
+    if job.delete:
+        df = job.staging.read(spark, STAGED_SCHEMA_SPARK).select(*received_columns())
+    else:
+        rows = job.staging.read(spark, ENTITY_FILE_SPARK)
+        df = rows.where(sf.col("lock_token").isNotNull()).select(*received_from_entity_rows(now))
+    setattr(df, STAGING_ATTRIBUTE, job.staging.uri)
     return df
 
 
@@ -211,42 +232,60 @@ def lock_task(
 
 
 def lock_partition(job: ReceiveJob, entity: Entity, p: int, share: int, round_no: int) -> int:
-    """Lock up to `share` messages of partition p in commits of job.chunk; stage them in one file."""
-    staged: list[pa.Table] = []
+    """Lock up to `share` messages of partition p in commits of job.chunk, staging each commit's messages.
+
+    Locked messages are staged without a copy: the lock commit wrote them to data files of their
+    own, which are linked into the staging directory (the DataFrame keeps the rows with a lock
+    token). Messages removed by RECEIVE_AND_DELETE have no such file and are written out.
+    """
     got = 0
+    chunk_no = 0
+    # A retried task: drop what a failed attempt staged (its locks lapse). Removed messages have no
+    # other copy, so in RECEIVE_AND_DELETE mode they stay (their files are named per attempt).
+    if not job.delete and job.staging.remove(f"part-p{p:05d}-r{round_no:03d}-"):
+        log.info("partition %d: discarded what a failed attempt of this lock task had staged", p)
     while got < share:
         ask = min(job.chunk, share - got)
-        rows = entity._receive_partition(entity.table.snapshot(), p, job.sub_queue, ask, job.delete)
+        written: list[str] = []
+        rows = entity.receive_partition(entity.table.snapshot(), p, job.sub_queue, ask, job.delete, written)
         if rows.num_rows:
-            staged.append(staged_rows(rows, utcnow()))
+            stage_chunk(job, entity, p, f"r{round_no:03d}-c{chunk_no:03d}", rows, written)
+            chunk_no += 1
             got += rows.num_rows
         if rows.num_rows < ask:
             break
-    if staged:
-        rows = newest_delivery(pa.concat_tables(staged))
-        suffix = f"-p{p:05d}.parquet"
-        drop_superseded(job.staging, suffix, rows.column("sequence_number"))
-        job.staging.write(f"part-r{round_no:03d}{suffix}", rows)
-        got = rows.num_rows
     return got
 
 
-def newest_delivery(rows: pa.Table) -> pa.Table:
-    """Each message once, as last delivered (a lock that lapsed during the call may have been taken again)."""
-    seqs = rows.column("sequence_number")
-    if len(pc.unique(seqs)) == rows.num_rows:
-        return rows
-    last = {s: i for i, s in enumerate(seqs.to_pylist())}
-    return rows.take(pa.array(sorted(last.values()), pa.int64()))
+def stage_chunk(job: ReceiveJob, entity: Entity, p: int, tag: str, rows: pa.Table, written: list[str]) -> None:
+    """Stage the messages one lock (or delete) commit of partition p delivered, as files named part-p<p>-<tag>...
+
+    A message is delivered twice in one call only when its first lock lapsed during the call,
+    which needs the call to have run for a lock duration (give or take clock skew between
+    machines); only then are earlier staged files of the partition checked for it.
+    """
+    prefix = f"part-p{p:05d}-{tag}"  # tag: r<round>-c<chunk>
+    if utcnow() - job.started + CLOCK_SKEW >= entity.policy.lock_duration:
+        drop_superseded(job.staging, f"part-p{p:05d}-", rows.column("sequence_number"))
+    if job.delete:
+        job.staging.write(f"{prefix}-{uuid.uuid4().hex[:12]}.parquet", staged_rows(rows, utcnow()))
+        return
+    data = entity.table.data
+    for i, path in enumerate(written):
+        job.staging.link(f"{prefix}-f{i:04d}.parquet", data.fs, f"{data.root}/{path}")
 
 
-def drop_superseded(staging: Staging, suffix: str, seqs: pa.ChunkedArray) -> None:
-    """Remove from earlier rounds' files of this partition the messages this round delivered again."""
-    for name in staging.names(suffix):
+def drop_superseded(staging: Staging, prefix: str, seqs: pa.ChunkedArray) -> None:
+    """Remove from earlier staged files of this partition the messages delivered again (their locks lapsed meanwhile).
+
+    A staged file is replaced, never changed in place: a linked table file stays as it is.
+    """
+    again_total = 0
+    for name in staging.names(prefix):
         old = staging.read_file(name)
         again = pc.is_in(old.column("sequence_number"), value_set=seqs.combine_chunks())
         if pc.any(again).as_py():
-            log.info(
-                "%s: %d staged messages lost their locks during the call and were delivered again", name, pc.sum(again).as_py()
-            )
+            again_total += pc.sum(again).as_py()
             staging.write(name, old.filter(pc.invert(again)))
+    if again_total:
+        log.info("%d staged messages lost their locks during the call and were delivered again", again_total)

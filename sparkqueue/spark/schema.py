@@ -17,6 +17,7 @@ from pyspark.sql import Column
 from pyspark.sql import functions as sf
 from pyspark.sql import types as st
 
+from sparkqueue.storage.files import FILE_SCHEMA
 from sparkqueue.storage.schema import STATE_ACTIVE, TIMESTAMP
 
 PROPS_TYPE = pa.map_(pa.string(), pa.string())
@@ -90,14 +91,41 @@ STATUS_OK = "ok"
 STATUS_LOCK_LOST = "lock_lost"
 
 
+def _time_to_live() -> Column:
+    """time_to_live_ms as a day-time interval."""
+    return sf.col("time_to_live_ms") * sf.expr("INTERVAL '0.001' SECOND")
+
+
 def received_columns() -> list[Column]:
     """Spark columns turning staged rows into the received-message layout."""
-    return [
-        (sf.col("time_to_live_ms") * sf.expr("INTERVAL '0.001' SECOND")).alias("time_to_live")
-        if name == "time_to_live"
-        else sf.col(name)
-        for name in RECEIVED_COLUMNS
-    ]
+    return [_time_to_live().alias(name) if name == "time_to_live" else sf.col(name) for name in RECEIVED_COLUMNS]
+
+
+_ARROW_TO_SPARK: dict[pa.DataType, st.DataType] = {
+    pa.int32(): st.IntegerType(),
+    pa.int64(): st.LongType(),
+    pa.string(): st.StringType(),
+    pa.binary(): st.BinaryType(),
+    TIMESTAMP: st.TimestampType(),
+}
+# An entity table's data file as Spark reads it (the partition id lives in the path, not the file).
+ENTITY_FILE_SPARK = st.StructType([st.StructField(f.name, _ARROW_TO_SPARK[f.type]) for f in FILE_SCHEMA])
+
+
+def received_from_entity_rows(now: datetime) -> list[Column]:
+    """Spark columns turning entity rows (ENTITY_FILE_SPARK) into the received-message layout; Spark's staged_rows.
+
+    `now` decides which active messages report the state "scheduled", as staged_rows does.
+    """
+    scheduled = (sf.col("state") == STATE_ACTIVE) & (sf.col("scheduled_enqueue_time_utc") > sf.lit(now))
+    computed = {
+        "partition_id": sf.shiftright("sequence_number", 48).cast("int"),
+        "state": sf.when(scheduled, sf.lit("scheduled")).otherwise(sf.col("state")),
+        # from_json keeps string values as they are and gives numbers and booleans as their JSON text (props_map)
+        "application_properties": sf.from_json("application_properties", "map<string,string>"),
+        "time_to_live": _time_to_live(),
+    }
+    return [computed.get(name, sf.col(name)).alias(name) for name in RECEIVED_COLUMNS]
 
 
 def props_map(json_props: pa.ChunkedArray | pa.Array) -> pa.Array:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import uuid
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
@@ -74,12 +75,44 @@ class Staging:
         write_parquet(fs, tmp, table)
         fs.move(tmp, f"{path}/{name}")
 
-    def names(self, suffix: str = ".parquet") -> list[str]:
-        """Names of the directory's finished files ending with `suffix`."""
+    def link(self, name: str, source_fs: pafs.FileSystem, source: str) -> None:
+        """Stage an immutable file under `name` without copying it where the filesystem allows (a hard link).
+
+        A linked table file stays readable here after the table's vacuum deletes it, until the
+        staging directory is removed. Elsewhere (object stores) the file is copied.
+        """
+        fs, path = _filesystem(self.uri)
+        tmp = f"{path}/_tmp-{uuid.uuid4().hex}-{name}"
+        linked = False
+        if isinstance(fs, pafs.LocalFileSystem) and isinstance(source_fs, pafs.LocalFileSystem):
+            try:
+                os.link(source, tmp)
+                linked = True
+            except OSError as exc:  # another device, or links not supported: copy instead
+                log.debug("cannot link %s into staging (%s); copying it", source, exc)
+        if not linked and fs.type_name == source_fs.type_name:
+            fs.copy_file(source, tmp)
+        elif not linked:
+            pafs.copy_files(source, tmp, source_filesystem=source_fs, destination_filesystem=fs)
+        fs.move(tmp, f"{path}/{name}")  # replaces a file of that name (a failed task attempt's)
+
+    def remove(self, prefix: str) -> int:
+        """Delete the directory's files whose name starts with `prefix` (what a failed task attempt left); returns how many."""
+        fs, path = _filesystem(self.uri)
+        names = [n for n in self.names() if n.startswith(prefix)]
+        for name in names:
+            with contextlib.suppress(FileNotFoundError):
+                fs.delete_file(f"{path}/{name}")
+        return len(names)
+
+    def names(self, part: str = "") -> list[str]:
+        """Names of the directory's finished Parquet files whose name contains `part`."""
         fs, path = _filesystem(self.uri)
         infos = fs.get_file_info(pafs.FileSelector(path, allow_not_found=True))
         return sorted(
-            i.base_name for i in infos if i.is_file and not i.base_name.startswith("_") and i.base_name.endswith(suffix)
+            i.base_name
+            for i in infos
+            if i.is_file and not i.base_name.startswith("_") and i.base_name.endswith(".parquet") and part in i.base_name
         )
 
     def read_file(self, name: str) -> pa.Table:

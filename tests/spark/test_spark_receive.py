@@ -50,6 +50,40 @@ def test_received_dataframe_is_locked_once_and_reads_the_same_rows_again(spark, 
     assert release(got) == 1
 
 
+def test_received_dataframe_outlives_a_vacuum_of_the_table_until_released(spark, ns, numbered):
+    """Locked rows are staged by linking the lock commit's data files: vacuuming the table leaves the DataFrame whole."""
+    ns.create_queue("q", lock_duration=LONG_LOCK)
+    props = sf.create_map(sf.lit("qty"), sf.col("id").cast("string"), sf.lit("tag"), sf.lit("t")).alias("application_properties")
+    with ns.get_queue_sender("q") as s:
+        s.send_dataframe(numbered(500).select("body", "message_id", props))
+    with ns.get_queue_receiver("q") as r:
+        got = r.receive_dataframe(500)
+        before = sorted((x.sequence_number, x.message_id, x.body, x.lock_token) for x in got.collect())
+        assert len(before) == 500
+        assert statuses(r.complete_dataframe(got)) == {"ok": 500}
+    reports = ns.run_maintenance(vacuum_retention=timedelta(0))
+    assert sum(rep.vacuumed_files for rep in reports.values()) > 0  # the locked rows' table files are gone from the table
+    after = sorted((x.sequence_number, x.message_id, x.body, x.lock_token) for x in got.collect())
+    assert after == before
+    assert {x.message_id: x.application_properties for x in got.collect()}["m-7"] == {"qty": "7", "tag": "t"}
+    assert release(got) == 1
+    with pytest.raises(Exception, match=r"(?i)not exist|PATH_NOT_FOUND|FileNotFound"):
+        got.collect()
+
+
+def test_received_properties_map_as_the_data_source_shows_them(spark, ns):
+    """Typed application properties arrive as map<string,string>: strings as they are, numbers and booleans as JSON text."""
+    ns.create_queue("q", lock_duration=LONG_LOCK)
+    props = '{"n": 5, "f": 1.5, "b": true, "s": "x y", "z": null}'
+    df = spark.createDataFrame([("a", props)], "body string, application_properties string")
+    with ns.get_queue_sender("q") as s:
+        s.send_dataframe(df)
+    shown = spark.read.format("sparkqueue").option("namespace", ns.root).load("q").collect()[0].application_properties
+    with ns.get_queue_receiver("q") as r:
+        got = r.receive_dataframe(1).collect()[0].application_properties
+    assert got == shown == {"n": "5", "f": "1.5", "b": "true", "s": "x y", "z": None}
+
+
 def test_100k_messages_sent_then_received_and_completed_exactly_once(spark, ns):
     ns.create_queue("q", lock_duration=LONG_LOCK)
     n = 100_000

@@ -91,6 +91,26 @@ def test_session_order_follows_dataframe_order(spark, ns, numbered):
     assert [m.message_id for m in got] == [f"m-{i}" for i in range(2000)]
 
 
+def test_unkeyed_rows_keep_their_input_partition_order_without_a_sort(spark, ns, numbered):
+    ns.create_queue("q", enable_partitioning=False)  # one queue partition: every row lands in it
+    df = numbered(3000, partitions=3)  # input partition k holds ids [1000k, 1000k + 1000)
+    with ns.get_queue_sender("q") as s:
+        assert s.send_dataframe(df) == 3000
+    got = sorted(peek_all(ns, "q"), key=lambda m: m.sequence_number)
+    ids = [int(m.message_id[2:]) for m in got]
+    for k in range(3):
+        mine = [i for i in ids if i // 1000 == k]
+        assert mine == sorted(mine) and len(mine) == 1000
+
+
+def test_preserve_order_keeps_dataframe_order_for_unkeyed_rows(spark, ns, numbered):
+    ns.create_queue("q", enable_partitioning=False)
+    with ns.get_queue_sender("q") as s:
+        assert s.send_dataframe(numbered(3000, partitions=3), preserve_order=True) == 3000
+    got = sorted(peek_all(ns, "q"), key=lambda m: m.sequence_number)
+    assert [m.message_id for m in got] == [f"m-{i}" for i in range(3000)]
+
+
 def test_oversize_message_fails_before_anything_is_stored(spark, ns, numbered):
     ns.create_queue("q")
     big = numbered(1000).withColumn(
