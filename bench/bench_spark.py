@@ -2,16 +2,18 @@
 
 Run from the repository root with the project's interpreter::
 
-    .venv/bin/python bench/bench_spark.py [--n 1000000] [--quick] [--batch 250000] [--root DIR]
+    .venv/bin/python bench/bench_spark.py [--n 1000000] [--quick] [--batch 250000] [--repeats 3] [--root DIR]
 
-Sizes: 100k and N (default 1M); `--quick` runs 100k only. For each size, in one SparkSession:
+Sizes: 100k and N (default 1M); `--quick` runs 100k only. For each size, in one SparkSession,
+`--repeats` rounds (default 3; the table and the top-level figures are the medians, every round
+is in the JSON):
 
 - floor: Spark writing the same DataFrame to Parquet: no queue at all;
 - send: `sender.send_dataframe(df)` into a fresh partitioned queue;
 - read: counting the queue through the `sparkqueue` data source;
 - receive+complete: `receive_dataframe(batch)` then `complete_dataframe` until the queue is empty.
 
-Bodies are 1 KB of random alphanumerics (Spark's randstr), which Snappy cannot shrink much; they are
+Bodies are 1 KB of random alphanumerics (Spark's randstr), which Snappy or LZ4 cannot shrink much; they are
 generated once per size into a Parquet source (untimed) that the floor and the send both read.
 Peak resident memory is sampled every 50 ms for the Python driver, the JVM, and the Python
 workers. Results print as a table and go to bench/results/spark.json (spark-quick.json with --quick).
@@ -26,6 +28,7 @@ import logging
 import os
 import platform
 import shutil
+import statistics
 import sys
 import tempfile
 import threading
@@ -80,6 +83,19 @@ class SizeResult:
     receive_complete_msg_per_s: float = 0.0
     send_vs_floor: float = 0.0
     peaks: Peaks = field(default_factory=Peaks)
+    rounds: list[dict[str, Any]] = field(default_factory=list)  # every round's figures (the median is above)
+
+
+MEDIAN_FIELDS = (
+    "floor_parquet_s",
+    "send_s",
+    "read_s",
+    "receive_complete_s",
+    "floor_msg_per_s",
+    "send_msg_per_s",
+    "read_msg_per_s",
+    "receive_complete_msg_per_s",
+)
 
 
 class RssSampler:
@@ -154,11 +170,29 @@ def drain(ns: Namespace, queue: str, spark: SparkSession, batch: int) -> tuple[i
 
 
 def run_size(spark: SparkSession, n: int, args: argparse.Namespace, base: Path) -> SizeResult:
-    """Floor, send, read and receive+complete of n messages in a fresh namespace."""
+    """`args.repeats` rounds of floor, send, read and receive+complete of n messages; the median round's figures.
+
+    The source is generated once; each round uses a fresh namespace and measures its own floor,
+    so a load spike hits the floor and the queue alike. The result holds every round in `rounds`.
+    """
+    df = messages(spark, n, args.body_bytes, base / f"source-{n}")
+    rounds = [run_round(spark, df, n, args, base / f"round-{i}") for i in range(args.repeats)]
+    shutil.rmtree(base / f"source-{n}", ignore_errors=True)
+    res = SizeResult(n)
+    for name in MEDIAN_FIELDS:
+        setattr(res, name, statistics.median(getattr(r, name) for r in rounds))
+    res.receive_batches = rounds[0].receive_batches
+    res.send_vs_floor = round(res.send_s / res.floor_parquet_s, 2) if res.floor_parquet_s else 0.0
+    res.peaks = Peaks(*(max(getattr(r.peaks, f) for r in rounds) for f in ("driver_mb", "jvm_mb", "workers_mb")))
+    res.rounds = [{k: v for k, v in asdict(r).items() if k != "rounds"} for r in rounds]
+    return res
+
+
+def run_round(spark: SparkSession, df: DataFrame, n: int, args: argparse.Namespace, base: Path) -> SizeResult:
+    """Floor, send, read and receive+complete of n messages in a fresh namespace under `base` (a new directory)."""
     res = SizeResult(n)
     times: dict[str, float] = {}
-    root = base / f"ns-{n}"
-    df = messages(spark, n, args.body_bytes, base / f"source-{n}")
+    root = base / f"ns-{n}"  # never a deleted namespace's path: Spark workers keep their handles on a namespace
     with RssSampler() as sampler:
         with timed(times, "floor"):
             df.write.mode("overwrite").parquet(str(base / f"floor-{n}"))
@@ -187,7 +221,7 @@ def run_size(spark: SparkSession, n: int, args: argparse.Namespace, base: Path) 
     res.send_vs_floor = round(res.send_s / res.floor_parquet_s, 2) if res.floor_parquet_s else 0.0
     shutil.rmtree(root, ignore_errors=True)
     shutil.rmtree(base / f"floor-{n}", ignore_errors=True)
-    shutil.rmtree(base / f"source-{n}", ignore_errors=True)
+    log.info("round of %d: %s", n, {k: v for k, v in asdict(res).items() if k.endswith("per_s")})
     return res
 
 
@@ -230,6 +264,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--n", type=int, default=1_000_000, help="largest message count (default 1,000,000)")
     p.add_argument("--quick", action="store_true", help="100k messages only")
     p.add_argument("--batch", type=int, default=250_000, help="messages per receive_dataframe call")
+    p.add_argument("--repeats", type=int, default=3, help="rounds per size; figures are the medians (default 3)")
     p.add_argument("--body-bytes", dest="body_bytes", type=int, default=1024, help="body size (default 1 KB)")
     p.add_argument("--root", help="working directory (default: a temporary directory, removed afterwards)")
     p.add_argument("--out", help="JSON output path (default bench/results/spark.json or spark-quick.json)")
@@ -267,7 +302,13 @@ def main(argv: list[str] | None = None) -> int:
         "machine": {"cpus": os.cpu_count(), "python": platform.python_version(), "load_avg": os.getloadavg()},
         "session_start_s": round(session_s, 2),
         "targets": TARGETS,
-        "params": {"batch": args.batch, "body_bytes": args.body_bytes, "master": "local[2]", "conf": SPARK_CONF},
+        "params": {
+            "batch": args.batch,
+            "repeats": args.repeats,
+            "body_bytes": args.body_bytes,
+            "master": "local[2]",
+            "conf": SPARK_CONF,
+        },
         "results": [asdict(r) for r in results],
         "targets_met": {str(r.n): {k: getattr(r, k) >= v for k, v in TARGETS.items()} for r in results},
     }

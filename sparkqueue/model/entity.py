@@ -200,14 +200,11 @@ class Entity:
                 break
         return pa.concat_tables(out) if out else empty_rows()
 
-    def receive_partition(
-        self, dt: DeltaTable, p: int, sub_queue: str, limit: int, delete: bool, written: list[str] | None = None
-    ) -> pa.Table:
+    def receive_partition(self, dt: DeltaTable, p: int, sub_queue: str, limit: int, delete: bool) -> pa.Table:
         """Lock (or delete) up to `limit` messages of one partition; moves on after repeated conflicts.
 
         Starts from the caller's snapshot and refreshes only after a conflict or its own commit
-        (a commit does not advance the handle's version). `written` collects the data files that
-        hold the rows this call changed (see EntityTable.apply).
+        (a commit does not advance the handle's version).
         """
         out: list[pa.Table] = []
         attempt = 0
@@ -225,7 +222,7 @@ class Entity:
                 break
             d = lifecycle.deliver(cands, now, self.policy, delete=delete)
             try:
-                self.table.apply(dt, p, d.changes, written=written)
+                self.table.apply(dt, p, d.changes)
             except CommitFailedError:
                 time.sleep(backoff(attempt))
                 attempt += 1

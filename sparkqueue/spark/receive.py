@@ -2,11 +2,10 @@
 
 (One task per partition up to the session's parallelism; beyond it a task takes several
 partitions in turn, see session.task_count.) Each task locks (or, in RECEIVE_AND_DELETE mode,
-removes) up to its share of messages in its partition, in commits of `RECEIVE_CHUNK`, and stages
-them: a lock commit writes the locked rows to data files of their own, which are hard-linked into
-a staging directory (no copy; copied on stores without links), while removed messages are written
-there. The returned DataFrame reads the staging directory, so counting or collecting it again
-reads the same locked messages and never receives again (see staging.py for cleanup).
+removes) up to its share of messages in its partition, in commits of `RECEIVE_CHUNK`, and writes
+each commit's messages, as entity rows, to a staging Parquet file. The returned DataFrame reads the
+staging directory and maps the rows to the received-message layout, so counting or collecting it
+again reads the same locked messages and never receives again (see staging.py for cleanup).
 
 Shares: the call splits `max_message_count` over the partitions whose file statistics show
 receivable messages, none getting more than its files could hold; partitions that filled their
@@ -30,21 +29,15 @@ from typing import TYPE_CHECKING
 import pyarrow as pa
 import pyarrow.compute as pc
 from pyspark.sql import DataFrame, SparkSession
-from pyspark.sql import functions as sf
 
 from sparkqueue.errors import InvalidOperationError, PartitionUnavailableError
 from sparkqueue.model import limits
 from sparkqueue.model.entity import Entity, utcnow
-from sparkqueue.spark.schema import (
-    ENTITY_FILE_SPARK,
-    STAGED_SCHEMA_SPARK,
-    received_columns,
-    received_from_entity_rows,
-    staged_rows,
-)
+from sparkqueue.spark.schema import ENTITY_FILE_SPARK, received_from_entity_rows
 from sparkqueue.spark.session import active_session, spark_errors, task_count
 from sparkqueue.spark.staging import STAGING_ATTRIBUTE, Staging, cleanup_staging
 from sparkqueue.spark.worker import EntityRef, marking_errors
+from sparkqueue.storage.files import FILE_SCHEMA
 from sparkqueue.storage.schema import KIND_MESSAGE
 
 if TYPE_CHECKING:
@@ -121,17 +114,8 @@ def receive_dataframe(
 
 
 def read_staged(spark: SparkSession, job: ReceiveJob, now: datetime) -> DataFrame:
-    """The received messages a staging directory holds, in the ReceivedMessage layout.
-
-    Peek-lock stages the lock commits' data files, whose rows are the messages locked (with a
-    token) and any dead-lettered or expired in the same commit (without); RECEIVE_AND_DELETE
-    stages the messages themselves.
-    """
-    if job.delete:
-        df = job.staging.read(spark, STAGED_SCHEMA_SPARK).select(*received_columns())
-    else:
-        rows = job.staging.read(spark, ENTITY_FILE_SPARK)
-        df = rows.where(sf.col("lock_token").isNotNull()).select(*received_from_entity_rows(now))
+    """The received messages a staging directory holds (entity rows as delivered), in the ReceivedMessage layout."""
+    df = job.staging.read(spark, ENTITY_FILE_SPARK).select(*received_from_entity_rows(now))
     setattr(df, STAGING_ATTRIBUTE, job.staging.uri)
     return df
 
@@ -232,12 +216,7 @@ def lock_task(
 
 
 def lock_partition(job: ReceiveJob, entity: Entity, p: int, share: int, round_no: int) -> int:
-    """Lock up to `share` messages of partition p in commits of job.chunk, staging each commit's messages.
-
-    Locked messages are staged without a copy: the lock commit wrote them to data files of their
-    own, which are linked into the staging directory (the DataFrame keeps the rows with a lock
-    token). Messages removed by RECEIVE_AND_DELETE have no such file and are written out.
-    """
+    """Lock up to `share` messages of partition p in commits of job.chunk, staging each commit's messages in a file."""
     got = 0
     chunk_no = 0
     # A retried task: drop what a failed attempt staged (its locks lapse). Removed messages have no
@@ -246,10 +225,9 @@ def lock_partition(job: ReceiveJob, entity: Entity, p: int, share: int, round_no
         log.info("partition %d: discarded what a failed attempt of this lock task had staged", p)
     while got < share:
         ask = min(job.chunk, share - got)
-        written: list[str] = []
-        rows = entity.receive_partition(entity.table.snapshot(), p, job.sub_queue, ask, job.delete, written)
+        rows = entity.receive_partition(entity.table.snapshot(), p, job.sub_queue, ask, job.delete)
         if rows.num_rows:
-            stage_chunk(job, entity, p, f"r{round_no:03d}-c{chunk_no:03d}", rows, written)
+            stage_chunk(job, entity, p, f"r{round_no:03d}-c{chunk_no:03d}", rows)
             chunk_no += 1
             got += rows.num_rows
         if rows.num_rows < ask:
@@ -257,22 +235,17 @@ def lock_partition(job: ReceiveJob, entity: Entity, p: int, share: int, round_no
     return got
 
 
-def stage_chunk(job: ReceiveJob, entity: Entity, p: int, tag: str, rows: pa.Table, written: list[str]) -> None:
-    """Stage the messages one lock (or delete) commit of partition p delivered, as files named part-p<p>-<tag>...
+def stage_chunk(job: ReceiveJob, entity: Entity, p: int, tag: str, rows: pa.Table) -> None:
+    """Stage the messages one lock (or delete) commit of partition p delivered, as entity rows in one file.
 
     A message is delivered twice in one call only when its first lock lapsed during the call,
     which needs the call to have run for a lock duration (give or take clock skew between
     machines); only then are earlier staged files of the partition checked for it.
     """
-    prefix = f"part-p{p:05d}-{tag}"  # tag: r<round>-c<chunk>
     if utcnow() - job.started + CLOCK_SKEW >= entity.policy.lock_duration:
         drop_superseded(job.staging, f"part-p{p:05d}-", rows.column("sequence_number"))
-    if job.delete:
-        job.staging.write(f"{prefix}-{uuid.uuid4().hex[:12]}.parquet", staged_rows(rows, utcnow()))
-        return
-    data = entity.table.data
-    for i, path in enumerate(written):
-        job.staging.link(f"{prefix}-f{i:04d}.parquet", data.fs, f"{data.root}/{path}")
+    unique = f"-{uuid.uuid4().hex[:12]}" if job.delete else ""
+    job.staging.write(f"part-p{p:05d}-{tag}{unique}.parquet", rows.select(FILE_SCHEMA.names))
 
 
 def drop_superseded(staging: Staging, prefix: str, seqs: pa.ChunkedArray) -> None:

@@ -81,7 +81,6 @@ def _struct(schema: pa.Schema) -> st.StructType:
     return st.StructType([st.StructField(f.name, spark_type(f)) for f in schema])
 
 
-STAGED_SCHEMA_SPARK = _struct(STAGED_SCHEMA)
 RECEIVED_SCHEMA = _struct(RECEIVED_ARROW_SCHEMA)
 RECEIVED_COLUMNS = RECEIVED_ARROW_SCHEMA.names
 
@@ -89,16 +88,6 @@ SETTLE_RESULT_SCHEMA = pa.schema([pa.field("lock_token", pa.string()), pa.field(
 SETTLE_RESULT_SPARK = st.StructType([st.StructField("lock_token", st.StringType()), st.StructField("status", st.StringType())])
 STATUS_OK = "ok"
 STATUS_LOCK_LOST = "lock_lost"
-
-
-def _time_to_live() -> Column:
-    """time_to_live_ms as a day-time interval."""
-    return sf.col("time_to_live_ms") * sf.expr("INTERVAL '0.001' SECOND")
-
-
-def received_columns() -> list[Column]:
-    """Spark columns turning staged rows into the received-message layout."""
-    return [_time_to_live().alias(name) if name == "time_to_live" else sf.col(name) for name in RECEIVED_COLUMNS]
 
 
 _ARROW_TO_SPARK: dict[pa.DataType, st.DataType] = {
@@ -123,7 +112,7 @@ def received_from_entity_rows(now: datetime) -> list[Column]:
         "state": sf.when(scheduled, sf.lit("scheduled")).otherwise(sf.col("state")),
         # from_json keeps string values as they are and gives numbers and booleans as their JSON text (props_map)
         "application_properties": sf.from_json("application_properties", "map<string,string>"),
-        "time_to_live": _time_to_live(),
+        "time_to_live": sf.col("time_to_live_ms") * sf.expr("INTERVAL '0.001' SECOND"),
     }
     return [computed.get(name, sf.col(name)).alias(name) for name in RECEIVED_COLUMNS]
 

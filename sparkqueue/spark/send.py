@@ -20,6 +20,7 @@ The driver only collects the per-task counts.
 
 from __future__ import annotations
 
+import itertools
 import json
 import logging
 import random
@@ -29,6 +30,7 @@ from datetime import timedelta
 from functools import partial
 from typing import TYPE_CHECKING
 
+import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 from pyspark.sql import Column, DataFrame
@@ -417,9 +419,7 @@ class PartitionWriter:
 
     def add(self, rows: pa.Table) -> None:
         """Buffer rows, committing full files as they fill."""
-        partitions = pc.unique(rows.column("_qp")).to_pylist()
-        for p in partitions:
-            part = rows if len(partitions) == 1 else rows.filter(pc.equal(rows.column("_qp"), p))
+        for p, part in partition_runs(rows):
             buffered = [*self.pending.get(p, []), part]
             table = pa.concat_tables(buffered)
             limit = self._commit_limit(table)
@@ -481,6 +481,25 @@ class PartitionWriter:
         retry_commit(attempt, entity.deadline(), f"send to {entity.name}")
         self.accepted[p] = self.accepted.get(p, 0) + counted[0]
         self.files[p] = self.files.get(p, 0) + 1
+
+
+def partition_runs(rows: pa.Table) -> Iterator[tuple[int, pa.Table]]:
+    """The rows as (queue partition, rows) runs in their order; zero-copy slices where the rows come in blocks.
+
+    Unkeyed rows arrive in round-robin blocks of one partition, so slicing at each change of
+    partition copies no body. Keyed rows scatter over partitions: one stable sort by partition
+    (a single copy, row order kept within each partition) then makes the runs.
+    """
+    qp = rows.column("_qp").to_numpy()
+    cuts = np.flatnonzero(qp[1:] != qp[:-1]) + 1
+    if len(cuts) >= max(16, rows.num_rows // 256):
+        order = np.argsort(qp, kind="stable")
+        rows, qp = rows.take(pa.array(order)), qp[order]
+        cuts = np.flatnonzero(qp[1:] != qp[:-1]) + 1
+    bounds = [0, *cuts.tolist(), rows.num_rows]
+    for start, end in itertools.pairwise(bounds):
+        if end > start:
+            yield int(qp[start]), rows.slice(start, end - start)
 
 
 def entity_rows(chunk: pa.Table, settings: SendSettings) -> pa.Table:

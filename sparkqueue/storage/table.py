@@ -369,18 +369,15 @@ class EntityTable:
         new_rows: pa.Table | None = None,
         dedupe_since: datetime | None = None,
         expand: Expand | None = None,
-        written: list[str] | None = None,
     ) -> pa.Table | None:
         """Apply per-row changes (CHANGE_SCHEMA), and append new rows, to one partition in one commit; one attempt.
 
         Rewrites only the files holding changed rows. `dt` must be the snapshot the changes were
         computed from: if any of those files (or, with new rows, the partition's fence) changed
         since, this raises CommitFailedError. Returns the stored new rows, if any were given.
-        Once committed, the paths of the files holding the changed rows (and only those: they
-        are written apart from untouched rows) are added to `written`, when given.
         """
         with self.existing():
-            return self._apply(dt, partition, changes, new_rows, dedupe_since, expand, written)
+            return self._apply(dt, partition, changes, new_rows, dedupe_since, expand)
 
     def _apply(
         self,
@@ -390,11 +387,10 @@ class EntityTable:
         new_rows: pa.Table | None,
         dedupe_since: datetime | None,
         expand: Expand | None,
-        written: list[str] | None,
     ) -> pa.Table | None:
         self.faults.check(partition, "write")
         changes = changes.cast(CHANGE_SCHEMA)
-        adds, removed, changed_paths = [], [], []
+        adds, removed = [], []
         if changes.num_rows:
             seqs = changes.column("sequence_number").combine_chunks()
             lo, hi = pc.min(seqs).as_py(), pc.max(seqs).as_py()
@@ -409,11 +405,8 @@ class EntityTable:
                 removed.append(f)
                 if pc.all(pc.is_in(in_file, value_set=deleted)).as_py():
                     continue  # every row of the file goes: drop it without reading (or rewriting) its bodies
-                changed, kept = _apply_changes(self.data.read(f.path), changes) or (None, None)
-                if changed is not None:
-                    changed_adds = self.data.write_chunks(partition, changed)
-                    changed_paths += [a.path for a in changed_adds]
-                    adds += changed_adds + self.data.write_chunks(partition, kept)
+                for part in _apply_changes(self.data.read(f.path), changes) or ():
+                    adds.extend(self.data.write_chunks(partition, part))
             if not removed:
                 raise CommitFailedError("none of the changed rows is live any more")
         staged = self._stage(dt, partition, new_rows, dedupe_since, expand) if new_rows is not None else None
@@ -432,8 +425,6 @@ class EntityTable:
         except BaseException:
             self.data.delete([a.path for a in adds])
             raise
-        if written is not None:
-            written += changed_paths
         return staged.rows if staged else None
 
 

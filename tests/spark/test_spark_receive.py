@@ -51,7 +51,7 @@ def test_received_dataframe_is_locked_once_and_reads_the_same_rows_again(spark, 
 
 
 def test_received_dataframe_outlives_a_vacuum_of_the_table_until_released(spark, ns, numbered):
-    """Locked rows are staged by linking the lock commit's data files: vacuuming the table leaves the DataFrame whole."""
+    """Locked messages are staged as copies: settling them and vacuuming the table leave the DataFrame whole."""
     ns.create_queue("q", lock_duration=LONG_LOCK)
     props = sf.create_map(sf.lit("qty"), sf.col("id").cast("string"), sf.lit("tag"), sf.lit("t")).alias("application_properties")
     with ns.get_queue_sender("q") as s:
@@ -62,7 +62,7 @@ def test_received_dataframe_outlives_a_vacuum_of_the_table_until_released(spark,
         assert len(before) == 500
         assert statuses(r.complete_dataframe(got)) == {"ok": 500}
     reports = ns.run_maintenance(vacuum_retention=timedelta(0))
-    assert sum(rep.vacuumed_files for rep in reports.values()) > 0  # the locked rows' table files are gone from the table
+    assert sum(rep.vacuumed_files for rep in reports.values()) > 0  # the files that held the messages are gone
     after = sorted((x.sequence_number, x.message_id, x.body, x.lock_token) for x in got.collect())
     assert after == before
     assert {x.message_id: x.application_properties for x in got.collect()}["m-7"] == {"qty": "7", "tag": "t"}
