@@ -23,6 +23,7 @@ from sparkqueue.errors import MessageLockLostError, PartitionUnavailableError
 from sparkqueue.model import lifecycle
 from sparkqueue.model.partitioning import RoundRobin, partition_for_key
 from sparkqueue.model.properties import PartitionRuntimeProperties, RuntimeProperties, _EntityProperties
+from sparkqueue.storage.files import MAX_FILE_ROWS
 from sparkqueue.storage.retry import Deadline, backoff, retry_commit
 from sparkqueue.storage.schema import (
     ANY_SUBSCRIPTION,
@@ -200,11 +201,14 @@ class Entity:
                 break
         return pa.concat_tables(out) if out else empty_rows()
 
-    def receive_partition(self, dt: DeltaTable, p: int, sub_queue: str, limit: int, delete: bool) -> pa.Table:
+    def receive_partition(
+        self, dt: DeltaTable, p: int, sub_queue: str, limit: int, delete: bool, written: list[str] | None = None
+    ) -> pa.Table:
         """Lock (or delete) up to `limit` messages of one partition; moves on after repeated conflicts.
 
         Starts from the caller's snapshot and refreshes only after a conflict or its own commit
-        (a commit does not advance the handle's version).
+        (a commit does not advance the handle's version). The messages a commit locks go to one
+        data file of their own (up to `limit` rows); `written` collects those files' paths.
         """
         out: list[pa.Table] = []
         attempt = 0
@@ -222,7 +226,7 @@ class Entity:
                 break
             d = lifecycle.deliver(cands, now, self.policy, delete=delete)
             try:
-                self.table.apply(dt, p, d.changes)
+                self.table.apply(dt, p, d.changes, changed_file_rows=max(limit, MAX_FILE_ROWS), written=written)
             except CommitFailedError:
                 time.sleep(backoff(attempt))
                 attempt += 1

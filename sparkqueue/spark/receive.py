@@ -2,10 +2,12 @@
 
 (One task per partition up to the session's parallelism; beyond it a task takes several
 partitions in turn, see session.task_count.) Each task locks (or, in RECEIVE_AND_DELETE mode,
-removes) up to its share of messages in its partition, in commits of `RECEIVE_CHUNK`, and writes
-each commit's messages, as entity rows, to a staging Parquet file. The returned DataFrame reads the
-staging directory and maps the rows to the received-message layout, so counting or collecting it
-again reads the same locked messages and never receives again (see staging.py for cleanup).
+removes) up to its share of messages in its partition, in commits of `RECEIVE_CHUNK`, and stages
+them: a lock commit writes the messages it locks to one data file of their own, which is
+hard-linked into a staging directory (no copy; copied on object stores), while removed messages
+are written there. The returned DataFrame reads the staging directory and maps the rows to the
+received-message layout, so counting or collecting it again reads the same locked messages and
+never receives again (see staging.py for cleanup).
 
 Shares: the call splits `max_message_count` over the partitions whose file statistics show
 receivable messages, none getting more than its files could hold; partitions that filled their
@@ -29,6 +31,7 @@ from typing import TYPE_CHECKING
 import pyarrow as pa
 import pyarrow.compute as pc
 from pyspark.sql import DataFrame, SparkSession
+from pyspark.sql import functions as sf
 
 from sparkqueue.errors import InvalidOperationError, PartitionUnavailableError
 from sparkqueue.model import limits
@@ -114,8 +117,16 @@ def receive_dataframe(
 
 
 def read_staged(spark: SparkSession, job: ReceiveJob, now: datetime) -> DataFrame:
-    """The received messages a staging directory holds (entity rows as delivered), in the ReceivedMessage layout."""
-    df = job.staging.read(spark, ENTITY_FILE_SPARK).select(*received_from_entity_rows(now))
+    """The received messages a staging directory holds (entity rows), in the ReceivedMessage layout.
+
+    Peek-lock stages the lock commits' files, whose rows are the messages locked (with a token)
+    and any the same commit dead-lettered or expired (without); RECEIVE_AND_DELETE stages the
+    messages removed.
+    """
+    rows = job.staging.read(spark, ENTITY_FILE_SPARK)
+    if not job.delete:
+        rows = rows.where(sf.col("lock_token").isNotNull())
+    df = rows.select(*received_from_entity_rows(now))
     setattr(df, STAGING_ATTRIBUTE, job.staging.uri)
     return df
 
@@ -225,9 +236,10 @@ def lock_partition(job: ReceiveJob, entity: Entity, p: int, share: int, round_no
         log.info("partition %d: discarded what a failed attempt of this lock task had staged", p)
     while got < share:
         ask = min(job.chunk, share - got)
-        rows = entity.receive_partition(entity.table.snapshot(), p, job.sub_queue, ask, job.delete)
+        written: list[str] = []
+        rows = entity.receive_partition(entity.table.snapshot(), p, job.sub_queue, ask, job.delete, written)
         if rows.num_rows:
-            stage_chunk(job, entity, p, f"r{round_no:03d}-c{chunk_no:03d}", rows)
+            stage_chunk(job, entity, p, f"r{round_no:03d}-c{chunk_no:03d}", rows, written)
             chunk_no += 1
             got += rows.num_rows
         if rows.num_rows < ask:
@@ -235,17 +247,27 @@ def lock_partition(job: ReceiveJob, entity: Entity, p: int, share: int, round_no
     return got
 
 
-def stage_chunk(job: ReceiveJob, entity: Entity, p: int, tag: str, rows: pa.Table) -> None:
-    """Stage the messages one lock (or delete) commit of partition p delivered, as entity rows in one file.
+def stage_chunk(job: ReceiveJob, entity: Entity, p: int, tag: str, rows: pa.Table, written: list[str]) -> None:
+    """Stage the messages one lock (or delete) commit of partition p delivered, in files named part-p<p>-<tag>...
+
+    A lock commit wrote the rows it changed to a file of their own (`written`): it is linked into
+    the staging directory, not copied (the DataFrame keeps its rows that hold a lock token; rows
+    the same commit dead-lettered or expired hold none). Messages removed by RECEIVE_AND_DELETE
+    have no such file and are written out.
 
     A message is delivered twice in one call only when its first lock lapsed during the call,
     which needs the call to have run for a lock duration (give or take clock skew between
     machines); only then are earlier staged files of the partition checked for it.
     """
+    prefix = f"part-p{p:05d}-{tag}"
     if utcnow() - job.started + CLOCK_SKEW >= entity.policy.lock_duration:
         drop_superseded(job.staging, f"part-p{p:05d}-", rows.column("sequence_number"))
-    unique = f"-{uuid.uuid4().hex[:12]}" if job.delete else ""
-    job.staging.write(f"part-p{p:05d}-{tag}{unique}.parquet", rows.select(FILE_SCHEMA.names))
+    if job.delete:
+        job.staging.write(f"{prefix}-{uuid.uuid4().hex[:12]}.parquet", rows.select(FILE_SCHEMA.names))
+        return
+    data = entity.table.data
+    for i, path in enumerate(written):
+        job.staging.link(f"{prefix}-f{i:03d}.parquet", data.fs, f"{data.root}/{path}")
 
 
 def drop_superseded(staging: Staging, prefix: str, seqs: pa.ChunkedArray) -> None:

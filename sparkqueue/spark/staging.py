@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import uuid
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
@@ -73,6 +74,27 @@ class Staging:
         tmp = f"{path}/_tmp-{uuid.uuid4().hex}-{name}"  # names starting with '_' are invisible to Spark
         write_parquet(fs, tmp, table)
         fs.move(tmp, f"{path}/{name}")
+
+    def link(self, name: str, source_fs: pafs.FileSystem, source: str) -> None:
+        """Stage an immutable file under `name` without copying it where the filesystem allows (a hard link).
+
+        A linked table file stays readable here after the table's vacuum deletes it, until the
+        staging directory is removed. Elsewhere (object stores) the file is copied.
+        """
+        fs, path = _filesystem(self.uri)
+        tmp = f"{path}/_tmp-{uuid.uuid4().hex}-{name}"
+        linked = False
+        if isinstance(fs, pafs.LocalFileSystem) and isinstance(source_fs, pafs.LocalFileSystem):
+            try:
+                os.link(source, tmp)
+                linked = True
+            except OSError as exc:  # another device, or links not supported: copy instead
+                log.debug("cannot link %s into staging (%s); copying it", source, exc)
+        if not linked and fs.type_name == source_fs.type_name:
+            fs.copy_file(source, tmp)
+        elif not linked:
+            pafs.copy_files(source, tmp, source_filesystem=source_fs, destination_filesystem=fs)
+        fs.move(tmp, f"{path}/{name}")  # replaces a file of that name (a failed task attempt's)
 
     def remove(self, prefix: str) -> int:
         """Delete the directory's files whose name starts with `prefix` (what a failed task attempt left); returns how many."""

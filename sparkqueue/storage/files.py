@@ -101,8 +101,8 @@ class DataFiles:
         self._remember(rel, rows)
         return AddAction(rel, size, {PARTITION_COLUMN: str(partition)}, _now_ms(), True, json.dumps(_stats(rows)))
 
-    def write_chunks(self, partition: int, rows: pa.Table) -> list[AddAction]:
-        """Write rows (in their order) as files of at most MAX_FILE_ROWS rows and about MAX_FILE_BYTES each.
+    def write_chunks(self, partition: int, rows: pa.Table, max_rows: int = MAX_FILE_ROWS) -> list[AddAction]:
+        """Write rows (in their order) as files of at most `max_rows` rows and about as many KB (MAX_FILE_BYTES per 1,000).
 
         Bounded files keep a lock or settle proportional to the messages it touches: MERGE-style
         copy-on-write rewrites a whole file, never more than one bounded file per touched run.
@@ -110,7 +110,7 @@ class DataFiles:
         if rows.num_rows == 0:
             return []
         per_row = max(1, rows.nbytes // rows.num_rows)
-        step = max(1, min(MAX_FILE_ROWS, MAX_FILE_BYTES // per_row))
+        step = max(1, min(max_rows, MAX_FILE_BYTES * max_rows // MAX_FILE_ROWS // per_row))
         return [self.write(partition, rows.slice(i, step)) for i in range(0, rows.num_rows, step)]
 
     def delete(self, paths: Sequence[str]) -> None:

@@ -28,7 +28,7 @@ from deltalake.exceptions import CommitFailedError, DeltaError, TableNotFoundErr
 from sparkqueue.errors import EntityNotFoundError, QuotaExceededError
 from sparkqueue.storage.commit import commit, fences_unchanged
 from sparkqueue.storage.faults import FaultInjector
-from sparkqueue.storage.files import FILE_SCHEMA, DataFiles, remove_action
+from sparkqueue.storage.files import FILE_SCHEMA, MAX_FILE_ROWS, DataFiles, remove_action
 from sparkqueue.storage.index import FileIndex, FileInfo
 from sparkqueue.storage.schema import (
     ANY_SUBSCRIPTION,
@@ -369,15 +369,23 @@ class EntityTable:
         new_rows: pa.Table | None = None,
         dedupe_since: datetime | None = None,
         expand: Expand | None = None,
+        *,
+        changed_file_rows: int = MAX_FILE_ROWS,
+        written: list[str] | None = None,
     ) -> pa.Table | None:
         """Apply per-row changes (CHANGE_SCHEMA), and append new rows, to one partition in one commit; one attempt.
 
         Rewrites only the files holding changed rows. `dt` must be the snapshot the changes were
         computed from: if any of those files (or, with new rows, the partition's fence) changed
         since, this raises CommitFailedError. Returns the stored new rows, if any were given.
+
+        The changed rows go to files of their own, apart from the untouched rows of their files,
+        in files of up to `changed_file_rows` (a large receive passes its batch size, so that its
+        locked messages sit in one file that their settlement drops whole). Once committed, the
+        paths of those files are added to `written`, when given.
         """
         with self.existing():
-            return self._apply(dt, partition, changes, new_rows, dedupe_since, expand)
+            return self._apply(dt, partition, changes, new_rows, dedupe_since, expand, changed_file_rows, written)
 
     def _apply(
         self,
@@ -387,10 +395,12 @@ class EntityTable:
         new_rows: pa.Table | None,
         dedupe_since: datetime | None,
         expand: Expand | None,
+        changed_file_rows: int,
+        written: list[str] | None,
     ) -> pa.Table | None:
         self.faults.check(partition, "write")
         changes = changes.cast(CHANGE_SCHEMA)
-        adds, removed = [], []
+        adds, removed, changed = [], [], []
         if changes.num_rows:
             seqs = changes.column("sequence_number").combine_chunks()
             lo, hi = pc.min(seqs).as_py(), pc.max(seqs).as_py()
@@ -405,10 +415,14 @@ class EntityTable:
                 removed.append(f)
                 if pc.all(pc.is_in(in_file, value_set=deleted)).as_py():
                     continue  # every row of the file goes: drop it without reading (or rewriting) its bodies
-                for part in _apply_changes(self.data.read(f.path), changes) or ():
-                    adds.extend(self.data.write_chunks(partition, part))
+                split = _apply_changes(self.data.read(f.path), changes)
+                if split is not None:
+                    changed.append(split[0])
+                    adds += self.data.write_chunks(partition, split[1])
             if not removed:
                 raise CommitFailedError("none of the changed rows is live any more")
+        changed_adds = self.data.write_chunks(partition, pa.concat_tables(changed), changed_file_rows) if changed else []
+        adds += changed_adds
         staged = self._stage(dt, partition, new_rows, dedupe_since, expand) if new_rows is not None else None
         fences, valid = [], self._files_live([f.path for f in removed])
         if staged is not None:
@@ -425,6 +439,8 @@ class EntityTable:
         except BaseException:
             self.data.delete([a.path for a in adds])
             raise
+        if written is not None:
+            written += [a.path for a in changed_adds]
         return staged.rows if staged else None
 
 

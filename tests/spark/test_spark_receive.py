@@ -51,7 +51,7 @@ def test_received_dataframe_is_locked_once_and_reads_the_same_rows_again(spark, 
 
 
 def test_received_dataframe_outlives_a_vacuum_of_the_table_until_released(spark, ns, numbered):
-    """Locked messages are staged as copies: settling them and vacuuming the table leave the DataFrame whole."""
+    """Locked messages are staged as links to the lock commit's file: settling and vacuuming leave the DataFrame whole."""
     ns.create_queue("q", lock_duration=LONG_LOCK)
     props = sf.create_map(sf.lit("qty"), sf.col("id").cast("string"), sf.lit("tag"), sf.lit("t")).alias("application_properties")
     with ns.get_queue_sender("q") as s:
