@@ -1,6 +1,7 @@
 """Send a DataFrame of messages (SPEC §12): validated and placed in Spark, written and committed per queue partition.
 
-The plan has two stages separated by a shuffle:
+Keyed rows (a session id, a partition key, or a message id on a duplicate-detecting entity), or
+any send asked to keep the DataFrame's order, take two stages separated by a shuffle:
 
 1. Map stage (JVM expressions plus two small Arrow UDFs that see only the key and the
    properties): fill missing message ids, apply the key precedence of SPEC §3 and place keyed
@@ -15,7 +16,9 @@ The plan has two stages separated by a shuffle:
    (duplicate detection, quota and sequence fences as in a core send). Commits on different
    partitions do not conflict, so tasks commit in parallel.
 
-The driver only collects the per-task counts.
+Unkeyed rows need no shuffle (see `in_place`): a validation pass over the rows (the map stage's
+checks) comes first, then each input task writes its own rows to queue partitions that it alone
+owns. The driver only collects the per-task counts.
 """
 
 from __future__ import annotations
@@ -97,10 +100,10 @@ def send_dataframe(
 ) -> int:
     """Send every row of `df` as a message; returns how many were accepted (duplicates dropped are not counted).
 
-    `preserve_order` keeps the DataFrame's row order within each queue partition (a sort per
-    task). By default it is on when rows may carry a session id or partition key, the messages
-    whose order a broker keeps; unkeyed rows then keep the order of their input partition (as
-    from concurrent senders), which spares sorting every row.
+    `preserve_order` keeps the DataFrame's row order within each queue partition (a shuffle and
+    a sort per task). By default it is on when rows may carry a session id or partition key, the
+    messages whose order a broker keeps; unkeyed rows are then written in place by the tasks
+    holding them, each queue partition in the order of the one input partition that owns it.
     """
     ns = sender._ns
     if ns._active_transaction is not None:
@@ -121,13 +124,32 @@ def send_dataframe(
     )
     if preserve_order is None:
         preserve_order = bool(_key_columns(df))
-    tasks = task_count(df.sparkSession, plan.partition_count)
-    staged = shuffle_by_partition(prepare(df, plan), tasks, preserve_order)
+    if preserve_order or _may_have_keys(df, plan) or input_partitions(df) is None:
+        staged = shuffle_by_partition(prepare(df, plan), task_count(df.sparkSession, plan.partition_count), preserve_order)
+    else:
+        staged = in_place(df, plan)
     with spark_errors():
         counts = staged.mapInArrow(partial(write_task, plan), RESULT_DDL).collect()
     accepted = sum(r.accepted for r in counts)
     log.info("sent %d messages to %s over %d partitions", accepted, entity.name, len({r.partition_id for r in counts}))
     return accepted
+
+
+def in_place(df: DataFrame, plan: SendPlan) -> DataFrame:
+    """Unkeyed rows, written by the tasks that hold them: each owns queue partitions of its own, so nothing is shuffled.
+
+    Input partition k of T takes available partitions k, k + T, ... in turn (a DataFrame with
+    more partitions than the queue is coalesced first), so no two tasks commit to one queue
+    partition and each keeps its rows' order. A validation pass over the rows comes first: a bad
+    row fails it before any task commits. It reads the input once more, which costs less than
+    shuffling every body.
+    """
+    if (input_partitions(df) or 1) > len(plan.available):
+        df = df.coalesce(len(plan.available))
+    prepared = prepare(df, plan, owned=True)
+    with spark_errors():
+        prepared.agg(sf.max("size_in_bytes")).collect()
+    return prepared.select(*WRITE_COLUMNS)
 
 
 def shuffle_by_partition(prepared: DataFrame, tasks: int, preserve_order: bool) -> DataFrame:
@@ -141,7 +163,7 @@ def shuffle_by_partition(prepared: DataFrame, tasks: int, preserve_order: bool) 
 # ---- map stage: columns, placement and validation ----------------------------------------------
 
 
-def prepare(df: DataFrame, plan: SendPlan) -> DataFrame:
+def prepare(df: DataFrame, plan: SendPlan, owned: bool = False) -> DataFrame:
     """The DataFrame's messages as normalized columns with their queue partition (`_qp`), validated row by row."""
     types = {f.name: f.dataType for f in df.schema.fields}
     if "body" not in types:
@@ -164,9 +186,14 @@ def prepare(df: DataFrame, plan: SendPlan) -> DataFrame:
     # Consecutive rows of an input partition share a queue partition (a block); input partition k takes
     # blocks k, k + T, k + 2T, ... of the round (T input partitions), so a small DataFrame touches few
     # queue partitions and a large one covers them all evenly.
-    block = sf.floor(sf.col("_ord") / ROUND_ROBIN_BLOCK) * sf.lit(input_partitions(df)) + sf.col("_task")
-    rr = sf.pmod(block + sf.lit(start), sf.lit(len(plan.available))).cast("int")
-    round_robin = sf.element_at(sf.array(*[sf.lit(p) for p in plan.available]), rr + 1)
+    inputs, count = input_partitions(df) or 1, len(plan.available)
+    if owned:  # input partition k owns available[k], available[k + T], ... (T <= count) and takes them in turn
+        owned_count = sf.floor((sf.lit(count + inputs - 1) - sf.col("_task")) / inputs)
+        rr = sf.col("_task") + sf.lit(inputs) * sf.pmod(sf.floor(sf.col("_ord") / ROUND_ROBIN_BLOCK) + start, owned_count)
+    else:
+        block = sf.floor(sf.col("_ord") / ROUND_ROBIN_BLOCK) * sf.lit(inputs) + sf.col("_task")
+        rr = sf.pmod(block + sf.lit(start), sf.lit(count))
+    round_robin = sf.element_at(sf.array(*[sf.lit(p) for p in plan.available]), rr.cast("int") + 1)
     return first.select(
         *[sf.col(c) for c in ("body", *STRING_FIELDS, "application_properties", "scheduled_enqueue_time_utc", "_ord")],
         (sf.col("_ttl_us") / 1000).cast("long").alias("time_to_live_ms"),

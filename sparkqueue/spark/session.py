@@ -124,12 +124,12 @@ def shuffle_keys(partitions: int) -> tuple[int, ...]:
     return tuple(keys[p] for p in range(partitions))
 
 
-def input_partitions(df: DataFrame) -> int:
-    """How many partitions a DataFrame has (planning only, no job); 1 when it cannot tell."""
+def input_partitions(df: DataFrame) -> int | None:
+    """How many partitions a DataFrame has (planning only, no job); None when it cannot tell (no RDD API)."""
     try:
         return max(1, df.rdd.getNumPartitions())
-    except Exception:  # only a sizing hint depends on it
-        return 1
+    except Exception:  # callers fall back to plans that do not depend on it
+        return None
 
 
 def task_count(spark: SparkSession, queue_partitions: int) -> int:

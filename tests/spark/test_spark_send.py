@@ -103,6 +103,28 @@ def test_unkeyed_rows_keep_their_input_partition_order_without_a_sort(spark, ns,
         assert mine == sorted(mine) and len(mine) == 1000
 
 
+def test_unkeyed_send_from_many_input_partitions_gives_each_queue_partition_one_writer(spark, ns, numbered):
+    """40 input partitions into 16 queue partitions: coalesced so that every queue partition has a single writer."""
+    ns.create_queue("q")
+    with ns.get_queue_sender("q") as s:
+        assert s.send_dataframe(numbered(4000, partitions=40)) == 4000
+    by_partition: dict[int, list[tuple[int, int]]] = {}
+    for m in peek_all(ns, "q"):
+        by_partition.setdefault(m.partition_id, []).append((m.sequence_number, int(m.message_id[2:])))
+    assert sum(map(len, by_partition.values())) == 4000 and len(by_partition) == 16
+    for rows in by_partition.values():
+        ids = [i for _, i in sorted(rows)]
+        assert ids == sorted(ids)  # one task wrote the partition, in input order
+
+
+def test_bad_row_in_a_late_input_partition_stores_nothing(spark, ns, numbered):
+    ns.create_queue("q")
+    df = numbered(3000, partitions=30).withColumn("body", sf.when(sf.col("id") == 2999, None).otherwise(sf.col("body")))
+    with ns.get_queue_sender("q") as s, pytest.raises(InvalidOperationError, match="got null"):
+        s.send_dataframe(df)
+    assert ns.get_queue_runtime_properties("q").total_message_count == 0
+
+
 def test_preserve_order_keeps_dataframe_order_for_unkeyed_rows(spark, ns, numbered):
     ns.create_queue("q", enable_partitioning=False)
     with ns.get_queue_sender("q") as s:
