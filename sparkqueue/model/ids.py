@@ -54,11 +54,6 @@ def lock_tokens(seqs: pa.Array | pa.ChunkedArray) -> pa.StringArray:
     return pa.StringArray.from_buffers(n, pa.py_buffer(offsets), pa.py_buffer(chars.tobytes()))
 
 
-def sequence_of_token(token: str) -> int | None:
-    """The sequence number a lock token was issued for, or None when it is not a sparkqueue token."""
-    return sequences_of_tokens(pa.array([token], pa.string()))[0].as_py() if isinstance(token, str) else None
-
-
 def sequences_of_tokens(tokens: pa.Array | pa.ChunkedArray) -> pa.Int64Array:
     """Per token, the sequence number it was issued for; null where it is not a sparkqueue token (vectorized)."""
     tokens = pc.cast(tokens.combine_chunks() if isinstance(tokens, pa.ChunkedArray) else tokens, pa.string())
