@@ -58,27 +58,20 @@ RECEIVED_ARROW_SCHEMA = pa.schema(
     [pa.field("time_to_live", pa.duration("us")) if f.name == "time_to_live_ms" else f for f in STAGED_SCHEMA]
 )
 
-_SPARK_TYPES: dict[str, st.DataType] = {
-    "body": st.BinaryType(),
-    "sequence_number": st.LongType(),
-    "partition_id": st.IntegerType(),
-    "delivery_count": st.IntegerType(),
-    "size_in_bytes": st.IntegerType(),
-    "application_properties": st.MapType(st.StringType(), st.StringType()),
-    "time_to_live_ms": st.LongType(),
-    "time_to_live": st.DayTimeIntervalType(),
+_ARROW_TO_SPARK: dict[pa.DataType, st.DataType] = {
+    pa.int32(): st.IntegerType(),
+    pa.int64(): st.LongType(),
+    pa.string(): st.StringType(),
+    pa.binary(): st.BinaryType(),
+    TIMESTAMP: st.TimestampType(),
+    PROPS_TYPE: st.MapType(st.StringType(), st.StringType()),
+    pa.duration("us"): st.DayTimeIntervalType(),
 }
 
 
 def _struct(schema: pa.Schema) -> st.StructType:
-    """The Spark schema of an Arrow layout above (strings and timestamps unless listed)."""
-
-    def spark_type(f: pa.Field) -> st.DataType:
-        if f.name in _SPARK_TYPES:
-            return _SPARK_TYPES[f.name]
-        return st.TimestampType() if pa.types.is_timestamp(f.type) else st.StringType()
-
-    return st.StructType([st.StructField(f.name, spark_type(f)) for f in schema])
+    """The Spark schema of an Arrow layout of sparkqueue's (every field nullable, as Spark reads files)."""
+    return st.StructType([st.StructField(f.name, _ARROW_TO_SPARK[f.type]) for f in schema])
 
 
 RECEIVED_SCHEMA = _struct(RECEIVED_ARROW_SCHEMA)
@@ -90,15 +83,8 @@ STATUS_OK = "ok"
 STATUS_LOCK_LOST = "lock_lost"
 
 
-_ARROW_TO_SPARK: dict[pa.DataType, st.DataType] = {
-    pa.int32(): st.IntegerType(),
-    pa.int64(): st.LongType(),
-    pa.string(): st.StringType(),
-    pa.binary(): st.BinaryType(),
-    TIMESTAMP: st.TimestampType(),
-}
 # An entity table's data file as Spark reads it (the partition id lives in the path, not the file).
-ENTITY_FILE_SPARK = st.StructType([st.StructField(f.name, _ARROW_TO_SPARK[f.type]) for f in FILE_SCHEMA])
+ENTITY_FILE_SPARK = _struct(FILE_SCHEMA)
 
 
 def received_from_entity_rows(now: datetime) -> list[Column]:

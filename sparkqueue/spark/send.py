@@ -124,10 +124,11 @@ def send_dataframe(
     )
     if preserve_order is None:
         preserve_order = bool(_key_columns(df))
-    if preserve_order or _may_have_keys(df, plan) or input_partitions(df) is None:
+    inputs = input_partitions(df)
+    if preserve_order or _may_have_keys(df, plan) or inputs is None:
         staged = shuffle_by_partition(prepare(df, plan), task_count(df.sparkSession, plan.partition_count), preserve_order)
     else:
-        staged = in_place(df, plan)
+        staged = in_place(df, plan, inputs)
     with spark_errors():
         counts = staged.mapInArrow(partial(write_task, plan), RESULT_DDL).collect()
     accepted = sum(r.accepted for r in counts)
@@ -135,7 +136,7 @@ def send_dataframe(
     return accepted
 
 
-def in_place(df: DataFrame, plan: SendPlan) -> DataFrame:
+def in_place(df: DataFrame, plan: SendPlan, inputs: int) -> DataFrame:
     """Unkeyed rows, written by the tasks that hold them: each owns queue partitions of its own, so nothing is shuffled.
 
     Input partition k of T takes available partitions k, k + T, ... in turn (a DataFrame with
@@ -144,7 +145,7 @@ def in_place(df: DataFrame, plan: SendPlan) -> DataFrame:
     row fails it before any task commits. It reads the input once more, which costs less than
     shuffling every body.
     """
-    if (input_partitions(df) or 1) > len(plan.available):
+    if inputs > len(plan.available):  # `inputs`: df's partition count
         df = df.coalesce(len(plan.available))
     prepared = prepare(df, plan, owned=True)
     with spark_errors():
