@@ -51,6 +51,14 @@ class OperationTimeoutError(SparkQueueError, TimeoutError):
     """The operation did not finish within the client's operation_timeout."""
 
 
+class StorageError(SparkQueueError):
+    """The namespace's store cannot be used: unreachable, wrong credentials, missing container, or a table it cannot write."""
+
+
+class StorageCorruptedError(StorageError):
+    """Stored data is damaged (an empty or truncated log entry, a missing data file, a lost catalog): never read as empty."""
+
+
 __all__ = [
     "EntityAlreadyExistsError",
     "EntityNotFoundError",
@@ -64,4 +72,6 @@ __all__ = [
     "SessionCannotBeLockedError",
     "SessionLockLostError",
     "SparkQueueError",
+    "StorageCorruptedError",
+    "StorageError",
 ]

@@ -100,14 +100,27 @@ class Management:
         """Create a queue or topic: its own Delta table, then its catalog entry."""
         props = build_properties(PROPERTY_TYPES[entity_type], name, self.tier, settings)
         self._check_entity_quota(props)
-        table_path = f"{self.root}/entities/{entity_type}-{uuid.uuid4().hex}"
-        EntityTable.create(table_path)
+        table_path = f"entities/{entity_type}-{uuid.uuid4().hex}"  # relative: the namespace can move
         try:
+            EntityTable.create(self.table_uri(table_path), self.storage_options)
             self._create_entry(entity_type, name, props, table_path)
         except BaseException:
-            _remove_table(table_path)
+            self._remove_table(table_path)
             raise
         return props
+
+    def _remove_table(self: Namespace, table_path: str) -> None:
+        """Delete an entity table's files, data first and log last (a half-deleted table reads as deleted)."""
+        if "://" in table_path or table_path.startswith("/"):
+            log.warning("leaving %s in place: it was recorded outside the namespace root", table_path)
+            return
+        store = self.store.child(table_path)
+        entries = store.list()
+        for e in sorted(entries, key=lambda e: e.path.startswith("_delta_log/")):
+            store.delete(e.path)
+        local = store.local_path("")
+        if local is not None:
+            shutil.rmtree(local, ignore_errors=True)
 
     def _check_entity_quota(self: Namespace, props: _EntityProperties) -> None:
         """At most 10,000 entities, and at most 100 partitioned queues and topics, per namespace."""
@@ -186,7 +199,7 @@ class Management:
 
     def delete_queue(self: Namespace, queue_name: str) -> None:
         """Delete the queue and all its messages."""
-        _remove_table(self._delete_entries(QUEUE, queue_name, None).table_path)
+        self._remove_table(self._delete_entries(QUEUE, queue_name, None).table_path)
 
     def list_queues(self: Namespace) -> list[QueueProperties]:
         """All queues, by name."""
@@ -212,7 +225,7 @@ class Management:
 
     def delete_topic(self: Namespace, topic_name: str) -> None:
         """Delete the topic with its subscriptions, rules and messages."""
-        _remove_table(self._delete_entries(TOPIC, topic_name, f"{topic_name}|").table_path)
+        self._remove_table(self._delete_entries(TOPIC, topic_name, f"{topic_name}|").table_path)
 
     def list_topics(self: Namespace) -> list[TopicProperties]:
         """All topics, by name."""
@@ -394,11 +407,3 @@ def rule_from_entry(entry: CatalogEntry) -> RuleProperties:
     name = entry.name.split(":", 1)[1].split("|")[-1]
     action = action_from_dict(raw["action"]) if raw.get("action") else None
     return RuleProperties(name, filter_from_dict(raw["filter"]), action)
-
-
-def _remove_table(path: str) -> None:
-    """Delete an entity table's files (local namespaces; object stores keep them for maintenance)."""
-    if "://" in path and not path.startswith("file://"):
-        log.warning("leaving %s in place: remove it with your object store's lifecycle rules", path)
-        return
-    shutil.rmtree(path.removeprefix("file://"), ignore_errors=True)

@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import logging
+import math
 import os
 import threading
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass
 from datetime import timedelta
-from pathlib import Path
 from typing import Any
 
 from sparkqueue.constants import ReceiveMode, SubQueue
@@ -36,6 +37,7 @@ from sparkqueue.storage.catalog import Catalog, CatalogEntry, catalog_key
 from sparkqueue.storage.faults import FaultInjector
 from sparkqueue.storage.retry import Deadline
 from sparkqueue.storage.schema import ANY_SUBSCRIPTION
+from sparkqueue.storage.store import check_storage_options, open_store, resolve_root
 from sparkqueue.storage.table import EntityTable, Expand
 from sparkqueue.transaction import Transaction
 
@@ -62,15 +64,27 @@ class _CachedRules:
 class Namespace(Management):
     """A root location holding a catalog and one Delta table per queue or topic; opened (and created) by path or URI."""
 
-    def __init__(self, root: str | os.PathLike[str], tier: str = limits.STANDARD, *, operation_timeout: float = 60.0) -> None:
-        self.root = str(root).rstrip("/")
+    def __init__(
+        self,
+        root: str | os.PathLike[str],
+        tier: str = limits.STANDARD,
+        *,
+        operation_timeout: float = 60.0,
+        storage_options: Mapping[str, str] | None = None,
+    ) -> None:
+        self.root = resolve_root(root)
         self.tier = limits.check_tier(tier)
-        if isinstance(operation_timeout, bool) or not isinstance(operation_timeout, (int, float)) or operation_timeout <= 0:
+        if (
+            isinstance(operation_timeout, bool)
+            or not isinstance(operation_timeout, (int, float))
+            or not math.isfinite(operation_timeout)
+            or operation_timeout <= 0
+        ):
             raise InvalidOperationError(f"operation_timeout must be a positive number of seconds, got {operation_timeout!r}")
         self.operation_timeout = float(operation_timeout)
-        if "://" not in self.root:
-            Path(self.root).mkdir(parents=True, exist_ok=True)
-        self._catalog = Catalog(f"{self.root}/_catalog")
+        self.storage_options = check_storage_options(storage_options)
+        self.store = open_store(self.root, self.storage_options)
+        self._catalog = Catalog(self.store, self.storage_options)
         self._catalog.open()
         self._cache: dict[str, _Cached] = {}
         self._tables: dict[str, EntityTable] = {}
@@ -147,13 +161,18 @@ class Namespace(Management):
             self._cache[key] = _Cached(entity, entry.table_path, time.monotonic())
             return entity
 
+    def table_uri(self, table_path: str) -> str:
+        """Where a catalog table path lives: paths are recorded relative to the root (so a copied namespace is its own)."""
+        return table_path if "://" in table_path or table_path.startswith("/") else f"{self.root}/{table_path}"
+
     def _table(self, path: str, partition_count: int, owner: str) -> EntityTable:
         """One table handle per Delta table, shared by a topic and its subscriptions."""
         with self._lock:
             table = self._tables.get(path)
             if table is None:
                 faults = self._faults.setdefault(owner, FaultInjector())
-                table = self._tables[path] = EntityTable(path, partition_count, faults)
+                table = EntityTable(self.table_uri(path), partition_count, faults, self.storage_options)
+                self._tables[path] = table
             return table
 
     def _props(self, entity_type: str, name: str) -> Any:

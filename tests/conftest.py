@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import os
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -39,3 +41,39 @@ def premium_ns(tmp_path: Path) -> Iterator[Namespace]:
     """A fresh premium-tier namespace."""
     with Namespace(tmp_path / "premium", tier="premium") as namespace:
         yield namespace
+
+
+# ---- object store (Azurite) ----------------------------------------------------------------------
+
+
+@pytest.fixture(scope="session")
+def azurite(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
+    """One Azurite blob service for the session (installed from npm on first use)."""
+    from azurite import Azurite
+
+    server = Azurite(tmp_path_factory.mktemp("azurite"))
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+@dataclass(frozen=True)
+class Store:
+    """A namespace location for tests that run on a local disk and on an object store alike."""
+
+    kind: str
+    root: str
+    storage_options: dict[str, str] | None
+
+    def open(self, **kwargs: Any) -> Namespace:
+        return Namespace(self.root, storage_options=self.storage_options, **kwargs)
+
+
+@pytest.fixture(params=["local", "azure"])
+def store(request: pytest.FixtureRequest, tmp_path: Path) -> Store:
+    """A fresh namespace location: a local directory, then an Azurite container."""
+    if request.param == "local":
+        return Store("local", str(tmp_path / "ns"), None)
+    server = request.getfixturevalue("azurite")
+    return Store("azure", f"az://{server.create_container()}/ns", server.storage_options())

@@ -16,14 +16,13 @@ from datetime import UTC, datetime
 
 import pyarrow as pa
 import pyarrow.compute as pc
-from deltalake import DeltaTable, Transaction
-from deltalake.exceptions import CommitFailedError
 
 from sparkqueue.errors import MessageLockLostError, PartitionUnavailableError
 from sparkqueue.model import lifecycle
 from sparkqueue.model.partitioning import RoundRobin, partition_for_key
 from sparkqueue.model.properties import PartitionRuntimeProperties, RuntimeProperties, _EntityProperties
 from sparkqueue.storage.files import MAX_FILE_ROWS
+from sparkqueue.storage.log import CommitConflict, Fence, Snapshot
 from sparkqueue.storage.retry import Deadline, backoff, retry_commit
 from sparkqueue.storage.schema import (
     ANY_SUBSCRIPTION,
@@ -56,7 +55,7 @@ def partition_of(seq: int) -> int:
     return seq >> SEQUENCE_BITS
 
 
-Guard = Callable[[DeltaTable, int, datetime], "pa.Table | None"]
+Guard = Callable[[Snapshot, int, datetime], "pa.Table | None"]
 
 
 @dataclass(frozen=True)
@@ -149,7 +148,7 @@ class Entity:
         return out
 
     def send(
-        self, rows: pa.Table, keys: Sequence[str | None], expand: Expand | None = None, once: Transaction | None = None
+        self, rows: pa.Table, keys: Sequence[str | None], expand: Expand | None = None, once: Fence | None = None
     ) -> pa.Table:
         """Store rows atomically in one commit (placing them by key); returns the stored rows with sequence numbers.
 
@@ -202,7 +201,7 @@ class Entity:
         return pa.concat_tables(out) if out else empty_rows()
 
     def receive_partition(
-        self, dt: DeltaTable, p: int, sub_queue: str, limit: int, delete: bool, written: list[str] | None = None
+        self, dt: Snapshot, p: int, sub_queue: str, limit: int, delete: bool, written: list[str] | None = None
     ) -> pa.Table:
         """Lock (or delete) up to `limit` messages of one partition; moves on after repeated conflicts.
 
@@ -227,7 +226,7 @@ class Entity:
             d = lifecycle.deliver(cands, now, self.policy, delete=delete)
             try:
                 self.table.apply(dt, p, d.changes, changed_file_rows=max(limit, MAX_FILE_ROWS), written=written)
-            except CommitFailedError:
+            except CommitConflict:
                 time.sleep(backoff(attempt))
                 attempt += 1
                 continue
@@ -309,7 +308,7 @@ class Entity:
             retry_commit(attempt, self.deadline(), f"{op} on {self.name}")
         return SettleResult(ok, until)
 
-    def locked_rows(self, dt: DeltaTable, p: int, items: Sequence[tuple[int, str]], now: datetime) -> tuple[pa.Table, list[bool]]:
+    def locked_rows(self, dt: Snapshot, p: int, items: Sequence[tuple[int, str]], now: datetime) -> tuple[pa.Table, list[bool]]:
         """Rows of one partition whose lock the (sequence_number, token) items hold now, and a per-item verdict."""
         rows = self.table.rows_by_sequence(dt, p, [seq for seq, _ in items], STATE_COLUMNS)
         rows = rows.filter(self._mine(rows))

@@ -23,12 +23,12 @@ from datetime import datetime
 
 import pyarrow as pa
 import pyarrow.compute as pc
-from deltalake import DeltaTable, Transaction
 
 from sparkqueue.errors import EntityNotFoundError, QuotaExceededError, SparkQueueError
 from sparkqueue.model import lifecycle
 from sparkqueue.model.entity import ROW_COLUMNS, Entity, utcnow
 from sparkqueue.model.partitioning import partition_key
+from sparkqueue.storage.log import Fence, Snapshot
 from sparkqueue.storage.retry import retry_commit
 from sparkqueue.storage.schema import (
     ENTITY_SCHEMA,
@@ -113,7 +113,7 @@ def _forward_batch(entity: Entity, route: Route, p: int, resolve: Resolver) -> i
     try:
         dest, expand = resolve(route.destination)
         if travel.num_rows:
-            _deliver(dest, expand, _copies(travel, now), Transaction(app, top))
+            _deliver(dest, expand, _copies(travel, now), Fence(app, top))
     except EntityNotFoundError:
         failure = MISSING_REASON
     except QuotaExceededError:
@@ -151,7 +151,7 @@ def _forward_dead_letters(entity: Entity, route: Route, p: int, resolve: Resolve
         now = utcnow()
         app = f"{_app_id(entity, route, p)}.{token.removeprefix(CLAIM_PREFIX)}"
         try:
-            _deliver(dest, expand, _copies(batch, now), Transaction(app, 1))
+            _deliver(dest, expand, _copies(batch, now), Fence(app, 1))
             changes, moved = lifecycle.changes(batch, lifecycle.removal(entity.policy)), batch.num_rows
         except (EntityNotFoundError, QuotaExceededError):  # release the claim: they stay dead letters here
             changes, moved = lifecycle.changes(batch, OP_SET, lock_token=None, locked_until_utc=None, available_at_utc=now), 0
@@ -184,7 +184,7 @@ def _claim(entity: Entity, p: int) -> tuple[pa.Table, str, bool]:
     return batch, token, False
 
 
-def _leading_run(entity: Entity, dt: DeltaTable, p: int, sub_queue: str, now: datetime) -> pa.Table:
+def _leading_run(entity: Entity, dt: Snapshot, p: int, sub_queue: str, now: datetime) -> pa.Table:
     """The sub-queue's messages in sequence order up to the first one that is locked, at most BATCH.
 
     Forwarding strictly in order keeps "highest sequence number forwarded" a complete record of
@@ -223,7 +223,7 @@ def _copies(rows: pa.Table, now: datetime) -> pa.Table:
     return out.cast(ENTITY_SCHEMA)
 
 
-def _deliver(dest: Entity, expand: Expand | None, rows: pa.Table, once: Transaction) -> None:
+def _deliver(dest: Entity, expand: Expand | None, rows: pa.Table, once: Fence) -> None:
     """Send the copies to the destination, keeping each message's partition key."""
     dedupe = bool(getattr(dest.props, "requires_duplicate_detection", False))
     keys = [

@@ -17,14 +17,13 @@ from datetime import datetime
 
 import pyarrow as pa
 import pyarrow.compute as pc
-from deltalake import DeltaTable
-from deltalake.exceptions import CommitFailedError
 
 from sparkqueue.errors import SessionCannotBeLockedError, SessionLockLostError
 from sparkqueue.model import lifecycle
 from sparkqueue.model.entity import POLL_MAX_S, POLL_MIN_S, ROW_COLUMNS, Entity, Guard, empty_rows, utcnow
 from sparkqueue.model.ids import new_ids
 from sparkqueue.model.partitioning import partition_for_key
+from sparkqueue.storage.log import CommitConflict, Snapshot
 from sparkqueue.storage.retry import retry_commit
 from sparkqueue.storage.schema import (
     ENTITY_SCHEMA,
@@ -129,7 +128,7 @@ class Sessions:
                     seen.add(sid)
                     try:
                         return self._accept_named(sid)
-                    except (SessionCannotBeLockedError, CommitFailedError):
+                    except (SessionCannotBeLockedError, CommitConflict):
                         continue
                 if cands.num_rows < window:
                     break
@@ -164,7 +163,7 @@ class Sessions:
     def guard(self, lock: SessionLock) -> Guard:
         """A check run inside each commit: the session lock must still be ours; returns the row's touch."""
 
-        def check(dt: DeltaTable, partition: int, now: datetime) -> pa.Table:
+        def check(dt: Snapshot, partition: int, now: datetime) -> pa.Table:
             row = self._held_row(dt, lock, now)
             return lifecycle.changes(row, OP_SET)
 
@@ -283,7 +282,7 @@ class Sessions:
 
     # ---- rows ----------------------------------------------------------------------------------
 
-    def _row(self, dt: DeltaTable, p: int, session_id: str) -> pa.Table | None:
+    def _row(self, dt: Snapshot, p: int, session_id: str) -> pa.Table | None:
         """The session's row (state columns and body), or None before its first accept."""
         rows = self.table.scan(
             dt,
@@ -295,7 +294,7 @@ class Sessions:
         )
         return rows.slice(0, 1) if rows.num_rows else None
 
-    def _held_row(self, dt: DeltaTable, lock: SessionLock, now: datetime) -> pa.Table:
+    def _held_row(self, dt: Snapshot, lock: SessionLock, now: datetime) -> pa.Table:
         """The session row, provided `lock` still holds it; otherwise SessionLockLostError."""
         row = self._row(dt, lock.partition, lock.session_id)
         if row is None:
@@ -307,7 +306,7 @@ class Sessions:
             )
         return row
 
-    def _release_messages(self, dt: DeltaTable, p: int, session_id: str, now: datetime) -> pa.Table:
+    def _release_messages(self, dt: Snapshot, p: int, session_id: str, now: datetime) -> pa.Table:
         """Changes that clear the message locks of a session: its new holder starts from the earliest message."""
         rows = self.table.scan(dt, p, ROW_COLUMNS, subscription=self.entity.subscription, session_id=session_id)
         rows = rows.filter(pc.is_valid(rows.column("lock_token")))

@@ -21,11 +21,9 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterable, Iterator
-from urllib.parse import unquote
 
 import pyarrow as pa
 import pyarrow.compute as pc
-from deltalake import DeltaTable
 from pyspark.sql import SparkSession
 from pyspark.sql.datasource import DataSource, DataSourceReader, EqualTo, Filter, In, InputPartition
 from pyspark.sql.types import StructType
@@ -35,6 +33,8 @@ from sparkqueue.management import QUEUE, SUBSCRIPTION, TOPIC, split_subscription
 from sparkqueue.model.entity import ROW_COLUMNS, utcnow
 from sparkqueue.spark.schema import RECEIVED_SCHEMA, received_arrow, staged_rows
 from sparkqueue.storage.files import DataFiles
+from sparkqueue.storage.index import FileIndex
+from sparkqueue.storage.log import DeltaLog
 from sparkqueue.storage.schema import (
     KIND_MESSAGE,
     PARTITION_COLUMN,
@@ -42,6 +42,7 @@ from sparkqueue.storage.schema import (
     SUB_QUEUE_DEAD_LETTER,
     SUB_QUEUE_MAIN,
 )
+from sparkqueue.storage.store import open_store
 
 log = logging.getLogger(__name__)
 
@@ -61,14 +62,16 @@ def register(spark: SparkSession) -> None:
     spark.dataSource.register(SparkQueueDataSource)
 
 
-def resolve(namespace: object, name: str, entity_type: str | None = None) -> tuple[str, str, str | None]:
-    """(Delta table path, entity type, subscription key or None) of a queue or subscription name.
+def resolve(
+    namespace: object, name: str, entity_type: str | None = None, storage_options: dict[str, str] | None = None
+) -> tuple[str, str, str | None]:
+    """(Delta table URI, entity type, subscription key or None) of a queue or subscription name.
 
     "<topic>/Subscriptions/<subscription>" names a subscription, as Service Bus paths do.
     """
     from sparkqueue.namespace import Namespace
 
-    ns = namespace if isinstance(namespace, Namespace) else Namespace(str(namespace))
+    ns = namespace if isinstance(namespace, Namespace) else Namespace(str(namespace), storage_options=storage_options)
     if entity_type not in (None, QUEUE, SUBSCRIPTION):
         raise InvalidOperationError(f"entity_type must be 'queue' or 'subscription', got {entity_type!r}")
     topic, sep, sub = name.partition("/Subscriptions/")
@@ -77,9 +80,9 @@ def resolve(namespace: object, name: str, entity_type: str | None = None) -> tup
             raise InvalidOperationError(f"name a subscription as '<topic>/Subscriptions/<subscription>', got {name!r}")
         entry = ns._entry(SUBSCRIPTION, sub_entity_name(topic, sub))
         path, key = split_subscription_path(entry.table_path)
-        return path, SUBSCRIPTION, key
+        return ns.table_uri(path), SUBSCRIPTION, key
     try:
-        return ns._entry(QUEUE, name).table_path, QUEUE, None
+        return ns.table_uri(ns._entry(QUEUE, name).table_path), QUEUE, None
     except EntityNotFoundError:
         ns._entry(TOPIC, name)  # a clearer error for topics: their messages live in subscriptions
         raise InvalidOperationError(
@@ -140,11 +143,12 @@ class EntityReader(DataSourceReader):
         name = options.get("path")
         if not root or not name:
             raise InvalidOperationError('use spark.read.format("sparkqueue").option("namespace", root).load(entity_name)')
-        self.table_uri, _, self.subscription = resolve(root, name, options.get("entity_type"))
+        self.storage_options = _storage_options(options)
+        self.table_uri, _, self.subscription = resolve(root, name, options.get("entity_type"), self.storage_options)
         self.sub_queue = _sub_queue(options.get("sub_queue"))
-        dt = DeltaTable(self.table_uri)
-        self.version = dt.version()
-        self.files = _files_by_partition(dt)
+        snap = DeltaLog(open_store(self.table_uri, self.storage_options), FileIndex).load()
+        self.version = snap.version
+        self.files = _files_by_partition(snap.files)
         self.wanted: set[int] | None = None
         log.debug("reading %s at version %d (%d partitions)", self.table_uri, self.version, len(self.files))
 
@@ -167,7 +171,7 @@ class EntityReader(DataSourceReader):
     def read(self, partition: InputPartition) -> Iterator[pa.RecordBatch]:
         """The partition's live messages of the sub-queue, file by file in sequence order."""
         assert isinstance(partition, EntityPartition)
-        data = DataFiles(self.table_uri)
+        data = DataFiles(open_store(self.table_uri, self.storage_options))
         now = utcnow()
         for path in partition.paths:
             t = data.read(path, READ_COLUMNS)
@@ -182,14 +186,15 @@ class EntityReader(DataSourceReader):
                 yield from received_arrow(staged_rows(t.sort_by("sequence_number"), now)).to_batches()
 
 
-def _files_by_partition(dt: DeltaTable) -> dict[int, list[str]]:
+def _files_by_partition(index: FileIndex) -> dict[int, list[str]]:
     """Relative paths of the version's data files per partition, ordered by lowest sequence number."""
-    a = pa.table(dt.get_add_actions(flatten=True))
-    if a.num_rows == 0:
-        return {}
-    mins = a.column("min.sequence_number").to_pylist() if "min.sequence_number" in a.column_names else [0] * a.num_rows
-    rows = zip(a.column("path").to_pylist(), a.column(f"partition.{PARTITION_COLUMN}").to_pylist(), mins, strict=True)
-    out: dict[int, list[tuple[int, str]]] = {}
-    for path, part, lo in rows:
-        out.setdefault(int(part), []).append((lo or 0, unquote(path)))
-    return {p: [path for _, path in sorted(files)] for p, files in out.items()}
+    return {p: [f.path for f in index.partition(p)] for p in sorted({f.partition for f in index})}
+
+
+def _storage_options(options: dict[str, str]) -> dict[str, str]:
+    """Storage options from `.option("storage_options", json)` and `.option("storage_option.<key>", value)`."""
+    import json
+
+    out = dict(json.loads(options["storage_options"])) if options.get("storage_options") else {}
+    out.update({k.split(".", 1)[1]: v for k, v in options.items() if k.startswith("storage_option.")})
+    return out

@@ -267,7 +267,7 @@ def stage_chunk(job: ReceiveJob, entity: Entity, p: int, tag: str, rows: pa.Tabl
         return
     data = entity.table.data
     for i, path in enumerate(written):
-        job.staging.link(f"{prefix}-f{i:03d}.parquet", data.fs, f"{data.root}/{path}")
+        job.staging.link(f"{prefix}-f{i:03d}.parquet", data, path)
 
 
 def drop_superseded(staging: Staging, prefix: str, seqs: pa.ChunkedArray) -> None:

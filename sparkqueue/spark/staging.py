@@ -25,7 +25,7 @@ import pyarrow.parquet as pq
 from pyspark.sql import DataFrame, SparkSession
 from pyspark.sql import types as st
 
-from sparkqueue.storage.files import write_parquet
+from sparkqueue.storage.files import DataFiles, encode_parquet
 
 log = logging.getLogger(__name__)
 
@@ -72,11 +72,12 @@ class Staging:
         """Write a Parquet file atomically where the filesystem renames atomically (temp name, then rename)."""
         fs, path = _filesystem(self.uri)
         tmp = f"{path}/_tmp-{uuid.uuid4().hex}-{name}"  # names starting with '_' are invisible to Spark
-        write_parquet(fs, tmp, table)
+        with fs.open_output_stream(tmp) as out:
+            out.write(encode_parquet(table))
         fs.move(tmp, f"{path}/{name}")
 
-    def link(self, name: str, source_fs: pafs.FileSystem, source: str) -> None:
-        """Stage an immutable file under `name` without copying it where the filesystem allows (a hard link).
+    def link(self, name: str, data: DataFiles, source: str) -> None:
+        """Stage an immutable table file under `name` without copying it where the filesystem allows (a hard link).
 
         A linked table file stays readable here after the table's vacuum deletes it, until the
         staging directory is removed. Elsewhere (object stores) the file is copied.
@@ -84,16 +85,16 @@ class Staging:
         fs, path = _filesystem(self.uri)
         tmp = f"{path}/_tmp-{uuid.uuid4().hex}-{name}"
         linked = False
-        if isinstance(fs, pafs.LocalFileSystem) and isinstance(source_fs, pafs.LocalFileSystem):
+        local = data.store.local_path(source)
+        if isinstance(fs, pafs.LocalFileSystem) and local is not None:
             try:
-                os.link(source, tmp)
+                os.link(local, tmp)
                 linked = True
             except OSError as exc:  # another device, or links not supported: copy instead
-                log.debug("cannot link %s into staging (%s); copying it", source, exc)
-        if not linked and fs.type_name == source_fs.type_name:
-            fs.copy_file(source, tmp)
-        elif not linked:
-            pafs.copy_files(source, tmp, source_filesystem=source_fs, destination_filesystem=fs)
+                log.debug("cannot link %s into staging (%s); copying it", local, exc)
+        if not linked:
+            with fs.open_output_stream(tmp) as out:
+                out.write(data.store.get(source))
         fs.move(tmp, f"{path}/{name}")  # replaces a file of that name (a failed task attempt's)
 
     def remove(self, prefix: str) -> int:

@@ -23,34 +23,39 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 
-_namespaces: dict[tuple[str, str, float], Namespace] = {}
+_namespaces: dict[tuple[str, str, float, tuple[tuple[str, str], ...]], Namespace] = {}
 _lock = threading.Lock()
 
 
 @dataclass(frozen=True)
 class EntityRef:
-    """An entity as tasks address it: namespace root, tier, timeout, entity type and catalog name."""
+    """An entity as tasks address it: namespace root, tier, timeout, storage options, entity type and catalog name."""
 
     root: str
     tier: str
     operation_timeout: float
     entity_type: str
     name: str
+    storage_options: tuple[tuple[str, str], ...] = ()
 
     @classmethod
     def of(cls, ns: Namespace, entity_type: str, name: str) -> EntityRef:
         """The reference of an entity of a driver-side namespace."""
-        return cls(ns.root, ns.tier, ns.operation_timeout, entity_type, name)
+        options = tuple(sorted(ns.storage_options.items()))
+        return cls(ns.root, ns.tier, ns.operation_timeout, entity_type, name, options)
 
     def namespace(self) -> Namespace:
         """This process's namespace handle for the root (opened on first use)."""
         from sparkqueue.namespace import Namespace
 
-        key = (self.root, self.tier, self.operation_timeout)
+        key = (self.root, self.tier, self.operation_timeout, self.storage_options)
         with _lock:
             ns = _namespaces.get(key)
             if ns is None:
-                ns = _namespaces[key] = Namespace(self.root, self.tier, operation_timeout=self.operation_timeout)
+                ns = Namespace(
+                    self.root, self.tier, operation_timeout=self.operation_timeout, storage_options=dict(self.storage_options)
+                )
+                _namespaces[key] = ns
             return ns
 
     def entity(self) -> Entity:

@@ -1,24 +1,42 @@
 """The namespace catalog: one small Delta table mapping entity names to their tables and settings.
 
-Creation is a MERGE that inserts only when the name is absent. Two concurrent creators both
-read the catalog, so the second commit fails, retries on the new snapshot, and inserts nothing:
-exactly one wins.
+The catalog's rows live in one Parquet file; every change writes the new rows to a new file and
+commits it with the removal of the old one (log.py). Two concurrent changes both remove the same
+file, so the second one's commit conflicts, re-reads and re-applies: a create of a name that the
+winner inserted inserts nothing, and exactly one creator wins.
+
+A namespace marker (`_sparkqueue.json` at the root) is written once the catalog exists, so a
+catalog whose log was deleted or emptied is reported as damaged instead of opening an empty
+namespace over orphaned entity tables.
 """
 
 from __future__ import annotations
 
-import contextlib
+import json
 import threading
+import uuid
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from datetime import UTC, datetime
+from typing import Any, Self, TypeVar
 
 import pyarrow as pa
 import pyarrow.compute as pc
-from deltalake import DeltaTable
-from deltalake.exceptions import TableNotFoundError
+import pyarrow.parquet as pq
 
+from sparkqueue.errors import StorageCorruptedError
+from sparkqueue.storage.checkpoint import write_checkpoint
+from sparkqueue.storage.files import encode_parquet
+from sparkqueue.storage.log import AddFile, DeltaLog, Fence, RemoveFile, Snapshot, checkpoint_interval
 from sparkqueue.storage.retry import Deadline, retry_commit
 from sparkqueue.storage.schema import CATALOG_SCHEMA
+from sparkqueue.storage.store import Store
+
+T = TypeVar("T")
+CATALOG_DIR = "_catalog"
+MARKER = "_sparkqueue.json"
+FORMAT_VERSION = 1
+CATALOG_FENCE = "sparkqueue.catalog"
 
 
 @dataclass(frozen=True)
@@ -38,44 +56,101 @@ def catalog_key(entity_type: str, name: str) -> str:
     return f"{entity_type}:{name}"
 
 
+class _Files:
+    """The catalog's live files (a FileSet for log.py): path to add action."""
+
+    def __init__(self) -> None:
+        self.adds: dict[str, Mapping[str, Any]] = {}
+
+    def add(self, action: Mapping[str, Any]) -> None:
+        self.adds[action["path"]] = action
+
+    def remove(self, path: str) -> None:
+        self.adds.pop(path, None)
+
+    def __contains__(self, path: object) -> bool:
+        return path in self.adds
+
+    def __len__(self) -> int:
+        return len(self.adds)
+
+    def copy(self) -> Self:
+        other = type(self)()
+        other.adds = dict(self.adds)
+        return other
+
+
 class Catalog:
     """Create, read, update and delete catalog rows, each a single Delta commit."""
 
-    def __init__(self, uri: str) -> None:
-        self.uri = uri
+    def __init__(self, root_store: Store, storage_options: Mapping[str, str] | None = None) -> None:
+        self.root_store = root_store
+        self.store = root_store.child(CATALOG_DIR)
+        self.uri = self.store.uri
+        self.storage_options = dict(storage_options or {})
+        self.log = DeltaLog(self.store, _Files, after_commit=self._after_commit)
         self._lock = threading.RLock()
-        self._dt: DeltaTable | None = None
+        self._snap: Snapshot | None = None
         self._read: tuple[int, pa.Table] | None = None  # the rows of the last version read
 
     def open(self) -> None:
-        """Open the catalog table, creating it when the namespace is new (a concurrent creator may win)."""
+        """Open the catalog, creating it (and the namespace marker) when the namespace is new."""
+        marked = self.root_store.exists(MARKER)
         try:
-            self._dt = DeltaTable(self.uri)
-        except TableNotFoundError:
-            with contextlib.suppress(Exception):
-                DeltaTable.create(self.uri, schema=CATALOG_SCHEMA, mode="ignore")
-            self._dt = DeltaTable(self.uri)
-
-    def _snapshot(self) -> DeltaTable:
+            snap = self.log.load()
+        except FileNotFoundError:
+            if marked:
+                raise StorageCorruptedError(
+                    f"namespace {self.root_store.uri}: the catalog log ({self.uri}/_delta_log) is missing or empty, "
+                    "but the namespace exists; restore it from a backup (`sparkqueue check` reports what remains)"
+                ) from None
+            self._create()
+            snap = self.log.load()
+        if not marked:
+            self.root_store.put_if_absent(MARKER, json.dumps({"format_version": FORMAT_VERSION}).encode())
         with self._lock:
-            if self._dt is None:
+            self._snap = snap
+
+    def _create(self) -> None:
+        """Create the empty catalog table with delta-rs (a concurrent creator may win: then it exists)."""
+        from deltalake import DeltaTable
+
+        try:
+            DeltaTable.create(self.uri, schema=CATALOG_SCHEMA, mode="ignore", storage_options=self.storage_options or None)
+        except Exception:
+            if not self.log.exists():
+                raise
+
+    def _after_commit(self, snap: Snapshot) -> None:
+        """Checkpoint every `delta.checkpointInterval` versions, so opening the namespace stays one read."""
+        if snap.version % checkpoint_interval(snap.configuration) == 0:
+            write_checkpoint(self.uri, snap.version, self.storage_options)
+
+    def _snapshot(self) -> Snapshot:
+        with self._lock:
+            if self._snap is None:
                 self.open()
-            else:
-                self._dt.update_incremental()
-            assert self._dt is not None
-            return self._dt
+            assert self._snap is not None
+            return self.log.update(self._snap)
 
-    def _rows(self, dt: DeltaTable | None = None) -> pa.Table:
+    def _rows(self, snap: Snapshot | None = None) -> pa.Table:
         """The whole catalog (it is small), typed as CATALOG_SCHEMA; read again only when its version moved."""
-        dt = dt or self._snapshot()
-        version = dt.version()
         with self._lock:
-            if self._read is not None and self._read[0] == version:
+            snap = snap or self._snapshot()
+            if self._read is not None and self._read[0] == snap.version:
                 return self._read[1]
-        rows = dt.to_pyarrow_table().select(CATALOG_SCHEMA.names).cast(CATALOG_SCHEMA)
+            paths = sorted(snap.files.adds)
+        parts = [pq.read_table(pa.BufferReader(self._get(p))).select(CATALOG_SCHEMA.names).cast(CATALOG_SCHEMA) for p in paths]
+        rows = pa.concat_tables(parts) if parts else CATALOG_SCHEMA.empty_table()
         with self._lock:
-            self._read = (version, rows)
+            self._read = (snap.version, rows)
         return rows
+
+    def _get(self, path: str) -> bytes:
+        try:
+            return self.store.get(path)
+        except FileNotFoundError as exc:
+            raise StorageCorruptedError(f"namespace catalog {self.uri}: live file {path} is missing") from exc
 
     def entries(self, entity_type: str | None = None) -> list[CatalogEntry]:
         """All rows (of one entity type when given), sorted by name."""
@@ -94,43 +169,67 @@ class Catalog:
         """Insert rows in one commit unless the first one's key exists; True when this call inserted them."""
         src = pa.Table.from_pylist([e.__dict__ for e in entries], schema=CATALOG_SCHEMA)
 
-        def attempt() -> bool:
-            dt = self._snapshot()
-            rows = self._rows(dt)
+        def change(rows: pa.Table) -> tuple[pa.Table | None, bool]:
             if pc.any(pc.equal(rows.column("name"), entries[0].name)).as_py():
-                return False
-            dt.merge(src, "t.name = s.name", source_alias="s", target_alias="t").when_not_matched_insert_all().execute()
-            return True
+                return None, False
+            return pa.concat_tables([rows, src]), True
 
-        return retry_commit(attempt, deadline, f"create {entries[0].name}")
+        return self._change(change, deadline, f"create {entries[0].name}")
 
     def update(self, key: str, properties: str, deadline: Deadline) -> bool:
         """Replace the settings of a key; False when it does not exist."""
-        src = pa.table(
-            {
-                "name": [key],
-                "properties": [properties],
-                "updated_at_utc": pa.array([datetime.now(UTC)], CATALOG_SCHEMA.field("updated_at_utc").type),
-            }
-        )
 
-        def attempt() -> bool:
-            m = (
-                self._snapshot()
-                .merge(src, "t.name = s.name", source_alias="s", target_alias="t")
-                .when_matched_update({"properties": "s.properties", "updated_at_utc": "s.updated_at_utc"})
-                .execute()
+        def change(rows: pa.Table) -> tuple[pa.Table | None, bool]:
+            hit = pc.equal(rows.column("name"), key)
+            if not pc.any(hit).as_py():
+                return None, False
+            now = pa.scalar(datetime.now(UTC), CATALOG_SCHEMA.field("updated_at_utc").type)
+            rows = rows.set_column(
+                rows.schema.get_field_index("properties"), "properties", pc.if_else(hit, properties, rows.column("properties"))
             )
-            return m["num_target_rows_updated"] == 1
+            rows = rows.set_column(
+                rows.schema.get_field_index("updated_at_utc"),
+                "updated_at_utc",
+                pc.if_else(hit, now, rows.column("updated_at_utc")),
+            )
+            return rows.cast(CATALOG_SCHEMA), True
 
-        return retry_commit(attempt, deadline, f"update {key}")
+        return self._change(change, deadline, f"update {key}")
 
     def delete(self, keys: list[str], deadline: Deadline) -> int:
         """Delete keys in one commit; the number deleted."""
-        src = pa.table({"name": pa.array(keys, pa.string())})
 
-        def attempt() -> int:
-            m = self._snapshot().merge(src, "t.name = s.name", source_alias="s", target_alias="t").when_matched_delete().execute()
-            return int(m["num_target_rows_deleted"])
+        def change(rows: pa.Table) -> tuple[pa.Table | None, int]:
+            hit = pc.is_in(rows.column("name"), value_set=pa.array(keys, pa.string()))
+            n = pc.sum(hit).as_py() or 0
+            return (rows.filter(pc.invert(hit)), n) if n else (None, 0)
 
-        return retry_commit(attempt, deadline, f"delete {keys[0]}")
+        return self._change(change, deadline, f"delete {keys[0]}")
+
+    def _change(self, change: Callable[[pa.Table], tuple[pa.Table | None, T]], deadline: Deadline, what: str) -> T:
+        """Apply `change` to the current rows and commit the result as the catalog's one file; retried on conflicts."""
+
+        def attempt() -> T:
+            with self._lock:
+                snap = self._snapshot().copy()
+            rows, result = change(self._rows(snap))
+            if rows is None:
+                return result
+            data = encode_parquet(rows)
+            path = f"part-{uuid.uuid4().hex}.parquet"
+            self.store.put(path, data)
+            old = [RemoveFile(p, {}, int(a.get("size", 0))) for p, a in snap.files.adds.items()]
+            # Every change moves one fence, so two concurrent changes always conflict (even on an empty catalog).
+            fence = Fence(CATALOG_FENCE, (snap.transaction_version(CATALOG_FENCE) or 0) + 1)
+            try:
+                self.log.commit(snap, [AddFile(path, {}, len(data), _stats(rows))], old, [fence], operation="WRITE")
+            except BaseException:
+                self.store.delete(path)
+                raise
+            return result
+
+        return retry_commit(attempt, deadline, what)
+
+
+def _stats(rows: pa.Table) -> str:
+    return json.dumps({"numRecords": rows.num_rows})

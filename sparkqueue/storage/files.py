@@ -1,16 +1,15 @@
 """Data files of an entity table: write a partition's rows as Parquet with Delta statistics, read them back.
 
-sparkqueue writes its own files and commits them as Delta add/remove actions (see commit.py),
-which costs a few milliseconds where a delta-rs MERGE costs tens. Files are plain Parquet
-without the partition column, as every Delta reader expects.
+sparkqueue writes its own files through the table's store and commits them as Delta add/remove
+actions (log.py), which costs a millisecond or two where a delta-rs MERGE costs tens. Files are
+plain Parquet without the partition column, as every Delta reader expects.
 """
 
 from __future__ import annotations
 
-import contextlib
 import json
+import logging
 import threading
-import time
 import uuid
 from collections import OrderedDict
 from collections.abc import Sequence
@@ -18,11 +17,14 @@ from datetime import datetime, timedelta
 
 import pyarrow as pa
 import pyarrow.compute as pc
-import pyarrow.fs as pafs
 import pyarrow.parquet as pq
-from deltalake.transaction import AddAction, RemoveAction
 
+from sparkqueue.errors import StorageCorruptedError
+from sparkqueue.storage.log import AddFile, RemoveFile
 from sparkqueue.storage.schema import ENTITY_SCHEMA, PARTITION_COLUMN
+from sparkqueue.storage.store import Store
+
+log = logging.getLogger(__name__)
 
 # Columns with min/max statistics: what sparkqueue prunes on, and what Spark's data skipping can use.
 STATS_COLUMNS = [
@@ -39,15 +41,14 @@ CACHE_BYTES = 64 * 1024 * 1024  # per table handle: recently touched files, whic
 
 
 class DataFiles:
-    """Reads and writes the Parquet files under one table root, on a local or object-store filesystem.
+    """Reads and writes the Parquet files under one table's store (a local directory or an object store).
 
     Data files are immutable, so recently written or read files are kept in a small in-memory
     cache keyed by path: a receive that locks rows and the settle that follows read no file twice.
     """
 
-    def __init__(self, uri: str, cache_bytes: int = CACHE_BYTES) -> None:
-        self.fs, self.root = _filesystem(uri)
-        self._dirs: set[int] = set()
+    def __init__(self, store: Store, cache_bytes: int = CACHE_BYTES) -> None:
+        self.store = store
         self._cache: OrderedDict[str, pa.Table] = OrderedDict()
         self._cache_bytes = cache_bytes
         self._cached = 0
@@ -66,7 +67,14 @@ class DataFiles:
                 self._cache.move_to_end(path)
                 return cached.select(cols)
         wanted = FILE_SCHEMA.names if BODY_COLUMN in cols else LIGHT_COLUMNS
-        t = pq.read_table(f"{self.root}/{path}", columns=wanted, filesystem=self.fs).cast(_schema_of(wanted))
+        try:
+            data = self.store.get(path)
+        except FileNotFoundError as exc:
+            raise StorageCorruptedError(f"table {self.store.uri}: live data file {path} is missing") from exc
+        try:
+            t = pq.read_table(pa.BufferReader(data), columns=wanted).cast(_schema_of(wanted))
+        except (pa.ArrowInvalid, OSError) as exc:
+            raise StorageCorruptedError(f"table {self.store.uri}: data file {path} is damaged ({exc})") from exc
         self._remember(path, t)
         return t.select(cols)
 
@@ -90,18 +98,16 @@ class DataFiles:
                 _, evicted = self._cache.popitem(last=False)
                 self._cached -= evicted.get_total_buffer_size()
 
-    def write(self, partition: int, rows: pa.Table) -> AddAction:
+    def write(self, partition: int, rows: pa.Table) -> AddFile:
         """Write one partition's rows (file schema, no partition column) and describe the file as an add action."""
-        rel = f"{PARTITION_COLUMN}={partition}/part-{uuid.uuid4().hex}.snappy.parquet"
+        rel = f"{PARTITION_COLUMN}={partition}/part-{uuid.uuid4().hex}.lz4.parquet"
         rows = rows.select(FILE_SCHEMA.names).cast(FILE_SCHEMA)
-        if partition not in self._dirs:
-            self.fs.create_dir(f"{self.root}/{PARTITION_COLUMN}={partition}", recursive=True)
-            self._dirs.add(partition)
-        size = write_parquet(self.fs, f"{self.root}/{rel}", rows)
+        data = encode_parquet(rows)
+        self.store.put(rel, data)
         self._remember(rel, rows)
-        return AddAction(rel, size, {PARTITION_COLUMN: str(partition)}, _now_ms(), True, json.dumps(_stats(rows)))
+        return AddFile(rel, {PARTITION_COLUMN: str(partition)}, len(data), json.dumps(_stats(rows), separators=(",", ":")))
 
-    def write_chunks(self, partition: int, rows: pa.Table, max_rows: int = MAX_FILE_ROWS) -> list[AddAction]:
+    def write_chunks(self, partition: int, rows: pa.Table, max_rows: int = MAX_FILE_ROWS) -> list[AddFile]:
         """Write rows (in their order) as files of at most `max_rows` rows and about as many KB (MAX_FILE_BYTES per 1,000).
 
         Bounded files keep a lock or settle proportional to the messages it touches: MERGE-style
@@ -116,12 +122,14 @@ class DataFiles:
     def delete(self, paths: Sequence[str]) -> None:
         """Best-effort removal of files written by a commit that was abandoned (vacuum catches the rest)."""
         for p in paths:
-            with contextlib.suppress(OSError):
-                self.fs.delete_file(f"{self.root}/{p}")
+            try:
+                self.store.delete(p)
+            except Exception as exc:
+                log.debug("could not delete abandoned file %s: %s", p, exc)
 
 
-def write_parquet(fs: pafs.FileSystem, path: str, rows: pa.Table) -> int:
-    """Write rows as one Parquet file and return its size.
+def encode_parquet(rows: pa.Table) -> bytes:
+    """Rows as the bytes of one Parquet file.
 
     LZ4 (Parquet's LZ4_RAW, read by Spark 3.4+, Databricks and delta-rs) encodes and decodes 1 KB
     bodies faster than Snappy, incompressible or JSON, and packs JSON a little tighter. Bodies are
@@ -133,24 +141,17 @@ def write_parquet(fs: pafs.FileSystem, path: str, rows: pa.Table) -> int:
     plain = [c for c in rows.schema.names if c != BODY_COLUMN]
     sink = pa.BufferOutputStream()
     pq.write_table(rows, sink, compression="lz4", use_dictionary=plain, write_statistics=plain)
-    data = sink.getvalue()
-    with fs.open_output_stream(path) as out:
-        out.write(data)
-    return data.size
+    return sink.getvalue().to_pybytes()
 
 
-def remove_action(path: str, partition: int, size: int) -> RemoveAction:
+def remove_action(path: str, partition: int, size: int) -> RemoveFile:
     """A remove action for a live file."""
-    return RemoveAction(path, True, _now_ms(), size, {PARTITION_COLUMN: str(partition)})
+    return RemoveFile(path, {PARTITION_COLUMN: str(partition)}, size)
 
 
 def _schema_of(columns: Sequence[str]) -> pa.Schema:
     """The file schema restricted to some columns."""
     return pa.schema([FILE_SCHEMA.field(c) for c in columns])
-
-
-def _now_ms() -> int:
-    return int(time.time() * 1000)
 
 
 def _stats(rows: pa.Table) -> dict[str, object]:
@@ -178,11 +179,3 @@ def _iso_ms(ts: datetime, *, up: bool) -> str:
     if up and floor != ts:
         floor += timedelta(milliseconds=1)
     return floor.strftime("%Y-%m-%dT%H:%M:%S.") + f"{floor.microsecond // 1000:03d}Z"
-
-
-def _filesystem(uri: str) -> tuple[pafs.FileSystem, str]:
-    """A pyarrow filesystem and root path for the table's data files."""
-    if "://" not in uri or uri.startswith("file://"):
-        return pafs.LocalFileSystem(), uri.removeprefix("file://").rstrip("/")
-    fs, root = pafs.FileSystem.from_uri(uri)
-    return fs, root.rstrip("/")

@@ -1,29 +1,20 @@
-"""The file index of an entity table: per-partition file statistics at one version, kept current from the log.
+"""The file index of an entity table: per-partition file statistics, kept by the table's snapshot.
 
-Every operation needs the live files of a partition with their statistics. Rebuilding that from
-`DeltaTable.get_add_actions` costs time in proportion to the whole table's files, and the table
-version moves with every send and settle. So the index is built once and then moved forward by
-reading only the new commits' JSON (their add and remove actions carry the statistics); it is
-rebuilt only on first use, after a long gap, or when the log entries it needs are gone.
+Every operation needs the live files of a partition with their statistics (what the receive path
+prunes on). The snapshot (log.py) applies each commit's add and remove actions here, so the
+index is always at the snapshot's version without re-reading anything.
 """
 
 from __future__ import annotations
 
 import json
-import logging
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from datetime import datetime
+from typing import Any
 from urllib.parse import unquote
 
-import pyarrow as pa
-import pyarrow.fs as pafs
-from deltalake import DeltaTable
-
 from sparkqueue.storage.schema import ANY_SUBSCRIPTION, PARTITION_COLUMN
-
-log = logging.getLogger(__name__)
-
-MAX_INCREMENT = 500  # versions to replay from the log before a full rebuild is cheaper
 
 
 @dataclass(frozen=True)
@@ -75,32 +66,26 @@ def _in_range(value: str, lo: str | None, hi: str | None) -> bool:
 
 
 class FileIndex:
-    """Live files of one table at `version`, by partition, each partition's list ordered by lowest sequence number."""
+    """Live files of one entity table, by partition, each partition's list ordered by lowest sequence number.
 
-    def __init__(self, uri: str, fs: pafs.FileSystem, root: str) -> None:
-        self.uri = uri
-        self._fs = fs
-        self._log = f"{root}/_delta_log"
-        self.version = -1
+    The `FileSet` of an entity table's snapshot (log.py): the log applies add and remove actions.
+    """
+
+    def __init__(self) -> None:
         self._files: dict[str, FileInfo] = {}
         self._sorted: dict[int, list[FileInfo]] = {}
 
-    def at(self, dt: DeltaTable) -> FileIndex:
-        """Bring the index to `dt`'s version: replay new commits from the log, or rebuild when that is not possible."""
-        target = dt.version()
-        if target == self.version:
-            return self
-        if self.version < 0 or target < self.version or target - self.version > MAX_INCREMENT:
-            self._rebuild(dt)
-        else:
-            try:
-                for v in range(self.version + 1, target + 1):
-                    self._replay(v)
-            except (OSError, ValueError, KeyError) as exc:
-                log.debug("log replay of %s to version %d failed (%s); rebuilding the file index", self.uri, target, exc)
-                self._rebuild(dt)
-        self.version = target
-        return self
+    def add(self, action: Mapping[str, Any]) -> None:
+        """Record a live file from its `add` action."""
+        info = _from_add(action)
+        self._files[info.path] = info
+        self._sorted.pop(info.partition, None)
+
+    def remove(self, path: str) -> None:
+        """Forget a removed file."""
+        gone = self._files.pop(path, None)
+        if gone is not None:
+            self._sorted.pop(gone.partition, None)
 
     def partition(self, p: int) -> list[FileInfo]:
         """The partition's live files, ordered by lowest sequence number."""
@@ -110,35 +95,26 @@ class FileIndex:
             self._sorted[p] = files
         return files
 
-    def __contains__(self, path: str) -> bool:
+    def __iter__(self) -> Iterator[FileInfo]:
+        return iter(self._files.values())
+
+    def __contains__(self, path: object) -> bool:
         return path in self._files
 
-    def _replay(self, version: int) -> None:
-        """Apply one commit's add and remove actions."""
-        with self._fs.open_input_stream(f"{self._log}/{version:020d}.json") as f:
-            text = f.read().decode("utf-8")
-        for line in text.splitlines():
-            if not line.strip():
-                continue
-            action = json.loads(line)
-            if "add" in action:
-                info = _from_add(action["add"])
-                self._files[info.path] = info
-                self._sorted.pop(info.partition, None)
-            elif "remove" in action:
-                gone = self._files.pop(unquote(action["remove"]["path"]), None)
-                if gone is not None:
-                    self._sorted.pop(gone.partition, None)
+    def __len__(self) -> int:
+        return len(self._files)
 
-    def _rebuild(self, dt: DeltaTable) -> None:
-        """Build the index from the snapshot's add actions."""
-        self._files = {f.path: f for f in _from_snapshot(dt)}
-        self._sorted = {}
+    def copy(self) -> FileIndex:
+        """An independent index of the same files (FileInfo is immutable; sorted lists are rebuilt on demand)."""
+        other = FileIndex()
+        other._files = dict(self._files)
+        return other
 
 
-def _from_add(add: dict) -> FileInfo:
+def _from_add(add: Mapping[str, Any]) -> FileInfo:
     """A FileInfo from a log `add` action and its JSON statistics."""
-    stats = json.loads(add.get("stats") or "{}")
+    # delta-rs checkpoints may carry the statistics parsed (stats_parsed) instead of as JSON text.
+    stats = json.loads(add["stats"]) if add.get("stats") else (add.get("stats_parsed") or {})
     lo, hi, nulls = stats.get("minValues", {}), stats.get("maxValues", {}), stats.get("nullCount", {})
     return FileInfo(
         path=unquote(add["path"]),
@@ -164,41 +140,8 @@ def _from_add(add: dict) -> FileInfo:
     )
 
 
-def _ts(value: str | None) -> datetime | None:
-    """A Delta statistics timestamp (ISO 8601, 'Z') as an aware datetime."""
+def _ts(value: str | datetime | None) -> datetime | None:
+    """A Delta statistics timestamp (ISO 8601, 'Z'; or already parsed) as an aware datetime."""
+    if value is None or isinstance(value, datetime):
+        return value
     return datetime.fromisoformat(value) if value else None
-
-
-def _from_snapshot(dt: DeltaTable) -> list[FileInfo]:
-    """Every live file of a snapshot, from its flattened add actions."""
-    a = pa.table(dt.get_add_actions(flatten=True))
-
-    def col(name: str) -> list:
-        return a.column(name).to_pylist() if name in a.column_names else [None] * a.num_rows
-
-    rows = zip(
-        col("path"),
-        col(f"partition.{PARTITION_COLUMN}"),
-        col("size_bytes"),
-        col("num_records"),
-        col("min.sequence_number"),
-        col("max.sequence_number"),
-        col("min.available_at_utc"),
-        col("max.enqueued_time_utc"),
-        col("min.sub_queue"),
-        col("max.sub_queue"),
-        col("min.kind"),
-        col("max.kind"),
-        col("min.subscription"),
-        col("max.subscription"),
-        col("null_count.subscription"),
-        col("min.session_id"),
-        col("max.session_id"),
-        col("min.enqueued_time_utc"),
-        col("min.state"),
-        col("max.state"),
-        strict=True,
-    )
-    return [
-        FileInfo(unquote(path), int(part), size, n or 0, lo or 0, hi or 0, *rest) for path, part, size, n, lo, hi, *rest in rows
-    ]

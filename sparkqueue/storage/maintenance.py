@@ -1,8 +1,8 @@
-"""Maintenance that keeps an entity table's cost flat as its history grows (ENGINE-NOTES: small files and long logs).
+"""Maintenance that keeps an entity table's cost flat as its history grows (docs/storage.md: small files and long logs).
 
 - Compaction rewrites runs of small, adjacent files of one partition (in sequence order, never
   mixing subscriptions or session rows with messages) into bounded files. It commits only while
-  every input file is still live (commit.py), so a concurrent send (new files) is never touched
+  every input file is still live (log.py), so a concurrent send (new files) is never touched
   and a concurrent settlement (which rewrites an input) makes the compaction, not the settle, retry.
 - While rewriting it drops rows nobody can reach any more: duplicate-detection tombstones whose
   window has passed, and copies of deleted subscriptions.
@@ -20,11 +20,10 @@ from datetime import datetime, timedelta
 
 import pyarrow as pa
 import pyarrow.compute as pc
-from deltalake import DeltaTable
-from deltalake.exceptions import CommitFailedError
 
-from sparkqueue.storage.commit import NO_LOG_CLEANUP, commit, trim_log
+from sparkqueue.storage.checkpoint import trim_log, write_checkpoint
 from sparkqueue.storage.files import MAX_FILE_BYTES, MAX_FILE_ROWS, remove_action
+from sparkqueue.storage.log import CommitConflict
 from sparkqueue.storage.retry import backoff
 from sparkqueue.storage.schema import STATE_COMPLETED, TIMESTAMP
 from sparkqueue.storage.table import EntityTable, FileInfo
@@ -70,7 +69,7 @@ def compact(
         for group in _groups(table.files(dt, p), drop_before, live_subscriptions):
             try:
                 dropped = _rewrite(table, p, group, _droppable(drop_before, live_subscriptions))
-            except CommitFailedError:
+            except CommitConflict:
                 report.compactions_skipped += 1  # a settlement changed an input first; next run picks it up
                 continue
             if dropped is None:
@@ -169,7 +168,7 @@ def _rewrite(table: EntityTable, p: int, group: list[FileInfo], droppable: Calla
     dt = table.snapshot()
     live = {f.path for f in table.files(dt, p)}
     if any(f.path not in live for f in group):
-        raise CommitFailedError("an input file changed before compaction started")
+        raise CommitConflict("an input file changed before compaction started")
     rows = pa.concat_tables([table.data.read(f.path) for f in group]).sort_by("sequence_number")
     before = rows.num_rows
     if droppable is not None:
@@ -178,28 +177,17 @@ def _rewrite(table: EntityTable, p: int, group: list[FileInfo], droppable: Calla
         return None
     adds = table.data.write_chunks(p, rows)
     removes = [remove_action(f.path, f.partition, f.size_bytes) for f in group]
-    try:
-        commit(dt, adds, removes, [], lambda d: all(f.path in {g.path for g in table.files(d, p)} for f in group))
-    except BaseException:
-        table.data.delete([a.path for a in adds])
-        raise
+    table.commit(dt, adds, removes, operation="OPTIMIZE")
     return before - rows.num_rows
 
 
 def checkpoint(table: EntityTable, report: MaintenanceReport | None = None) -> MaintenanceReport:
     """Write a checkpoint at the current version and delete log files past the log retention."""
     report = report or MaintenanceReport()
-    for attempt in range(VACUUM_ATTEMPTS):
-        # A log entry this handle still lists may be trimmed by another process meanwhile: retry on a new handle.
-        dt = table.snapshot() if attempt == 0 else DeltaTable(table.uri)
-        try:
-            dt.create_checkpoint()
-        except FileNotFoundError:
-            time.sleep(backoff(attempt))
-            continue
-        trim_log(dt)
-        report.checkpointed_version = dt.version()
-        break
+    snap = table.snapshot()
+    if write_checkpoint(table.uri, snap.version, table.storage_options):
+        trim_log(table.store, snap)
+        report.checkpointed_version = snap.version
     return report
 
 
@@ -226,15 +214,20 @@ def _vacuum(table: EntityTable, hours: int, *, full: bool) -> list[str]:
     files is safe either way, so after a few attempts the run gives up and leaves the rest to the
     next one.
     """
+    from deltalake import DeltaTable, PostCommitHookProperties
+    from deltalake.exceptions import CommitFailedError
+
+    # delta-rs must not checkpoint or trim inside its commit: sparkqueue does both (checkpoint.py).
+    hooks = PostCommitHookProperties(create_checkpoint=False, cleanup_expired_logs=False)
     for attempt in range(VACUUM_ATTEMPTS):
         try:
-            dt = table.snapshot() if attempt == 0 else DeltaTable(table.uri)
+            dt = DeltaTable(table.uri, storage_options=table.storage_options or None)
             return dt.vacuum(
                 retention_hours=hours,
                 dry_run=False,
                 enforce_retention_duration=False,
                 full=full,
-                post_commithook_properties=NO_LOG_CLEANUP,
+                post_commithook_properties=hooks,
             )
         except (CommitFailedError, FileNotFoundError):
             time.sleep(backoff(attempt))

@@ -8,9 +8,8 @@ import time
 from collections.abc import Callable
 from typing import TypeVar
 
-from deltalake.exceptions import CommitFailedError
-
 from sparkqueue.errors import OperationTimeoutError
+from sparkqueue.storage.log import CommitConflict
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -37,7 +36,7 @@ class Deadline:
 
 def is_conflict(exc: BaseException) -> bool:
     """True for a lost commit race: safe to retry on a fresh snapshot (a failed commit leaves nothing)."""
-    return isinstance(exc, CommitFailedError)
+    return isinstance(exc, CommitConflict)
 
 
 def backoff(attempt: int) -> float:
@@ -51,7 +50,7 @@ def retry_commit(op: Callable[[], T], deadline: Deadline, what: str) -> T:
     while True:
         try:
             return op()
-        except CommitFailedError as exc:
+        except CommitConflict as exc:
             if deadline.expired():
                 raise OperationTimeoutError(
                     f"{what}: commit conflicts outlasted the operation timeout of "

@@ -1,13 +1,13 @@
-"""One entity's Delta table: partitioned appends fenced per partition, pruned reads, and MERGE settles.
+"""One entity's Delta table: partitioned appends fenced per partition, pruned reads, and copy-on-write changes.
 
-Three storage facts shape this module (see ENGINE-NOTES):
+Three storage facts shape this module (docs/storage.md):
 - Appends carry a Delta `txn` action per partition they touch (app id `sparkqueue.seq.<p>`, version =
   the partition's last sequence counter). Two appends to one partition conflict on that app id, so
   sequence numbers are unique and strictly increasing, and the counter survives deleted rows.
 - Every state change rewrites only the files holding the changed rows (copy-on-write, as a MERGE
-  would, but written with pyarrow and committed as add/remove actions: a few ms, not tens).
+  would, but written with pyarrow and committed as add/remove actions by log.py: about a millisecond).
 - A change is computed from one snapshot and commits only while the files it removes are still
-  live (commit.py): a lost race surfaces as a `CommitFailedError` and never as a double lock.
+  live (log.py): a lost race surfaces as a `CommitConflict` and never as a double lock.
 """
 
 from __future__ import annotations
@@ -21,15 +21,13 @@ from datetime import datetime
 
 import pyarrow as pa
 import pyarrow.compute as pc
-import pyarrow.fs as pafs
-from deltalake import DeltaTable, Transaction
-from deltalake.exceptions import CommitFailedError, DeltaError, TableNotFoundError
 
-from sparkqueue.errors import EntityNotFoundError, QuotaExceededError
-from sparkqueue.storage.commit import commit, fences_unchanged
+from sparkqueue.errors import EntityNotFoundError, QuotaExceededError, StorageCorruptedError
+from sparkqueue.storage.checkpoint import trim_log, write_checkpoint
 from sparkqueue.storage.faults import FaultInjector
 from sparkqueue.storage.files import FILE_SCHEMA, MAX_FILE_ROWS, DataFiles, remove_action
 from sparkqueue.storage.index import FileIndex, FileInfo
+from sparkqueue.storage.log import AddFile, CommitConflict, DeltaLog, Fence, Snapshot, checkpoint_interval
 from sparkqueue.storage.schema import (
     ANY_SUBSCRIPTION,
     ENTITY_SCHEMA,
@@ -40,10 +38,13 @@ from sparkqueue.storage.schema import (
     STATE_COMPLETED,
     TIMESTAMP,
 )
+from sparkqueue.storage.store import Store, open_store
 
 log = logging.getLogger(__name__)
 
-LOG_RETENTION = "interval 15 seconds"  # commits older than this (and before a checkpoint) are deleted
+# Log entries older than this and before a checkpoint are deleted: loading lists the log, so it is kept short.
+LOG_RETENTION = "interval 2 minutes"
+CHECKPOINT_INTERVAL = "100"
 SEQUENCE_BITS = 48
 SEQUENCE_MASK = (1 << SEQUENCE_BITS) - 1
 
@@ -84,78 +85,102 @@ def sequence_number(partition: int, counter: int) -> int:
 class EntityTable:
     """Thread-safe handle on one entity's Delta table; every method works on a fresh snapshot."""
 
-    def __init__(self, uri: str, partition_count: int, faults: FaultInjector | None = None) -> None:
+    def __init__(
+        self,
+        uri: str,
+        partition_count: int,
+        faults: FaultInjector | None = None,
+        storage_options: dict[str, str] | None = None,
+    ) -> None:
         self.uri = uri.rstrip("/")
         self.partition_count = partition_count
         self.max_partition_bytes: int | None = None  # the entity's size quota per partition
         self.faults = faults or FaultInjector()
-        self.data = DataFiles(self.uri)
+        self.storage_options = dict(storage_options or {})
+        self.store: Store = open_store(self.uri, self.storage_options)
+        self.data = DataFiles(self.store)
+        self.log = DeltaLog(self.store, FileIndex, after_commit=self._after_commit)
         self._local = threading.local()
 
     # ---- lifecycle -------------------------------------------------------------------------
 
     @staticmethod
-    def create(uri: str) -> None:
-        """Create the empty, partitioned entity table (the path must not hold a table yet)."""
+    def create(uri: str, storage_options: dict[str, str] | None = None) -> None:
+        """Create the empty, partitioned entity table with delta-rs (the path must not hold a table yet)."""
+        from deltalake import DeltaTable
+
         DeltaTable.create(
             uri,
             schema=ENTITY_SCHEMA,
             partition_by=[PARTITION_COLUMN],
             mode="error",
-            # A short log: delta-rs lists the whole _delta_log directory on every snapshot update and
-            # commit on local and Azure storage, so a log kept for days makes every operation slower
-            # as commits accumulate (bench_soak). Checkpoints every 50 commits trim it as they go.
-            configuration={"delta.checkpointInterval": "50", "delta.logRetentionDuration": LOG_RETENTION},
+            # A short log keeps loading a table cheap (loading lists the log); checkpoints every 100
+            # commits let the rest be trimmed (checkpoint.py).
+            configuration={"delta.checkpointInterval": CHECKPOINT_INTERVAL, "delta.logRetentionDuration": LOG_RETENTION},
+            storage_options=storage_options or None,
         )
 
-    def snapshot(self) -> DeltaTable:
-        """This thread's handle on the table, brought to the latest version (incremental log read).
+    def snapshot(self) -> Snapshot:
+        """This thread's snapshot of the table, brought to the latest version (reads only new log entries).
 
-        Handles are per thread: a commit is checked against exactly the version its thread read,
-        and no other thread moves that handle underneath it.
+        Snapshots are per thread: a commit is checked against exactly the version its thread read,
+        and no other thread moves that snapshot underneath it.
         """
-        dt: DeltaTable | None = getattr(self._local, "dt", None)
+        snap: Snapshot | None = getattr(self._local, "snap", None)
         with self.existing():
-            if dt is None:
-                dt = self._local.dt = DeltaTable(self.uri)
+            if snap is None:
+                snap = self._local.snap = self.log.load()
             else:
-                dt.update_incremental()
-        return dt
+                self.log.update(snap)
+        return snap
 
     @contextmanager
     def existing(self) -> Iterator[None]:
-        """Turn an engine error about a table that another process deleted into EntityNotFoundError."""
+        """Turn a missing log (another process deleted the entity) into EntityNotFoundError."""
         try:
             yield
-        except (TableNotFoundError, DeltaError, OSError) as exc:
-            if self.data.fs.get_file_info(f"{self.data.root}/_delta_log").type == pafs.FileType.NotFound:
+        except FileNotFoundError as exc:
+            if not self.log.exists():
                 raise EntityNotFoundError(f"the entity stored at {self.uri} was deleted") from exc
+            raise StorageCorruptedError(f"table {self.uri}: {exc}") from exc
+
+    def _after_commit(self, snap: Snapshot) -> None:
+        """Checkpoint every `delta.checkpointInterval` versions and trim the log behind it."""
+        if snap.version % checkpoint_interval(snap.configuration) == 0 and write_checkpoint(
+            self.uri, snap.version, self.storage_options
+        ):
+            trim_log(self.store, snap)
+
+    def commit(
+        self,
+        snap: Snapshot,
+        adds: Sequence[AddFile],
+        removes: Sequence,
+        fences: Sequence[Fence] = (),
+        seen: dict[str, int | None] | None = None,
+        operation: str = "WRITE",
+    ) -> int:
+        """Commit actions computed from `snap`, deleting the added files when the commit does not happen."""
+        try:
+            return self.log.commit(snap, adds, removes, fences, seen, operation)
+        except BaseException:
+            self.data.delete([a.path for a in adds])
             raise
 
     def available(self, partition: int) -> bool:
         """False while a fault is injected on the partition."""
         return not self.faults.failing(partition)
 
-    def files(self, dt: DeltaTable, partition: int) -> list[FileInfo]:
+    def files(self, dt: Snapshot, partition: int) -> list[FileInfo]:
         """The partition's live files at `dt`'s version, ordered by lowest sequence number."""
         self.faults.check(partition, "read")
-        return self._index(dt).partition(partition)
-
-    def _index(self, dt: DeltaTable) -> FileIndex:
-        """This thread's file index, moved to `dt`'s version."""
-        index: FileIndex | None = getattr(self._local, "index", None)
-        if index is None:
-            index = self._local.index = FileIndex(self.uri, self.data.fs, self.data.root)
-        return index.at(dt)
-
-    def _files_live(self, paths: Sequence[str]) -> Callable[[DeltaTable], bool]:
-        """A validity check for commit(): every one of these files is still live."""
-        return lambda dt: all(p in self._index(dt) for p in paths)
+        index: FileIndex = dt.files
+        return index.partition(partition)
 
     # ---- send --------------------------------------------------------------------------------
 
     def append(
-        self, rows: pa.Table, dedupe_since: datetime | None, expand: Expand | None = None, once: Transaction | None = None
+        self, rows: pa.Table, dedupe_since: datetime | None, expand: Expand | None = None, once: Fence | None = None
     ) -> pa.Table:
         """Append rows (partition ids set, sequence numbers not yet) in one commit; one attempt.
 
@@ -165,13 +190,13 @@ class EntityTable:
         to store. `once` makes the append idempotent: it commits with that txn (app id, version)
         and is skipped, returning no rows, when the table already has the app id at that version or
         later; rows whose `sequence_number` (the source's, for a forward) is at most the recorded
-        version were appended by an earlier attempt and are dropped. Raises CommitFailedError when
+        version were appended by an earlier attempt and are dropped. Raises CommitConflict when
         another sender to one of the partitions won the race (the caller retries on a fresh snapshot).
         """
         with self.existing():
             return self._append(rows, dedupe_since, expand, once)
 
-    def _append(self, rows: pa.Table, dedupe_since: datetime | None, expand: Expand | None, once: Transaction | None) -> pa.Table:
+    def _append(self, rows: pa.Table, dedupe_since: datetime | None, expand: Expand | None, once: Fence | None) -> pa.Table:
         dt = self.snapshot()
         if once is not None:
             done = dt.transaction_version(once.app_id)
@@ -194,15 +219,11 @@ class EntityTable:
         if once is not None:
             fences.append(once)
             seen[once.app_id] = dt.transaction_version(once.app_id)
-        try:
-            commit(dt, adds, [], fences, fences_unchanged(seen))
-        except BaseException:
-            self.data.delete([a.path for a in adds])
-            raise
+        self.commit(dt, adds, [], fences, seen, "WRITE")
         return pa.concat_tables(stored)
 
     def _stage(
-        self, dt: DeltaTable, p: int, part: pa.Table, dedupe_since: datetime | None, expand: Expand | None = None
+        self, dt: Snapshot, p: int, part: pa.Table, dedupe_since: datetime | None, expand: Expand | None = None
     ) -> _Staged:
         """Number new rows of one partition from its fence and write them, one file per subscription."""
         self.faults.check(p, "write")
@@ -229,10 +250,10 @@ class EntityTable:
             ]
         )
         return _Staged(
-            app, seen, Transaction(app, last + part.num_rows), part, [a for g in groups for a in self.data.write_chunks(p, g)]
+            app, seen, Fence(app, last + part.num_rows), part, [a for g in groups for a in self.data.write_chunks(p, g)]
         )
 
-    def _check_quota(self, dt: DeltaTable, p: int, part: pa.Table) -> None:
+    def _check_quota(self, dt: Snapshot, p: int, part: pa.Table) -> None:
         """Raise QuotaExceededError when new rows would take a partition beyond its size quota."""
         if self.max_partition_bytes is None or part.num_rows == 0:
             return
@@ -244,7 +265,7 @@ class EntityTable:
                 "limit (max_size_in_megabytes). Receive or purge messages, or raise the limit; nothing was stored"
             )
 
-    def _drop_duplicates(self, dt: DeltaTable, p: int, part: pa.Table, since: datetime) -> pa.Table:
+    def _drop_duplicates(self, dt: Snapshot, p: int, part: pa.Table, since: datetime) -> pa.Table:
         """Remove rows whose message_id repeats within the batch or was accepted since `since`."""
         seen: set[str] = set()
         keep = [not (mid in seen or seen.add(mid)) for mid in part.column("message_id").to_pylist()]
@@ -267,7 +288,7 @@ class EntityTable:
 
     def candidates(
         self,
-        dt: DeltaTable,
+        dt: Snapshot,
         partition: int,
         sub_queue: str,
         now: datetime,
@@ -308,7 +329,7 @@ class EntityTable:
         return pa.concat_tables(picked).sort_by("sequence_number").slice(0, limit)
 
     def rows_by_sequence(
-        self, dt: DeltaTable, partition: int, seqs: Sequence[int], columns: Sequence[str] | None = None
+        self, dt: Snapshot, partition: int, seqs: Sequence[int], columns: Sequence[str] | None = None
     ) -> pa.Table:
         """Current rows of the given sequence numbers in one partition (missing ones are absent)."""
         cols = list(columns or FILE_SCHEMA.names)
@@ -320,7 +341,7 @@ class EntityTable:
 
     def scan(
         self,
-        dt: DeltaTable,
+        dt: Snapshot,
         partition: int,
         columns: Sequence[str],
         from_seq: int | None = None,
@@ -355,7 +376,7 @@ class EntityTable:
         t = pa.concat_tables(out).sort_by("sequence_number") if out else self._read([], cols)
         return t if limit is None else t.slice(0, limit)
 
-    def partition_bytes(self, dt: DeltaTable, partition: int) -> int:
+    def partition_bytes(self, dt: Snapshot, partition: int) -> int:
         """Bytes of the partition's live files: what its size quota counts."""
         return sum(f.size_bytes for f in self.files(dt, partition))
 
@@ -363,7 +384,7 @@ class EntityTable:
 
     def apply(
         self,
-        dt: DeltaTable,
+        dt: Snapshot,
         partition: int,
         changes: pa.Table,
         new_rows: pa.Table | None = None,
@@ -377,7 +398,7 @@ class EntityTable:
 
         Rewrites only the files holding changed rows. `dt` must be the snapshot the changes were
         computed from: if any of those files (or, with new rows, the partition's fence) changed
-        since, this raises CommitFailedError. Returns the stored new rows, if any were given.
+        since, this raises CommitConflict. Returns the stored new rows, if any were given.
 
         The changed rows go to files of their own, apart from the untouched rows of their files,
         in files of up to `changed_file_rows` (a large receive passes its batch size, so that its
@@ -389,7 +410,7 @@ class EntityTable:
 
     def _apply(
         self,
-        dt: DeltaTable,
+        dt: Snapshot,
         partition: int,
         changes: pa.Table,
         new_rows: pa.Table | None,
@@ -420,25 +441,21 @@ class EntityTable:
                     changed.append(split[0])
                     adds += self.data.write_chunks(partition, split[1])
             if not removed:
-                raise CommitFailedError("none of the changed rows is live any more")
+                raise CommitConflict("none of the changed rows is live any more")
         changed_adds = self.data.write_chunks(partition, pa.concat_tables(changed), changed_file_rows) if changed else []
         adds += changed_adds
         staged = self._stage(dt, partition, new_rows, dedupe_since, expand) if new_rows is not None else None
-        fences, valid = [], self._files_live([f.path for f in removed])
+        fences: list[Fence] = []
+        seen: dict[str, int | None] = {}
         if staged is not None:
             adds.extend(staged.adds)
             if staged.fence is not None:
                 fences.append(staged.fence)
-                fenced = fences_unchanged({staged.app: staged.seen})
-                valid = (lambda live, fenced: lambda d: live(d) and fenced(d))(valid, fenced)
+                seen[staged.app] = staged.seen
         if not adds and not removed:
             return staged.rows if staged else None
         removes = [remove_action(f.path, f.partition, f.size_bytes) for f in removed]
-        try:
-            commit(dt, adds, removes, fences, valid)
-        except BaseException:
-            self.data.delete([a.path for a in adds])
-            raise
+        self.commit(dt, adds, removes, fences, seen, "UPDATE")
         if written is not None:
             written += [a.path for a in changed_adds]
         return staged.rows if staged else None
@@ -453,9 +470,9 @@ class _Staged:
 
     app: str
     seen: int | None
-    fence: Transaction | None
+    fence: Fence | None
     rows: pa.Table
-    adds: list
+    adds: list[AddFile]
 
 
 def _apply_changes(rows: pa.Table, changes: pa.Table) -> tuple[pa.Table, pa.Table] | None:

@@ -1,0 +1,433 @@
+"""The Delta transaction log, read and written by sparkqueue itself: snapshots and optimistic commits.
+
+A `Snapshot` is a table's state at one version: protocol, metadata, live files (kept by a
+`FileSet` the caller chooses, e.g. the entity file index) and `txn` versions (the partition
+fences). It is loaded once from the newest checkpoint plus the JSON entries after it, then moved
+forward by reading only the new `_delta_log/<version>.json` entries.
+
+A commit writes the next version's JSON with put-if-absent. When another writer took that
+version first, the snapshot replays the winners, and the commit is retried on top of them if
+they removed none of the files it removes, moved none of the fences it read and changed no
+metadata or protocol; otherwise `CommitConflict` tells the caller to recompute. See
+docs/storage.md for the format and the reasoning.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+import time
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol, Self
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from sparkqueue.errors import StorageCorruptedError, StorageError
+from sparkqueue.storage.store import Store
+
+log = logging.getLogger(__name__)
+
+LOG_DIR = "_delta_log"
+CLIENT_VERSION = "sparkqueue"
+MAX_REBASES = 256
+LOAD_ATTEMPTS = 4
+_ENTRY = re.compile(r"^(\d{20})\.(json|checkpoint\.parquet|checkpoint\.(\d+)\.(\d+)\.parquet)$")
+# What sparkqueue writes correctly: plain Parquet files with add/remove/txn actions, no deletion
+# vectors, no column mapping, no change data feed, no row tracking.
+WRITABLE_READER_FEATURES = frozenset({"timestampNtz"})
+WRITABLE_WRITER_FEATURES = frozenset({"timestampNtz", "invariants", "appendOnly", "checkConstraints"})
+
+
+DEFAULT_LOG_RETENTION_S = 30 * 86400.0  # Delta's default logRetentionDuration
+_INTERVAL = re.compile(r"^\s*interval\s+(\d+)\s+(\w+?)s?\s*$", re.IGNORECASE)
+_UNIT_S = {"second": 1, "minute": 60, "hour": 3600, "day": 86400, "week": 604800}
+
+
+def log_retention_s(configuration: Mapping[str, str]) -> float:
+    """The table's delta.logRetentionDuration in seconds ("interval <n> <unit>"; Delta's default when unset)."""
+    m = _INTERVAL.match(configuration.get("delta.logRetentionDuration") or "")
+    if m is None or m.group(2).lower() not in _UNIT_S:
+        return DEFAULT_LOG_RETENTION_S
+    return int(m.group(1)) * _UNIT_S[m.group(2).lower()]
+
+
+def checkpoint_interval(configuration: Mapping[str, str]) -> int:
+    """The table's delta.checkpointInterval (Delta's default 100)."""
+    try:
+        return max(1, int(configuration.get("delta.checkpointInterval", "100")))
+    except ValueError:
+        return 100
+
+
+class CommitConflict(Exception):  # noqa: N818 - a signal between layers, not an error users see
+    """A concurrent commit changed what this commit was computed from: recompute on a fresh snapshot."""
+
+
+class _Trimmed(Exception):  # noqa: N818
+    """A listed log entry vanished while loading: a trimmer removed it after a newer checkpoint."""
+
+
+@dataclass(frozen=True)
+class Fence:
+    """A Delta `txn` action: application id and version (a partition's sequence counter, an idempotence key)."""
+
+    app_id: str
+    version: int
+
+
+@dataclass(frozen=True)
+class AddFile:
+    """A data file to add: path relative to the table, partition values, size and Delta statistics (JSON)."""
+
+    path: str
+    partition_values: Mapping[str, str]
+    size: int
+    stats: str
+
+    def action(self, now_ms: int) -> dict[str, Any]:
+        """The `add` action as the log stores it."""
+        return {
+            "path": self.path,
+            "partitionValues": dict(self.partition_values),
+            "size": self.size,
+            "modificationTime": now_ms,
+            "dataChange": True,
+            "stats": self.stats,
+        }
+
+
+@dataclass(frozen=True)
+class RemoveFile:
+    """A live data file to remove."""
+
+    path: str
+    partition_values: Mapping[str, str]
+    size: int
+
+    def action(self, now_ms: int) -> dict[str, Any]:
+        """The `remove` action as the log stores it."""
+        return {
+            "path": self.path,
+            "deletionTimestamp": now_ms,
+            "dataChange": True,
+            "extendedFileMetadata": True,
+            "partitionValues": dict(self.partition_values),
+            "size": self.size,
+        }
+
+
+class FileSet(Protocol):
+    """What a snapshot keeps of its live files; the entity file index is one."""
+
+    def add(self, action: Mapping[str, Any]) -> None: ...
+    def remove(self, path: str) -> None: ...
+    def __contains__(self, path: object) -> bool: ...
+    def __len__(self) -> int: ...
+    def copy(self) -> Self: ...
+
+
+@dataclass
+class Snapshot:
+    """A table at one version. `verified_at` is when the log was last seen to have no newer entry."""
+
+    version: int
+    protocol: dict[str, Any]
+    metadata: dict[str, Any]
+    files: Any  # a FileSet
+    txns: dict[str, int] = field(default_factory=dict)
+    verified_at: float = 0.0
+    metadata_version: int = 0  # the version that last changed metadata or protocol
+
+    def transaction_version(self, app_id: str) -> int | None:
+        """The version recorded for a `txn` application id, or None."""
+        return self.txns.get(app_id)
+
+    @property
+    def configuration(self) -> dict[str, str]:
+        """The table's configuration (delta.* settings)."""
+        return dict(self.metadata.get("configuration") or {})
+
+    def copy(self) -> Snapshot:
+        """An independent snapshot at the same version (files are immutable, so sharing their descriptions is safe)."""
+        return Snapshot(
+            self.version,
+            self.protocol,
+            self.metadata,
+            self.files.copy(),
+            dict(self.txns),
+            self.verified_at,
+            self.metadata_version,
+        )
+
+    def apply(self, version: int, actions: Iterable[Mapping[str, Any]]) -> None:
+        """Move to `version` by applying one commit's actions."""
+        for action in actions:
+            if "add" in action:
+                self.files.add(action["add"])
+            elif "remove" in action:
+                self.files.remove(_unquote(action["remove"]["path"]))
+            elif "txn" in action:
+                self.txns[action["txn"]["appId"]] = int(action["txn"]["version"])
+            elif "metaData" in action:
+                self.metadata = action["metaData"]
+                self.metadata_version = version
+            elif "protocol" in action:
+                self.protocol = action["protocol"]
+                self.metadata_version = version
+        self.version = version
+
+
+class DeltaLog:
+    """Reads and writes one table's `_delta_log` through a store rooted at the table."""
+
+    def __init__(
+        self, store: Store, new_files: Callable[[], Any], after_commit: Callable[[Snapshot], None] | None = None
+    ) -> None:
+        """`new_files` makes an empty FileSet; `after_commit` runs after each successful commit (checkpoints)."""
+        self.store = store
+        self.new_files = new_files
+        self.after_commit = after_commit
+
+    @staticmethod
+    def safe_gap_s(snap: Snapshot) -> float:
+        """How long a snapshot may go without seeing the log's head before it must be reloaded.
+
+        Entries before a checkpoint are trimmed once older than the log retention. A snapshot that
+        last saw version v as the newest may commit v+1 by put-if-absent only while v+1, if another
+        writer made it since, cannot have been trimmed yet: well within the retention.
+        """
+        return log_retention_s(snap.configuration) / 4
+
+    # ---- reading --------------------------------------------------------------------------------
+
+    def exists(self) -> bool:
+        """True when the table has any log entry."""
+        return bool(self.store.list(f"{LOG_DIR}/"))
+
+    def load(self) -> Snapshot:
+        """The newest snapshot: newest complete checkpoint plus the JSON entries after it.
+
+        Raises FileNotFoundError when there is no log at all, StorageCorruptedError when entries
+        are missing between the checkpoint and the newest entry or an entry cannot be read.
+        A listed entry that a concurrent trimmer deleted (a newer checkpoint exists) means listing again.
+        """
+        for _ in range(LOAD_ATTEMPTS - 1):
+            try:
+                return self._load()
+            except _Trimmed:
+                continue
+        return self._load()
+
+    def _load(self) -> Snapshot:
+        started = time.monotonic()
+        jsons: set[int] = set()
+        parts: dict[int, dict[int, str]] = {}
+        totals: dict[int, int] = {}
+        for e in self.store.list(f"{LOG_DIR}/"):
+            m = _ENTRY.match(e.path.rsplit("/", 1)[-1])
+            if m is None:
+                continue
+            v = int(m.group(1))
+            if m.group(2) == "json":
+                jsons.add(v)
+            elif m.group(3) is None:
+                parts.setdefault(v, {})[1] = e.path
+                totals[v] = 1
+            else:
+                parts.setdefault(v, {})[int(m.group(3))] = e.path
+                totals[v] = int(m.group(4))
+        complete = [v for v, p in parts.items() if len(p) == totals[v]]
+        if not jsons and not complete:
+            raise FileNotFoundError(f"{self.store.uri}/{LOG_DIR}")
+        newest = max(jsons | set(complete))
+        base = max((v for v in complete if v <= newest), default=-1)
+        missing = [v for v in range(base + 1, newest + 1) if v not in jsons]
+        if missing:
+            raise StorageCorruptedError(
+                f"table {self.store.uri}: log entries {_ranges(missing)} are missing "
+                f"(checkpoint {base if base >= 0 else 'none'}, newest entry {newest})"
+            )
+        try:
+            snap = self._checkpoint(base, [parts[base][i] for i in sorted(parts[base])]) if base >= 0 else self._empty()
+            for v in range(base + 1, newest + 1):
+                snap.apply(v, self._entry(v))
+        except FileNotFoundError as exc:
+            raise _Trimmed from exc
+        snap.verified_at = started
+        self._check_readable(snap)
+        return snap
+
+    def update(self, snap: Snapshot) -> Snapshot:
+        """Move `snap` to the newest version in place (reading only new entries), or reload it when it is too old to trust."""
+        started = time.monotonic()
+        if started - snap.verified_at > self.safe_gap_s(snap):
+            fresh = self.load()
+            snap.__dict__.update(fresh.__dict__)
+            return snap
+        v = snap.version + 1
+        while True:
+            try:
+                actions = self._entry(v)
+            except FileNotFoundError:
+                break
+            snap.apply(v, actions)
+            v += 1
+        snap.verified_at = started
+        return snap
+
+    def _entry(self, version: int) -> list[dict[str, Any]]:
+        """The actions of one JSON entry; FileNotFoundError when absent, StorageCorruptedError when unreadable."""
+        path = f"{LOG_DIR}/{version:020d}.json"
+        data = self.store.get(path)
+        try:
+            actions = [json.loads(line) for line in data.decode("utf-8").splitlines() if line.strip()]
+        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+            raise StorageCorruptedError(f"table {self.store.uri}: log entry {path} is truncated or not JSON ({exc})") from exc
+        if not actions or not all(isinstance(a, dict) for a in actions):
+            raise StorageCorruptedError(f"table {self.store.uri}: log entry {path} is empty ({len(data)} bytes)")
+        return actions
+
+    def _empty(self) -> Snapshot:
+        return Snapshot(-1, {}, {}, self.new_files())
+
+    def _checkpoint(self, version: int, paths: Sequence[str]) -> Snapshot:
+        """A snapshot from a (possibly multi-part) checkpoint's add, txn, metaData and protocol actions."""
+        snap = self._empty()
+        actions: list[dict[str, Any]] = []
+        for path in paths:
+            try:
+                t = pq.read_table(pa.BufferReader(self.store.get(path)))
+            except (pa.ArrowInvalid, OSError) as exc:
+                raise StorageCorruptedError(f"table {self.store.uri}: checkpoint {path} cannot be read ({exc})") from exc
+            for name in ("protocol", "metaData", "txn", "add"):
+                if name not in t.column_names:
+                    continue
+                for row in t.column(name).to_pylist():
+                    if row is not None:
+                        actions.append({name: _checkpoint_action(name, row)})
+        snap.apply(version, actions)
+        return snap
+
+    def _check_readable(self, snap: Snapshot) -> None:
+        if not snap.protocol or not snap.metadata:
+            raise StorageCorruptedError(f"table {self.store.uri}: the log has no protocol or metadata action")
+
+    # ---- writing --------------------------------------------------------------------------------
+
+    def check_writable(self, snap: Snapshot) -> None:
+        """Refuse to write a table that uses a Delta feature sparkqueue does not write correctly."""
+        p, conf = snap.protocol, snap.configuration
+        readers = set(p.get("readerFeatures") or [])
+        writers = set(p.get("writerFeatures") or [])
+        reader_v, writer_v = int(p.get("minReaderVersion", 1)), int(p.get("minWriterVersion", 2))
+        problems = []
+        if reader_v > 3 or (reader_v == 2) or not readers <= WRITABLE_READER_FEATURES:
+            problems.append(f"reader version {reader_v} with features {sorted(readers)}")
+        if writer_v > 7 or writer_v in (4, 5, 6) or not writers <= WRITABLE_WRITER_FEATURES:
+            problems.append(f"writer version {writer_v} with features {sorted(writers)}")
+        for key in ("delta.enableChangeDataFeed", "delta.enableDeletionVectors", "delta.appendOnly", "delta.enableRowTracking"):
+            if str(conf.get(key, "false")).lower() == "true":
+                problems.append(f"{key}=true")
+        if conf.get("delta.columnMapping.mode", "none") != "none":
+            problems.append(f"delta.columnMapping.mode={conf['delta.columnMapping.mode']}")
+        if problems:
+            raise StorageError(
+                f"table {self.store.uri} uses Delta features sparkqueue cannot write correctly: {'; '.join(problems)}"
+            )
+
+    def commit(
+        self,
+        snap: Snapshot,
+        adds: Sequence[AddFile],
+        removes: Sequence[RemoveFile],
+        fences: Sequence[Fence] = (),
+        seen: Mapping[str, int | None] | None = None,
+        operation: str = "WRITE",
+    ) -> int:
+        """Commit actions computed from `snap`; `snap` moves to the new version. Returns it.
+
+        `seen` holds the fence versions the actions were computed from (default: those in `snap`
+        now). Raises CommitConflict when a concurrent commit removed a file this one removes,
+        moved one of those fences, or changed metadata or protocol.
+        """
+        self.check_writable(snap)
+        expected = dict(seen) if seen is not None else {f.app_id: snap.txns.get(f.app_id) for f in fences}
+        removed = [r.path for r in removes]
+        base_meta = snap.metadata_version
+        for _ in range(MAX_REBASES):
+            if time.monotonic() - snap.verified_at > self.safe_gap_s(snap):
+                raise CommitConflict("the snapshot is older than the log's safe window; recompute on a fresh one")
+            if snap.metadata_version != base_meta:
+                raise CommitConflict("the table's metadata or protocol changed")
+            if any(p not in snap.files for p in removed):
+                raise CommitConflict("a file this commit removes was removed by another commit")
+            if any(snap.txns.get(app) != v for app, v in expected.items()):
+                raise CommitConflict("a fence this commit read was moved by another commit")
+            version = snap.version + 1
+            now_ms = int(time.time() * 1000)
+            actions = _actions(adds, removes, fences, operation, now_ms)
+            body = "\n".join(json.dumps(a, separators=(",", ":")) for a in actions).encode() + b"\n"
+            if self.store.put_if_absent(f"{LOG_DIR}/{version:020d}.json", body):
+                snap.apply(version, actions)
+                if self.after_commit is not None:
+                    self.after_commit(snap)
+                return version
+            log.debug("version %d of %s was taken; rebasing", version, self.store.uri)
+            self.update(snap)
+        raise CommitConflict(f"the commit lost {MAX_REBASES} races in a row")
+
+
+def _actions(
+    adds: Sequence[AddFile], removes: Sequence[RemoveFile], fences: Sequence[Fence], operation: str, now_ms: int
+) -> list[dict[str, Any]]:
+    """The JSON actions of one commit: commitInfo first, then txn, add and remove."""
+    info = {
+        "timestamp": now_ms,
+        "operation": operation,
+        "operationParameters": {},
+        "isBlindAppend": not removes,
+        "clientVersion": CLIENT_VERSION,
+    }
+    out: list[dict[str, Any]] = [{"commitInfo": info}]
+    out += [{"txn": {"appId": f.app_id, "version": f.version, "lastUpdated": now_ms}} for f in fences]
+    out += [{"add": a.action(now_ms)} for a in adds]
+    out += [{"remove": r.action(now_ms)} for r in removes]
+    return out
+
+
+def _checkpoint_action(name: str, row: dict[str, Any]) -> dict[str, Any]:
+    """A checkpoint row as the JSON action it stands for (maps arrive from Arrow as lists of pairs)."""
+    out = dict(row)
+    for key in ("partitionValues", "configuration", "tags"):
+        value = out.get(key)
+        if isinstance(value, list):
+            out[key] = dict(value)
+    if name == "metaData" and isinstance(out.get("format"), dict):
+        fmt = dict(out["format"])
+        if isinstance(fmt.get("options"), list):
+            fmt["options"] = dict(fmt["options"])
+        out["format"] = fmt
+    return out
+
+
+def _unquote(path: str) -> str:
+    from urllib.parse import unquote
+
+    return unquote(path)
+
+
+def _ranges(versions: Sequence[int]) -> str:
+    """`[3, 4, 5, 9]` as '3-5, 9'."""
+    out: list[str] = []
+    start = prev = versions[0]
+    for v in [*versions[1:], None]:
+        if v is not None and v == prev + 1:
+            prev = v
+            continue
+        out.append(str(start) if start == prev else f"{start}-{prev}")
+        if v is not None:
+            start = prev = v
+    return ", ".join(out)

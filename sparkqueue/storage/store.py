@@ -1,0 +1,315 @@
+"""Where a namespace's bytes live: one small interface over a local directory or an object store.
+
+Everything sparkqueue writes goes through a `Store` rooted at a table or the namespace root:
+data files (`put`), Delta log entries (`put_if_absent`, the only primitive optimistic commits
+need), reads, listings and deletes. A local directory is written with plain system calls and
+fsync, so an acknowledged commit survives a power loss; Azure Blob/ADLS, S3 and GCS go through
+obstore (Rust's object_store, the library under delta-rs), whose writes are durable when they
+return. The same storage-options dict configures obstore and delta-rs (docs/storage.md).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import uuid
+from abc import ABC, abstractmethod
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from sparkqueue.errors import InvalidOperationError, StorageError
+
+OBJECT_STORE_SCHEMES = ("az", "azure", "abfs", "abfss", "adl", "s3", "s3a", "gs", "gcs")
+# Options delta-rs accepts that configure the HTTP client rather than the store.
+CLIENT_OPTION_KEYS = frozenset(
+    {"allow_http", "allow_invalid_certificates", "connect_timeout", "timeout", "pool_idle_timeout", "proxy_url", "user_agent"}
+)
+# delta-rs-only settings (commit locking, unsafe renames) that obstore does not know; sparkqueue needs neither.
+DELTA_ONLY_KEYS = frozenset({"allow_unsafe_rename", "aws_s3_locking_provider", "dynamodb_table_name", "aws_conditional_put"})
+
+
+@dataclass(frozen=True)
+class Entry:
+    """One listed object: its path relative to the store, size and modification time (seconds since the epoch)."""
+
+    path: str
+    size: int
+    mtime_s: float
+
+
+class Store(ABC):
+    """Bytes under one root: get, durable put, put-if-absent, list, delete. Paths are relative, '/'-separated."""
+
+    uri: str
+
+    @abstractmethod
+    def get(self, path: str) -> bytes:
+        """The object's bytes; FileNotFoundError when it does not exist."""
+
+    @abstractmethod
+    def put(self, path: str, data: bytes) -> None:
+        """Write (or replace) an object durably."""
+
+    @abstractmethod
+    def put_if_absent(self, path: str, data: bytes) -> bool:
+        """Write an object durably unless the name exists; False when it did (nothing written)."""
+
+    @abstractmethod
+    def list(self, prefix: str = "") -> list[Entry]:
+        """Objects under a prefix (recursively); empty when there are none."""
+
+    @abstractmethod
+    def delete(self, path: str) -> None:
+        """Remove an object; a missing one is not an error."""
+
+    @abstractmethod
+    def child(self, prefix: str) -> Store:
+        """A store rooted at `prefix` below this one."""
+
+    def local_path(self, path: str) -> str | None:
+        """The object's path on the local file system, when the store is a local directory."""
+        return None
+
+    def exists(self, path: str) -> bool:
+        """True when the object exists."""
+        try:
+            self.get(path)
+        except FileNotFoundError:
+            return False
+        return True
+
+
+class LocalStore(Store):
+    """A directory on the local file system, written with fsync so commits survive a power loss."""
+
+    def __init__(self, root: str) -> None:
+        self.root = root.rstrip("/") or "/"
+        self.uri = self.root
+
+    def _path(self, path: str) -> str:
+        return f"{self.root}/{path}" if path else self.root
+
+    def get(self, path: str) -> bytes:
+        with _translate(self.uri, path), open(self._path(path), "rb") as f:
+            return f.read()
+
+    def put(self, path: str, data: bytes) -> None:
+        """Write a new or replaced file: to a fresh name, fsynced, then moved into place (readers never see half a file)."""
+        target = self._path(path)
+        with _translate(self.uri, path):
+            tmp = self._write_temp(target, data)
+            os.replace(tmp, target)
+            _fsync_dir(os.path.dirname(target))
+
+    def put_if_absent(self, path: str, data: bytes) -> bool:
+        """Write a fresh name, fsync it, then hard-link it to the target: the link is atomic and refused when the name exists."""
+        target = self._path(path)
+        with _translate(self.uri, path):
+            tmp = self._write_temp(target, data)
+            try:
+                os.link(tmp, target)
+            except FileExistsError:
+                return False
+            finally:
+                os.unlink(tmp)
+            _fsync_dir(os.path.dirname(target))
+            return True
+
+    def _write_temp(self, target: str, data: bytes) -> str:
+        """Write data to a hidden sibling of `target`, fsynced; returns its path."""
+        folder = os.path.dirname(target)
+        os.makedirs(folder, exist_ok=True)
+        tmp = f"{folder}/.tmp-{uuid.uuid4().hex}"
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)  # the process umask applies
+        try:
+            view = memoryview(data)
+            while view:
+                view = view[os.write(fd, view) :]
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        return tmp
+
+    def list(self, prefix: str = "") -> list[Entry]:
+        base = self._path(prefix)
+        out: list[Entry] = []
+        with _translate(self.uri, prefix):
+            if not os.path.isdir(base):
+                return out
+            for folder, _, names in os.walk(base):
+                for name in names:
+                    full = os.path.join(folder, name)
+                    with contextlib.suppress(FileNotFoundError):  # removed while listing
+                        st = os.stat(full)
+                        out.append(Entry(os.path.relpath(full, self.root).replace(os.sep, "/"), st.st_size, st.st_mtime))
+        return out
+
+    def delete(self, path: str) -> None:
+        with _translate(self.uri, path), contextlib.suppress(FileNotFoundError):
+            os.unlink(self._path(path))
+
+    def child(self, prefix: str) -> LocalStore:
+        return LocalStore(self._path(prefix.strip("/")))
+
+    def local_path(self, path: str) -> str | None:
+        return self._path(path)
+
+
+class ObjectStore(Store):
+    """Azure Blob/ADLS, S3 or GCS through obstore; a put is durable when it returns, put-if-absent is a conditional create."""
+
+    def __init__(self, uri: str, options: Mapping[str, str] | None = None) -> None:
+        from obstore.store import from_url
+
+        self.uri = uri.rstrip("/")
+        self.options = dict(options or {})
+        config, client = _obstore_options(self.options)
+        with _translate(self.uri, ""):
+            self._store: Any = from_url(self.uri, config=config or None, client_options=client or None)  # type: ignore[arg-type]
+
+    def get(self, path: str) -> bytes:
+        import obstore
+
+        with _translate(self.uri, path):
+            return bytes(obstore.get(self._store, path).bytes())
+
+    def put(self, path: str, data: bytes) -> None:
+        import obstore
+
+        with _translate(self.uri, path):
+            obstore.put(self._store, path, data)
+
+    def put_if_absent(self, path: str, data: bytes) -> bool:
+        import obstore
+        from obstore.exceptions import AlreadyExistsError, PreconditionError
+
+        with _translate(self.uri, path):
+            try:
+                obstore.put(self._store, path, data, mode="create")
+            except (AlreadyExistsError, PreconditionError):
+                return False
+            return True
+
+    def list(self, prefix: str = "") -> list[Entry]:
+        import obstore
+
+        with _translate(self.uri, prefix):
+            return [
+                Entry(m["path"], int(m["size"]), m["last_modified"].timestamp())
+                for batch in obstore.list(self._store, prefix or None)
+                for m in batch
+            ]
+
+    def delete(self, path: str) -> None:
+        import obstore
+
+        with _translate(self.uri, path), contextlib.suppress(FileNotFoundError):
+            obstore.delete(self._store, path)
+
+    def child(self, prefix: str) -> ObjectStore:
+        return ObjectStore(f"{self.uri}/{prefix.strip('/')}", self.options)
+
+
+def resolve_root(root: str | os.PathLike[str]) -> str:
+    """A namespace root as sparkqueue stores it: an absolute local path, or an object-store URI without a trailing '/'.
+
+    A relative local root is made absolute, so the namespace opens the same from any directory,
+    process or Spark executor. The file-system root itself and empty roots are refused: a
+    namespace writes `_catalog` and `entities` under its root.
+    """
+    if root is None or not isinstance(root, (str, os.PathLike)):
+        raise InvalidOperationError(f"a namespace root is a path or a URI, got {root!r}")
+    text = os.fspath(root)
+    if not isinstance(text, str) or not text.strip() or "\x00" in text:
+        raise InvalidOperationError(f"a namespace root is a non-empty path or URI, got {root!r}")
+    scheme, sep, rest = text.partition("://")
+    if sep and scheme.lower() != "file":
+        if scheme.lower() not in OBJECT_STORE_SCHEMES:
+            raise InvalidOperationError(
+                f"unsupported namespace URI scheme {scheme!r}: use a local path, file://, "
+                f"or one of {', '.join(s + '://' for s in OBJECT_STORE_SCHEMES)}"
+            )
+        bucket = rest.split("/", 1)[0]
+        if not bucket:
+            raise InvalidOperationError(f"namespace URI {text!r} names no container or bucket")
+        return f"{scheme.lower()}://{rest.rstrip('/')}"
+    local = Path(rest if sep else text).expanduser().resolve()
+    if local.parent == local:
+        raise InvalidOperationError(f"namespace root {text!r} is the file-system root; choose a directory for the namespace")
+    return str(local)
+
+
+def check_storage_options(options: Mapping[str, str] | None) -> dict[str, str]:
+    """Storage options as a plain dict of strings (delta-rs's and obstore's shape); anything else is refused."""
+    if options is None:
+        return {}
+    if not isinstance(options, Mapping):
+        raise InvalidOperationError(f"storage_options must be a dict of strings, got {type(options).__name__}")
+    out: dict[str, str] = {}
+    for key, value in options.items():
+        if not isinstance(key, str) or not isinstance(value, (str, bool, int, float)) or isinstance(value, float):
+            raise InvalidOperationError(f"storage_options[{key!r}] must be a string, got {value!r}")
+        out[key] = str(value).lower() if isinstance(value, bool) else str(value)
+    return out
+
+
+def is_local(root: str) -> bool:
+    """True for a root on the local file system (as `resolve_root` returns it)."""
+    return "://" not in root
+
+
+def open_store(root: str, options: Mapping[str, str] | None = None) -> Store:
+    """The store at a resolved root (see `resolve_root`)."""
+    return LocalStore(root) if is_local(root) else ObjectStore(root, options)
+
+
+def _obstore_options(options: Mapping[str, str]) -> tuple[dict[str, str], dict[str, str]]:
+    """Split delta-rs style storage options into obstore's store config and HTTP client options."""
+    config: dict[str, str] = {}
+    client: dict[str, str] = {}
+    for key, value in options.items():
+        k = key.lower()
+        if k in DELTA_ONLY_KEYS:
+            continue
+        (client if k in CLIENT_OPTION_KEYS else config)[k] = str(value)
+    return config, client
+
+
+@contextlib.contextmanager
+def _translate(uri: str, path: str) -> Iterator[None]:
+    """Turn store failures other than a missing object into StorageError naming the store."""
+    try:
+        yield
+    except FileNotFoundError:
+        raise
+    except (PermissionError, IsADirectoryError, NotADirectoryError) as exc:
+        raise StorageError(f"store {uri!r} refused access to {path!r}: {exc}") from exc
+    except OSError as exc:
+        raise StorageError(f"store {uri!r} failed on {path!r}: {exc}") from exc
+    except Exception as exc:
+        name = type(exc).__name__
+        module = type(exc).__module__ or ""
+        if not module.startswith("obstore"):
+            raise
+        if name == "NotFoundError":
+            raise FileNotFoundError(f"{uri}/{path}") from exc
+        raise StorageError(f"store {uri!r} failed on {path!r} ({name}): {_first_line(exc)}") from exc
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else type(exc).__name__
+
+
+def _fsync_dir(folder: str) -> None:
+    """Make a directory's new entries durable (a no-op where directories cannot be opened)."""
+    try:
+        fd = os.open(folder, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
