@@ -15,7 +15,7 @@ from __future__ import annotations
 import json
 import threading
 import uuid
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any, Self, TypeVar
@@ -67,6 +67,9 @@ class _Files:
 
     def remove(self, path: str) -> None:
         self.adds.pop(path, None)
+
+    def actions(self) -> Iterable[Mapping[str, Any]]:
+        return self.adds.values()
 
     def __contains__(self, path: object) -> bool:
         return path in self.adds
@@ -124,7 +127,7 @@ class Catalog:
     def _after_commit(self, snap: Snapshot) -> None:
         """Checkpoint every `delta.checkpointInterval` versions, so opening the namespace stays one read."""
         if snap.version % checkpoint_interval(snap.configuration) == 0:
-            write_checkpoint(self.uri, snap.version, self.storage_options)
+            write_checkpoint(self.store, snap)
 
     def _snapshot(self) -> Snapshot:
         with self._lock:

@@ -1,17 +1,22 @@
 """Checkpoints and log trimming, so that loading a table stays cheap however many commits it has seen.
 
-A checkpoint (written by delta-rs, the reference writer) folds the log up to a version into one
-Parquet file; entries before the newest checkpoint and older than the table's log retention are
-then deleted. Every writer may trim at once: a file another trimmer deleted first is skipped.
+A checkpoint folds the log up to a version into one Parquet file (Delta's classic checkpoint,
+read by delta-rs and Spark); entries before the newest checkpoint and older than the table's log
+retention are then deleted. Every writer may trim at once: a file another trimmer deleted first is skipped.
 Both are best effort: a failure only postpones them, the commit that triggered them stands.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import re
 import time
 from collections.abc import Mapping
+from typing import Any
+
+import pyarrow as pa
+import pyarrow.parquet as pq
 
 from sparkqueue.storage.log import LOG_DIR, Snapshot, log_retention_s
 from sparkqueue.storage.store import Store
@@ -21,16 +26,123 @@ log = logging.getLogger(__name__)
 _LOG_FILE = re.compile(r"^(\d{20})\.(json|crc|checkpoint\.parquet|checkpoint\.\d+\.\d+\.parquet)$")
 
 
-def write_checkpoint(table_uri: str, version: int, storage_options: Mapping[str, str] | None) -> bool:
-    """Write a checkpoint at `version` with delta-rs; False (logged) when it could not."""
-    from deltalake import DeltaTable
+def write_checkpoint(store: Store, snap: Snapshot) -> bool:
+    """Write a classic single-file checkpoint of `snap` and point `_last_checkpoint` at it; False (logged) when it failed.
 
+    Built from the snapshot in memory (its live files' add actions, txn versions, metadata and
+    protocol), so it costs a Parquet write of one row per live file, not a reload of the table.
+    Two writers checkpointing one version write the same actions: either file serves.
+    """
     try:
-        DeltaTable(table_uri, version=version, storage_options=dict(storage_options or {}) or None).create_checkpoint()
+        table = checkpoint_table(snap)
+        sink = pa.BufferOutputStream()
+        pq.write_table(table, sink, compression="snappy")
+        store.put(f"{LOG_DIR}/{snap.version:020d}.checkpoint.parquet", sink.getvalue().to_pybytes())
+        last = {"version": snap.version, "size": table.num_rows}
+        store.put(f"{LOG_DIR}/_last_checkpoint", json.dumps(last).encode())
     except Exception as exc:
-        log.debug("checkpoint of %s at version %d skipped: %s", table_uri, version, exc)
+        log.warning("checkpoint of %s at version %d skipped: %s", store.uri, snap.version, exc)
         return False
     return True
+
+
+def checkpoint_table(snap: Snapshot) -> pa.Table:
+    """The checkpoint rows of a snapshot: protocol, metadata, one per txn and one per live file's add action."""
+    p, m = snap.protocol, snap.metadata
+    rows: list[dict[str, Any]] = [
+        {
+            "protocol": {
+                "minReaderVersion": int(p.get("minReaderVersion", 1)),
+                "minWriterVersion": int(p.get("minWriterVersion", 2)),
+                "readerFeatures": p.get("readerFeatures"),
+                "writerFeatures": p.get("writerFeatures"),
+            }
+        },
+        {
+            "metaData": {
+                "id": m.get("id"),
+                "name": m.get("name"),
+                "description": m.get("description"),
+                "format": {
+                    "provider": (m.get("format") or {}).get("provider", "parquet"),
+                    "options": _pairs((m.get("format") or {}).get("options")),
+                },
+                "schemaString": m.get("schemaString"),
+                "partitionColumns": list(m.get("partitionColumns") or []),
+                "configuration": _pairs(m.get("configuration")),
+                "createdTime": m.get("createdTime"),
+            }
+        },
+    ]
+    rows += [{"txn": {"appId": app, "version": v, "lastUpdated": None}} for app, v in sorted(snap.txns.items())]
+    for a in snap.files.actions():
+        rows.append(
+            {
+                "add": {
+                    "path": a["path"],
+                    "partitionValues": _pairs(a.get("partitionValues")),
+                    "size": int(a["size"]),
+                    "modificationTime": int(a.get("modificationTime", 0)),
+                    "dataChange": False,
+                    "stats": a.get("stats"),
+                    "tags": _pairs(a.get("tags")) if a.get("tags") else None,
+                }
+            }
+        )
+    return pa.Table.from_pylist(rows, schema=CHECKPOINT_SCHEMA)
+
+
+def _pairs(mapping: Mapping[str, str] | None) -> list[tuple[str, str]]:
+    """A dict as the (key, value) list Arrow map columns take."""
+    return [(str(k), None if v is None else str(v)) for k, v in (mapping or {}).items()]  # type: ignore[misc]
+
+
+_MAP = pa.map_(pa.string(), pa.string())
+CHECKPOINT_SCHEMA = pa.schema(
+    [
+        pa.field("txn", pa.struct([("appId", pa.string()), ("version", pa.int64()), ("lastUpdated", pa.int64())])),
+        pa.field(
+            "add",
+            pa.struct(
+                [
+                    ("path", pa.string()),
+                    ("partitionValues", _MAP),
+                    ("size", pa.int64()),
+                    ("modificationTime", pa.int64()),
+                    ("dataChange", pa.bool_()),
+                    ("stats", pa.string()),
+                    ("tags", _MAP),
+                ]
+            ),
+        ),
+        pa.field(
+            "metaData",
+            pa.struct(
+                [
+                    ("id", pa.string()),
+                    ("name", pa.string()),
+                    ("description", pa.string()),
+                    ("format", pa.struct([("provider", pa.string()), ("options", _MAP)])),
+                    ("schemaString", pa.string()),
+                    ("partitionColumns", pa.list_(pa.string())),
+                    ("configuration", _MAP),
+                    ("createdTime", pa.int64()),
+                ]
+            ),
+        ),
+        pa.field(
+            "protocol",
+            pa.struct(
+                [
+                    ("minReaderVersion", pa.int32()),
+                    ("minWriterVersion", pa.int32()),
+                    ("readerFeatures", pa.list_(pa.string())),
+                    ("writerFeatures", pa.list_(pa.string())),
+                ]
+            ),
+        ),
+    ]
+)
 
 
 def trim_log(store: Store, snap: Snapshot) -> int:

@@ -8,7 +8,7 @@ index is always at the snapshot's version without re-reading anything.
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
@@ -73,19 +73,26 @@ class FileIndex:
 
     def __init__(self) -> None:
         self._files: dict[str, FileInfo] = {}
+        self._actions: dict[str, Mapping[str, Any]] = {}  # what a checkpoint writes back
         self._sorted: dict[int, list[FileInfo]] = {}
 
     def add(self, action: Mapping[str, Any]) -> None:
         """Record a live file from its `add` action."""
         info = _from_add(action)
         self._files[info.path] = info
+        self._actions[info.path] = action
         self._sorted.pop(info.partition, None)
 
     def remove(self, path: str) -> None:
         """Forget a removed file."""
         gone = self._files.pop(path, None)
+        self._actions.pop(path, None)
         if gone is not None:
             self._sorted.pop(gone.partition, None)
+
+    def actions(self) -> Iterable[Mapping[str, Any]]:
+        """The live files' add actions."""
+        return self._actions.values()
 
     def partition(self, p: int) -> list[FileInfo]:
         """The partition's live files, ordered by lowest sequence number."""
@@ -108,6 +115,7 @@ class FileIndex:
         """An independent index of the same files (FileInfo is immutable; sorted lists are rebuilt on demand)."""
         other = FileIndex()
         other._files = dict(self._files)
+        other._actions = dict(self._actions)
         return other
 
 

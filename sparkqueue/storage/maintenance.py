@@ -12,19 +12,20 @@
 
 from __future__ import annotations
 
+import json
 import logging
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
+from urllib.parse import unquote
 
 import pyarrow as pa
 import pyarrow.compute as pc
 
 from sparkqueue.storage.checkpoint import trim_log, write_checkpoint
 from sparkqueue.storage.files import MAX_FILE_BYTES, MAX_FILE_ROWS, remove_action
-from sparkqueue.storage.log import CommitConflict
-from sparkqueue.storage.retry import backoff
+from sparkqueue.storage.log import LOG_DIR, CommitConflict
 from sparkqueue.storage.schema import STATE_COMPLETED, TIMESTAMP
 from sparkqueue.storage.table import EntityTable, FileInfo
 
@@ -34,8 +35,7 @@ TARGET_ROWS = MAX_FILE_ROWS  # compaction removes small files; it never builds f
 TARGET_BYTES = MAX_FILE_BYTES
 SMALL_FRACTION = 0.25  # a file under a quarter of the target is "small"
 DEFAULT_VACUUM_RETENTION = timedelta(hours=1)
-VACUUM_ATTEMPTS = 8
-ORPHAN_RETENTION = timedelta(hours=1)  # never-committed files younger than this may belong to a live writer
+ORPHAN_RETENTION = timedelta(minutes=10)  # a live writer commits within seconds; files this old and not live are not its
 
 
 @dataclass
@@ -185,7 +185,7 @@ def checkpoint(table: EntityTable, report: MaintenanceReport | None = None) -> M
     """Write a checkpoint at the current version and delete log files past the log retention."""
     report = report or MaintenanceReport()
     snap = table.snapshot()
-    if write_checkpoint(table.uri, snap.version, table.storage_options):
+    if write_checkpoint(table.store, snap):
         trim_log(table.store, snap)
         report.checkpointed_version = snap.version
     return report
@@ -194,42 +194,50 @@ def checkpoint(table: EntityTable, report: MaintenanceReport | None = None) -> M
 def vacuum(
     table: EntityTable, retention: timedelta = DEFAULT_VACUUM_RETENTION, report: MaintenanceReport | None = None
 ) -> MaintenanceReport:
-    """Delete data files no version newer than `retention` references (and never-committed files that old)."""
+    """Delete files the table no longer references: removed more than `retention` ago, or never committed.
+
+    A file removed by a commit still in the log is judged by that commit's time. Past the log's
+    retention the removal time is gone, and a file that is not live is judged by its age; so is a
+    file no commit ever referenced (a writer killed between writing and committing), which is kept
+    at least ORPHAN_RETENTION because a live writer commits its files within seconds of writing
+    them (docs/storage.md). Left-over temporary files of killed writers go the same way.
+    """
     report = report or MaintenanceReport()
-    hours = max(0, int(retention.total_seconds() // 3600))
-    removed = _vacuum(table, hours, full=False)
-    # Files no commit ever referenced (a writer killed between writing and committing) need a full
-    # listing; a live writer may still commit a fresh one, so those are kept at least ORPHAN_RETENTION.
-    orphan_hours = max(hours, int(ORPHAN_RETENTION.total_seconds() // 3600))
-    removed += _vacuum(table, orphan_hours, full=True)
-    report.vacuumed_files = len(removed)
+    snap = table.snapshot()
+    now = time.time()
+    removed_at = _removals(table)
+    keep_removed_after = now - retention.total_seconds()
+    keep_unknown_after = now - max(retention, ORPHAN_RETENTION).total_seconds()
+    deleted = 0
+    for e in table.store.list():
+        if e.path.startswith(f"{LOG_DIR}/") and not e.path.rsplit("/", 1)[-1].startswith(".tmp-"):
+            continue
+        if e.path in snap.files:
+            continue
+        when = removed_at.get(e.path)
+        if (when is not None and when < keep_removed_after) or (when is None and e.mtime_s < keep_unknown_after):
+            table.store.delete(e.path)
+            deleted += 1
+    report.vacuumed_files += deleted
     return report
 
 
-def _vacuum(table: EntityTable, hours: int, *, full: bool) -> list[str]:
-    """One vacuum, retried on a fresh snapshot when its log entry loses a race with live writers.
-
-    delta-rs records a vacuum as a commit that conflicts with any concurrent removal (every
-    settlement), and reads log entries another process may trim meanwhile; deleting unreferenced
-    files is safe either way, so after a few attempts the run gives up and leaves the rest to the
-    next one.
-    """
-    from deltalake import DeltaTable, PostCommitHookProperties
-    from deltalake.exceptions import CommitFailedError
-
-    # delta-rs must not checkpoint or trim inside its commit: sparkqueue does both (checkpoint.py).
-    hooks = PostCommitHookProperties(create_checkpoint=False, cleanup_expired_logs=False)
-    for attempt in range(VACUUM_ATTEMPTS):
+def _removals(table: EntityTable) -> dict[str, float]:
+    """When each file removed by a commit still in the log was removed (seconds since the epoch)."""
+    out: dict[str, float] = {}
+    for e in table.store.list(f"{LOG_DIR}/"):
+        if not e.path.endswith(".json"):
+            continue
         try:
-            dt = DeltaTable(table.uri, storage_options=table.storage_options or None)
-            return dt.vacuum(
-                retention_hours=hours,
-                dry_run=False,
-                enforce_retention_duration=False,
-                full=full,
-                post_commithook_properties=hooks,
-            )
-        except (CommitFailedError, FileNotFoundError):
-            time.sleep(backoff(attempt))
-    log.info("vacuum of %s lost %d commit races; the next maintenance run retries", table.uri, VACUUM_ATTEMPTS)
-    return []
+            text = table.store.get(e.path).decode("utf-8")
+        except (FileNotFoundError, UnicodeDecodeError):  # trimmed meanwhile, or damaged: judged by age instead
+            continue
+        for line in text.splitlines():
+            if '"remove"' not in line:
+                continue
+            try:
+                remove = json.loads(line)["remove"]
+            except (ValueError, KeyError, TypeError):
+                continue
+            out[unquote(remove["path"])] = float(remove.get("deletionTimestamp") or e.mtime_s * 1000) / 1000
+    return out

@@ -146,9 +146,7 @@ class EntityTable:
 
     def _after_commit(self, snap: Snapshot) -> None:
         """Checkpoint every `delta.checkpointInterval` versions and trim the log behind it."""
-        if snap.version % checkpoint_interval(snap.configuration) == 0 and write_checkpoint(
-            self.uri, snap.version, self.storage_options
-        ):
+        if snap.version % checkpoint_interval(snap.configuration) == 0 and write_checkpoint(self.store, snap):
             trim_log(self.store, snap)
 
     def commit(
