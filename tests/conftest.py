@@ -71,9 +71,22 @@ class Store:
 
 
 @pytest.fixture(params=["local", "azure"])
-def store(request: pytest.FixtureRequest, tmp_path: Path) -> Store:
-    """A fresh namespace location: a local directory, then an Azurite container."""
+def store(request: pytest.FixtureRequest, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Store:
+    """A fresh namespace location: a local directory, then an Azurite container.
+
+    For Azure the store's usual environment variables are set too, so child processes that open
+    `Namespace(root)` with no storage options reach the same container.
+    """
     if request.param == "local":
         return Store("local", str(tmp_path / "ns"), None)
     server = request.getfixturevalue("azurite")
+    from azurite import ACCOUNT, KEY
+
+    for name, value in {
+        "AZURE_STORAGE_ACCOUNT_NAME": ACCOUNT,
+        "AZURE_STORAGE_ACCOUNT_KEY": KEY,
+        "AZURE_STORAGE_ENDPOINT": server.endpoint,
+        "AZURE_ALLOW_HTTP": "true",
+    }.items():
+        monkeypatch.setenv(name, value)
     return Store("azure", f"az://{server.create_container()}/ns", server.storage_options())

@@ -178,7 +178,9 @@ def test_a_missing_entry_in_the_middle_is_reported(table: EntityTable) -> None:
 
 def test_tables_with_features_sparkqueue_cannot_write_are_refused(tmp_path: Path) -> None:
     uri = str(tmp_path / "dv")
-    DeltaTable.create(uri, schema=ENTITY_SCHEMA, partition_by=[PARTITION_COLUMN], configuration={"delta.enableChangeDataFeed": "true"})
+    DeltaTable.create(
+        uri, schema=ENTITY_SCHEMA, partition_by=[PARTITION_COLUMN], configuration={"delta.enableChangeDataFeed": "true"}
+    )
     table = EntityTable(uri, 16)
     snap = table.snapshot()
     with pytest.raises(StorageError, match="enableChangeDataFeed"):

@@ -445,9 +445,12 @@ def _by_partition(seqs: Iterable[int]) -> dict[int, list[int]]:
     return out
 
 
+_EMPTY_ROWS = pa.schema([ENTITY_SCHEMA.field(c) for c in ROW_COLUMNS]).empty_table()
+
+
 def empty_rows() -> pa.Table:
-    """A row table with no rows."""
-    return pa.schema([ENTITY_SCHEMA.field(c) for c in ROW_COLUMNS]).empty_table()
+    """A row table with no rows (shared: Arrow tables are immutable)."""
+    return _EMPTY_ROWS
 
 
 __all__ = ["Entity", "SettleResult", "partition_of", "utcnow", "SEQUENCE_MASK", "SUB_QUEUE_MAIN"]

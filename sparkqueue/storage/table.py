@@ -12,6 +12,7 @@ Three storage facts shape this module (docs/storage.md):
 
 from __future__ import annotations
 
+import functools
 import logging
 import threading
 from collections.abc import Callable, Iterator, Sequence
@@ -281,7 +282,7 @@ class EntityTable:
     def _read(self, files: Sequence[FileInfo], columns: Sequence[str]) -> pa.Table:
         """Rows of the given files (selected columns)."""
         if not files:
-            return pa.schema([FILE_SCHEMA.field(c) for c in columns]).empty_table()
+            return _empty(tuple(columns))
         return pa.concat_tables([self.data.read(f.path, columns) for f in files])
 
     def candidates(
@@ -460,6 +461,12 @@ class EntityTable:
 
 
 Expand = Callable[[pa.Table], pa.Table]
+
+
+@functools.lru_cache(maxsize=64)
+def _empty(columns: tuple[str, ...]) -> pa.Table:
+    """A table of the given file columns with no rows (shared: Arrow tables are immutable)."""
+    return pa.schema([FILE_SCHEMA.field(c) for c in columns]).empty_table()
 
 
 @dataclass

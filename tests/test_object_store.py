@@ -1,0 +1,196 @@
+"""The core contract on a local disk and on a real object store (Azurite), and the store's failure modes.
+
+Every test taking `store` runs twice: on a local directory and on an Azurite container. Child
+processes open `Namespace(root)` from the store's environment variables, as a Spark executor or
+a second job would.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import signal
+import time
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import pytest
+from conftest import Store
+from deltalake import DeltaTable
+from procs import drain_all, receive_and_complete, send_and_lock_until_killed
+
+from sparkqueue import Message, Namespace, SubQueue
+from sparkqueue.errors import StorageError
+from sparkqueue.storage.files import encode_parquet
+
+CTX = mp.get_context("spawn")
+
+
+def _table(ns: Namespace, name: str = "q") -> str:
+    return ns.table_uri(ns._entry("queue", name).table_path)
+
+
+def test_send_receive_settle_and_delta_rs_reads_the_same_table(store: Store) -> None:
+    with store.open() as ns:
+        ns.create_queue("q", max_delivery_count=2)
+        with ns.get_queue_sender("q") as s:
+            seqs = s.send_messages([Message(f"m{i}", message_id=f"m{i}", partition_key=f"k{i % 5}") for i in range(40)])
+            seqs += s.send_messages([Message(f"u{i}", message_id=f"u{i}") for i in range(20)])
+        assert len(set(seqs)) == 60
+        with ns.get_queue_receiver("q", max_wait_time=1) as r:
+            got = drain_all(r)
+            assert sorted(m.message_id for m in got) == sorted([f"m{i}" for i in range(40)] + [f"u{i}" for i in range(20)])
+            for m in got[:30]:
+                r.complete_message(m)
+            for m in got[30:40]:
+                r.dead_letter_message(m, reason="bad")
+            for m in got[40:]:
+                r.abandon_message(m)
+            again = drain_all(r)
+            assert sorted(m.message_id for m in again) == sorted(m.message_id for m in got[40:])
+            first = {m.message_id: m.delivery_count for m in got}
+            assert all(m.delivery_count == first[m.message_id] + 1 for m in again)
+        rp = ns.get_queue_runtime_properties("q")
+        assert (rp.active_message_count, rp.dead_letter_message_count) == (20, 10)
+        with ns.get_queue_receiver("q", sub_queue=SubQueue.DEAD_LETTER) as d:
+            assert sorted(m.message_id for m in drain_all(d)) == sorted(m.message_id for m in got[30:40])
+        dt = DeltaTable(_table(ns), storage_options=store.storage_options)
+        rows = dt.to_pyarrow_table(columns=["message_id", "sub_queue"]).to_pylist()
+        assert Counter(r["sub_queue"] for r in rows) == {"main": 20, "deadletter": 10}
+
+
+def test_duplicate_detection_drops_repeats(store: Store) -> None:
+    with store.open() as ns:
+        ns.create_queue("q", requires_duplicate_detection=True)
+        with ns.get_queue_sender("q") as s:
+            assert len(s.send_messages([Message("a", message_id=f"id{i}") for i in range(10)])) == 10
+            assert s.send_messages([Message("b", message_id=f"id{i}") for i in range(10)]) == []
+        with ns.get_queue_receiver("q", max_wait_time=1) as r:
+            got = drain_all(r)
+            for m in got:
+                r.complete_message(m)
+        with ns.get_queue_sender("q") as s:
+            assert s.send_messages([Message("c", message_id=f"id{i}") for i in range(10)]) == []
+        assert len(got) == 10
+
+
+def test_a_namespace_reopens_from_another_process_and_lists_its_entities(store: Store) -> None:
+    with store.open() as ns:
+        ns.create_queue("a")
+        ns.create_topic("t")
+        ns.create_subscription("t", "s")
+    with store.open() as again:
+        assert [q.name for q in again.list_queues()] == ["a"]
+        assert [s.name for s in again.list_subscriptions("t")] == ["s"]
+
+
+def test_competing_receiver_processes_complete_each_message_exactly_once(store: Store) -> None:
+    total = 300
+    with store.open() as ns:
+        ns.create_queue("q")
+        with ns.get_queue_sender("q") as s:
+            for start in range(0, total, 100):
+                s.send_messages([Message(str(i), message_id=f"m{i}") for i in range(start, start + 100)])
+    barrier, done, results = CTX.Barrier(3), CTX.Value("i", 0), CTX.Queue()
+    procs = [CTX.Process(target=receive_and_complete, args=(store.root, "q", barrier, done, total, results, w)) for w in range(3)]
+    for p in procs:
+        p.start()
+    reports = [results.get(timeout=180) for _ in procs]
+    for p in procs:
+        p.join(timeout=30)
+    completed = [mid for _, _, c, _ in reports for mid in c]
+    assert len(completed) == total
+    assert Counter(completed) == Counter(f"m{i}" for i in range(total))
+
+
+def test_a_sender_killed_mid_operation_loses_and_duplicates_nothing(store: Store, tmp_path: Path) -> None:
+    with store.open() as ns:
+        ns.create_queue("q")
+    sent, locked = tmp_path / "sent", tmp_path / "locked"
+    proc = CTX.Process(target=send_and_lock_until_killed, args=(store.root, "q", str(sent), str(locked), 5))
+    proc.start()
+    give_up = time.monotonic() + 120
+    while (not sent.exists() or len(sent.read_text().split()) < 40) and time.monotonic() < give_up:
+        time.sleep(0.05)
+    assert proc.pid is not None
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.join()
+    acknowledged = set(sent.read_text().split())
+    assert len(acknowledged) >= 40
+    with store.open() as ns:
+        rp = ns.get_queue_runtime_properties("q")
+        stored = Counter(m.message_id for m in _peek_all(ns))
+    assert all(n == 1 for n in stored.values())  # no duplicates, no half batch written twice
+    assert acknowledged <= set(stored)  # every acknowledged message is there
+    assert len(stored) % 5 == 0  # batches are whole
+    assert rp.total_message_count == len(stored)
+
+
+def _peek_all(ns: Namespace) -> list[Any]:
+    with ns.get_queue_receiver("q") as r:
+        out = r.peek_messages(500, sequence_number=0)
+        while True:
+            more = r.peek_messages(500)
+            if not more:
+                return out
+            out += more
+
+
+def test_a_data_file_written_without_its_commit_is_invisible_and_vacuumed(store: Store) -> None:
+    """A commit that failed half-way (file written, log entry not) shows nothing; vacuum removes the orphan once old."""
+    with store.open() as ns:
+        ns.create_queue("q")
+        ns.get_queue_sender("q").send_messages(Message("kept"))
+        entity = ns._entity("queue", "q")
+        orphan = "partition_id=3/part-orphan.parquet"
+        entity.table.store.put(orphan, encode_parquet(entity.table.data.read(next(iter(entity.table.snapshot().files)).path)))
+        assert ns.get_queue_runtime_properties("q").total_message_count == 1
+        from datetime import timedelta
+
+        ns.run_maintenance(vacuum_retention=timedelta(0))
+        assert entity.table.store.exists(orphan)  # young: it may still belong to a live writer
+        from sparkqueue.storage import maintenance
+
+        maintenance.ORPHAN_RETENTION, saved = timedelta(0), maintenance.ORPHAN_RETENTION
+        try:
+            ns.run_maintenance(vacuum_retention=timedelta(0))
+        finally:
+            maintenance.ORPHAN_RETENTION = saved
+        assert not entity.table.store.exists(orphan)
+        with ns.get_queue_receiver("q", max_wait_time=1) as r:
+            assert [str(m) for m in r.receive_messages(5)] == ["kept"]
+
+
+def test_wrong_credentials_and_missing_containers_are_clear_errors(azurite: Any) -> None:
+    container = azurite.create_container()
+    bad_key = azurite.storage_options(key="A" * 86 + "==")
+    with pytest.raises(StorageError, match=container):
+        Namespace(f"az://{container}/ns", storage_options=bad_key)
+    with pytest.raises(StorageError, match="no-such-container"):
+        Namespace("az://no-such-container/ns", storage_options=azurite.storage_options())
+
+
+def test_an_unreachable_store_is_a_clear_error() -> None:
+    from azurite import ACCOUNT, KEY, free_port
+
+    options = {
+        "account_name": ACCOUNT,
+        "account_key": KEY,
+        "azure_storage_endpoint": f"http://127.0.0.1:{free_port()}/{ACCOUNT}",
+        "allow_http": "true",
+    }
+    with pytest.raises(StorageError, match="az://c1x/ns"):
+        Namespace("az://c1x/ns", storage_options=options)
+
+
+def test_nothing_is_written_outside_the_namespace_root(tmp_path: Path) -> None:
+    root = tmp_path / "inside" / "ns"
+    with Namespace(root) as ns:
+        ns.create_queue("q")
+        ns.get_queue_sender("q").send_messages([Message("x") for _ in range(5)])
+        with ns.get_queue_receiver("q") as r:
+            r.complete_messages(r.receive_messages(5))
+        ns.run_maintenance()
+    outside = [p for p in tmp_path.rglob("*") if not str(p).startswith(str(root)) and p != root.parent]
+    assert outside == []
