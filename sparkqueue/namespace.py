@@ -25,6 +25,7 @@ from sparkqueue.management import (
     sub_entity_name,
 )
 from sparkqueue.model import limits
+from sparkqueue.model.deadlines import effective
 from sparkqueue.model.entity import Entity
 from sparkqueue.model.forwarding import MAX_HOPS, forward, routes
 from sparkqueue.model.properties import SubscriptionProperties
@@ -65,9 +66,7 @@ class Namespace(Management):
     def __init__(self, root: str | os.PathLike[str], tier: str = limits.STANDARD, *, operation_timeout: float = 60.0) -> None:
         self.root = str(root).rstrip("/")
         self.tier = limits.check_tier(tier)
-        if isinstance(operation_timeout, bool) or not isinstance(operation_timeout, (int, float)) or operation_timeout <= 0:
-            raise InvalidOperationError(f"operation_timeout must be a positive number of seconds, got {operation_timeout!r}")
-        self.operation_timeout = float(operation_timeout)
+        self.operation_timeout = limits.check_seconds(operation_timeout, "operation_timeout")  # finite: NaN never expires
         if "://" not in self.root:
             Path(self.root).mkdir(parents=True, exist_ok=True)
         self._catalog = Catalog(f"{self.root}/_catalog")
@@ -107,7 +106,7 @@ class Namespace(Management):
     # ---- entity resolution ---------------------------------------------------------------------
 
     def _deadline(self) -> Deadline:
-        return Deadline(self.operation_timeout)
+        return Deadline(effective(self.operation_timeout))
 
     def _entry(self, entity_type: str, name: str) -> CatalogEntry:
         entry = self._catalog.get(catalog_key(entity_type, name))
@@ -287,6 +286,7 @@ class Namespace(Management):
         session_id: Any = None,
         prefetch_count: int = 0,
         max_wait_time: float | timedelta | None = None,
+        auto_lock_renewer: Any = None,
     ) -> Receiver:
         """A receiver of the queue, of its dead-letter sub-queue, or (session_id) of one of its sessions."""
         return Receiver(
@@ -298,6 +298,7 @@ class Namespace(Management):
             prefetch_count=prefetch_count,
             max_wait_time=max_wait_time,
             session_id=session_id,
+            auto_lock_renewer=auto_lock_renewer,
         )
 
     def get_subscription_receiver(
@@ -310,6 +311,7 @@ class Namespace(Management):
         session_id: Any = None,
         prefetch_count: int = 0,
         max_wait_time: float | timedelta | None = None,
+        auto_lock_renewer: Any = None,
     ) -> Receiver:
         """A receiver of a subscription, of its dead-letter sub-queue, or of one of its sessions."""
         return Receiver(
@@ -321,6 +323,7 @@ class Namespace(Management):
             prefetch_count=prefetch_count,
             max_wait_time=max_wait_time,
             session_id=session_id,
+            auto_lock_renewer=auto_lock_renewer,
         )
 
     # ---- transactions and sessions ------------------------------------------------------------
