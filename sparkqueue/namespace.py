@@ -164,7 +164,8 @@ class Namespace(Management):
             return None
         cached = self._topic_rules(name)
         subscribers, record_ids = cached.subscribers, cached.record_ids
-        return lambda rows: fan_out(rows, subscribers, record_ids)
+        cap = limits.MAX_MESSAGE_BYTES[self.tier]
+        return lambda rows: fan_out(rows, subscribers, record_ids, cap)
 
     def _topic_rules(self, name: str) -> _CachedRules:
         """A topic's subscribers with their rules, and which of them forward; cached for PROPERTIES_TTL_S."""
