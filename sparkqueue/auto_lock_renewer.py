@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import logging
 import threading
-import time
 from collections.abc import Callable
 from datetime import UTC, datetime, timedelta
 from typing import TYPE_CHECKING, Any
@@ -89,10 +88,17 @@ class AutoLockRenewer:
             )
         if isinstance(renewable, ReceivedMessage) and renewable.lock_token is None:
             raise InvalidOperationError("the message holds no lock (peeked, or received in RECEIVE_AND_DELETE mode)")
-        duration = self._max_duration if max_lock_renewal_duration is None else _duration(max_lock_renewal_duration, "max_lock_renewal_duration")
+        duration = (
+            self._max_duration
+            if max_lock_renewal_duration is None
+            else _duration(max_lock_renewal_duration, "max_lock_renewal_duration")
+        )
         callback = on_lock_renew_failure if on_lock_renew_failure is not None else self._on_failure
         thread = threading.Thread(
-            target=self._run, args=(receiver, renewable, datetime.now(UTC), duration, callback), daemon=True, name="sparkqueue-lock-renewer"
+            target=self._run,
+            args=(receiver, renewable, datetime.now(UTC), duration, callback),
+            daemon=True,
+            name="sparkqueue-lock-renewer",
         )
         with self._lock:
             self._threads = [t for t in self._threads if t.is_alive()]
@@ -118,7 +124,9 @@ class AutoLockRenewer:
             return False
         return not renewable._lock_expired
 
-    def _run(self, receiver: Receiver, renewable: Any, start: datetime, duration: float, callback: LockRenewFailureCallback | None) -> None:
+    def _run(
+        self, receiver: Receiver, renewable: Any, start: datetime, duration: float, callback: LockRenewFailureCallback | None
+    ) -> None:
         error: BaseException | None = None
         clean = False  # the callback is only for stops nobody asked for
         try:

@@ -59,7 +59,7 @@ class MessagingEntityDisabledError(SparkQueueError):
     """The entity's status refuses the operation (Disabled, SendDisabled or ReceiveDisabled)."""
 
 
-class AutoLockRenewFailed(SparkQueueError):
+class AutoLockRenewFailed(SparkQueueError):  # noqa: N818 (the SDK's name)
     """An AutoLockRenewer could not renew a lock; the cause is in `error`."""
 
     def __init__(self, message: str, error: BaseException | None = None) -> None:
@@ -67,7 +67,7 @@ class AutoLockRenewFailed(SparkQueueError):
         self.error = error
 
 
-class AutoLockRenewTimeout(SparkQueueError):
+class AutoLockRenewTimeout(SparkQueueError):  # noqa: N818 (the SDK's name)
     """An AutoLockRenewer stopped renewing because max_lock_renewal_duration elapsed."""
 
 

@@ -303,7 +303,9 @@ def received_messages(rows: pa.Table, now: datetime) -> list[ReceivedMessage]:
         if state == STATE_ACTIVE and sched is not None and sched > now:
             state = "scheduled"
         ttl = c["time_to_live_ms"][i]
-        props = _received_properties(c["application_properties"][i], c["dead_letter_reason"][i], c["dead_letter_error_description"][i])
+        props = _received_properties(
+            c["application_properties"][i], c["dead_letter_reason"][i], c["dead_letter_error_description"][i]
+        )
         out.append(
             ReceivedMessage(
                 body=c["body"][i] or b"",

@@ -8,10 +8,10 @@ from collections.abc import Iterator, Sequence
 from datetime import datetime, timedelta
 from typing import TYPE_CHECKING
 
-from sparkqueue.constants import NEXT_AVAILABLE_SESSION, ReceiveMode, SubQueue
 import pyarrow.compute as pc
 
 from sparkqueue.auto_lock_renewer import AutoLockRenewer
+from sparkqueue.constants import NEXT_AVAILABLE_SESSION, ReceiveMode, SubQueue
 from sparkqueue.errors import (
     InvalidArgumentTypeError,
     InvalidOperationError,
@@ -64,7 +64,9 @@ class Receiver:
     ) -> None:
         limits.check_name_type(name, entity_type)
         if auto_lock_renewer is not None and not isinstance(auto_lock_renewer, AutoLockRenewer):
-            raise InvalidArgumentTypeError(f"auto_lock_renewer must be an AutoLockRenewer, got {type(auto_lock_renewer).__name__}")
+            raise InvalidArgumentTypeError(
+                f"auto_lock_renewer must be an AutoLockRenewer, got {type(auto_lock_renewer).__name__}"
+            )
         try:
             self.receive_mode = ReceiveMode(receive_mode)
         except ValueError:
@@ -382,7 +384,9 @@ class Receiver:
     @staticmethod
     def _seqs(sequence_numbers: int | Sequence[int]) -> list[int]:
         if isinstance(sequence_numbers, (str, bytes)) or not isinstance(sequence_numbers, (int, Sequence)):
-            raise InvalidArgumentTypeError(f"sequence_numbers must be an int or a list of int, got {type(sequence_numbers).__name__}")
+            raise InvalidArgumentTypeError(
+                f"sequence_numbers must be an int or a list of int, got {type(sequence_numbers).__name__}"
+            )
         seqs = [sequence_numbers] if isinstance(sequence_numbers, int) else list(sequence_numbers)
         return [limits.check_sequence_number(s) for s in seqs]
 

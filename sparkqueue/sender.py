@@ -36,9 +36,7 @@ def as_message_list(messages: object) -> list[Message]:
         return [as_message(messages)]
     if isinstance(messages, (MessageBatch, list, tuple)):
         return [as_message(m) for m in messages]
-    raise InvalidArgumentTypeError(
-        f"expected a Message, a list of Message or a MessageBatch, got {type(messages).__name__}"
-    )
+    raise InvalidArgumentTypeError(f"expected a Message, a list of Message or a MessageBatch, got {type(messages).__name__}")
 
 
 def check_fits_one_batch(msgs: list[Message], tier: str) -> None:
@@ -58,7 +56,10 @@ def check_fits_one_batch(msgs: list[Message], tier: str) -> None:
 def check_status(props: object, operation: str, name: str) -> None:
     """Refuse sends or receives the entity's status disables (EntityStatus.DISABLED, SEND_DISABLED, RECEIVE_DISABLED)."""
     status = getattr(props, "status", EntityStatus.ACTIVE)
-    refused = {"send": (EntityStatus.DISABLED, EntityStatus.SEND_DISABLED), "receive": (EntityStatus.DISABLED, EntityStatus.RECEIVE_DISABLED)}
+    refused = {
+        "send": (EntityStatus.DISABLED, EntityStatus.SEND_DISABLED),
+        "receive": (EntityStatus.DISABLED, EntityStatus.RECEIVE_DISABLED),
+    }
     if status in refused[operation]:
         raise MessagingEntityDisabledError(f"{name!r} is {status}: it does not accept {operation}s; set its status to Active")
 

@@ -617,9 +617,8 @@ def test_deferred_message_of_a_session_is_received_only_by_its_session(ns: Names
     with ns.get_queue_receiver("q", session_id="a") as ra:
         (a0,) = _take(ra, 1)
         ra.defer_message(a0)
-        with ns.get_queue_receiver("q", session_id="b") as rb:
-            with pytest.raises(MessageNotFoundError):
-                rb.receive_deferred_messages([a0.sequence_number])
+        with ns.get_queue_receiver("q", session_id="b") as rb, pytest.raises(MessageNotFoundError):
+            rb.receive_deferred_messages([a0.sequence_number])
         (d,) = ra.receive_deferred_messages([a0.sequence_number])
         assert (d.message_id, d.session_id) == ("a0", "a")
         ra.complete_message(d)

@@ -119,7 +119,11 @@ def deliver(rows: pa.Table, now: datetime, policy: Policy, *, delete: bool) -> D
             avail = pc.if_else(
                 pc.equal(got.column("state"), STATE_ACTIVE), pa.scalar(until, TIMESTAMP), got.column("available_at_utc")
             )
-            lock = {"lock_token": tokens, "locked_until_utc": pa.array([until] * got.num_rows, TIMESTAMP), "available_at_utc": avail}
+            lock = {
+                "lock_token": tokens,
+                "locked_until_utc": pa.array([until] * got.num_rows, TIMESTAMP),
+                "available_at_utc": avail,
+            }
             parts.append(changes(_with(counted, **lock), OP_SET))
             got = _with(got, **lock)
     change_table = pa.concat_tables(parts) if parts else CHANGE_SCHEMA.empty_table()
