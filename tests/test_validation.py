@@ -73,7 +73,7 @@ def test_scheduled_time_must_be_a_datetime() -> None:
 
 
 def test_send_rejects_non_messages(ns: Namespace) -> None:
-    """send_messages takes a Message (or a dict of its fields), a list of them or a batch; anything else raises, storing nothing."""
+    """send_messages takes a Message (or dict of its fields), a list of them or a batch; anything else raises, storing nothing."""
     ns.create_queue("q")
     with ns.get_queue_sender("q") as s:
         for bad in ("text", b"bytes", 42, {"bogus": "x"}, [Message("ok"), b"raw"]):
