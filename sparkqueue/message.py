@@ -31,9 +31,10 @@ def as_utc(value: object, field_name: str) -> datetime | None:
     if not isinstance(value, datetime):
         raise InvalidArgumentTypeError(f"{field_name} must be a datetime, got {type(value).__name__}")
     try:
-        return value.replace(tzinfo=UTC) if value.tzinfo is None else value.astimezone(UTC)
+        utc = value.replace(tzinfo=UTC) if value.tzinfo is None else value.astimezone(UTC)
     except (OverflowError, ValueError):
         raise InvalidOperationError(f"{field_name} {value!r} lies outside the years 1-9999 in UTC") from None
+    return min(utc, limits.LATEST_TIME)  # datetime.max ("never") is stored as the latest storable instant
 
 
 _STRING_FIELDS = ("content_type", "subject", "to", "reply_to", "reply_to_session_id")

@@ -34,7 +34,9 @@ MAX_USER_METADATA = 1024  # Service Bus: user_metadata of an entity, in characte
 # Service Bus's "infinite" TTL is TimeSpan.MaxValue (10,675,199 days and change): a TTL of at least
 # 10,675,199 days, timedelta.max included, means "never expires" and is stored as such.
 TTL_NEVER = timedelta(days=10_675_199)
-LATEST_TIME = datetime.max.replace(tzinfo=UTC)  # the latest instant stored and computed (year 9999)
+# The latest instant stored and computed: the end of the year 9999 at millisecond precision (table
+# statistics hold milliseconds and round up); later scheduled times are read as this one.
+LATEST_TIME = datetime(9999, 12, 31, 23, 59, 59, 999000, tzinfo=UTC)
 
 # \Z, not $: "$" also matches before a final newline, which would let "abc\n" through.
 _ENTITY_NAME = re.compile(r"\A[A-Za-z0-9](?:[A-Za-z0-9._/-]{0,258}[A-Za-z0-9])?\Z")
