@@ -149,7 +149,7 @@ def worker(root: str, total: int, settle: str, done: Any, barrier: Any, out_path
             accept.append(t1 - t0)
             got: list[Any] = []
             while True:  # every message of the session: all are available, FIFO, none locked elsewhere
-                batch = r.receive_messages(max_message_count=100, max_wait_time=0)
+                batch = r.receive_messages(max_message_count=100, max_wait_time=None)
                 if not batch:
                     break
                 got.extend(batch)

@@ -26,3 +26,17 @@ class _NextAvailableSession:
 
 
 NEXT_AVAILABLE_SESSION = _NextAvailableSession()
+
+
+class EntityStatus(StrEnum):
+    """An entity's status (SDK: EntityStatus); Disabled refuses sends and receives, SendDisabled/ReceiveDisabled one of them."""
+
+    ACTIVE = "Active"
+    CREATING = "Creating"
+    DELETING = "Deleting"
+    DISABLED = "Disabled"
+    RECEIVE_DISABLED = "ReceiveDisabled"
+    RENAMING = "Renaming"
+    RESTORING = "Restoring"
+    SEND_DISABLED = "SendDisabled"
+    UNKNOWN = "Unknown"

@@ -11,6 +11,10 @@ class InvalidOperationError(SparkQueueError, ValueError):
     """The call is not valid for this entity, message or state (bad argument, wrong mode, mixed keys)."""
 
 
+class InvalidArgumentTypeError(InvalidOperationError, TypeError):
+    """An argument has the wrong type; a TypeError as in the SDK (and an InvalidOperationError, a ValueError)."""
+
+
 class FilterSyntaxError(InvalidOperationError):
     """A SQL filter or rule action could not be parsed."""
 
@@ -47,6 +51,26 @@ class SessionCannotBeLockedError(SparkQueueError):
     """The session is locked by another receiver, or no session is available."""
 
 
+class MessageNotFoundError(SparkQueueError):
+    """The requested message (e.g. a deferred message by sequence number) does not exist in that state."""
+
+
+class MessagingEntityDisabledError(SparkQueueError):
+    """The entity's status refuses the operation (Disabled, SendDisabled or ReceiveDisabled)."""
+
+
+class AutoLockRenewFailed(SparkQueueError):  # noqa: N818 (the SDK's name)
+    """An AutoLockRenewer could not renew a lock; the cause is in `error`."""
+
+    def __init__(self, message: str, error: BaseException | None = None) -> None:
+        super().__init__(message)
+        self.error = error
+
+
+class AutoLockRenewTimeout(SparkQueueError):  # noqa: N818 (the SDK's name)
+    """An AutoLockRenewer stopped renewing because max_lock_renewal_duration elapsed."""
+
+
 class OperationTimeoutError(SparkQueueError, TimeoutError):
     """The operation did not finish within the client's operation_timeout."""
 
@@ -60,6 +84,11 @@ class StorageCorruptedError(StorageError):
 
 
 __all__ = [
+    "AutoLockRenewFailed",
+    "AutoLockRenewTimeout",
+    "InvalidArgumentTypeError",
+    "MessageNotFoundError",
+    "MessagingEntityDisabledError",
     "EntityAlreadyExistsError",
     "EntityNotFoundError",
     "FilterSyntaxError",

@@ -6,21 +6,27 @@ entity with an unavailable partition fails without changing anything (SPEC §1).
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import json
 import logging
 import shutil
 import uuid
+from collections.abc import Callable, Mapping
 from datetime import UTC, datetime, timedelta
 from typing import TYPE_CHECKING, Any
 
+from sparkqueue.constants import EntityStatus
 from sparkqueue.errors import (
     EntityAlreadyExistsError,
     EntityNotFoundError,
+    InvalidArgumentTypeError,
     InvalidOperationError,
     PartitionUnavailableError,
     QuotaExceededError,
 )
 from sparkqueue.model import limits
+from sparkqueue.model.deadlines import call_timeout
 from sparkqueue.model.filters import (
     CorrelationRuleFilter,
     SqlRuleAction,
@@ -61,12 +67,36 @@ DEFAULT_RULE = "$Default"
 
 def sub_entity_name(topic_name: str, subscription_name: str) -> str:
     """Catalog name of a subscription: topic and subscription joined by '|' (neither may contain it)."""
+    limits.check_name_type(topic_name, "topic")
+    limits.check_name_type(subscription_name, "subscription")
     return f"{topic_name}|{subscription_name}"
 
 
 def rule_entity_name(topic_name: str, subscription_name: str, rule: str) -> str:
     """Catalog name of a rule."""
-    return f"{topic_name}|{subscription_name}|{rule}"
+    limits.check_name_type(rule, "rule")
+    return f"{sub_entity_name(topic_name, subscription_name)}|{rule}"
+
+
+def _as_properties(cls: type[_EntityProperties], value: object, overrides: dict[str, Any]) -> _EntityProperties:
+    """An update's properties: a property object or a dict of its fields (as the SDK), with keyword overrides; a copy."""
+    if isinstance(value, cls):
+        props = dataclasses.replace(value)
+    elif isinstance(value, Mapping):
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = set(value) - known
+        if unknown or "name" not in value:
+            raise InvalidOperationError(
+                f"a {cls.__name__} dict needs 'name' and only its fields; unknown: {', '.join(sorted(map(str, unknown)))}"
+            )
+        props = cls(**dict(value))
+    else:
+        raise InvalidArgumentTypeError(f"expected {cls.__name__} or a dict of its fields, got {type(value).__name__}")
+    for k, v in overrides.items():
+        if k == "name" or k not in {f.name for f in dataclasses.fields(cls)}:
+            raise InvalidOperationError(f"unknown {cls.entity_type} setting {k!r}")
+        setattr(props, k, v)
+    return props
 
 
 def split_subscription_path(table_path: str) -> tuple[str, str]:
@@ -152,7 +182,7 @@ class Management:
         """Replace an entity's settings, refusing changes to settings fixed at creation."""
         cls = PROPERTY_TYPES[entity_type]
         if not isinstance(props, cls):
-            raise InvalidOperationError(f"update_{entity_type} needs {cls.__name__}, got {type(props).__name__}")
+            raise InvalidArgumentTypeError(f"update_{entity_type} needs {cls.__name__}, got {type(props).__name__}")
         entity = self._entity(entity_type, name)
         check_update(self._get(entity_type, name), props, self.tier)
         self._require_all_partitions(entity, f"update {entity_type} {name!r}")
@@ -177,8 +207,11 @@ class Management:
 
     def _runtime(self: Namespace, entity_type: str, name: str) -> RuntimeProperties:
         entry = self._entry(entity_type, name)
-        rp = self._entity(entity_type, name).runtime_properties()
+        entity = self._entity(entity_type, name)
+        rp = entity.runtime_properties()
         rp.name, rp.created_at_utc, rp.updated_at_utc = name, entry.created_at_utc, entry.updated_at_utc
+        rp.accessed_at_utc = entry.updated_at_utc
+        rp.status = getattr(entity.props, "status", EntityStatus.ACTIVE)
         return rp
 
     # ---- queues ----------------------------------------------------------------------------------
@@ -190,15 +223,17 @@ class Management:
 
     def get_queue(self: Namespace, queue_name: str) -> QueueProperties:
         """The queue's settings."""
-        return self._get(QUEUE, queue_name)  # type: ignore[return-value]
+        return self._get(QUEUE, limits.check_name_type(queue_name))  # type: ignore[return-value]
 
-    def update_queue(self: Namespace, queue: QueueProperties) -> None:
-        """Apply changed settings (partitioning and sessions are fixed at creation)."""
-        self._check_destinations(queue.settings())
-        self._update(QUEUE, getattr(queue, "name", ""), queue)
+    def update_queue(self: Namespace, queue: QueueProperties | Mapping[str, Any], **settings: Any) -> None:
+        """Apply changed settings (partitioning and sessions are fixed at creation); keywords override the given ones."""
+        props = _as_properties(QueueProperties, queue, settings)
+        self._check_destinations(props.settings())
+        self._update(QUEUE, props.name, props)
 
     def delete_queue(self: Namespace, queue_name: str) -> None:
         """Delete the queue and all its messages."""
+        limits.check_name_type(queue_name)
         self._remove_table(self._delete_entries(QUEUE, queue_name, None).table_path)
 
     def list_queues(self: Namespace) -> list[QueueProperties]:
@@ -207,7 +242,11 @@ class Management:
 
     def get_queue_runtime_properties(self: Namespace, queue_name: str) -> RuntimeProperties:
         """Message counts and size, aggregated over partitions, with the per-partition breakdown."""
-        return self._runtime(QUEUE, queue_name)
+        return self._runtime(QUEUE, limits.check_name_type(queue_name))
+
+    def list_queues_runtime_properties(self: Namespace) -> list[RuntimeProperties]:
+        """Runtime properties of every queue, by name."""
+        return [self._runtime(QUEUE, q.name) for q in self.list_queues()]
 
     # ---- topics ----------------------------------------------------------------------------------
 
@@ -217,14 +256,16 @@ class Management:
 
     def get_topic(self: Namespace, topic_name: str) -> TopicProperties:
         """The topic's settings."""
-        return self._get(TOPIC, topic_name)  # type: ignore[return-value]
+        return self._get(TOPIC, limits.check_name_type(topic_name, "topic"))  # type: ignore[return-value]
 
-    def update_topic(self: Namespace, topic: TopicProperties) -> None:
-        """Apply changed topic settings (partitioning is fixed at creation)."""
-        self._update(TOPIC, getattr(topic, "name", ""), topic)
+    def update_topic(self: Namespace, topic: TopicProperties | Mapping[str, Any], **settings: Any) -> None:
+        """Apply changed topic settings (partitioning is fixed at creation); keywords override the given ones."""
+        props = _as_properties(TopicProperties, topic, settings)
+        self._update(TOPIC, props.name, props)
 
     def delete_topic(self: Namespace, topic_name: str) -> None:
         """Delete the topic with its subscriptions, rules and messages."""
+        limits.check_name_type(topic_name, "topic")
         self._remove_table(self._delete_entries(TOPIC, topic_name, f"{topic_name}|").table_path)
 
     def list_topics(self: Namespace) -> list[TopicProperties]:
@@ -233,9 +274,13 @@ class Management:
 
     def get_topic_runtime_properties(self: Namespace, topic_name: str) -> RuntimeProperties:
         """Counts over all the topic's subscriptions, and its subscription count."""
-        rp = self._runtime(TOPIC, topic_name)
+        rp = self._runtime(TOPIC, limits.check_name_type(topic_name, "topic"))
         rp.subscription_count = len(self.list_subscriptions(topic_name))
         return rp
+
+    def list_topics_runtime_properties(self: Namespace) -> list[RuntimeProperties]:
+        """Runtime properties of every topic, by name."""
+        return [self.get_topic_runtime_properties(t.name) for t in self.list_topics()]
 
     # ---- subscriptions ---------------------------------------------------------------------------
 
@@ -274,10 +319,13 @@ class Management:
         """The subscription's settings."""
         return self._get(SUBSCRIPTION, sub_entity_name(topic_name, subscription_name))  # type: ignore[return-value]
 
-    def update_subscription(self: Namespace, topic_name: str, subscription: SubscriptionProperties) -> None:
-        """Apply changed subscription settings (sessions are fixed at creation)."""
-        self._check_destinations(subscription.settings())
-        self._update(SUBSCRIPTION, sub_entity_name(topic_name, getattr(subscription, "name", "")), subscription)
+    def update_subscription(
+        self: Namespace, topic_name: str, subscription: SubscriptionProperties | Mapping[str, Any], **settings: Any
+    ) -> None:
+        """Apply changed subscription settings (sessions are fixed at creation); keywords override the given ones."""
+        props = _as_properties(SubscriptionProperties, subscription, settings)
+        self._check_destinations(props.settings())
+        self._update(SUBSCRIPTION, sub_entity_name(topic_name, props.name), props)
         self._forget(catalog_key(TOPIC, topic_name))  # fan-out caches the subscriptions' TTL and forwarding
 
     def delete_subscription(self: Namespace, topic_name: str, subscription_name: str) -> None:
@@ -288,7 +336,7 @@ class Management:
 
     def list_subscriptions(self: Namespace, topic_name: str) -> list[SubscriptionProperties]:
         """The topic's subscriptions, by name."""
-        self._entry(TOPIC, topic_name)
+        self._entry(TOPIC, limits.check_name_type(topic_name, "topic"))
         return [
             SubscriptionProperties.from_json(e.properties)  # type: ignore[misc]
             for e in self._catalog.entries(SUBSCRIPTION)
@@ -301,6 +349,10 @@ class Management:
         rp.name = subscription_name
         return rp
 
+    def list_subscriptions_runtime_properties(self: Namespace, topic_name: str) -> list[RuntimeProperties]:
+        """Runtime properties of every subscription of the topic, by name."""
+        return [self.get_subscription_runtime_properties(topic_name, s.name) for s in self.list_subscriptions(topic_name)]
+
     # ---- rules -----------------------------------------------------------------------------------
 
     def create_rule(
@@ -311,13 +363,7 @@ class Management:
         limits.check_child_name(rule_name, "rule")
         self._entry(SUBSCRIPTION, sub_entity_name(topic_name, subscription_name))
         flt = filter if filter is not None else TrueRuleFilter()
-        if not isinstance(flt, (SqlRuleFilter, CorrelationRuleFilter)):
-            raise InvalidOperationError(
-                "filter must be a SqlRuleFilter, CorrelationRuleFilter, TrueRuleFilter or FalseRuleFilter, "
-                f"got {type(flt).__name__}"
-            )
-        if action is not None and not isinstance(action, SqlRuleAction):
-            raise InvalidOperationError(f"action must be a SqlRuleAction or None, got {type(action).__name__}")
+        _check_rule(flt, action)
         now = datetime.now(UTC)
         key = catalog_key(RULE, rule_entity_name(topic_name, subscription_name, rule_name))
         if not self._catalog.insert([CatalogEntry(key, RULE, "", _rule_json(flt, action), now, now)], self._deadline()):
@@ -329,6 +375,28 @@ class Management:
         """A rule of a subscription."""
         entry = self._entry(RULE, rule_entity_name(topic_name, subscription_name, rule_name))
         return rule_from_entry(entry)
+
+    def update_rule(
+        self: Namespace, topic_name: str, subscription_name: str, rule: RuleProperties | Mapping[str, Any], **settings: Any
+    ) -> None:
+        """Replace a rule's filter and action (SDK: update_rule); keywords `filter`/`action` override the given ones."""
+        self._no_rule_changes_in_transaction()
+        if isinstance(rule, Mapping):
+            rule = RuleProperties(rule.get("name"), rule.get("filter"), rule.get("action"))  # type: ignore[arg-type]
+        if not isinstance(rule, RuleProperties):
+            raise InvalidArgumentTypeError(f"expected RuleProperties or a dict of its fields, got {type(rule).__name__}")
+        unknown = set(settings) - {"filter", "action"}
+        if unknown:
+            raise InvalidOperationError(f"unknown rule setting(s): {', '.join(sorted(unknown))}")
+        flt = settings.get("filter", rule.filter)
+        action = settings.get("action", rule.action)
+        flt = flt if flt is not None else TrueRuleFilter()
+        _check_rule(flt, action)
+        key = catalog_key(RULE, rule_entity_name(topic_name, subscription_name, rule.name))
+        self._entry(RULE, rule_entity_name(topic_name, subscription_name, rule.name))
+        if not self._catalog.update(key, _rule_json(flt, action), self._deadline()):
+            raise EntityNotFoundError(f"rule {rule.name!r} does not exist on {topic_name}/{subscription_name}")
+        self._forget(catalog_key(TOPIC, topic_name))
 
     def delete_rule(self: Namespace, topic_name: str, subscription_name: str, rule_name: str) -> None:
         """Remove a rule from a subscription."""
@@ -396,6 +464,16 @@ class Management:
                 limits.check_entity_name(settings[k], k)
 
 
+def _check_rule(flt: Any, action: Any) -> None:
+    """A rule's filter and action must be of the SDK's types (their text was bounded when they were parsed)."""
+    if not isinstance(flt, (SqlRuleFilter, CorrelationRuleFilter)):
+        raise InvalidArgumentTypeError(
+            f"filter must be a SqlRuleFilter, CorrelationRuleFilter, TrueRuleFilter or FalseRuleFilter, got {type(flt).__name__}"
+        )
+    if action is not None and not isinstance(action, SqlRuleAction):
+        raise InvalidArgumentTypeError(f"action must be a SqlRuleAction or None, got {type(action).__name__}")
+
+
 def _rule_json(flt: Any, action: Any) -> str:
     """A rule's catalog JSON."""
     return json.dumps({"filter": flt.to_dict(), "action": action.to_dict() if action is not None else None})
@@ -406,4 +484,20 @@ def rule_from_entry(entry: CatalogEntry) -> RuleProperties:
     raw = json.loads(entry.properties)
     name = entry.name.split(":", 1)[1].split("|")[-1]
     action = action_from_dict(raw["action"]) if raw.get("action") else None
-    return RuleProperties(name, filter_from_dict(raw["filter"]), action)
+    return RuleProperties(name, filter_from_dict(raw["filter"]), action, entry.created_at_utc)
+
+
+def _with_timeout(method: Callable[..., Any]) -> Callable[..., Any]:
+    """Accept the SDK's per-call `timeout=` keyword on a management call: it bounds the call (see model.deadlines)."""
+
+    @functools.wraps(method)
+    def call(self: Any, *args: Any, timeout: float | None = None, **kwargs: Any) -> Any:
+        with call_timeout(timeout):
+            return method(self, *args, **kwargs)
+
+    return call
+
+
+for _name, _method in list(vars(Management).items()):
+    if not _name.startswith("_") and callable(_method):
+        setattr(Management, _name, _with_timeout(_method))

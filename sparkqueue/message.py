@@ -3,14 +3,14 @@
 from __future__ import annotations
 
 import json
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
 import pyarrow as pa
 
-from sparkqueue.errors import InvalidOperationError, MessageSizeExceededError
+from sparkqueue.errors import InvalidArgumentTypeError, InvalidOperationError, MessageSizeExceededError
 from sparkqueue.model import limits
 from sparkqueue.model.ids import new_ids
 from sparkqueue.model.partitioning import partition_key
@@ -29,16 +29,42 @@ def as_utc(value: object, field_name: str) -> datetime | None:
     if value is None:
         return None
     if not isinstance(value, datetime):
-        raise InvalidOperationError(f"{field_name} must be a datetime, got {type(value).__name__}")
-    return value.replace(tzinfo=UTC) if value.tzinfo is None else value.astimezone(UTC)
+        raise InvalidArgumentTypeError(f"{field_name} must be a datetime, got {type(value).__name__}")
+    try:
+        utc = value.replace(tzinfo=UTC) if value.tzinfo is None else value.astimezone(UTC)
+    except (OverflowError, ValueError):
+        raise InvalidOperationError(f"{field_name} {value!r} lies outside the years 1-9999 in UTC") from None
+    return min(utc, limits.LATEST_TIME)  # datetime.max ("never") is stored as the latest storable instant
+
+
+_STRING_FIELDS = ("content_type", "subject", "to", "reply_to", "reply_to_session_id")
+MESSAGE_FIELDS = (
+    "body",
+    "application_properties",
+    "session_id",
+    "message_id",
+    "scheduled_enqueue_time_utc",
+    "time_to_live",
+    "content_type",
+    "correlation_id",
+    "subject",
+    "partition_key",
+    "to",
+    "reply_to",
+    "reply_to_session_id",
+)
 
 
 class Message:
-    """A message to send: a body (bytes or str, stored as UTF-8) and broker properties."""
+    """A message to send (SDK: ServiceBusMessage): a body (bytes, str as UTF-8, or None) and broker properties.
+
+    Ids may be given as the SDK accepts them (str, uuid.UUID, int, bytes) and read back as str. As
+    in the SDK, a partition_key that differs from the session_id is refused when assigned.
+    """
 
     def __init__(
         self,
-        body: bytes | str,
+        body: bytes | str | None,
         *,
         message_id: str | None = None,
         session_id: str | None = None,
@@ -53,33 +79,79 @@ class Message:
         time_to_live: timedelta | None = None,
         scheduled_enqueue_time_utc: datetime | None = None,
     ) -> None:
+        if body is None:
+            body = b""
         if isinstance(body, str):
-            body = body.encode("utf-8")
+            body = limits.check_utf8(body, "body").encode("utf-8")
         if not isinstance(body, (bytes, bytearray, memoryview)):
-            raise InvalidOperationError(f"body must be bytes or str, got {type(body).__name__}")
+            raise InvalidArgumentTypeError(f"body must be bytes, str or None, got {type(body).__name__}")
         self.body = bytes(body)
-        self.message_id = limits.check_key(message_id, "message_id")
-        self.session_id = limits.check_key(session_id, "session_id")
-        self.partition_key = limits.check_key(partition_key, "partition_key")
+        self.message_id = message_id
+        self._session_id: str | None = None
+        self._partition_key: str | None = None
+        self.session_id = session_id
+        self.partition_key = partition_key
         self.application_properties = limits.check_application_properties(application_properties)
+        self.correlation_id = correlation_id
         for name, value in (
             ("content_type", content_type),
-            ("correlation_id", correlation_id),
             ("subject", subject),
             ("to", to),
             ("reply_to", reply_to),
             ("reply_to_session_id", reply_to_session_id),
         ):
             if value is not None and not isinstance(value, str):
-                raise InvalidOperationError(f"{name} must be a str, got {type(value).__name__}")
-        self.content_type = content_type
-        self.correlation_id = correlation_id
-        self.subject = subject
-        self.to = to
-        self.reply_to = reply_to
-        self.reply_to_session_id = reply_to_session_id
-        self.time_to_live = limits.check_duration(time_to_live, "time_to_live", allow_none=True)
+                raise InvalidArgumentTypeError(f"{name} must be a str, got {type(value).__name__}")
+            setattr(self, name, None if value is None else limits.check_utf8(value, name))
+        self.content_type: str | None
+        self.subject: str | None
+        self.to: str | None
+        self.reply_to: str | None
+        self.reply_to_session_id: str | None
+        self.time_to_live = limits.check_ttl(time_to_live, "time_to_live")
         self.scheduled_enqueue_time_utc = as_utc(scheduled_enqueue_time_utc, "scheduled_enqueue_time_utc")
+
+    @property
+    def message_id(self) -> str | None:
+        """The message id (at most 128 characters); assigned on send when None."""
+        return self._message_id
+
+    @message_id.setter
+    def message_id(self, value: object) -> None:
+        self._message_id = limits.check_key(value, "message_id")
+
+    @property
+    def correlation_id(self) -> str | None:
+        """The correlation id (a uuid.UUID is read back as str)."""
+        return self._correlation_id
+
+    @correlation_id.setter
+    def correlation_id(self, value: object) -> None:
+        text = limits.as_id_string(value, "correlation_id")
+        self._correlation_id = None if text is None else limits.check_utf8(text, "correlation_id")
+
+    @property
+    def session_id(self) -> str | None:
+        """The session the message belongs to (at most 128 characters)."""
+        return self._session_id
+
+    @session_id.setter
+    def session_id(self, value: object) -> None:
+        self._session_id = limits.check_key(value, "session_id")
+
+    @property
+    def partition_key(self) -> str | None:
+        """The partition key; when the message has a session_id it must be equal to it (ValueError otherwise)."""
+        return self._partition_key
+
+    @partition_key.setter
+    def partition_key(self, value: object) -> None:
+        key = limits.check_key(value, "partition_key")
+        if key is not None and self._session_id is not None and key != self._session_id:
+            raise InvalidOperationError(
+                f"partition_key {key!r} cannot differ from session_id {self._session_id!r}: the session id is the partition key"
+            )
+        self._partition_key = key
 
     def __str__(self) -> str:
         return self.body.decode("utf-8", errors="replace")
@@ -103,6 +175,69 @@ class Message:
         )
         props = json.dumps(self.application_properties) if self.application_properties else ""
         return len(self.body) + sum(len(s.encode("utf-8")) for s in strings if s) + len(props.encode("utf-8"))
+
+
+def as_message(value: object) -> Message:
+    """A Message to send from a Message, a received message (sent again) or a dict of Message keywords (as the SDK)."""
+    if isinstance(value, Message):
+        return value
+    if isinstance(value, ReceivedMessage):
+        return Message(
+            value.body,
+            message_id=value.message_id,
+            session_id=value.session_id,
+            partition_key=value.partition_key,
+            application_properties=_user_properties(value.application_properties),
+            content_type=value.content_type,
+            correlation_id=value.correlation_id,
+            subject=value.subject,
+            to=value.to,
+            reply_to=value.reply_to,
+            reply_to_session_id=value.reply_to_session_id,
+            time_to_live=value.time_to_live,
+        )
+    if isinstance(value, Mapping):
+        unknown = set(value) - set(MESSAGE_FIELDS)
+        if unknown:
+            raise InvalidArgumentTypeError(f"unknown Message field(s) in dict: {', '.join(sorted(map(str, unknown)))}")
+        return Message(**{k: v for k, v in value.items() if k != "body"}, body=value.get("body"))
+    raise InvalidArgumentTypeError(
+        f"expected a Message, a received message or a dict of Message fields, got {type(value).__name__}"
+    )
+
+
+DEAD_LETTER_REASON_PROPERTY = "DeadLetterReason"
+DEAD_LETTER_DESCRIPTION_PROPERTY = "DeadLetterErrorDescription"
+
+
+def _user_properties(props: dict[str, Any] | None) -> dict[str, Any] | None:
+    """A received message's application properties without the broker's dead-letter annotations."""
+    if not props:
+        return None
+    return {k: v for k, v in props.items() if k not in (DEAD_LETTER_REASON_PROPERTY, DEAD_LETTER_DESCRIPTION_PROPERTY)}
+
+
+class ApplicationProperties(dict[str, Any]):
+    """Received application properties: str keys, also looked up by the bytes keys the SDK hands out (props[b"k"])."""
+
+    @staticmethod
+    def _key(key: object) -> object:
+        if isinstance(key, (bytes, bytearray)):
+            try:
+                return bytes(key).decode("utf-8")
+            except UnicodeDecodeError:
+                return key
+        return key
+
+    def __getitem__(self, key: object) -> Any:
+        return super().__getitem__(self._key(key))
+
+    def __contains__(self, key: object) -> bool:
+        return super().__contains__(self._key(key))
+
+    def get(self, key: object, default: Any = None) -> Any:  # type: ignore[override]
+        """As dict.get, accepting bytes keys."""
+        return super().get(self._key(key), default)  # type: ignore[call-overload]
 
 
 @dataclass
@@ -135,9 +270,15 @@ class ReceivedMessage:
     dead_letter_source: str | None = None
     size_in_bytes: int = 0
     _settled: bool = field(default=False, repr=False)
+    auto_renew_error: BaseException | None = field(default=None, repr=False, compare=False)
 
     def __str__(self) -> str:
         return self.body.decode("utf-8", errors="replace")
+
+    @property
+    def _lock_expired(self) -> bool:
+        """True once the message's lock has passed its expiry (or it holds none)."""
+        return self.locked_until_utc is None or self.locked_until_utc <= datetime.now(UTC)
 
 
 _EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
@@ -163,7 +304,9 @@ def received_messages(rows: pa.Table, now: datetime) -> list[ReceivedMessage]:
         if state == STATE_ACTIVE and sched is not None and sched > now:
             state = "scheduled"
         ttl = c["time_to_live_ms"][i]
-        props = c["application_properties"][i]
+        props = _received_properties(
+            c["application_properties"][i], c["dead_letter_reason"][i], c["dead_letter_error_description"][i]
+        )
         out.append(
             ReceivedMessage(
                 body=c["body"][i] or b"",
@@ -178,7 +321,7 @@ def received_messages(rows: pa.Table, now: datetime) -> list[ReceivedMessage]:
                 expires_at_utc=c["expires_at_utc"][i],
                 session_id=c["session_id"][i],
                 partition_key=c["partition_key"][i],
-                application_properties=json.loads(props) if props else None,
+                application_properties=props,
                 content_type=c["content_type"][i],
                 correlation_id=c["correlation_id"][i],
                 subject=c["subject"][i],
@@ -194,6 +337,19 @@ def received_messages(rows: pa.Table, now: datetime) -> list[ReceivedMessage]:
             )
         )
     return out
+
+
+def _received_properties(text: str | None, reason: str | None, description: str | None) -> ApplicationProperties | None:
+    """Stored properties as a received message shows them; a dead letter also carries its reason and description
+    as DeadLetterReason and DeadLetterErrorDescription, as Service Bus records them."""
+    props = ApplicationProperties(json.loads(text)) if text else None
+    if reason is not None or description is not None:
+        props = props if props is not None else ApplicationProperties()
+        if reason is not None:
+            props.setdefault(DEAD_LETTER_REASON_PROPERTY, reason)
+        if description is not None:
+            props.setdefault(DEAD_LETTER_DESCRIPTION_PROPERTY, description)
+    return props
 
 
 @dataclass(frozen=True)
@@ -215,7 +371,7 @@ def to_rows(messages: Iterable[Message], settings: SendSettings, now: datetime) 
     visible, expires, ttls, sizes, mids, props = [], [], [], [], [], []
     for m in msgs:
         if not isinstance(m, Message):
-            raise InvalidOperationError(f"expected Message, got {type(m).__name__}")
+            raise InvalidArgumentTypeError(f"expected Message, got {type(m).__name__}")
         if settings.requires_session and m.session_id is None:
             raise InvalidOperationError("the entity requires sessions: every message needs a session_id")
         size = m.size_in_bytes
@@ -228,8 +384,8 @@ def to_rows(messages: Iterable[Message], settings: SendSettings, now: datetime) 
         ttl = min((t for t in (m.time_to_live, settings.default_message_time_to_live) if t is not None), default=None)
         at = max(now, m.scheduled_enqueue_time_utc) if m.scheduled_enqueue_time_utc else now
         visible.append(at)
-        expires.append(at + ttl if ttl is not None else None)
-        ttls.append(int(ttl.total_seconds() * 1000) if ttl is not None else None)
+        expires.append(limits.expiry(at, ttl))
+        ttls.append(limits.ttl_ms(ttl))
         sizes.append(size)
         mids.append(mid)
         props.append(json.dumps(m.application_properties) if m.application_properties else None)
@@ -284,10 +440,9 @@ class MessageBatch:
         self._messages: list[Message] = []
         self._size = 0
 
-    def add_message(self, message: Message) -> None:
-        """Add a message, or raise MessageSizeExceededError (a ValueError) if the batch would overflow."""
-        if not isinstance(message, Message):
-            raise InvalidOperationError(f"expected Message, got {type(message).__name__}")
+    def add_message(self, message: Message | ReceivedMessage | Mapping[str, Any]) -> None:
+        """Add a message (or a received one, or a dict of Message fields); MessageSizeExceededError if it does not fit."""
+        message = as_message(message)
         size = message.size_in_bytes
         if self._size + size > self.max_size_in_bytes:
             raise MessageSizeExceededError(

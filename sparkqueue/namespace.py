@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import logging
-import math
 import os
 import threading
 import time
@@ -26,6 +25,7 @@ from sparkqueue.management import (
     sub_entity_name,
 )
 from sparkqueue.model import limits
+from sparkqueue.model.deadlines import effective
 from sparkqueue.model.entity import Entity
 from sparkqueue.model.forwarding import MAX_HOPS, forward, routes
 from sparkqueue.model.properties import SubscriptionProperties
@@ -74,14 +74,7 @@ class Namespace(Management):
     ) -> None:
         self.root = resolve_root(root)
         self.tier = limits.check_tier(tier)
-        if (
-            isinstance(operation_timeout, bool)
-            or not isinstance(operation_timeout, (int, float))
-            or not math.isfinite(operation_timeout)
-            or operation_timeout <= 0
-        ):
-            raise InvalidOperationError(f"operation_timeout must be a positive number of seconds, got {operation_timeout!r}")
-        self.operation_timeout = float(operation_timeout)
+        self.operation_timeout = limits.check_seconds(operation_timeout, "operation_timeout")  # finite: NaN never expires
         self.storage_options = check_storage_options(storage_options)
         self.store = open_store(self.root, self.storage_options)
         self._catalog = Catalog(self.store, self.storage_options)
@@ -121,7 +114,7 @@ class Namespace(Management):
     # ---- entity resolution ---------------------------------------------------------------------
 
     def _deadline(self) -> Deadline:
-        return Deadline(self.operation_timeout)
+        return Deadline(effective(self.operation_timeout))
 
     def _entry(self, entity_type: str, name: str) -> CatalogEntry:
         entry = self._catalog.get(catalog_key(entity_type, name))
@@ -184,7 +177,8 @@ class Namespace(Management):
             return None
         cached = self._topic_rules(name)
         subscribers, record_ids = cached.subscribers, cached.record_ids
-        return lambda rows: fan_out(rows, subscribers, record_ids)
+        cap = limits.MAX_MESSAGE_BYTES[self.tier]
+        return lambda rows: fan_out(rows, subscribers, record_ids, cap)
 
     def _topic_rules(self, name: str) -> _CachedRules:
         """A topic's subscribers with their rules, and which of them forward; cached for PROPERTIES_TTL_S."""
@@ -306,6 +300,7 @@ class Namespace(Management):
         session_id: Any = None,
         prefetch_count: int = 0,
         max_wait_time: float | timedelta | None = None,
+        auto_lock_renewer: Any = None,
     ) -> Receiver:
         """A receiver of the queue, of its dead-letter sub-queue, or (session_id) of one of its sessions."""
         return Receiver(
@@ -317,6 +312,7 @@ class Namespace(Management):
             prefetch_count=prefetch_count,
             max_wait_time=max_wait_time,
             session_id=session_id,
+            auto_lock_renewer=auto_lock_renewer,
         )
 
     def get_subscription_receiver(
@@ -329,6 +325,7 @@ class Namespace(Management):
         session_id: Any = None,
         prefetch_count: int = 0,
         max_wait_time: float | timedelta | None = None,
+        auto_lock_renewer: Any = None,
     ) -> Receiver:
         """A receiver of a subscription, of its dead-letter sub-queue, or of one of its sessions."""
         return Receiver(
@@ -340,6 +337,7 @@ class Namespace(Management):
             prefetch_count=prefetch_count,
             max_wait_time=max_wait_time,
             session_id=session_id,
+            auto_lock_renewer=auto_lock_renewer,
         )
 
     # ---- transactions and sessions ------------------------------------------------------------

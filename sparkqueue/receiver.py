@@ -8,13 +8,24 @@ from collections.abc import Iterator, Sequence
 from datetime import datetime, timedelta
 from typing import TYPE_CHECKING
 
+import pyarrow.compute as pc
+
+from sparkqueue.auto_lock_renewer import AutoLockRenewer
 from sparkqueue.constants import NEXT_AVAILABLE_SESSION, ReceiveMode, SubQueue
-from sparkqueue.errors import InvalidOperationError, MessageLockLostError
+from sparkqueue.errors import (
+    InvalidArgumentTypeError,
+    InvalidOperationError,
+    MessageLockLostError,
+    MessageNotFoundError,
+    MessageSizeExceededError,
+)
 from sparkqueue.message import ReceivedMessage, received_messages
 from sparkqueue.model import lifecycle, limits
-from sparkqueue.model.entity import Entity, Guard, utcnow
+from sparkqueue.model.deadlines import call_timeout, check_timeout
+from sparkqueue.model.entity import ROW_COLUMNS, Entity, Guard, utcnow
 from sparkqueue.model.sessions import SessionLock, Sessions
-from sparkqueue.storage.schema import SUB_QUEUE_DEAD_LETTER, SUB_QUEUE_MAIN
+from sparkqueue.sender import check_status
+from sparkqueue.storage.schema import KIND_MESSAGE, STATE_DEFERRED, SUB_QUEUE_DEAD_LETTER, SUB_QUEUE_MAIN
 from sparkqueue.storage.table import SEQUENCE_MASK
 
 if TYPE_CHECKING:
@@ -25,15 +36,14 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 
+MAX_RECEIVE_BATCH = 2**31 - 1  # rows one receive gathers at most, whatever count was asked (counts are int64)
+
+
 def _wait_seconds(value: float | timedelta | None, field: str) -> float:
-    """max_wait_time as seconds: None means do not wait."""
+    """max_wait_time as seconds: None means do not wait; 0, negative, NaN or infinite raise ValueError as in the SDK."""
     if value is None:
         return 0.0
-    if isinstance(value, timedelta):
-        value = value.total_seconds()
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
-        raise InvalidOperationError(f"{field} must be a non-negative number of seconds or a timedelta, got {value!r}")
-    return float(value)
+    return limits.check_seconds(value, field)
 
 
 class Receiver:
@@ -50,7 +60,13 @@ class Receiver:
         prefetch_count: int = 0,
         max_wait_time: float | timedelta | None = None,
         session_id: str | object | None = None,
+        auto_lock_renewer: AutoLockRenewer | None = None,
     ) -> None:
+        limits.check_name_type(name, entity_type)
+        if auto_lock_renewer is not None and not isinstance(auto_lock_renewer, AutoLockRenewer):
+            raise InvalidArgumentTypeError(
+                f"auto_lock_renewer must be an AutoLockRenewer, got {type(auto_lock_renewer).__name__}"
+            )
         try:
             self.receive_mode = ReceiveMode(receive_mode)
         except ValueError:
@@ -69,6 +85,7 @@ class Receiver:
         self._cache: deque[ReceivedMessage] = deque()
         self._peek_cursors: dict[int, int] = {}
         self._closed = False
+        self._auto_lock_renewer = auto_lock_renewer
         self.session: ReceiverSession | None = None
         entity = self._entity()  # fail fast on an unknown entity
         # The dead-letter sub-queue of a session-enabled entity is read without a session (SPEC §5).
@@ -84,7 +101,9 @@ class Receiver:
                 raise InvalidOperationError(f"{entity.name!r} is not session-enabled; create it with requires_session=True")
             sid = None if session_id is NEXT_AVAILABLE_SESSION else limits.check_key(session_id, "session_id")
             sessions = Sessions(entity)
-            self.session = ReceiverSession(sessions, sessions.accept(sid, self.max_wait_time))
+            self.session = ReceiverSession(sessions, sessions.accept(sid, self.max_wait_time), namespace.tier)
+            if auto_lock_renewer is not None:
+                auto_lock_renewer.register(self, self.session)
 
     def _entity(self) -> Entity:
         return self._ns._entity(self.entity_type, self.entity_name)
@@ -92,6 +111,7 @@ class Receiver:
     # ---- lifecycle ---------------------------------------------------------------------------
 
     def __enter__(self) -> Receiver:
+        self._check_open()
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -110,22 +130,37 @@ class Receiver:
         self._closed = True
 
     def __iter__(self) -> Iterator[ReceivedMessage]:
-        """Yield messages as they arrive; stop after max_wait_time (set on the receiver) with none."""
-        while True:
-            got = self.receive_messages(max_message_count=1, max_wait_time=self.max_wait_time)
-            if not got:
-                return
-            yield from got
+        """The receiver is its own iterator: messages as they arrive, ending after max_wait_time with none."""
+        return self
+
+    def __next__(self) -> ReceivedMessage:
+        """The next message (`next(receiver)`); StopIteration when none arrives within the receiver's max_wait_time."""
+        got = self.receive_messages(max_message_count=1)
+        if not got:
+            raise StopIteration
+        return got[0]
 
     # ---- receive -------------------------------------------------------------------------------
 
     def receive_messages(
-        self, max_message_count: int | None = 1, max_wait_time: float | timedelta | None = None
+        self, max_message_count: int | None = 1, max_wait_time: float | timedelta | None = None, *, timeout: float | None = None
     ) -> list[ReceivedMessage]:
         """Up to max_message_count messages from all partitions, waiting up to max_wait_time for the first."""
         n = limits.check_int(1 if max_message_count is None else max_message_count, "max_message_count")
         wait = _wait_seconds(max_wait_time, "max_wait_time") if max_wait_time is not None else self.max_wait_time
+        bound = check_timeout(timeout)
+        if bound is not None:
+            wait = min(wait, bound)
         self._check_open()
+        check_status(self._entity().props, "receive", self._entity().name)
+        with call_timeout(bound):
+            out = self._receive(n, wait)
+        if self._auto_lock_renewer is not None and self.receive_mode == ReceiveMode.PEEK_LOCK:
+            for m in out:
+                self._auto_lock_renewer.register(self, m)
+        return out
+
+    def _receive(self, n: int, wait: float) -> list[ReceivedMessage]:
         out: list[ReceivedMessage] = []
         now = utcnow()
         while self._cache and len(out) < n:
@@ -134,7 +169,7 @@ class Receiver:
                 out.append(m)
         if len(out) >= n:
             return out
-        want = n - len(out) + self.prefetch_count
+        want = min(n - len(out) + self.prefetch_count, MAX_RECEIVE_BATCH)
         wait_s = 0.0 if out else wait
         if self.session is not None:
             rows = self.session._sessions.receive(self.session._lock, want, delete=self._deleting, wait_s=wait_s)
@@ -150,22 +185,73 @@ class Receiver:
     def _deleting(self) -> bool:
         return self.receive_mode == ReceiveMode.RECEIVE_AND_DELETE
 
-    def receive_deferred_messages(self, sequence_numbers: int | Sequence[int]) -> list[ReceivedMessage]:
-        """Receive deferred messages by sequence number; ones not deferred, or locked elsewhere, are not returned."""
+    def receive_deferred_messages(
+        self, sequence_numbers: int | Sequence[int], *, timeout: float | None = None
+    ) -> list[ReceivedMessage]:
+        """Receive deferred messages by sequence number.
+
+        A sequence number that is not a deferred message of this entity (or of the held session) —
+        completed, never deferred, unknown — raises MessageNotFoundError and nothing is received, as
+        in the SDK. A deferred message another receiver holds locked right now is not returned.
+        """
         seqs = self._seqs(sequence_numbers)
         self._check_open()
-        if self.session is not None:  # only the held session's deferred messages, under its lock
-            rows = self.session._sessions.receive_deferred(self.session._lock, seqs, delete=self._deleting)
-            return received_messages(rows, utcnow())
-        return received_messages(self._entity().receive_deferred(self._sub_queue, seqs, delete=self._deleting), utcnow())
+        with call_timeout(timeout):
+            self._require_deferred(seqs)
+            if self.session is not None:  # only the held session's deferred messages, under its lock
+                rows = self.session._sessions.receive_deferred(self.session._lock, seqs, delete=self._deleting)
+            else:
+                rows = self._entity().receive_deferred(self._sub_queue, seqs, delete=self._deleting)
+        out = received_messages(rows, utcnow())
+        if self._auto_lock_renewer is not None and self.receive_mode == ReceiveMode.PEEK_LOCK:
+            for m in out:
+                self._auto_lock_renewer.register(self, m)
+        return out
 
-    def peek_messages(self, max_message_count: int = 1, *, sequence_number: int | None = None) -> list[ReceivedMessage]:
+    def _require_deferred(self, seqs: list[int]) -> None:
+        """MessageNotFoundError naming the sequence numbers that are not deferred messages of this receiver."""
+        entity = self._entity()
+        dt = entity.table.snapshot()
+        missing: list[int] = []
+        groups: dict[int, list[int]] = {}
+        for seq in seqs:
+            groups.setdefault(seq >> 48, []).append(seq)
+        for p, group in groups.items():
+            if p >= entity.partition_count:
+                missing.extend(group)
+                continue
+            rows = entity.table.rows_by_sequence(dt, p, group, ROW_COLUMNS)
+            mask = pc.and_(
+                pc.and_(pc.equal(rows.column("state"), STATE_DEFERRED), pc.equal(rows.column("sub_queue"), self._sub_queue)),
+                pc.and_(pc.equal(rows.column("kind"), KIND_MESSAGE), entity._mine(rows)),
+            )
+            if self.session is not None:
+                mask = pc.and_(mask, pc.fill_null(pc.equal(rows.column("session_id"), self.session.session_id), False))
+            found = set(rows.filter(mask).column("sequence_number").to_pylist())
+            missing.extend(s for s in group if s not in found)
+        if missing:
+            shown = ", ".join(map(str, missing[:5])) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
+            raise MessageNotFoundError(
+                f"no deferred message with sequence number(s) {shown} in {entity.name!r}"
+                + (f" session {self.session.session_id!r}" if self.session is not None else "")
+                + "; nothing was received"
+            )
+
+    def peek_messages(
+        self, max_message_count: int = 1, *, sequence_number: int | None = None, timeout: float | None = None
+    ) -> list[ReceivedMessage]:
         """Browse without locking, in sequence order per partition; later calls continue where this one stopped."""
         n = limits.check_int(max_message_count, "max_message_count")
+        if sequence_number is not None:
+            limits.check_sequence_number(sequence_number, "sequence_number")
         self._check_open()
+        with call_timeout(timeout):
+            return self._peek(n, sequence_number)
+
+    def _peek(self, n: int, sequence_number: int | None) -> list[ReceivedMessage]:
         entity = self._entity()
         if sequence_number is not None:
-            counter = limits.check_int(sequence_number, "sequence_number", minimum=0) & SEQUENCE_MASK
+            counter = sequence_number & SEQUENCE_MASK
             self._peek_cursors = {p: (p << 48) | counter for p in range(entity.partition_count)}
         rows = entity.peek(self._sub_queue, self._peek_cursors, n)
         peeked = received_messages(rows, utcnow())
@@ -190,15 +276,15 @@ class Receiver:
     def dead_letter_message(
         self, message: ReceivedMessage, reason: str | None = None, error_description: str | None = None
     ) -> None:
-        """Move the message to the dead-letter sub-queue with a reason."""
+        """Move the message to the dead-letter sub-queue with a reason (each text at most 4,096 characters)."""
         for value, field in ((reason, "reason"), (error_description, "error_description")):
-            if value is not None and not isinstance(value, str):
-                raise InvalidOperationError(f"{field} must be a str, got {type(value).__name__}")
+            limits.check_text(value, field, limits.MAX_DEAD_LETTER_TEXT)
         self._settle(message, lifecycle.DEAD_LETTER, reason, error_description)
 
-    def renew_message_lock(self, message: ReceivedMessage) -> datetime:
+    def renew_message_lock(self, message: ReceivedMessage, *, timeout: float | None = None) -> datetime:
         """Extend the lock by the entity's lock_duration; returns the new expiry."""
-        until = self._settle(message, lifecycle.RENEW)
+        with call_timeout(timeout):
+            until = self._settle(message, lifecycle.RENEW)
         assert until is not None
         message.locked_until_utc = until
         return until
@@ -227,7 +313,7 @@ class Receiver:
         self._check_open()
         for message in messages:
             if not isinstance(message, ReceivedMessage):
-                raise InvalidOperationError(f"expected a ReceivedMessage, got {type(message).__name__}")
+                raise InvalidArgumentTypeError(f"expected a ReceivedMessage, got {type(message).__name__}")
             if self.receive_mode == ReceiveMode.RECEIVE_AND_DELETE:
                 raise InvalidOperationError("messages received in RECEIVE_AND_DELETE mode are already settled")
             if message.lock_token is None:
@@ -246,6 +332,9 @@ class Receiver:
         if op == lifecycle.DEAD_LETTER:
             self._ns._pump(self._entity(), sorted({m.partition_id for m in messages}))  # forward the dead letters
         lost = [m for m, ok in zip(messages, res.ok, strict=True) if not ok]
+        if op != lifecycle.RENEW:
+            for m, ok in zip(messages, res.ok, strict=True):
+                m._settled = m._settled or ok
         if lost:
             names = ", ".join(f"{m.sequence_number} ({m.message_id!r})" for m in lost[:5])
             more = f" and {len(lost) - 5} more" if len(lost) > 5 else ""
@@ -290,20 +379,26 @@ class Receiver:
 
     def _check_open(self) -> None:
         if self._closed:
-            raise InvalidOperationError("the receiver is closed")
+            raise InvalidOperationError("the receiver is closed; get a new one from the namespace")
 
     @staticmethod
     def _seqs(sequence_numbers: int | Sequence[int]) -> list[int]:
+        if isinstance(sequence_numbers, (str, bytes)) or not isinstance(sequence_numbers, (int, Sequence)):
+            raise InvalidArgumentTypeError(
+                f"sequence_numbers must be an int or a list of int, got {type(sequence_numbers).__name__}"
+            )
         seqs = [sequence_numbers] if isinstance(sequence_numbers, int) else list(sequence_numbers)
-        return [limits.check_int(s, "sequence_numbers", minimum=0) for s in seqs]
+        return [limits.check_sequence_number(s) for s in seqs]
 
 
 class ReceiverSession:
     """The session a session receiver holds (SDK: ServiceBusSession): its state and lock."""
 
-    def __init__(self, sessions: Sessions, lock: SessionLock) -> None:
+    def __init__(self, sessions: Sessions, lock: SessionLock, tier: str = limits.STANDARD) -> None:
         self._sessions = sessions
         self._lock = lock
+        self._max_state_bytes = limits.MAX_MESSAGE_BYTES[tier]  # Service Bus bounds session state by the message size
+        self.auto_renew_error: BaseException | None = None
 
     @property
     def session_id(self) -> str:
@@ -315,21 +410,33 @@ class ReceiverSession:
         """When the session lock expires unless renewed."""
         return self._lock.locked_until
 
-    def get_state(self) -> bytes | None:
+    @property
+    def _lock_expired(self) -> bool:
+        """True once the session lock has passed its expiry."""
+        return self._lock.locked_until <= utcnow()
+
+    def get_state(self, *, timeout: float | None = None) -> bytes | None:
         """The session state (None when never set or cleared)."""
-        return self._sessions.get_state(self._lock)
+        with call_timeout(timeout):
+            return self._sessions.get_state(self._lock)
 
-    def set_state(self, state: bytes | str | None) -> None:
-        """Store (or clear, with None) the session state; str is stored as UTF-8."""
+    def set_state(self, state: bytes | str | None, *, timeout: float | None = None) -> None:
+        """Store (or clear, with None) the session state; str is stored as UTF-8; at most the tier's message size."""
         if isinstance(state, str):
-            state = state.encode("utf-8")
+            state = limits.check_utf8(state, "session state").encode("utf-8")
         if state is not None and not isinstance(state, (bytes, bytearray)):
-            raise InvalidOperationError(f"session state must be bytes, str or None, got {type(state).__name__}")
-        self._sessions.set_state(self._lock, bytes(state) if state is not None else None)
+            raise InvalidArgumentTypeError(f"session state must be bytes, str or None, got {type(state).__name__}")
+        if state is not None and len(state) > self._max_state_bytes:
+            raise MessageSizeExceededError(
+                f"session state of {len(state)} bytes exceeds the {self._max_state_bytes} bytes a session state may hold"
+            )
+        with call_timeout(timeout):
+            self._sessions.set_state(self._lock, bytes(state) if state is not None else None)
 
-    def renew_lock(self) -> datetime:
+    def renew_lock(self, *, timeout: float | None = None) -> datetime:
         """Extend the session lock by the entity's lock_duration; returns the new expiry."""
-        return self._sessions.renew(self._lock)
+        with call_timeout(timeout):
+            return self._sessions.renew(self._lock)
 
     def _guard(self) -> Guard:
         return self._sessions.guard(self._lock)

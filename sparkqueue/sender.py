@@ -3,15 +3,22 @@
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from datetime import datetime
 from typing import TYPE_CHECKING
 
 import pyarrow.compute as pc
 
-from sparkqueue.errors import InvalidOperationError
-from sparkqueue.message import Message, MessageBatch, SendSettings, as_utc, to_rows
+from sparkqueue.constants import EntityStatus
+from sparkqueue.errors import (
+    InvalidArgumentTypeError,
+    InvalidOperationError,
+    MessageSizeExceededError,
+    MessagingEntityDisabledError,
+)
+from sparkqueue.message import Message, MessageBatch, ReceivedMessage, SendSettings, as_message, as_utc, to_rows
 from sparkqueue.model import limits
+from sparkqueue.model.deadlines import call_timeout
 from sparkqueue.model.entity import utcnow
 from sparkqueue.model.topics import ACCEPTED_MARKER
 
@@ -23,13 +30,38 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 
-def as_message_list(messages: Message | Sequence[Message] | MessageBatch) -> list[Message]:
-    """Accept one message, a list of them, or a batch."""
-    if isinstance(messages, Message):
-        return [messages]
+def as_message_list(messages: object) -> list[Message]:
+    """Accept one message, a list of them, or a batch; received messages and dicts of Message fields too (as the SDK)."""
+    if isinstance(messages, (Message, ReceivedMessage, Mapping)):
+        return [as_message(messages)]
     if isinstance(messages, (MessageBatch, list, tuple)):
-        return list(messages)
-    raise InvalidOperationError(f"expected a Message, a list of Message or a MessageBatch, got {type(messages).__name__}")
+        return [as_message(m) for m in messages]
+    raise InvalidArgumentTypeError(f"expected a Message, a list of Message or a MessageBatch, got {type(messages).__name__}")
+
+
+def check_fits_one_batch(msgs: list[Message], tier: str) -> None:
+    """A list sent in one call must fit one batch (the tier's message size limit), as the SDK requires."""
+    cap = limits.MAX_MESSAGE_BYTES[tier]
+    for m in msgs:
+        if m.size_in_bytes > cap:
+            raise MessageSizeExceededError(f"message {m.message_id!r} is {m.size_in_bytes} bytes; the {tier} tier allows {cap}")
+    total = sum(m.size_in_bytes for m in msgs)
+    if total > cap:
+        raise MessageSizeExceededError(
+            f"the {len(msgs)} messages total {total} bytes, more than one batch holds in the {tier} tier ({cap}); "
+            "send them in several calls or batches (create_message_batch)"
+        )
+
+
+def check_status(props: object, operation: str, name: str) -> None:
+    """Refuse sends or receives the entity's status disables (EntityStatus.DISABLED, SEND_DISABLED, RECEIVE_DISABLED)."""
+    status = getattr(props, "status", EntityStatus.ACTIVE)
+    refused = {
+        "send": (EntityStatus.DISABLED, EntityStatus.SEND_DISABLED),
+        "receive": (EntityStatus.DISABLED, EntityStatus.RECEIVE_DISABLED),
+    }
+    if status in refused[operation]:
+        raise MessagingEntityDisabledError(f"{name!r} is {status}: it does not accept {operation}s; set its status to Active")
 
 
 class Sender:
@@ -38,20 +70,28 @@ class Sender:
     def __init__(self, namespace: Namespace, entity_type: str, name: str) -> None:
         self._ns = namespace
         self.entity_type = entity_type
-        self.entity_name = name
+        self.entity_name = limits.check_name_type(name, entity_type)
+        self._closed = False
         namespace._props(entity_type, name)  # fail fast on an unknown entity
 
     def __enter__(self) -> Sender:
+        self._check_open()
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.close()
 
     def close(self) -> None:
-        """Nothing to release; present for SDK parity."""
+        """Close the sender: later calls raise ValueError, as in the SDK (create a new sender instead)."""
+        self._closed = True
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise InvalidOperationError("the sender is closed; get a new one from the namespace")
 
     def create_message_batch(self, max_size_in_bytes: int | None = None) -> MessageBatch:
         """An empty batch bounded by the tier's message size limit (or a smaller given bound)."""
+        self._check_open()
         cap = limits.MAX_MESSAGE_BYTES[self._ns.tier]
         if max_size_in_bytes is not None:
             limits.check_int(max_size_in_bytes, "max_size_in_bytes")
@@ -59,24 +99,39 @@ class Sender:
                 raise InvalidOperationError(f"max_size_in_bytes may be at most {cap} in the {self._ns.tier} tier")
         return MessageBatch(max_size_in_bytes or cap)
 
-    def send_messages(self, message: Message | Sequence[Message] | MessageBatch) -> list[int]:
-        """Send atomically; returns the stored sequence numbers (duplicates dropped by detection have none)."""
-        return self._send(as_message_list(message))
+    def send_messages(self, message: object, *, timeout: float | None = None) -> list[int]:
+        """Send atomically; returns the stored sequence numbers (duplicates dropped by detection have none).
 
-    def schedule_messages(self, messages: Message | Sequence[Message], schedule_time_utc: datetime) -> list[int]:
+        Accepts a Message, a received message, a dict of Message fields, a list of those, or a
+        MessageBatch. A list must fit one batch (MessageSizeExceededError otherwise), as in the SDK.
+        """
+        self._check_open()
+        msgs = as_message_list(message)
+        if not isinstance(message, MessageBatch):
+            check_fits_one_batch(msgs, self._ns.tier)
+        with call_timeout(timeout):
+            return self._send(msgs)
+
+    def schedule_messages(self, messages: object, schedule_time_utc: datetime, *, timeout: float | None = None) -> list[int]:
         """Send messages that stay invisible until schedule_time_utc; returns their sequence numbers."""
+        self._check_open()
         when = as_utc(schedule_time_utc, "schedule_time_utc")
         msgs = as_message_list(messages)
+        if not isinstance(messages, MessageBatch):
+            check_fits_one_batch(msgs, self._ns.tier)
         for m in msgs:
             m.scheduled_enqueue_time_utc = when
-        return self._send(msgs)
+        with call_timeout(timeout):
+            return self._send(msgs)
 
-    def cancel_scheduled_messages(self, sequence_numbers: int | Sequence[int]) -> None:
+    def cancel_scheduled_messages(self, sequence_numbers: int | Sequence[int], *, timeout: float | None = None) -> None:
         """Remove scheduled messages that have not become visible yet."""
+        self._check_open()
         seqs = [sequence_numbers] if isinstance(sequence_numbers, int) else list(sequence_numbers)
         for s in seqs:
-            limits.check_int(s, "sequence_numbers", minimum=0)
-        self._ns._entity(self.entity_type, self.entity_name).cancel_scheduled(seqs)
+            limits.check_sequence_number(s)
+        with call_timeout(timeout):
+            self._ns._entity(self.entity_type, self.entity_name).cancel_scheduled(seqs)
 
     def send_dataframe(self, df: DataFrame, spark: SparkSession | None = None, *, preserve_order: bool | None = None) -> int:
         """Send each row of a DataFrame as a message, in Spark tasks per partition; returns how many were accepted.
@@ -98,6 +153,7 @@ class Sender:
             tx.add_send(self, msgs)
             return []
         entity = self._ns._entity(self.entity_type, self.entity_name)
+        check_status(entity.props, "send", entity.name)
         rows, keys = to_rows(msgs, send_settings(self._ns.tier, entity.props), utcnow())
         stored = entity.send(rows, keys, self._ns._expander(self.entity_type, self.entity_name))
         stored = stored.filter(pc.invert(pc.fill_null(pc.equal(stored.column("subscription"), ACCEPTED_MARKER), False)))

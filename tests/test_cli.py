@@ -137,7 +137,7 @@ def test_send_show_peek_receive(root: Path, tmp_path: Path) -> None:
     assert all(m["state"] == "active" and m["sequence_number"] >> 48 == m["partition_id"] for m in peeked)
 
     got = as_json(ok(root, "receive", "q", "-n", "4", "--json"))
-    assert len(got) == 4 and all(m["delivery_count"] == 1 and m["body"] in lines for m in got)
+    assert len(got) == 4 and all(m["delivery_count"] == 0 and m["body"] in lines for m in got)
     out = ok(root, "receive", "q", "-n", "2", "--abandon")
     assert "Abandoned 2 message(s)" in out and "line" in out
 
@@ -248,7 +248,7 @@ def test_resubmit_dead_letters(root: Path) -> None:
         back[f"k{i}"].partition_key == f"key{i % 3}" and back[f"k{i}"].application_properties == {"i": i} for i in range(6)
     )
     assert all(back[f"u{i}"].subject == "unkeyed" and back[f"u{i}"].body == f"u{i}".encode() for i in range(4))
-    assert all(m.dead_letter_reason is None and m.delivery_count == 1 for m in back.values())
+    assert all(m.dead_letter_reason is None and m.delivery_count == 0 for m in back.values())
 
 
 def test_resubmit_keeps_duplicates_and_needs_via_topic(root: Path) -> None:

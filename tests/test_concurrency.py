@@ -80,7 +80,7 @@ def _race_receivers(root: str, ids: list[str], workers: int) -> None:
     lost = sum(n for *_, n in reports)
     dup_deliveries = [mid for mid, n in Counter(mid for mid, _ in delivered).items() if n > 1]
     assert dup_deliveries == [], f"messages delivered twice under 60 s locks: {dup_deliveries[:10]}"
-    assert {dc for _, dc in delivered} == {1}
+    assert {dc for _, dc in delivered} == {0}
     assert lost == 0
     assert len(completed) == len(ids)
     assert set(completed) == set(ids)

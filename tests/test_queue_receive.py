@@ -41,7 +41,7 @@ def test_receive_and_delete_removes_on_receipt(ns: Namespace) -> None:
         got = drain(r, 3)
         assert sorted(str(m) for m in got) == ["m0", "m1", "m2"]
         assert all(m.lock_token is None for m in got)
-        assert all(m.delivery_count == 1 for m in got)
+        assert all(m.delivery_count == 0 for m in got)
     assert ns.get_queue_runtime_properties("q").total_message_count == 0
     with ns.get_queue_receiver("q") as r:
         assert peek_all(r) == []
@@ -154,21 +154,21 @@ def test_messages_of_a_partition_come_in_sequence_order(ns: Namespace) -> None:
 
 
 def test_each_delivery_gets_a_fresh_lock(ns: Namespace) -> None:
-    """Every delivery has a new lock token, locked_until = now + lock_duration, and delivery_count + 1."""
+    """Every delivery has a new lock token, locked_until = now + lock_duration, and one more delivery_count (0 first)."""
     ns.create_queue("q", lock_duration=timedelta(seconds=30))
     _send(ns, [Message("x")])
     with ns.get_queue_receiver("q") as r:
         before = datetime.now(UTC)
         (m1,) = drain(r, 1)
         after = datetime.now(UTC)
-        assert m1.delivery_count == 1
+        assert m1.delivery_count == 0
         assert m1.locked_until_utc is not None
         assert before + timedelta(seconds=30) <= m1.locked_until_utc <= after + timedelta(seconds=30)
         r.abandon_message(m1)
         (m2,) = drain(r, 1)
     assert m2.sequence_number == m1.sequence_number
     assert m2.lock_token != m1.lock_token
-    assert m2.delivery_count == 2
+    assert m2.delivery_count == 1
 
 
 def test_expired_lock_makes_the_message_available_again(ns: Namespace) -> None:
@@ -183,7 +183,7 @@ def test_expired_lock_makes_the_message_available_again(ns: Namespace) -> None:
         (m2,) = drain(b, 1)
     assert m2.sequence_number == m1.sequence_number
     assert m2.lock_token != m1.lock_token
-    assert m2.delivery_count == 2
+    assert m2.delivery_count == 1
 
 
 def test_prefetched_messages_whose_lock_expired_are_not_served(ns: Namespace) -> None:
@@ -199,7 +199,7 @@ def test_prefetched_messages_whose_lock_expired_are_not_served(ns: Namespace) ->
         assert rest
         for m in rest:
             assert m.locked_until_utc is not None and m.locked_until_utc > now
-            assert m.delivery_count == 2
+            assert m.delivery_count == 1
 
 
 def test_peek_browses_without_locking(ns: Namespace) -> None:
@@ -213,7 +213,7 @@ def test_peek_browses_without_locking(ns: Namespace) -> None:
         assert all(m.delivery_count == 0 for m in peeked)
         got = drain(r, 3)
     assert sorted(m.sequence_number for m in got) == sorted(m.sequence_number for m in peeked)
-    assert all(m.delivery_count == 1 for m in got)
+    assert all(m.delivery_count == 0 for m in got)
 
 
 def test_peek_includes_locked_deferred_and_scheduled_messages(ns: Namespace) -> None:

@@ -10,7 +10,7 @@ import pytest
 from procs import drain, drain_all, key_for_partition, peek_all, sleep_past
 
 from sparkqueue import Message, Namespace, ReceivedMessage, ReceiveMode, SubQueue
-from sparkqueue.errors import InvalidOperationError, MessageLockLostError, PartitionUnavailableError
+from sparkqueue.errors import InvalidOperationError, MessageLockLostError, MessageNotFoundError, PartitionUnavailableError
 from sparkqueue.receiver import Receiver
 
 
@@ -56,11 +56,11 @@ def test_abandon_makes_the_message_available_at_once(ns: Namespace) -> None:
     _send(ns, [Message("x")])
     with ns.get_queue_receiver("q") as r, ns.get_queue_receiver("q") as other:
         m1 = _one(r)
-        assert m1.delivery_count == 1
+        assert m1.delivery_count == 0
         r.abandon_message(m1)
         (m2,) = other.receive_messages(max_message_count=1)
     assert m2.sequence_number == m1.sequence_number
-    assert m2.delivery_count == 2
+    assert m2.delivery_count == 1
 
 
 def test_defer_sets_the_message_aside(ns: Namespace) -> None:
@@ -74,17 +74,19 @@ def test_defer_sets_the_message_aside(ns: Namespace) -> None:
         (d,) = r.receive_deferred_messages([seq])
         assert d.state == "deferred"
         assert d.lock_token is not None
-        assert d.delivery_count == 2
+        assert d.delivery_count == 1
         r.complete_message(d)
     assert _counts(ns) == (0, 0, 0, 0, 0)
 
 
-def test_receive_deferred_ignores_messages_that_are_not_deferred(ns: Namespace) -> None:
-    """receive_deferred_messages returns nothing for active or unknown sequence numbers."""
+def test_receive_deferred_refuses_messages_that_are_not_deferred(ns: Namespace) -> None:
+    """receive_deferred_messages raises MessageNotFoundError for active or unknown sequence numbers (as the SDK) and
+    changes nothing."""
     ns.create_queue("q")
     (seq,) = _send(ns, [Message("active")])
     with ns.get_queue_receiver("q") as r:
-        assert r.receive_deferred_messages([seq, seq + 100]) == []
+        with pytest.raises(MessageNotFoundError):
+            r.receive_deferred_messages([seq, seq + 100])
         assert [m.sequence_number for m in drain(r, 1)] == [seq]
 
 
@@ -112,7 +114,9 @@ def test_dead_letter_moves_message_to_dlq_with_reason(ns: Namespace) -> None:
     assert _counts(ns) == (0, 0, 1, 0, 1)
     with ns.get_queue_receiver("q", sub_queue=SubQueue.DEAD_LETTER) as dlq:
         m = _one(dlq)
-        assert (m.message_id, str(m), m.application_properties) == ("m1", "bad", {"k": 1})
+        assert (m.message_id, str(m)) == ("m1", "bad")
+        # Service Bus also records the reason and description among the dead letter's application properties
+        assert m.application_properties == {"k": 1, "DeadLetterReason": "Poison", "DeadLetterErrorDescription": "could not parse"}
         assert m.dead_letter_reason == "Poison"
         assert m.dead_letter_error_description == "could not parse"
         assert m.dead_letter_source == "q"
@@ -211,7 +215,7 @@ def test_settling_with_an_expired_lock_fails_and_changes_nothing(ns: Namespace, 
         assert _counts(ns) == (1, 0, 0, 0, 1)
         again = _one(r)
     assert again.sequence_number == m.sequence_number
-    assert again.delivery_count == 2
+    assert again.delivery_count == 1
     assert again.state == "active"
 
 
@@ -283,7 +287,7 @@ def test_max_delivery_count_dead_letters(ns: Namespace) -> None:
     ns.create_queue("q", max_delivery_count=2)
     _send(ns, [Message("poison", message_id="p")])
     with ns.get_queue_receiver("q") as r:
-        for expected in (1, 2):
+        for expected in (0, 1):
             m = _one(r)
             assert m.delivery_count == expected
             r.abandon_message(m)
@@ -333,7 +337,7 @@ def test_abandon_messages_releases_a_batch(ns: Namespace) -> None:
         r.abandon_messages(first)
         again = drain(r, 6)
     assert sorted(m.sequence_number for m in again) == sorted(m.sequence_number for m in first)
-    assert {m.delivery_count for m in again} == {2}
+    assert {m.delivery_count for m in again} == {1}
 
 
 def test_complete_messages_with_a_lost_lock_completes_the_rest(ns: Namespace) -> None:

@@ -14,6 +14,7 @@ from sparkqueue import NEXT_AVAILABLE_SESSION, Message, Namespace, ReceivedMessa
 from sparkqueue.errors import (
     InvalidOperationError,
     MessageLockLostError,
+    MessageNotFoundError,
     SessionCannotBeLockedError,
     SessionLockLostError,
 )
@@ -200,13 +201,13 @@ def test_close_releases_the_session_and_its_message_locks_at_once(ns: Namespace)
     _send(ns, "s1", ["m0", "m1"])
     first = ns.get_queue_receiver("q", session_id="s1")
     (m0,) = _take(first, 1)
-    assert m0.delivery_count == 1
+    assert m0.delivery_count == 0
     first.close()
     assert _sessions(ns)["s1"].locked_until_utc is None
     with ns.get_queue_receiver("q", session_id="s1") as second:
         (again,) = _take(second, 1)
         assert again.message_id == "m0"
-        assert again.delivery_count == 2
+        assert again.delivery_count == 1
     with pytest.raises(InvalidOperationError):
         first.receive_messages()
 
@@ -286,7 +287,7 @@ def test_delivery_count_rises_when_a_session_lock_expires(ns: Namespace) -> None
         assert m.message_id == "m0"
         counts.append(m.delivery_count)
         _sleep_past(r.session.locked_until_utc)
-    assert counts == [1, 2, 3]
+    assert counts == [0, 1, 2]
 
 
 def test_renew_lock_extends_the_session_lock(ns: Namespace) -> None:
@@ -356,7 +357,7 @@ def test_abandoned_message_is_redelivered_before_later_ones(ns: Namespace) -> No
         order.append((m.message_id, m.delivery_count))
         (m,) = _take(r, 1)
         order.append((m.message_id, m.delivery_count))
-    assert order == [("m0", 1), ("m0", 2), ("m0", 3), ("m0", 4), ("m1", 1)]
+    assert order == [("m0", 0), ("m0", 1), ("m0", 2), ("m0", 3), ("m1", 0)]
 
 
 def test_message_whose_lock_expired_is_redelivered_before_later_ones(ns: Namespace) -> None:
@@ -372,7 +373,7 @@ def test_message_whose_lock_expired_is_redelivered_before_later_ones(ns: Namespa
             time.sleep(0.2)
         r.session.renew_lock()
         (again,) = _take(r, 1)
-        assert (again.message_id, again.delivery_count) == ("m0", 2)
+        assert (again.message_id, again.delivery_count) == ("m0", 1)
         with pytest.raises(MessageLockLostError):
             r.complete_message(m0)
         r.complete_message(again)
@@ -599,7 +600,7 @@ def test_subscription_session_lock_expires(ns: Namespace) -> None:
         r.complete_message(m)
     with ns.get_subscription_receiver("t", "ss", session_id="a") as r2:
         (again,) = _take(r2, 1)
-        assert (again.message_id, again.delivery_count) == ("x", 2)
+        assert (again.message_id, again.delivery_count) == ("x", 1)
         r2.complete_message(again)
     r.close()
     assert ns.get_subscription_runtime_properties("t", "ss").total_message_count == 0
@@ -609,14 +610,15 @@ def test_subscription_session_lock_expires(ns: Namespace) -> None:
 
 
 def test_deferred_message_of_a_session_is_received_only_by_its_session(ns: Namespace) -> None:
-    """receive_deferred_messages on a session receiver returns only its own session's deferred messages."""
+    """receive_deferred_messages on a session receiver reaches only its own session's deferred messages: another
+    session's raise MessageNotFoundError (as the SDK)."""
     _session_queue(ns, enable_partitioning=False)  # both sessions in one partition
     _send(ns, "a", ["a0"])
     with ns.get_queue_receiver("q", session_id="a") as ra:
         (a0,) = _take(ra, 1)
         ra.defer_message(a0)
-        with ns.get_queue_receiver("q", session_id="b") as rb:
-            assert rb.receive_deferred_messages([a0.sequence_number]) == []
+        with ns.get_queue_receiver("q", session_id="b") as rb, pytest.raises(MessageNotFoundError):
+            rb.receive_deferred_messages([a0.sequence_number])
         (d,) = ra.receive_deferred_messages([a0.sequence_number])
         assert (d.message_id, d.session_id) == ("a0", "a")
         ra.complete_message(d)

@@ -226,7 +226,7 @@ def test_session_held_in_another_process_cannot_be_accepted(root: str, tmp_path:
     child = _start(child_hold_session, root, "q", "s1", ready, release)
     try:
         _wait_for(lambda: len(_lines(ready)) >= 1, what="the child to hold the session")
-        assert _lines(ready)[0] == {"message_id": "m0", "delivery_count": 1}
+        assert _lines(ready)[0] == {"message_id": "m0", "delivery_count": 0}
         with pytest.raises(SessionCannotBeLockedError):
             ns.get_queue_receiver("q", session_id="s1")
         with pytest.raises(SessionCannotBeLockedError):
@@ -239,7 +239,7 @@ def test_session_held_in_another_process_cannot_be_accepted(root: str, tmp_path:
     assert child.exitcode == 0
     with ns.get_queue_receiver("q", session_id="s1") as r:  # released by the child's close, long before expiry
         (m,) = r.receive_messages(max_message_count=1, max_wait_time=2)
-        assert (m.message_id, m.delivery_count) == ("m0", 2)
+        assert (m.message_id, m.delivery_count) == ("m0", 1)
 
 
 def test_killed_holder_session_lapses_at_expiry(root: str, tmp_path: Path) -> None:
@@ -263,7 +263,7 @@ def test_killed_holder_session_lapses_at_expiry(root: str, tmp_path: Path) -> No
             time.sleep(0.2)
     with r:
         (m,) = r.receive_messages(max_message_count=1, max_wait_time=2)
-        assert (m.message_id, m.delivery_count) == ("m0", 2)
+        assert (m.message_id, m.delivery_count) == ("m0", 1)
 
 
 def test_racing_accepts_lock_each_session_once(root: str, tmp_path: Path) -> None:
@@ -344,7 +344,7 @@ def test_receivers_racing_over_many_sessions_keep_exclusivity_fifo_and_exactly_o
                 # strict FIFO: each delivery is the session's earliest message not yet completed
                 assert e["seq"] == pending[0], f"{sid}: delivered {e['seq']} while {pending[0]} was not completed"
                 deliveries[e["seq"]] += 1
-                assert e["dc"] == deliveries[e["seq"]], f"{sid}: delivery count {e['dc']} for delivery {deliveries[e['seq']]}"
+                assert e["dc"] == deliveries[e["seq"]] - 1, f"{sid}: delivery count {e['dc']} for delivery {deliveries[e['seq']]}"
             elif e["op"] == "completed":
                 assert e["seq"] == pending.pop(0)
                 done_seqs.append(e["seq"])
@@ -390,7 +390,7 @@ def test_process_killed_inside_transaction_block_leaves_nothing(root: str, tmp_p
         give_up = time.monotonic() + 20
         while not got and time.monotonic() < give_up:
             got = r.receive_messages(max_message_count=1, max_wait_time=0.5)
-        assert [(m.message_id, m.delivery_count) for m in got] == [("seed", 2)]
+        assert [(m.message_id, m.delivery_count) for m in got] == [("seed", 1)]
 
 
 def test_process_killed_while_committing_transactions_leaves_whole_batches(root: str, tmp_path: Path) -> None:

@@ -345,7 +345,7 @@ def test_copies_are_independent(ns: Namespace) -> None:
         ra.complete_message(m)
     with ns.get_subscription_receiver("t", "b") as rb:
         (m,) = rb.receive_messages(max_wait_time=2)
-        assert (m.message_id, m.body, m.subject, m.delivery_count) == ("m", b"payload", "s1", 1)
+        assert (m.message_id, m.body, m.subject, m.delivery_count) == ("m", b"payload", "s1", 0)
         rb.complete_message(m)
     assert ids_in(ns, "t", "a") == Counter()
     assert ids_in(ns, "t", "b") == Counter()
@@ -486,7 +486,7 @@ def test_subscription_peek_lock_complete_abandon(ns: Namespace) -> None:
     with ns.get_subscription_receiver("t", "s") as r, ns.get_subscription_receiver("t", "s") as other:
         got = drain(r, 6)
         assert sorted(m.message_id for m in got) == [f"m{i}" for i in range(6)]
-        assert all(m.lock_token and m.delivery_count == 1 for m in got)
+        assert all(m.lock_token and m.delivery_count == 0 for m in got)
         assert other.receive_messages(max_message_count=6, max_wait_time=0.3) == []
         for m in got[:4]:
             r.complete_message(m)
@@ -494,7 +494,7 @@ def test_subscription_peek_lock_complete_abandon(ns: Namespace) -> None:
             r.abandon_message(m)
         again = drain(other, 2)
         assert sorted(m.message_id for m in again) == sorted(m.message_id for m in got[4:])
-        assert all(m.delivery_count == 2 for m in again)
+        assert all(m.delivery_count == 1 for m in again)
         for m in again:
             other.complete_message(m)
     assert ids_in(ns, "t", "s") == Counter()

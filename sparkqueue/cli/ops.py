@@ -345,7 +345,7 @@ def purge(ns: Namespace, target: Target, *, dead_letter: bool, batch: int = 500,
 def _drain(r: Receiver, batch: int, progress: Progress) -> int:
     n = 0
     while True:
-        got = r.receive_messages(max_message_count=batch, max_wait_time=0)
+        got = r.receive_messages(max_message_count=batch, max_wait_time=None)
         if not got:
             return n
         n += len(got)
@@ -420,7 +420,7 @@ def resubmit(
     with receiver(ns, target, dead_letter=True) as r, sender(ns, destination) as s:
         while limit is None or result.resubmitted < limit:
             want = batch if limit is None else min(batch, limit - result.resubmitted)
-            got = r.receive_messages(max_message_count=want, max_wait_time=0)
+            got = r.receive_messages(max_message_count=want, max_wait_time=None)
             if not got:
                 break
             fresh = []

@@ -19,6 +19,7 @@ import pyarrow.compute as pc
 
 from sparkqueue.errors import MessageLockLostError, PartitionUnavailableError
 from sparkqueue.model import lifecycle
+from sparkqueue.model.deadlines import effective
 from sparkqueue.model.partitioning import RoundRobin, partition_for_key
 from sparkqueue.model.properties import PartitionRuntimeProperties, RuntimeProperties, _EntityProperties
 from sparkqueue.storage.files import MAX_FILE_ROWS
@@ -120,8 +121,8 @@ class Entity:
         )
 
     def deadline(self) -> Deadline:
-        """A deadline of one operation timeout from now."""
-        return Deadline(self.operation_timeout)
+        """A deadline of one operation timeout (or the call's tighter `timeout=`) from now."""
+        return Deadline(effective(self.operation_timeout))
 
     def available(self, partition: int) -> bool:
         """False while a fault is injected on the partition."""

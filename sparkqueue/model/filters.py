@@ -67,6 +67,7 @@ from sparkqueue.model.sql_parser import (
     SystemProperty,
     Unary,
     UserProp,
+    balanced,
     normalize_value,
     parse_action,
     parse_condition,
@@ -743,7 +744,7 @@ class CorrelationRuleFilter:
         conditions = self._field_conditions() + self._property_conditions()
         if not conditions:
             raise InvalidOperationError("CorrelationRuleFilter needs at least one field or property to match")
-        self._tree = reduce(And, conditions)
+        self._tree = balanced(And, conditions)  # balanced: many properties never nest deeply
 
     def _field_conditions(self) -> list[Node]:
         """sys.<field> = value for each given system field."""

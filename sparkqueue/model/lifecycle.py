@@ -105,13 +105,13 @@ def deliver(rows: pa.Table, now: datetime, policy: Policy, *, delete: bool) -> D
     if over_rows.num_rows:
         desc = f"Message could not be consumed after {policy.max_delivery_count} delivery attempts."
         parts.append(changes(over_rows, OP_SET, **_dead_letter_values(MAX_DELIVERY_REASON, desc, now, policy.source)))
+    # The stored count is the number of deliveries made; a delivered message reports the count of
+    # *earlier* deliveries, as the Python SDK does (0 on the first delivery; README "Porting from azure-servicebus").
     got = rows.filter(ok)
-    got = got.set_column(
-        got.schema.get_field_index("delivery_count"), "delivery_count", pc.add(got.column("delivery_count"), 1).cast(pa.int32())
-    )
+    counted = _with(got, delivery_count=pc.add(got.column("delivery_count"), 1).cast(pa.int32()))
     if got.num_rows:
         if delete:
-            parts.append(changes(got, removal(policy)))
+            parts.append(changes(counted, removal(policy)))
             got = _with(got, lock_token=pa.nulls(got.num_rows, pa.string()), locked_until_utc=pa.nulls(got.num_rows, TIMESTAMP))
         else:
             until = now + policy.lock_duration
@@ -119,11 +119,13 @@ def deliver(rows: pa.Table, now: datetime, policy: Policy, *, delete: bool) -> D
             avail = pc.if_else(
                 pc.equal(got.column("state"), STATE_ACTIVE), pa.scalar(until, TIMESTAMP), got.column("available_at_utc")
             )
-            locked = _with(
-                got, lock_token=tokens, locked_until_utc=pa.array([until] * got.num_rows, TIMESTAMP), available_at_utc=avail
-            )
-            parts.append(changes(locked, OP_SET))
-            got = locked
+            lock = {
+                "lock_token": tokens,
+                "locked_until_utc": pa.array([until] * got.num_rows, TIMESTAMP),
+                "available_at_utc": avail,
+            }
+            parts.append(changes(_with(counted, **lock), OP_SET))
+            got = _with(got, **lock)
     change_table = pa.concat_tables(parts) if parts else CHANGE_SCHEMA.empty_table()
     return Delivery(
         change_table,
@@ -136,7 +138,8 @@ def deliver(rows: pa.Table, now: datetime, policy: Policy, *, delete: bool) -> D
 def _with(rows: pa.Table, **cols: pa.Array) -> pa.Table:
     """Replace whole columns of a table."""
     for name, arr in cols.items():
-        rows = rows.set_column(rows.schema.get_field_index(name), name, arr)
+        i = rows.schema.get_field_index(name)
+        rows = rows.set_column(i, rows.schema.field(i), arr)
     return rows
 
 

@@ -1,12 +1,19 @@
-"""Validation of names, sizes, durations and entity settings, with the contract's limits (SPEC §1, §2)."""
+"""Validation of names, sizes, durations and entity settings, with the contract's limits (SPEC §1, §2).
+
+Every value the public API accepts is checked here against the range it is stored and computed in
+(int64 sequence numbers and counts, microsecond timestamps up to the year 9999, strict JSON), so an
+accepted value can never make a later read, computation or namespace-wide job fail.
+"""
 
 from __future__ import annotations
 
+import math
 import re
-from datetime import timedelta
+import uuid
+from datetime import UTC, datetime, timedelta
 from typing import Any
 
-from sparkqueue.errors import InvalidOperationError
+from sparkqueue.errors import InvalidArgumentTypeError, InvalidOperationError
 
 STANDARD = "standard"
 PREMIUM = "premium"
@@ -21,9 +28,19 @@ MAX_ENTITIES = 10_000
 MAX_LOCK_DURATION = timedelta(minutes=5)
 DEDUPE_WINDOW_RANGE = (timedelta(seconds=20), timedelta(days=7))
 MAX_TRANSACTION_MESSAGES = 100
+INT64_MAX = 2**63 - 1
+MAX_DEAD_LETTER_TEXT = 4096  # Service Bus: DeadLetterReason and DeadLetterErrorDescription, in characters
+MAX_USER_METADATA = 1024  # Service Bus: user_metadata of an entity, in characters
+# Service Bus's "infinite" TTL is TimeSpan.MaxValue (10,675,199 days and change): a TTL of at least
+# 10,675,199 days, timedelta.max included, means "never expires" and is stored as such.
+TTL_NEVER = timedelta(days=10_675_199)
+# The latest instant stored and computed: the end of the year 9999 at millisecond precision (table
+# statistics hold milliseconds and round up); later scheduled times are read as this one.
+LATEST_TIME = datetime(9999, 12, 31, 23, 59, 59, 999000, tzinfo=UTC)
 
-_ENTITY_NAME = re.compile(r"^[A-Za-z0-9](?:[A-Za-z0-9._/-]{0,258}[A-Za-z0-9])?$")
-_CHILD_NAME = re.compile(r"^[A-Za-z0-9$](?:[A-Za-z0-9._-]{0,48}[A-Za-z0-9])?$")
+# \Z, not $: "$" also matches before a final newline, which would let "abc\n" through.
+_ENTITY_NAME = re.compile(r"\A[A-Za-z0-9](?:[A-Za-z0-9._/-]{0,258}[A-Za-z0-9])?\Z")
+_CHILD_NAME = re.compile(r"\A[A-Za-z0-9$](?:[A-Za-z0-9._-]{0,48}[A-Za-z0-9])?\Z")
 
 
 def check_tier(tier: str) -> str:
@@ -33,8 +50,18 @@ def check_tier(tier: str) -> str:
     return tier
 
 
+def check_name_type(name: object, what: str = "queue") -> str:
+    """A name given to look an entity up: a str (TypeError otherwise, as in the SDK), not empty (ValueError)."""
+    if not isinstance(name, str):
+        raise InvalidArgumentTypeError(f"{what} name must be a str, got {type(name).__name__}")
+    if not name:
+        raise InvalidOperationError(f"{what} name must not be empty")
+    return name
+
+
 def check_entity_name(name: object, what: str = "queue") -> str:
     """Queue and topic names: 1-260 letters, digits, '.', '-', '_', '/', starting and ending alphanumeric."""
+    check_name_type(name, what)
     if not isinstance(name, str) or not _ENTITY_NAME.match(name) or "//" in name:
         raise InvalidOperationError(
             f"invalid {what} name {name!r}: use 1-260 letters, digits, '.', '-', '_' or '/', "
@@ -45,6 +72,7 @@ def check_entity_name(name: object, what: str = "queue") -> str:
 
 def check_child_name(name: object, what: str = "subscription") -> str:
     """Subscription and rule names: 1-50 letters, digits, '.', '-', '_' (no '/')."""
+    check_name_type(name, what)
     if not isinstance(name, str) or not _CHILD_NAME.match(name):
         raise InvalidOperationError(
             f"invalid {what} name {name!r}: use 1-50 letters, digits, '.', '-' or '_', starting and ending with a letter or digit"
@@ -52,25 +80,70 @@ def check_child_name(name: object, what: str = "subscription") -> str:
     return name
 
 
+def as_id_string(value: object, field: str) -> str | None:
+    """An id as the SDK accepts it (str or uuid.UUID), read back as str; None stays None."""
+    if value is None or isinstance(value, str):
+        return value
+    if isinstance(value, uuid.UUID):
+        return str(value)
+    raise InvalidArgumentTypeError(f"{field} must be a str or a uuid.UUID, got {type(value).__name__}")
+
+
+def check_utf8(value: str, field: str) -> str:
+    """A str that has a UTF-8 form (no lone surrogates), as every stored string must."""
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:
+        raise InvalidOperationError(f"{field} contains characters with no UTF-8 form (lone surrogates)") from None
+    return value
+
+
 def check_key(value: object, field: str) -> str | None:
-    """message_id, session_id, partition_key: None or a string of at most 128 characters."""
+    """message_id, session_id, partition_key: None or a string of at most 128 characters (a UUID is read as str)."""
+    value = as_id_string(value, field)
     if value is None:
         return None
-    if not isinstance(value, str):
-        raise InvalidOperationError(f"{field} must be a str, got {type(value).__name__}")
+    check_utf8(value, field)
     if len(value) > MAX_KEY_LENGTH:
         raise InvalidOperationError(f"{field} is {len(value)} characters long; at most {MAX_KEY_LENGTH} are allowed")
     return value
 
 
+_ISO_DURATION = re.compile(
+    r"\A(?P<sign>-)?P(?:(?P<w>\d+(?:\.\d+)?)W)?(?:(?P<d>\d+(?:\.\d+)?)D)?"
+    r"(?:T(?:(?P<h>\d+(?:\.\d+)?)H)?(?:(?P<m>\d+(?:\.\d+)?)M)?(?:(?P<s>\d+(?:\.\d+)?)S)?)?\Z"
+)
+
+
+def parse_iso_duration(text: str, field: str) -> timedelta:
+    """An ISO 8601 duration ("PT13S", "P1DT2H", "P10675199DT2H48M5.4775807S") as the SDK accepts it."""
+    m = _ISO_DURATION.match(text.strip().upper())
+    if m is None or text.strip().upper() in ("P", "PT") or text.strip().upper().endswith("T"):
+        raise InvalidOperationError(f"{field} must be a timedelta or an ISO 8601 duration such as 'PT30S', got {text!r}")
+    parts = {k: float(v) for k, v in m.groupdict().items() if k != "sign" and v is not None}
+    days = parts.get("w", 0.0) * 7 + parts.get("d", 0.0)
+    seconds = parts.get("h", 0.0) * 3600 + parts.get("m", 0.0) * 60 + parts.get("s", 0.0)
+    try:
+        value = timedelta(days=days, seconds=seconds)
+    except OverflowError:
+        value = timedelta.max  # beyond what a timedelta holds: longer than any limit, clamped below
+    return -value if m.group("sign") else value
+
+
+def as_timedelta(value: object, field: str) -> object:
+    """A duration given as an ISO 8601 string becomes a timedelta; anything else is returned as is."""
+    return parse_iso_duration(value, field) if isinstance(value, str) else value
+
+
 def check_duration(
     value: object, field: str, *, minimum: timedelta = timedelta(0), maximum: timedelta | None = None, allow_none: bool = False
 ) -> timedelta | None:
-    """A timedelta within (minimum, maximum]; None only where the setting allows 'never'."""
+    """A timedelta (or ISO 8601 string) within (minimum, maximum]; None only where the setting allows 'never'."""
     if value is None and allow_none:
         return None
+    value = as_timedelta(value, field)
     if not isinstance(value, timedelta):
-        raise InvalidOperationError(f"{field} must be a datetime.timedelta, got {type(value).__name__}")
+        raise InvalidArgumentTypeError(f"{field} must be a datetime.timedelta, got {type(value).__name__}")
     if value <= minimum and minimum == timedelta(0):
         raise InvalidOperationError(f"{field} must be positive, got {value}")
     if value < minimum:
@@ -80,19 +153,70 @@ def check_duration(
     return value
 
 
-def check_int(value: object, field: str, minimum: int = 1) -> int:
-    """An int (not bool) of at least `minimum`."""
+def check_ttl(value: object, field: str) -> timedelta | None:
+    """A time to live: positive; None, or at least Service Bus's infinite 10,675,199 days, means never expires (None)."""
+    ttl = check_duration(value, field, allow_none=True)
+    if ttl is not None and ttl >= TTL_NEVER:
+        return None
+    return ttl
+
+
+def expiry(at: datetime, ttl: timedelta | None) -> datetime | None:
+    """`at + ttl`, or None (never) when there is no TTL or the sum lies past the latest storable instant."""
+    if ttl is None or ttl > LATEST_TIME - at:
+        return None
+    return at + ttl
+
+
+def ttl_ms(ttl: timedelta | None) -> int | None:
+    """A TTL in whole milliseconds, as stored (fits int64 for every accepted TTL)."""
+    return None if ttl is None else ttl // timedelta(milliseconds=1)
+
+
+def check_int(value: object, field: str, minimum: int = 1, maximum: int = INT64_MAX) -> int:
+    """An int (not bool) in [minimum, maximum] (by default at most the int64 maximum every count is stored in)."""
     if isinstance(value, bool) or not isinstance(value, int):
-        raise InvalidOperationError(f"{field} must be an int, got {type(value).__name__}")
+        raise InvalidArgumentTypeError(f"{field} must be an int, got {type(value).__name__}")
     if value < minimum:
         raise InvalidOperationError(f"{field} must be at least {minimum}, got {value}")
+    if value > maximum:
+        raise InvalidOperationError(f"{field} must be at most {maximum}, got {value}")
     return value
+
+
+def check_sequence_number(value: object, field: str = "sequence_numbers") -> int:
+    """A sequence number: an int in the int64 range sequence numbers are stored in."""
+    return check_int(value, field, minimum=0)
+
+
+def check_seconds(value: object, field: str, *, allow_zero: bool = False) -> float:
+    """A finite positive number of seconds (a timedelta is accepted); NaN, infinity and booleans are refused."""
+    if isinstance(value, timedelta):
+        value = value.total_seconds()
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise InvalidArgumentTypeError(f"{field} must be a number of seconds or a timedelta, got {type(value).__name__}")
+    if not math.isfinite(value) or value < 0 or (value == 0 and not allow_zero):
+        raise InvalidOperationError(f"{field} must be a finite number of seconds greater than 0, got {value!r}")
+    if value > TTL_NEVER.total_seconds():
+        raise InvalidOperationError(f"{field} must be at most {TTL_NEVER.total_seconds():.0f} seconds, got {value!r}")
+    return float(value)
+
+
+def check_text(value: object, field: str, maximum: int) -> str | None:
+    """None or a str of at most `maximum` characters."""
+    if value is None:
+        return None
+    if not isinstance(value, str):
+        raise InvalidArgumentTypeError(f"{field} must be a str, got {type(value).__name__}")
+    if len(value) > maximum:
+        raise InvalidOperationError(f"{field} is {len(value)} characters long; at most {maximum} are allowed")
+    return check_utf8(value, field)
 
 
 def check_bool(value: object, field: str) -> bool:
     """A real bool."""
     if not isinstance(value, bool):
-        raise InvalidOperationError(f"{field} must be a bool, got {type(value).__name__}")
+        raise InvalidArgumentTypeError(f"{field} must be a bool, got {type(value).__name__}")
     return value
 
 
@@ -104,16 +228,36 @@ def check_size_mb(value: object, tier: str) -> int:
 
 
 def check_application_properties(props: object) -> dict[str, Any] | None:
-    """Application properties: str keys; str, int, float, bool or None values (stored as typed JSON)."""
+    """Application properties: str keys; str, int, float, bool or None values (stored as strict JSON).
+
+    bytes keys (as the SDK hands back received properties) are read as UTF-8; integers must fit
+    int64 and floats must be finite (NaN and Infinity have no strict-JSON form).
+    """
     if props is None:
         return None
     if not isinstance(props, dict):
-        raise InvalidOperationError(f"application_properties must be a dict, got {type(props).__name__}")
+        raise InvalidArgumentTypeError(f"application_properties must be a dict, got {type(props).__name__}")
+    out: dict[str, Any] = {}
     for k, v in props.items():
+        if isinstance(k, (bytes, bytearray)):
+            try:
+                k = bytes(k).decode("utf-8")
+            except UnicodeDecodeError:
+                raise InvalidOperationError(f"application property name {k!r} is not UTF-8") from None
         if not isinstance(k, str):
             raise InvalidOperationError(f"application property names must be str, got {k!r}")
+        check_utf8(k, "application property name")
+        if isinstance(v, str):
+            check_utf8(v, f"application property {k!r}")
+        if isinstance(v, (bytes, bytearray)):
+            raise InvalidOperationError(f"application property {k!r} has a bytes value; use str, int, float, bool or None")
         if v is not None and not isinstance(v, (str, int, float, bool)):
             raise InvalidOperationError(
                 f"application property {k!r} has a {type(v).__name__} value; use str, int, float, bool or None"
             )
-    return props
+        if isinstance(v, float) and not math.isfinite(v):
+            raise InvalidOperationError(f"application property {k!r} is {v!r}; NaN and infinities cannot be stored")
+        if isinstance(v, int) and not isinstance(v, bool) and not -INT64_MAX - 1 <= v <= INT64_MAX:
+            raise InvalidOperationError(f"application property {k!r} is outside the int64 range")
+        out[k] = v
+    return out

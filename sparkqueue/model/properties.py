@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import dataclasses
 import json
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from typing import Any, ClassVar
 
-from sparkqueue.errors import InvalidOperationError
+from sparkqueue.constants import EntityStatus
+from sparkqueue.errors import InvalidArgumentTypeError, InvalidOperationError
 from sparkqueue.model import limits
 
 NEVER = None  # default_message_time_to_live: messages never expire
@@ -23,7 +25,21 @@ class _EntityProperties:
     immutable: ClassVar[tuple[str, ...]] = ()
 
     def validate(self, tier: str) -> None:
-        """Raise InvalidOperationError for a setting outside the contract's limits."""
+        """Normalise durations (ISO 8601 strings, "infinite" TTLs) and raise InvalidOperationError for a setting
+        outside the contract's limits."""
+        for name in _DURATIONS:
+            if hasattr(self, name):
+                value = limits.as_timedelta(getattr(self, name), name)
+                if name in _NEVER_DURATIONS and isinstance(value, timedelta) and value >= limits.TTL_NEVER:
+                    value = None  # Service Bus's TimeSpan.MaxValue (or more): never
+                setattr(self, name, value)
+        if isinstance(getattr(self, "status", None), str):
+            try:
+                self.status = EntityStatus(self.status)  # type: ignore[attr-defined]
+            except ValueError:
+                raise InvalidOperationError(
+                    f"status must be an EntityStatus ({', '.join(s.value for s in EntityStatus)}), got {self.status!r}"  # type: ignore[attr-defined]
+                ) from None
         for f in dataclasses.fields(self):
             value = getattr(self, f.name)
             check = _CHECKS.get(f.name)
@@ -35,7 +51,7 @@ class _EntityProperties:
         out: dict[str, Any] = {}
         for f in dataclasses.fields(self):
             v = getattr(self, f.name)
-            out[f.name] = v.total_seconds() if isinstance(v, timedelta) else v
+            out[f.name] = v.total_seconds() if isinstance(v, timedelta) else str(v) if isinstance(v, EntityStatus) else v
         return out
 
     def to_json(self) -> str:
@@ -48,8 +64,49 @@ class _EntityProperties:
         raw = json.loads(text)
         for f in dataclasses.fields(cls):
             if f.name in _DURATIONS and raw.get(f.name) is not None:
-                raw[f.name] = timedelta(seconds=raw[f.name])
+                try:
+                    raw[f.name] = timedelta(seconds=raw[f.name])
+                except OverflowError:  # written before "infinite" durations were clamped: never
+                    raw[f.name] = None
+                if f.name in _NEVER_DURATIONS and raw[f.name] is not None and raw[f.name] >= limits.TTL_NEVER:
+                    raw[f.name] = None
+        if "status" in raw:
+            raw["status"] = EntityStatus(raw["status"])
         return cls(**{k: v for k, v in raw.items() if k in {f.name for f in dataclasses.fields(cls)}})
+
+    # ---- dict-like access, as the SDK's property objects (DictMixin) -----------------------------
+
+    def keys(self) -> list[str]:
+        """Setting names."""
+        return [f.name for f in dataclasses.fields(self)]
+
+    def values(self) -> list[Any]:
+        """Setting values."""
+        return [getattr(self, k) for k in self.keys()]
+
+    def items(self) -> list[tuple[str, Any]]:
+        """(name, value) pairs; dict(props) gives the settings as a dict."""
+        return [(k, getattr(self, k)) for k in self.keys()]
+
+    def get(self, key: str, default: Any = None) -> Any:
+        """A setting, or default."""
+        return getattr(self, key) if key in self.keys() else default
+
+    def __getitem__(self, key: str) -> Any:
+        if key not in self.keys():
+            raise KeyError(key)
+        return getattr(self, key)
+
+    def __setitem__(self, key: str, value: Any) -> None:
+        if key not in self.keys():
+            raise KeyError(key)
+        setattr(self, key, value)
+
+    def __contains__(self, key: object) -> bool:
+        return key in self.keys()
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.keys())
 
     @property
     def partition_count(self) -> int:
@@ -72,6 +129,12 @@ class QueueProperties(_EntityProperties):
     dead_lettering_on_message_expiration: bool = False
     forward_to: str | None = None
     forward_dead_lettered_messages_to: str | None = None
+    auto_delete_on_idle: timedelta | None = None  # kept; idle entities are not deleted (README)
+    enable_batched_operations: bool = True
+    enable_express: bool = False
+    user_metadata: str | None = None
+    status: EntityStatus = EntityStatus.ACTIVE
+    max_message_size_in_kilobytes: int | None = None
     entity_type: ClassVar[str] = "queue"
     immutable: ClassVar[tuple[str, ...]] = ("enable_partitioning", "requires_session")
 
@@ -85,6 +148,13 @@ class TopicProperties(_EntityProperties):
     requires_duplicate_detection: bool = False
     duplicate_detection_history_time_window: timedelta = timedelta(minutes=10)
     default_message_time_to_live: timedelta | None = NEVER
+    auto_delete_on_idle: timedelta | None = None  # kept; idle entities are not deleted (README)
+    enable_batched_operations: bool = True
+    enable_express: bool = False
+    user_metadata: str | None = None
+    status: EntityStatus = EntityStatus.ACTIVE
+    support_ordering: bool = True
+    max_message_size_in_kilobytes: int | None = None
     entity_type: ClassVar[str] = "topic"
     immutable: ClassVar[tuple[str, ...]] = ("enable_partitioning",)
 
@@ -103,6 +173,12 @@ class SubscriptionProperties(_EntityProperties):
     forward_dead_lettered_messages_to: str | None = None
     enable_partitioning: bool = True  # copied from the topic at creation
     max_size_in_megabytes: int = 1024  # copied from the topic at creation
+    auto_delete_on_idle: timedelta | None = None  # kept; idle entities are not deleted (README)
+    enable_batched_operations: bool = True
+    enable_express: bool = False
+    user_metadata: str | None = None
+    status: EntityStatus = EntityStatus.ACTIVE
+    dead_lettering_on_filter_evaluation_exceptions: bool = True
     entity_type: ClassVar[str] = "subscription"
     immutable: ClassVar[tuple[str, ...]] = ("enable_partitioning", "requires_session", "topic_name")
 
@@ -114,6 +190,7 @@ class RuleProperties:
     name: str
     filter: Any
     action: Any = None
+    created_at_utc: datetime | None = None
 
 
 @dataclass
@@ -162,6 +239,8 @@ class RuntimeProperties:
     subscription_count: int | None = None  # topics only
     created_at_utc: datetime | None = None
     updated_at_utc: datetime | None = None
+    accessed_at_utc: datetime | None = None  # the last settings change: sparkqueue records no reads (README)
+    status: EntityStatus = EntityStatus.ACTIVE
 
     @classmethod
     def aggregate(cls, name: str, parts: list[PartitionRuntimeProperties]) -> RuntimeProperties:
@@ -175,7 +254,23 @@ class RuntimeProperties:
 
 QueueRuntimeProperties = TopicRuntimeProperties = SubscriptionRuntimeProperties = RuntimeProperties
 
-_DURATIONS = {"duplicate_detection_history_time_window", "lock_duration", "default_message_time_to_live"}
+_DURATIONS = {"duplicate_detection_history_time_window", "lock_duration", "default_message_time_to_live", "auto_delete_on_idle"}
+_NEVER_DURATIONS = {"default_message_time_to_live", "auto_delete_on_idle"}  # TimeSpan.MaxValue means "never"
+MIN_AUTO_DELETE_ON_IDLE = timedelta(minutes=5)  # Service Bus's minimum
+
+
+def _check_status(value: object) -> None:
+    if not isinstance(value, EntityStatus):
+        raise InvalidArgumentTypeError(f"status must be an EntityStatus, got {value!r}")
+
+
+def _check_max_message_kb(value: object, tier: str) -> None:
+    """Premium only (1,024-102,400 KB); the standard tier's limit is fixed, so only None is accepted there."""
+    if value is None:
+        return
+    if tier != limits.PREMIUM:
+        raise InvalidOperationError("max_message_size_in_kilobytes can only be set in the premium tier")
+    limits.check_int(value, "max_message_size_in_kilobytes", minimum=1024, maximum=102_400)
 
 
 def _optional_name(value: object, field_name: str) -> None:
@@ -189,7 +284,7 @@ _CHECKS: dict[str, Any] = {
     "requires_session": lambda v, t: limits.check_bool(v, "requires_session"),
     "dead_lettering_on_message_expiration": lambda v, t: limits.check_bool(v, "dead_lettering_on_message_expiration"),
     "max_size_in_megabytes": lambda v, t: limits.check_size_mb(v, t),
-    "max_delivery_count": lambda v, t: limits.check_int(v, "max_delivery_count"),
+    "max_delivery_count": lambda v, t: limits.check_int(v, "max_delivery_count", maximum=2**31 - 1),
     "lock_duration": lambda v, t: limits.check_duration(v, "lock_duration", maximum=limits.MAX_LOCK_DURATION),
     "duplicate_detection_history_time_window": lambda v, t: limits.check_duration(
         v,
@@ -198,18 +293,33 @@ _CHECKS: dict[str, Any] = {
         maximum=limits.DEDUPE_WINDOW_RANGE[1],
     ),
     "default_message_time_to_live": lambda v, t: limits.check_duration(v, "default_message_time_to_live", allow_none=True),
+    "auto_delete_on_idle": lambda v, t: limits.check_duration(
+        v, "auto_delete_on_idle", minimum=MIN_AUTO_DELETE_ON_IDLE, allow_none=True
+    ),
+    "enable_batched_operations": lambda v, t: limits.check_bool(v, "enable_batched_operations"),
+    "enable_express": lambda v, t: limits.check_bool(v, "enable_express"),
+    "support_ordering": lambda v, t: limits.check_bool(v, "support_ordering"),
+    "dead_lettering_on_filter_evaluation_exceptions": lambda v, t: limits.check_bool(
+        v, "dead_lettering_on_filter_evaluation_exceptions"
+    ),
+    "user_metadata": lambda v, t: limits.check_text(v, "user_metadata", limits.MAX_USER_METADATA),
+    "status": lambda v, t: _check_status(v),
+    "max_message_size_in_kilobytes": lambda v, t: _check_max_message_kb(v, t),
     "forward_to": lambda v, t: _optional_name(v, "forward_to"),
     "forward_dead_lettered_messages_to": lambda v, t: _optional_name(v, "forward_dead_lettered_messages_to"),
 }
 
 
 def build_properties(cls: type[_EntityProperties], name: str, tier: str, settings: dict[str, Any]) -> _EntityProperties:
-    """Create validated properties from keyword settings; unknown keywords are an error."""
+    """Create validated properties from keyword settings (durations as timedelta or ISO 8601); unknown keywords are an error."""
     known = {f.name for f in dataclasses.fields(cls)} - {"name"}
     unknown = set(settings) - known
     if unknown:
         raise InvalidOperationError(f"unknown {cls.entity_type} setting(s): {', '.join(sorted(unknown))}")
-    props = cls(name=name, **settings)
+    try:
+        props = cls(name=name, **settings)
+    except TypeError as exc:
+        raise InvalidArgumentTypeError(str(exc)) from None
     props.validate(tier)
     if tier == limits.PREMIUM and getattr(props, "enable_partitioning", False):
         props.enable_partitioning = False  # premium entities are never partitioned (SPEC §1)
@@ -220,6 +330,7 @@ def check_update(old: _EntityProperties, new: _EntityProperties, tier: str) -> N
     """Raise InvalidOperationError when an update changes a setting fixed at creation."""
     if type(old) is not type(new) or old.name != new.name:
         raise InvalidOperationError(f"update must pass the {old.entity_type} properties of {old.name!r}")
+    new.validate(tier)
     for f in old.immutable:
         if getattr(old, f) != getattr(new, f):
             raise InvalidOperationError(f"{f} is fixed at creation and cannot be changed by an update")

@@ -22,6 +22,12 @@ names case-insensitive)::
     statement  := SET property = condition | REMOVE property
 
 Error positions in messages are 1-based character offsets into the expression text.
+
+Bounds (Service Bus's own where it has them): an expression is at most 1,024 characters and an
+action at most 32 statements; parentheses, NOT and signs nest at most 32 deep, and the finished
+tree at most 64 levels (chains of AND / OR are built balanced, so long chains stay shallow). So
+neither parsing nor evaluation can exhaust the interpreter's recursion limit; what exceeds a bound
+is a FilterSyntaxError when the rule is created.
 """
 
 from __future__ import annotations
@@ -59,9 +65,15 @@ __all__ = [
     "normalize_value",
     "parse_action",
     "parse_condition",
+    "balanced",
     "tokenize",
+    "tree_depth",
 ]
 
+MAX_EXPRESSION_LENGTH = 1024  # Service Bus: SQL filter and rule action text, in characters
+MAX_ACTION_STATEMENTS = 32  # Service Bus: expressions per rule action
+MAX_NESTING = 32  # parentheses, NOT and unary signs nested in one another
+MAX_TREE_DEPTH = 64  # levels of the parsed tree (evaluation recurses once per level)
 INT64_MIN = -(2**63)
 INT64_MAX = 2**63 - 1
 KEYWORDS = frozenset({"AND", "OR", "NOT", "IS", "NULL", "IN", "LIKE", "ESCAPE", "EXISTS", "TRUE", "FALSE"})
@@ -502,10 +514,21 @@ class _Parser:
     def __init__(self, source: str, parameters: Mapping[str, object] | None) -> None:
         if not isinstance(source, str):
             raise FilterSyntaxError(f"SQL expression must be a string, got {type(source).__name__}")
+        if len(source) > MAX_EXPRESSION_LENGTH:
+            raise FilterSyntaxError(
+                f"SQL expression is {len(source)} characters long; at most {MAX_EXPRESSION_LENGTH} are allowed"
+            )
         self.source = source
         self.params = _bind_parameters(source, parameters)
         self.tokens = tokenize(source)
         self.index = 0
+        self.nesting = 0
+
+    def nest(self, token: Token) -> None:
+        """Enter one nesting level (parenthesis, NOT, sign); FilterSyntaxError beyond MAX_NESTING."""
+        self.nesting += 1
+        if self.nesting > MAX_NESTING:
+            raise self.error(f"expression nests more than {MAX_NESTING} levels deep", token)
 
     # -- token helpers
 
@@ -571,32 +594,36 @@ class _Parser:
     # -- grammar
 
     def condition(self) -> Node:
-        """or := and { OR and }."""
+        """or := and { OR and } (built as a balanced tree: OR is associative)."""
         start = self.tok
-        node = self.and_()
+        nodes = [self.and_()]
         while self.tok.is_keyword("OR"):
-            self.require_condition(node, start)
+            self.require_condition(nodes[-1], start)
             self.advance()
             start = self.tok
-            node = Or(node, self.require_condition(self.and_(), start))
-        return node
+            nodes.append(self.require_condition(self.and_(), start))
+        return balanced(Or, nodes)
 
     def and_(self) -> Node:
-        """and := not { AND not }."""
+        """and := not { AND not } (built as a balanced tree: AND is associative)."""
         start = self.tok
-        node = self.not_()
+        nodes = [self.not_()]
         while self.tok.is_keyword("AND"):
-            self.require_condition(node, start)
+            self.require_condition(nodes[-1], start)
             self.advance()
             start = self.tok
-            node = And(node, self.require_condition(self.not_(), start))
-        return node
+            nodes.append(self.require_condition(self.not_(), start))
+        return balanced(And, nodes)
 
     def not_(self) -> Node:
         """not := NOT not | predicate."""
+        token = self.tok
         if self.accept_keyword("NOT"):
+            self.nest(token)
             start = self.tok
-            return Not(self.require_condition(self.not_(), start))
+            node = Not(self.require_condition(self.not_(), start))
+            self.nesting -= 1
+            return node
         return self.predicate()
 
     def predicate(self) -> Node:
@@ -700,8 +727,11 @@ class _Parser:
         op_token = self.advance()
         if op_token.text == "-" and self.tok.kind in ("int", "float"):
             return self.number(self.advance(), negate=True)
+        self.nest(op_token)
         start = self.tok
-        return Unary(op_token.text, self.require_value(self.unary(), start, op_token.text))
+        node = Unary(op_token.text, self.require_value(self.unary(), start, op_token.text))
+        self.nesting -= 1
+        return node
 
     def number(self, token: Token, negate: bool = False) -> Const:
         """Numeric literal; integers must fit in 64 bits like Service Bus longs."""
@@ -723,8 +753,10 @@ class _Parser:
             return self.parameter(self.advance())
         if token.is_op("("):
             self.advance()
+            self.nest(token)
             node = self.condition()
             self.expect_op(")", " to close the '(' at position " + str(token.pos + 1))
+            self.nesting -= 1
             return node
         if token.kind == "ident" and str(token.value).upper() in KEYWORDS:
             return self.keyword_primary()
@@ -808,6 +840,8 @@ class _Parser:
                 self.advance()
             if self.tok.kind == "eof":
                 return tuple(result)
+            if len(result) >= MAX_ACTION_STATEMENTS:
+                raise self.error(f"a rule action holds at most {MAX_ACTION_STATEMENTS} statements")
             result.append(self.statement())
 
     def statement(self) -> Statement:
@@ -842,20 +876,56 @@ def target_name(target: SysProp | UserProp) -> str:
     return f"sys.{target.prop.name}" if isinstance(target, SysProp) else target.name
 
 
+def balanced(op: type[And] | type[Or], nodes: list[Node]) -> Node:
+    """Combine nodes with an associative operator as a balanced tree (depth log2 n, not n), iteratively."""
+    while len(nodes) > 1:
+        paired = [op(nodes[i], nodes[i + 1]) for i in range(0, len(nodes) - 1, 2)]
+        nodes = paired + ([nodes[-1]] if len(nodes) % 2 else [])
+    return nodes[0]
+
+
+def tree_depth(root: object) -> int:
+    """Levels of a syntax tree (or statement), counted without recursion."""
+    deepest = 0
+    stack: list[tuple[object, int]] = [(root, 1)]
+    while stack:
+        node, depth = stack.pop()
+        deepest = max(deepest, depth)
+        for name in getattr(node, "__dataclass_fields__", {}):
+            child = getattr(node, name)
+            children = child if isinstance(child, tuple) else (child,)
+            stack.extend((c, depth + 1) for c in children if isinstance(c, (Node, SetStatement, RemoveStatement)))
+    return deepest
+
+
+def _check_depth(source: str, root: object) -> None:
+    depth = tree_depth(root)
+    if depth > MAX_TREE_DEPTH:
+        raise FilterSyntaxError(
+            f"SQL expression {source!r} is {depth} levels deep; at most {MAX_TREE_DEPTH} are allowed "
+            "(long chains of arithmetic nest one level per operator)"
+        )
+
+
 def parse_condition(source: str, parameters: Mapping[str, object] | None = None) -> Node:
-    """Parse a SQL filter expression into a syntax tree; FilterSyntaxError if it is invalid."""
+    """Parse a SQL filter expression into a syntax tree; FilterSyntaxError if it is invalid or too large."""
     parser = _Parser(source, parameters)
     if parser.tok.kind == "eof":
         raise parser.error("empty SQL filter: expected a condition such as sys.Label = 'x'")
     start = parser.tok
     node = parser.condition()
     parser.expect_end()
-    return parser.require_condition(node, start)
+    node = parser.require_condition(node, start)
+    _check_depth(source, node)
+    return node
 
 
 def parse_action(source: str, parameters: Mapping[str, object] | None = None) -> tuple[Statement, ...]:
-    """Parse a SQL rule action (SET/REMOVE statements); FilterSyntaxError if it is invalid."""
+    """Parse a SQL rule action (SET/REMOVE statements); FilterSyntaxError if it is invalid or too large."""
     parser = _Parser(source, parameters)
     if parser.tok.kind == "eof":
         raise parser.error("empty SQL action: expected SET or REMOVE")
-    return parser.statements()
+    statements = parser.statements()
+    for statement in statements:
+        _check_depth(source, statement)
+    return statements

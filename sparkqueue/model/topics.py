@@ -6,6 +6,7 @@ a send to a topic is one append: every matching subscription gets its copy atomi
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
@@ -13,11 +14,27 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from sparkqueue.storage.schema import STATE_COMPLETED, TIMESTAMP
+from sparkqueue.model import limits
+from sparkqueue.storage.schema import STATE_ACTIVE, STATE_COMPLETED, SUB_QUEUE_DEAD_LETTER, TIMESTAMP
 
 # Subscription key of the rows that only record an accepted message id, so a duplicate-detecting
 # topic detects repeats even of messages no subscription took. Subscription names cannot start with '$'.
 ACCEPTED_MARKER = "$accepted"
+# A copy a rule action would leave invalid (too large, an id over 128 characters, a TTL that is not
+# positive, a property JSON cannot hold) is dead-lettered in its subscription, unmodified, with this reason.
+RULE_ACTION_REASON = "RuleActionViolation"
+_KEY_COLUMNS = ("message_id", "session_id", "partition_key")
+_SIZED_STRINGS = (
+    "message_id",
+    "session_id",
+    "partition_key",
+    "content_type",
+    "correlation_id",
+    "subject",
+    "to",
+    "reply_to",
+    "reply_to_session_id",
+)
 
 
 @dataclass(frozen=True)
@@ -38,12 +55,14 @@ class Subscriber:
     default_message_time_to_live: timedelta | None = None  # caps the TTL of the subscription's copies
 
 
-def fan_out(rows: pa.Table, subscribers: list[Subscriber], record_ids: bool) -> pa.Table:
+def fan_out(rows: pa.Table, subscribers: list[Subscriber], record_ids: bool, max_message_bytes: int | None = None) -> pa.Table:
     """Copies of `rows` for every subscription whose rules match, plus id markers when `record_ids`.
 
     Rules without an action that match give one copy between them; each matching rule with an
-    action gives a copy of its own, modified by the action. Filters are evaluated per batch.
+    action gives a copy of its own, modified by the action and checked again against the message
+    limits (`max_message_bytes`, default the standard tier's). Filters are evaluated per batch.
     """
+    cap = max_message_bytes if max_message_bytes is not None else limits.MAX_MESSAGE_BYTES[limits.STANDARD]
     parts: list[pa.Table] = []
     for sub in subscribers:
         plain: pa.Array | None = None
@@ -54,7 +73,8 @@ def fan_out(rows: pa.Table, subscribers: list[Subscriber], record_ids: bool) -> 
                 continue
             matched = rows.filter(hit)
             if matched.num_rows:
-                parts.append(_cap_ttl(_tag(rule.action.apply(matched).select(rows.schema.names), sub.key), sub))
+                acted = checked_action_copies(matched, rule.action.apply(matched).select(rows.schema.names), cap)
+                parts.append(_cap_ttl(_tag(acted, sub.key), sub))
         if plain is not None:
             matched = rows.filter(plain)
             if matched.num_rows:
@@ -62,6 +82,86 @@ def fan_out(rows: pa.Table, subscribers: list[Subscriber], record_ids: bool) -> 
     if record_ids:
         parts.append(_markers(rows))
     return pa.concat_tables([p.cast(rows.schema) for p in parts]) if parts else rows.schema.empty_table()
+
+
+def checked_action_copies(original: pa.Table, acted: pa.Table, max_bytes: int) -> pa.Table:
+    """Rule-action copies with size and expiry recomputed; a copy the action made invalid is dead-lettered unmodified."""
+    acted = _recompute_size(_recompute_expiry(acted.cast(original.schema)))
+    problems = _violations(acted, max_bytes)
+    if not any(problems):
+        return acted
+    bad = pa.array([p is not None for p in problems], pa.bool_())
+    dead = _set(
+        original.filter(bad),
+        sub_queue=SUB_QUEUE_DEAD_LETTER,
+        state=STATE_ACTIVE,
+        dead_letter_reason=RULE_ACTION_REASON,
+        dead_letter_error_description=pa.array([p for p in problems if p is not None], pa.string()),
+    )
+    return pa.concat_tables([acted.filter(pc.invert(bad)), dead.cast(original.schema)])
+
+
+def _set(rows: pa.Table, **values: Any) -> pa.Table:
+    """Replace columns with a scalar for every row, or an array."""
+    for name, value in values.items():
+        i = rows.schema.get_field_index(name)
+        field = rows.schema.field(i)
+        arr = value if isinstance(value, (pa.Array, pa.ChunkedArray)) else pa.array([value] * rows.num_rows, field.type)
+        rows = rows.set_column(i, field, arr.cast(field.type))
+    return rows
+
+
+def _recompute_expiry(rows: pa.Table) -> pa.Table:
+    """expires_at_utc = enqueued_time_utc + time_to_live after an action changed sys.TimeToLive (never past year 9999)."""
+    ttl = rows.column("time_to_live_ms").cast(pa.int64())
+    never = pc.fill_null(pc.greater_equal(ttl, limits.TTL_NEVER // timedelta(milliseconds=1)), False)
+    ttl = pc.if_else(never, pa.scalar(None, pa.int64()), ttl)
+    positive = pc.if_else(pc.greater(ttl, 0), ttl, pa.scalar(None, pa.int64()))
+    us = pc.multiply(positive, 1000).cast(pa.duration("us"))
+    expires = pc.add(rows.column("enqueued_time_utc"), us).cast(TIMESTAMP)
+    late = pc.fill_null(pc.greater(expires, pa.scalar(limits.LATEST_TIME, TIMESTAMP)), False)
+    expires = pc.if_else(late, pa.scalar(None, TIMESTAMP), expires)
+    return _set(rows, time_to_live_ms=ttl, expires_at_utc=expires)
+
+
+def _recompute_size(rows: pa.Table) -> pa.Table:
+    """size_in_bytes as Message.size_in_bytes counts it: body, string properties and the properties' JSON."""
+    total = pc.fill_null(pc.binary_length(rows.column("body")), 0).cast(pa.int64())
+    for name in (*_SIZED_STRINGS, "application_properties"):
+        total = pc.add(total, pc.fill_null(pc.binary_length(rows.column(name)), 0).cast(pa.int64()))
+    return _set(rows, size_in_bytes=total)
+
+
+def _strict_json(text: str) -> bool:
+    def refuse(constant: str) -> Any:
+        raise ValueError(constant)
+
+    try:
+        json.loads(text, parse_constant=refuse)
+    except ValueError:
+        return False
+    return True
+
+
+def _violations(rows: pa.Table, max_bytes: int) -> list[str | None]:
+    """Per row: why the copy breaks a message invariant, or None."""
+    out: list[str | None] = [None] * rows.num_rows
+    sizes = rows.column("size_in_bytes").to_pylist()
+    ttls = rows.column("time_to_live_ms").to_pylist()
+    keys = {name: rows.column(name).to_pylist() for name in _KEY_COLUMNS}
+    props = rows.column("application_properties").to_pylist()
+    for i in range(rows.num_rows):
+        if sizes[i] > max_bytes:
+            out[i] = f"the rule action made the message {sizes[i]} bytes; at most {max_bytes} are allowed"
+        elif keys["message_id"][i] is None or keys["message_id"][i] == "":
+            out[i] = "the rule action removed the message id"
+        elif any(v is not None and len(v) > limits.MAX_KEY_LENGTH for name in _KEY_COLUMNS for v in (keys[name][i],)):
+            out[i] = f"the rule action set an id longer than {limits.MAX_KEY_LENGTH} characters"
+        elif ttls[i] is not None and ttls[i] <= 0:
+            out[i] = f"the rule action set sys.TimeToLive to {ttls[i]} ms; it must be positive"
+        elif props[i] is not None and not _strict_json(props[i]):
+            out[i] = "the rule action set a property to NaN or an infinity, which cannot be stored"
+    return out
 
 
 def _tag(rows: pa.Table, key: str) -> pa.Table:
@@ -80,7 +180,9 @@ def _cap_ttl(rows: pa.Table, sub: Subscriber) -> pa.Table:
     shorter = pc.fill_null(pc.less(pa.scalar(cap_ms, pa.int64()), current.cast(pa.int64())), True)
     ttl_i = rows.schema.get_field_index("time_to_live_ms")
     exp_i = rows.schema.get_field_index("expires_at_utc")
-    capped_expiry = pc.add(rows.column("available_at_utc"), pa.scalar(ttl, pa.duration("us")))
+    capped_expiry = pc.add(rows.column("available_at_utc"), pa.scalar(ttl, pa.duration("us"))).cast(TIMESTAMP)
+    too_late = pc.fill_null(pc.greater(capped_expiry, pa.scalar(limits.LATEST_TIME, TIMESTAMP)), False)
+    capped_expiry = pc.if_else(too_late, pa.scalar(None, TIMESTAMP), capped_expiry)
     capped_ttl = pc.if_else(shorter, pa.scalar(cap_ms, pa.int64()), current.cast(pa.int64())).cast(current.type)
     rows = rows.set_column(ttl_i, rows.schema.field(ttl_i), capped_ttl)
     return rows.set_column(

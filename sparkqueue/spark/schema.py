@@ -99,6 +99,10 @@ def received_from_entity_rows(now: datetime) -> list[Column]:
         # from_json keeps string values as they are and gives numbers and booleans as their JSON text (props_map)
         "application_properties": sf.from_json("application_properties", "map<string,string>"),
         "time_to_live": sf.col("time_to_live_ms") * sf.expr("INTERVAL '0.001' SECOND"),
+        # a locked row is stored with this delivery counted; a message reports the earlier ones (0 first)
+        "delivery_count": sf.when(sf.col("lock_token").isNotNull(), sf.col("delivery_count") - 1)
+        .otherwise(sf.col("delivery_count"))
+        .cast("int"),
     }
     return [computed.get(name, sf.col(name)).alias(name) for name in RECEIVED_COLUMNS]
 

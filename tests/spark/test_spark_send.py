@@ -216,7 +216,7 @@ def test_topic_send_copies_to_every_subscription(spark, ns, numbered):
         assert ns.get_subscription_runtime_properties("t", sub).active_message_count == 300
     counts = Counter()
     with ns.get_subscription_receiver("t", "a") as r:
-        while got := r.receive_messages(300, max_wait_time=0):
+        while got := r.receive_messages(300, max_wait_time=None):
             counts.update(m.message_id for m in got)
             r.complete_messages(got)
     assert len(counts) == 300 and set(counts.values()) == {1}
