@@ -7,15 +7,17 @@ import copy
 import logging
 import os
 import tomllib
+from collections.abc import Iterator
+from contextlib import contextmanager
 from datetime import timedelta
 from pathlib import Path
-from typing import Any
-
-from pyspark.sql import SparkSession
+from typing import TYPE_CHECKING, Any
 
 from sparkqueue import Namespace
-from sparkqueue.errors import EntityAlreadyExistsError, EntityNotFoundError
-from sparkqueue.spark import spark_session
+from sparkqueue.errors import EntityAlreadyExistsError, EntityNotFoundError, SparkQueueError
+
+if TYPE_CHECKING:  # pyspark is imported only by the jobs that start Spark (maintenance does not)
+    from pyspark.sql import SparkSession
 
 log = logging.getLogger(__name__)
 
@@ -60,7 +62,12 @@ def add_common_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--lock-duration", dest="lock_duration", type=float, help="seconds, when the job creates the queue")
     parser.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE", help="override any setting")
     parser.add_argument("--no-progress", action="store_true", help="do not draw a progress bar")
-    parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    parser.add_argument("-v", "--verbose", action="store_true", help="debug logging, Spark's INFO log and full stack traces")
+
+
+def add_config_arg(parser: argparse.ArgumentParser) -> None:
+    """The --config flag alone, for jobs without the Spark and queue overrides (maintenance)."""
+    parser.add_argument("--config", default=str(DEFAULT_CONFIG), help="TOML configuration file (default: conf/sparkqueue.toml)")
 
 
 def load_config(path: str | os.PathLike[str] | None, overrides: dict[str, Any] | None = None) -> dict[str, Any]:
@@ -120,12 +127,19 @@ def under_spark_submit() -> bool:
     return "PYSPARK_GATEWAY_PORT" in os.environ
 
 
-def session(cfg: dict[str, Any]) -> SparkSession:
-    """The job's SparkSession: sparkqueue defaults, then the configured Spark settings."""
+def session(cfg: dict[str, Any], *, verbose: bool = False) -> SparkSession:
+    """The job's SparkSession: sparkqueue defaults, then the configured Spark settings; Spark logs at WARN unless verbose.
+
+    Spark's own INFO lines (one per task and stage) would bury the job's; `--verbose` brings them back.
+    """
+    from sparkqueue.spark import spark_session
+
     spark_cfg = cfg["spark"]
     conf = {str(k): str(v) for k, v in spark_cfg.get("conf", {}).items()}
     master = None if under_spark_submit() else spark_cfg["master"]
-    return spark_session(master, spark_cfg["app_name"], conf)
+    spark = spark_session(master, spark_cfg["app_name"], conf)
+    spark.sparkContext.setLogLevel("INFO" if verbose else "WARN")
+    return spark
 
 
 def namespace(cfg: dict[str, Any]) -> Namespace:
@@ -158,9 +172,55 @@ def ensure_queue(ns: Namespace, cfg: dict[str, Any]) -> str:
 
 
 def setup_logging(verbose: bool) -> None:
-    """Job logging to stderr (library modules log; jobs never print)."""
+    """Job logging to stderr (library modules log; jobs never print): the job's own lines at INFO, the rest at WARNING.
+
+    With `verbose`, everything at DEBUG (py4j and deltalake stay at WARNING: their DEBUG lines say nothing about the job).
+    """
     logging.basicConfig(
-        level=logging.DEBUG if verbose else logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+        level=logging.DEBUG if verbose else logging.WARNING,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        force=True,
     )
+    logging.getLogger("jobs").setLevel(logging.DEBUG if verbose else logging.INFO)
     for noisy in ("py4j", "deltalake"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
+
+
+def summary(exc: BaseException) -> str:
+    """An error in one line: a Spark failure without its JVM stack trace, a sparkqueue error a task carried as itself."""
+    try:
+        from sparkqueue.spark.session import translate
+
+        carried = translate(exc)
+    except ImportError:  # pyspark absent: nothing can carry a sparkqueue error
+        carried = None
+    if carried is not None:
+        exc = carried
+    lines = [ln.strip().lstrip(": ") for ln in str(exc).splitlines()]
+    lines = [ln for ln in lines if ln and not ln.startswith(("at ", "An error occurred while calling", "JVM stacktrace"))]
+    first = lines[0] if lines else ""
+    return f"{type(exc).__name__}: {first[:1000]}"
+
+
+@contextmanager
+def expected_failures(verbose: bool) -> Iterator[None]:
+    """Report an expected failure (sparkqueue error, failed Spark job, bad configuration, I/O error) in one line, exit 1.
+
+    A failed Spark job's error carries a JVM stack trace of a hundred lines; the one line says what
+    failed, and `--verbose` shows the whole trace.
+    """
+    failures: tuple[type[BaseException], ...] = (SparkQueueError, OSError, ValueError, KeyError, tomllib.TOMLDecodeError)
+    try:
+        from py4j.protocol import Py4JError
+        from pyspark.errors import PySparkException
+
+        failures += (PySparkException, Py4JError)
+    except ImportError:
+        pass
+    try:
+        yield
+    except failures as exc:
+        if verbose:
+            raise
+        logging.getLogger("jobs").error("%s (run with --verbose for the full trace)", summary(exc))
+        raise SystemExit(1) from None

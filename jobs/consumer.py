@@ -196,13 +196,14 @@ def main(argv: list[str] | None = None) -> int:
     """Entry point of `python -m jobs.consumer` and `spark-submit jobs/consumer.py`."""
     args = parse_args(argv)
     common.setup_logging(args.verbose)
-    cfg = common.load_config(args.config, common.overrides_from(args, FLAGS))
-    spark = common.session(cfg)
-    started = time.perf_counter()
-    try:
-        result = run(cfg, spark, crash_after_write=args.crash_after_write, progress=not args.no_progress)
-    finally:
-        spark.stop()
+    with common.expected_failures(args.verbose):
+        cfg = common.load_config(args.config, common.overrides_from(args, FLAGS))
+        spark = common.session(cfg, verbose=args.verbose)
+        started = time.perf_counter()
+        try:
+            result = run(cfg, spark, crash_after_write=args.crash_after_write, progress=not args.no_progress)
+        finally:
+            spark.stop()
     log.info("done in %.1fs: %s", time.perf_counter() - started, result)
     return 0
 

@@ -1,18 +1,27 @@
 """Maintenance job: compact, clean, checkpoint and vacuum every entity table of a namespace, once or on an interval.
 
-Run: python -m jobs.maintenance --root ./sparkqueue-data [--interval 300] [--vacuum-retention-hours 1]
+Run: python -m jobs.maintenance [--config conf/sparkqueue.toml] [--root ./sparkqueue-data] [--interval 300]
+    [--vacuum-retention-hours 1]
+
+The namespace comes from --root, else from the configuration file's [namespace] section.
 """
 
 from __future__ import annotations
 
 import argparse
 import logging
+import sys
 import time
 from datetime import timedelta
+from pathlib import Path
 
 from rich.console import Console
 from rich.table import Table
 
+if __package__ in (None, ""):  # run as a file: make `jobs` importable
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from jobs import common
 from sparkqueue import Namespace
 
 log = logging.getLogger("jobs.maintenance")
@@ -20,12 +29,14 @@ log = logging.getLogger("jobs.maintenance")
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     """Command-line options."""
-    p = argparse.ArgumentParser(description=__doc__)
-    p.add_argument("--root", default="./sparkqueue-data", help="namespace root (a local directory or object-store URI)")
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    common.add_config_arg(p)
+    p.add_argument("--root", help="namespace root, a local directory or object-store URI (default: namespace.root)")
     p.add_argument("--interval", type=float, default=0, help="seconds between runs; 0 runs once")
     p.add_argument("--runs", type=int, default=0, help="stop after this many runs (0: forever when --interval is set)")
     p.add_argument("--vacuum-retention-hours", type=float, default=1.0, help="keep unreferenced files this long")
     p.add_argument("--no-vacuum", action="store_true", help="skip vacuum")
+    p.add_argument("-v", "--verbose", action="store_true", help="the library's log and full stack traces")
     return p.parse_args(argv)
 
 
@@ -50,21 +61,25 @@ def run_once(ns: Namespace, retention: timedelta, vacuum: bool, console: Console
     console.print(t)
 
 
-def main(argv: list[str] | None = None) -> None:
+def main(argv: list[str] | None = None) -> int:
     """Run maintenance once, or every --interval seconds."""
     args = parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    common.setup_logging(args.verbose)
     console = Console()
-    retention = timedelta(hours=args.vacuum_retention_hours)
-    runs = 0
-    with Namespace(args.root) as ns:
-        while True:
-            run_once(ns, retention, not args.no_vacuum, console)
-            runs += 1
-            if args.interval <= 0 or (args.runs and runs >= args.runs):
-                return
-            time.sleep(args.interval)
+    with common.expected_failures(args.verbose):
+        overrides = {"namespace.root": args.root} if args.root else {}
+        cfg = common.load_config(args.config, overrides)
+        retention = timedelta(hours=args.vacuum_retention_hours)
+        runs = 0
+        with common.namespace(cfg) as ns:
+            while True:
+                run_once(ns, retention, not args.no_vacuum, console)
+                runs += 1
+                if args.interval <= 0 or (args.runs and runs >= args.runs):
+                    return 0
+                time.sleep(args.interval)
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -82,12 +82,13 @@ def main(argv: list[str] | None = None) -> int:
     """Entry point of `python -m jobs.producer` and `spark-submit jobs/producer.py`."""
     args = parse_args(argv)
     common.setup_logging(args.verbose)
-    cfg = common.load_config(args.config, common.overrides_from(args, FLAGS))
-    spark = common.session(cfg)
-    try:
-        run(cfg, spark)
-    finally:
-        spark.stop()
+    with common.expected_failures(args.verbose):
+        cfg = common.load_config(args.config, common.overrides_from(args, FLAGS))
+        spark = common.session(cfg, verbose=args.verbose)
+        try:
+            run(cfg, spark)
+        finally:
+            spark.stop()
     return 0
 
 

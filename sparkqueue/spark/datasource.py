@@ -1,13 +1,19 @@
 """Read an entity as a DataFrame without locking: the `sparkqueue` Python data source (SPEC §12).
 
-    sparkqueue.spark.register(spark)
     df = spark.read.format("sparkqueue").option("namespace", root).load("orders")
     dlq = spark.read.format("sparkqueue").option("namespace", root).option("sub_queue", "deadletter").load("orders")
+
+Any SparkSession finds the format by itself: Spark discovers the installed module
+`pyspark_sparkqueue` (its `DefaultSource` delegates here), provided Spark's Python workers run
+an interpreter where sparkqueue is installed (PYSPARK_PYTHON / spark.pyspark.python).
+`register(spark)` registers it explicitly, e.g. on a session whose workers cannot discover it.
 
 The reader pins the table version when the query is planned and reads that version's Parquet
 files directly (delta-rs writes no deletion vectors or column mapping), one reader partition
 per Delta partition. A filter on `partition_id` (= or IN) prunes whole partitions when
-`spark.sql.python.filterPushdown.enabled` is true. Rows are the live messages of the sub-queue
+`spark.sql.python.filterPushdown.enabled` is true; without it Spark applies every filter itself
+(Spark rejects a reader that implements pushFilters while pushdown is off, so the reader only
+offers it when on). Rows are the live messages of the sub-queue
 (completed tombstones excluded) in the received-message layout, with `state` active, deferred
 or scheduled; lock columns show current locks.
 
@@ -20,6 +26,7 @@ reads the same table; `row_filter(...)` gives the predicate that selects an enti
 from __future__ import annotations
 
 import logging
+import sys
 from collections.abc import Iterable, Iterator
 
 import pyarrow as pa
@@ -132,7 +139,32 @@ class SparkQueueDataSource(DataSource):
 
     def reader(self, schema: StructType) -> DataSourceReader:
         """A reader pinned to the table's current version."""
-        return EntityReader(dict(self.options))
+        return make_reader(dict(self.options))
+
+
+def make_reader(options: dict[str, str]) -> DataSourceReader:
+    """The entity's reader: one that prunes partitions by pushed filters when the session pushes filters, else a plain one."""
+    return PruningEntityReader(options) if _pushdown_enabled() else EntityReader(options)
+
+
+def _pushdown_enabled() -> bool:
+    """False when the Spark worker planning this read has filter pushdown off; True otherwise.
+
+    With pushdown on and filters to push, Spark asks for the reader in its pushdown worker
+    (pyspark/sql/worker/data_source_pushdown_filters.py) and calls pushFilters; otherwise its
+    planning worker (plan_data_source_read.py) reads the session's
+    `spark.sql.python.filterPushdown.enabled` into its local `enable_pushdown` before it asks for
+    the reader, and rejects a reader implementing pushFilters when that is off. The data source is
+    not told, so this looks for that local in the caller's frames.
+    """
+    frame = sys._getframe(1)
+    for _ in range(8):
+        frame = frame.f_back  # type: ignore[assignment]
+        if frame is None:
+            return True
+        if "enable_pushdown" in frame.f_locals:
+            return bool(frame.f_locals["enable_pushdown"])
+    return True
 
 
 class EntityReader(DataSourceReader):
@@ -151,15 +183,6 @@ class EntityReader(DataSourceReader):
         self.files = _files_by_partition(snap.files)
         self.wanted: set[int] | None = None
         log.debug("reading %s at version %d (%d partitions)", self.table_uri, self.version, len(self.files))
-
-    def pushFilters(self, filters: list[Filter]) -> Iterable[Filter]:  # noqa: N802 - pyspark's name
-        """Prune partitions on `partition_id = v` and `partition_id IN (...)`; other filters stay with Spark."""
-        for f in filters:
-            if isinstance(f, (EqualTo, In)) and f.attribute == (PARTITION_COLUMN,):
-                values = {f.value} if isinstance(f, EqualTo) else set(f.value)
-                self.wanted = values if self.wanted is None else self.wanted & values
-            else:
-                yield f
 
     def partitions(self) -> list[InputPartition]:
         """One input partition per Delta partition holding files (at least one, possibly empty)."""
@@ -184,6 +207,19 @@ class EntityReader(DataSourceReader):
             t = t.filter(mask)
             if t.num_rows:
                 yield from received_arrow(staged_rows(t.sort_by("sequence_number"), now)).to_batches()
+
+
+class PruningEntityReader(EntityReader):
+    """An EntityReader that prunes partitions by the filters Spark pushes (when filter pushdown is on)."""
+
+    def pushFilters(self, filters: list[Filter]) -> Iterable[Filter]:  # noqa: N802 - pyspark's name
+        """Prune partitions on `partition_id = v` and `partition_id IN (...)`; other filters stay with Spark."""
+        for f in filters:
+            if isinstance(f, (EqualTo, In)) and f.attribute == (PARTITION_COLUMN,):
+                values = {f.value} if isinstance(f, EqualTo) else set(f.value)
+                self.wanted = values if self.wanted is None else self.wanted & values
+            else:
+                yield f
 
 
 def _files_by_partition(index: FileIndex) -> dict[int, list[str]]:

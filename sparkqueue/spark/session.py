@@ -28,6 +28,8 @@ from sparkqueue.errors import InvalidOperationError, SparkQueueError
 log = logging.getLogger(__name__)
 
 MARKER = re.compile(r"\[sparkqueue:(\w+)\] (.*?)(?: SQLSTATE: \w+)?$", re.MULTILINE)
+# A Python worker that cannot import what sparkqueue's tasks need runs another interpreter than the driver.
+MISSING_MODULE = re.compile(r"No module named '((?:sparkqueue|pyspark_sparkqueue|pyarrow|deltalake|mmh3|numpy)\b[\w.]*)'")
 
 # Settings every sparkqueue session needs (workers run this interpreter, so sparkqueue imports there).
 DEFAULT_CONF: dict[str, str] = {
@@ -85,11 +87,22 @@ def task_error(exc: SparkQueueError) -> RuntimeError:
     return RuntimeError(marked(exc))
 
 
+def worker_python_error(module: str) -> InvalidOperationError:
+    """The error for Spark Python workers that lack a module sparkqueue's tasks import, naming the fix."""
+    return InvalidOperationError(
+        f"Spark's Python workers cannot import {module!r}: they run another Python than this driver ({sys.executable}). "
+        "Set PYSPARK_PYTHON (or the Spark setting spark.pyspark.python) to a Python with sparkqueue installed "
+        "before the session starts, or build the session with sparkqueue.spark.spark_session()"
+    )
+
+
 def translate(exc: BaseException) -> SparkQueueError | None:
-    """The sparkqueue error a failed Spark job carries, if any."""
-    found = MARKER.search(str(exc))
+    """The sparkqueue error a failed Spark job carries, if any (or the worker-interpreter error when workers lack sparkqueue)."""
+    text = str(exc)
+    found = MARKER.search(text)
     if found is None:
-        return None
+        missing = MISSING_MODULE.search(text)
+        return worker_python_error(missing.group(1)) if missing else None
     cls = getattr(errors, found.group(1), None)
     if not (isinstance(cls, type) and issubclass(cls, SparkQueueError)):
         cls = SparkQueueError

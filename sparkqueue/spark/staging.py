@@ -36,11 +36,17 @@ _STAMP = "%Y%m%dT%H%M%S"
 
 
 def _filesystem(uri: str) -> tuple[pafs.FileSystem, str]:
-    """A pyarrow filesystem and the path of `uri` on it."""
-    if "://" not in uri or uri.startswith("file://"):
-        return pafs.LocalFileSystem(), uri.removeprefix("file://").rstrip("/")
+    """A pyarrow filesystem and the path of `uri` on it (local paths made absolute)."""
+    if "://" not in uri or uri.startswith("file:"):
+        return pafs.LocalFileSystem(), local_path(uri)
     fs, path = pafs.FileSystem.from_uri(uri)
     return fs, path.rstrip("/")
+
+
+def local_path(location: str) -> str:
+    """A local location (a relative or absolute path, or a file: URI) as an absolute path without a trailing '/'."""
+    path = local_uri(location) if location.startswith("file:") else location
+    return os.path.abspath(path).rstrip("/") or "/"
 
 
 def local_uri(uri: str) -> str:
@@ -49,8 +55,14 @@ def local_uri(uri: str) -> str:
 
 
 def spark_path(uri: str) -> str:
-    """The form Spark reads a location in: file:// URIs for local paths."""
-    return f"file://{uri}" if "://" not in uri else uri
+    """The form Spark reads a location in: `file://` + an absolute path for local locations, other URIs unchanged.
+
+    A relative path would become `file://./x`, which Hadoop reads as host "." and rejects ("Wrong FS").
+    The path is not percent-encoded: Hadoop takes the path part of a `file://` location literally.
+    """
+    if "://" in uri and not uri.startswith("file:"):
+        return uri
+    return f"file://{local_path(uri)}"
 
 
 @dataclass(frozen=True)
@@ -63,6 +75,8 @@ class Staging:
     def create(cls, root: str, kind: str) -> Staging:
         """A new, empty staging directory of a kind ("receive", "settle") under the namespace root."""
         stamp = datetime.now(UTC).strftime(_STAMP)
+        if "://" not in root or root.startswith("file:"):
+            root = local_path(root)  # absolute: Spark tasks and the returned DataFrame may run in another directory
         staging = cls(f"{root.rstrip('/')}/{STAGING_DIR}/{kind}/{stamp}-{uuid.uuid4().hex[:12]}")
         fs, path = _filesystem(staging.uri)
         fs.create_dir(path, recursive=True)

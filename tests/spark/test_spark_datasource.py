@@ -2,16 +2,24 @@
 
 from __future__ import annotations
 
+import json
+import os
+import shutil
+import subprocess
+import sys
 from datetime import UTC, datetime, timedelta
+from pathlib import Path
 
 import pytest
 from deltalake import DeltaTable
 from pyspark.sql import functions as sf
 
+from sparkqueue import Message, Namespace
 from sparkqueue.model.partitioning import partition_for_key
 from sparkqueue.spark import RECEIVED_SCHEMA, row_filter, table_path
 
 pytestmark = pytest.mark.spark
+REPO = Path(__file__).resolve().parents[2]
 
 
 def read(spark, ns, name: str, **options: str):
@@ -84,3 +92,95 @@ def test_table_path_and_row_filter_select_the_same_rows_for_other_readers(spark,
     raw = spark.read.option("basePath", path).parquet(*dt.file_uris())  # what a Delta reader does at this version
     assert raw.where(row_filter(ns, "q")).count() == 100
     assert raw.where(row_filter(ns.root, "q", sub_queue="deadletter")).count() == 0
+
+
+def test_relative_root_namespace_opens_from_another_directory_and_in_spark_tasks(spark, tmp_path, monkeypatch, numbered):
+    """A namespace created with a relative root works from any directory, and in Spark tasks (which run elsewhere)."""
+    home, elsewhere = tmp_path / "home", tmp_path / "elsewhere"
+    home.mkdir()
+    elsewhere.mkdir()
+    monkeypatch.chdir(home)
+    with Namespace("rel-ns") as ns:
+        ns.create_queue("q")
+        with ns.get_queue_sender("q") as s:
+            s.send_messages([Message(f"m{i}", message_id=f"id-{i}") for i in range(30)])
+    monkeypatch.chdir(elsewhere)
+    with Namespace(str(home / "rel-ns")) as ns:  # by absolute path, from another directory
+        assert ns.get_queue_runtime_properties("q").active_message_count == 30
+        with ns.get_queue_receiver("q") as r:
+            assert sorted(m.message_id for m in r.peek_messages(30)) == sorted(f"id-{i}" for i in range(30))
+    with Namespace("../home/rel-ns") as ns:  # relative again, from the other directory: Spark tasks use it too
+        receiver = ns.get_queue_receiver("q")
+        got = receiver.receive_dataframe(100)
+        assert sorted(r.message_id for r in got.select("message_id").collect()) == sorted(f"id-{i}" for i in range(30))
+        status = receiver.complete_dataframe(got.select("lock_token"))
+        assert {r.status for r in status.collect()} == {"ok"}
+        assert ns.get_queue_sender("q").send_dataframe(numbered(10)) == 10
+        assert read(spark, ns, "q").count() == 10
+        assert spark.read.format("sparkqueue").option("namespace", "../home/rel-ns").load("q").count() == 10
+        assert ns.get_queue_runtime_properties("q").active_message_count == 10
+
+
+PLAIN_SESSION = r"""
+import json, sys
+from pyspark.sql import SparkSession
+
+spark = SparkSession.builder.getOrCreate()  # nothing else: no register(), no sparkqueue settings
+spark.sparkContext.setLogLevel("ERROR")
+root, out = sys.argv[1], {}
+if sys.argv[2] == "read":
+    out["pushdown"] = spark.conf.get("spark.sql.python.filterPushdown.enabled", "false")
+    df = spark.read.format("sparkqueue").option("namespace", root).load("q")
+    out["ids"] = sorted(r.message_id for r in df.select("message_id").collect())
+    out["p3"] = df.where("partition_id = 3").count()
+else:  # the workers run a Python without sparkqueue's dependencies (PYSPARK_PYTHON): the errors name the fix
+    try:
+        spark.read.format("sparkqueue").option("namespace", root).load("q").count()
+    except Exception as exc:
+        out["read_error"] = str(exc)
+    from sparkqueue import Namespace
+    from sparkqueue.errors import InvalidOperationError
+    with Namespace(root) as ns:
+        try:
+            ns.get_queue_sender("q").send_dataframe(spark.createDataFrame([("x",)], "body string"))
+        except InvalidOperationError as exc:
+            out["send_error"] = str(exc)
+spark.stop()
+print("RESULT " + json.dumps(out))
+"""
+
+
+def run_plain_session(tmp_path: Path, root: str, mode: str, **env_vars: str) -> dict:
+    """Run PLAIN_SESSION in a fresh process (an activated venv, this tree first on the path); its RESULT."""
+    script = tmp_path / "plain.py"
+    script.write_text(PLAIN_SESSION)
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PYSPARK_", "SPARK_"))}
+    env.update(PATH=f"{Path(sys.executable).parent}:{env.get('PATH', '')}", PYTHONPATH=str(REPO), **env_vars)
+    done = subprocess.run(
+        [sys.executable, str(script), root, mode], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(done.stdout.split("RESULT ", 1)[1])
+
+
+def test_format_sparkqueue_on_a_plain_session(ns, tmp_path):
+    """A session built with SparkSession.builder.getOrCreate() alone reads format("sparkqueue") (pyspark_sparkqueue)."""
+    ns.create_queue("q")
+    with ns.get_queue_sender("q") as s:
+        s.send_messages([Message(f"m{i}", message_id=f"id-{i}", partition_key=f"k{i}") for i in range(40)])
+    out = run_plain_session(tmp_path, ns.root, "read")
+    assert out["pushdown"] != "true"  # works with Spark's default: filter pushdown off
+    assert out["ids"] == sorted(f"id-{i}" for i in range(40))
+    assert out["p3"] == ns.get_queue_runtime_properties("q").partitions[3].active_message_count
+
+
+@pytest.mark.slow  # a second fresh JVM and worker pool: ~40 s on 2 cores
+def test_workers_on_a_python_without_sparkqueue_get_an_error_naming_the_fix(ns, tmp_path):
+    bare = shutil.which("python3", path="/usr/bin:/bin")
+    if bare is None or subprocess.run([bare, "-c", "import pyarrow"], capture_output=True).returncode == 0:
+        pytest.skip("needs a system python3 without pyarrow")
+    ns.create_queue("q")
+    out = run_plain_session(tmp_path, ns.root, "errors", PYSPARK_PYTHON=bare)
+    for key in ("read_error", "send_error"):
+        assert key in out and "PYSPARK_PYTHON" in out[key] and "spark.pyspark.python" in out[key], out
+    assert ns.get_queue_runtime_properties("q").total_message_count == 0

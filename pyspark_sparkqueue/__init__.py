@@ -1,0 +1,53 @@
+"""Spark's discovery hook for the `sparkqueue` data source: `spark.read.format("sparkqueue")` on any SparkSession.
+
+Spark 4 registers, on first use of a Python data source, the `DefaultSource` of every installed
+top-level module named `pyspark_*` (pyspark/sql/worker/lookup_data_sources.py), found by Spark's
+Python workers. This module is that hook for sparkqueue; the reader itself lives in
+`sparkqueue.spark.datasource` (see docs there).
+
+It imports only pyspark: Spark imports every `pyspark_*` module in one lookup, so a failure here
+would break every Python data source of the session. The implementation is imported when a read
+is planned, and a worker Python without sparkqueue's dependencies then fails with an error that
+names the fix (PYSPARK_PYTHON / spark.pyspark.python).
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Any
+
+from pyspark.sql.datasource import DataSource, DataSourceReader
+from pyspark.sql.types import StructType
+
+__all__ = ["DefaultSource"]
+
+
+def _implementation() -> Any:
+    """sparkqueue.spark.datasource, or an error naming the interpreter Spark's workers run and how to change it."""
+    try:
+        from sparkqueue.spark import datasource
+    except ImportError as exc:
+        raise RuntimeError(
+            f"[sparkqueue:InvalidOperationError] Spark's Python workers run {sys.executable}, which cannot import "
+            f"sparkqueue ({exc}). Run the workers on the Python that has sparkqueue installed: set the environment "
+            "variable PYSPARK_PYTHON (or the Spark setting spark.pyspark.python) to it before the session starts, "
+            "or build the session with sparkqueue.spark.spark_session()."
+        ) from exc
+    return datasource
+
+
+class DefaultSource(DataSource):
+    """`spark.read.format("sparkqueue").option("namespace", root).load(entity)`: an entity's messages, unlocked."""
+
+    @classmethod
+    def name(cls) -> str:
+        """The format name."""
+        return "sparkqueue"
+
+    def schema(self) -> StructType:
+        """The received-message layout."""
+        return _implementation().RECEIVED_SCHEMA
+
+    def reader(self, schema: StructType) -> DataSourceReader:
+        """A reader pinned to the table's current version (with partition pruning when filter pushdown is on)."""
+        return _implementation().make_reader(dict(self.options))
