@@ -27,12 +27,22 @@ import pyarrow as pa
 import pyarrow.compute as pc
 from deltalake import DeltaTable
 from pyspark.sql import SparkSession
-from pyspark.sql.datasource import DataSource, DataSourceReader, EqualTo, Filter, In, InputPartition
+from pyspark.sql.datasource import (
+    DataSource,
+    DataSourceReader,
+    DataSourceStreamReader,
+    DataSourceStreamWriter,
+    EqualTo,
+    Filter,
+    In,
+    InputPartition,
+)
 from pyspark.sql.types import StructType
 
 from sparkqueue.errors import EntityNotFoundError, InvalidOperationError
 from sparkqueue.management import QUEUE, SUBSCRIPTION, TOPIC, split_subscription_path, sub_entity_name
 from sparkqueue.model.entity import ROW_COLUMNS, utcnow
+from sparkqueue.spark import streaming
 from sparkqueue.spark.schema import RECEIVED_SCHEMA, received_arrow, staged_rows
 from sparkqueue.storage.files import DataFiles
 from sparkqueue.storage.schema import (
@@ -130,6 +140,14 @@ class SparkQueueDataSource(DataSource):
     def reader(self, schema: StructType) -> DataSourceReader:
         """A reader pinned to the table's current version."""
         return EntityReader(dict(self.options))
+
+    def streamReader(self, schema: StructType) -> DataSourceStreamReader:  # noqa: N802 - pyspark's name
+        """`spark.readStream.format("sparkqueue")`: peek-locked micro-batches (sparkqueue.spark.streaming_source)."""
+        return streaming.stream_reader(self.options, schema)
+
+    def streamWriter(self, schema: StructType, overwrite: bool) -> DataSourceStreamWriter:  # noqa: N802 - pyspark's name
+        """`df.writeStream.format("sparkqueue")`: each micro-batch sent once (sparkqueue.spark.streaming_sink)."""
+        return streaming.stream_writer(self.options, schema, overwrite)
 
 
 class EntityReader(DataSourceReader):
