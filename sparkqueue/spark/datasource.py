@@ -32,12 +32,22 @@ from collections.abc import Iterable, Iterator
 import pyarrow as pa
 import pyarrow.compute as pc
 from pyspark.sql import SparkSession
-from pyspark.sql.datasource import DataSource, DataSourceReader, EqualTo, Filter, In, InputPartition
+from pyspark.sql.datasource import (
+    DataSource,
+    DataSourceReader,
+    DataSourceStreamReader,
+    DataSourceStreamWriter,
+    EqualTo,
+    Filter,
+    In,
+    InputPartition,
+)
 from pyspark.sql.types import StructType
 
 from sparkqueue.errors import EntityNotFoundError, InvalidOperationError
 from sparkqueue.management import QUEUE, SUBSCRIPTION, TOPIC, split_subscription_path, sub_entity_name
 from sparkqueue.model.entity import ROW_COLUMNS, utcnow
+from sparkqueue.spark import streaming
 from sparkqueue.spark.schema import RECEIVED_SCHEMA, received_arrow, staged_rows
 from sparkqueue.storage.files import DataFiles
 from sparkqueue.storage.index import FileIndex
@@ -165,6 +175,14 @@ def _pushdown_enabled() -> bool:
         if "enable_pushdown" in frame.f_locals:
             return bool(frame.f_locals["enable_pushdown"])
     return True
+
+    def streamReader(self, schema: StructType) -> DataSourceStreamReader:  # noqa: N802 - pyspark's name
+        """`spark.readStream.format("sparkqueue")`: peek-locked micro-batches (sparkqueue.spark.streaming_source)."""
+        return streaming.stream_reader(self.options, schema)
+
+    def streamWriter(self, schema: StructType, overwrite: bool) -> DataSourceStreamWriter:  # noqa: N802 - pyspark's name
+        """`df.writeStream.format("sparkqueue")`: each micro-batch sent once (sparkqueue.spark.streaming_sink)."""
+        return streaming.stream_writer(self.options, schema, overwrite)
 
 
 class EntityReader(DataSourceReader):

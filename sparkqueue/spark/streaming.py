@@ -1,0 +1,174 @@
+"""Structured Streaming (SPEC §12): what the `sparkqueue` source and sink share, and the factories the data source calls.
+
+    spark.readStream.format("sparkqueue").option("namespace", root).load("orders")          # streaming_source.py
+    df.writeStream.format("sparkqueue").option("namespace", root).option("checkpointLocation", c).start("orders")
+                                                                                          # streaming_sink.py
+
+Options (keys are case-insensitive, as Spark passes them):
+
+- `namespace`: the namespace root (required).
+- the entity: `.load(name)` / `.start(name)`, or option `entity`. A subscription is
+  "<topic>/Subscriptions/<subscription>", or options `topic` and `subscription`.
+- `storage_options`: a JSON object, and/or `storage_option.<key>` per key (as the batch reader).
+- source only: `sub_queue` ("deadletter"), `maxMessagesPerTrigger`.
+- sink only: `checkpointLocation` (its query id keys the idempotent commits) or `txnAppId`.
+
+See docs/spark-streaming.md for the delivery guarantees.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from sparkqueue.errors import InvalidOperationError
+from sparkqueue.management import QUEUE, SUBSCRIPTION, TOPIC, sub_entity_name
+from sparkqueue.storage.log import Fence
+
+if TYPE_CHECKING:
+    from pyspark.sql.datasource import DataSourceStreamReader, DataSourceStreamWriter
+    from pyspark.sql.types import StructType
+
+    from sparkqueue.model.entity import Entity
+    from sparkqueue.namespace import Namespace
+
+log = logging.getLogger(__name__)
+
+STORAGE_OPTION_PREFIX = "storage_option."
+
+
+def lowered(options: Mapping[str, str]) -> dict[str, str]:
+    """Options with lower-case keys (Spark hands data sources case-insensitive options)."""
+    return {str(k).lower(): v for k, v in options.items()}
+
+
+def storage_options_of(options: Mapping[str, str]) -> dict[str, str]:
+    """Storage options from `.option("storage_options", json)` and `.option("storage_option.<key>", value)`."""
+    out: dict[str, str] = {}
+    text = options.get("storage_options")
+    if text:
+        try:
+            parsed = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise InvalidOperationError(f"storage_options must be a JSON object: {exc}") from None
+        if not isinstance(parsed, dict):
+            raise InvalidOperationError("storage_options must be a JSON object of strings")
+        out.update({str(k): str(v) for k, v in parsed.items()})
+    out.update({k[len(STORAGE_OPTION_PREFIX) :]: str(v) for k, v in options.items() if k.startswith(STORAGE_OPTION_PREFIX)})
+    return out
+
+
+def open_namespace(root: str, storage_options: Mapping[str, str] | None = None) -> Namespace:
+    """A namespace handle for the root (storage options passed only when there are any)."""
+    from sparkqueue.namespace import Namespace
+
+    if storage_options:
+        return Namespace(root, storage_options=dict(storage_options))  # type: ignore[call-arg]
+    return Namespace(root)
+
+
+@dataclass(frozen=True)
+class EntityAddress:
+    """Where a stream reads or writes: namespace root, storage options, entity type and catalog name (picklable)."""
+
+    root: str
+    storage_options: tuple[tuple[str, str], ...]
+    entity_type: str  # queue, topic (sink) or subscription (source)
+    name: str  # catalog name: "<topic>|<subscription>" for subscriptions
+
+    def namespace(self) -> Namespace:
+        """A fresh namespace handle (each thread or process opens its own)."""
+        return open_namespace(self.root, dict(self.storage_options))
+
+    def entity(self, ns: Namespace) -> Entity:
+        """The entity on a namespace handle (settings at most a second old)."""
+        return ns._entity(self.entity_type, self.name)
+
+    @property
+    def display(self) -> str:
+        """The name as users write it."""
+        topic, sep, sub = self.name.partition("|")
+        return f"{topic}/Subscriptions/{sub}" if sep else self.name
+
+
+def address_of(options: Mapping[str, str], *, sink: bool) -> EntityAddress:
+    """The entity the (lower-cased) options name; raises a clear error when it is missing or unknown.
+
+    The source reads queues and subscriptions; the sink writes queues and topics.
+    """
+    root = options.get("namespace")
+    if not root:
+        raise InvalidOperationError('set the namespace root: .option("namespace", root)')
+    name = options.get("entity") or options.get("path")
+    topic, subscription = options.get("topic"), options.get("subscription")
+    if not name and topic and subscription and not sink:
+        name = f"{topic}/Subscriptions/{subscription}"
+    elif not name and topic and sink:
+        name = topic
+    if not name:
+        what = "queue or topic" if sink else "queue or subscription"
+        raise InvalidOperationError(f'name the {what}: .{"start" if sink else "load"}(name) or .option("entity", name)')
+    storage = storage_options_of(options)
+    ns = open_namespace(root, storage)
+    try:
+        return _resolve(ns, str(root), storage, name, sink)
+    finally:
+        ns.close()
+
+
+def _resolve(ns: Namespace, root: str, storage: dict[str, str], name: str, sink: bool) -> EntityAddress:
+    from sparkqueue.errors import EntityNotFoundError
+
+    frozen = tuple(sorted(storage.items()))
+    topic, sep, sub = name.partition("/Subscriptions/")
+    if sep:
+        if sink:
+            raise InvalidOperationError(f"the sink sends to a queue or topic, not to a subscription ({name!r})")
+        ns._entry(SUBSCRIPTION, sub_entity_name(topic, sub))  # EntityNotFoundError when absent
+        return EntityAddress(ns.root, frozen, SUBSCRIPTION, sub_entity_name(topic, sub))
+    try:
+        ns._entry(QUEUE, name)
+        return EntityAddress(ns.root, frozen, QUEUE, name)
+    except EntityNotFoundError:
+        ns._entry(TOPIC, name)  # EntityNotFoundError when neither exists
+        if not sink:
+            raise InvalidOperationError(
+                f"{name!r} is a topic; stream one of its subscriptions ('{name}/Subscriptions/<name>')"
+            ) from None
+        return EntityAddress(ns.root, frozen, TOPIC, name)
+
+
+def positive_int(options: Mapping[str, str], key: str, default: int) -> int:
+    """An integer option that must be positive."""
+    raw = options.get(key.lower())
+    if raw is None or raw == "":
+        return default
+    try:
+        value = int(str(raw))
+    except ValueError:
+        raise InvalidOperationError(f"{key} must be a positive integer, got {raw!r}") from None
+    if value <= 0:
+        raise InvalidOperationError(f"{key} must be a positive integer, got {raw!r}")
+    return value
+
+
+def idempotence_key(app_id: str, version: int) -> Fence:
+    """The storage's idempotent-append key: a Delta `txn` (app id, version)."""
+    return Fence(app_id, version)
+
+
+def stream_reader(options: Mapping[str, str], schema: StructType) -> DataSourceStreamReader:
+    """The streaming source's reader (called by the `sparkqueue` data source)."""
+    from sparkqueue.spark.streaming_source import QueueStreamReader, source_config
+
+    return QueueStreamReader(source_config(lowered(options)))
+
+
+def stream_writer(options: Mapping[str, str], schema: StructType, overwrite: bool) -> DataSourceStreamWriter:
+    """The streaming sink's writer (called by the `sparkqueue` data source)."""
+    from sparkqueue.spark.streaming_sink import QueueStreamWriter, sink_config
+
+    return QueueStreamWriter(sink_config(lowered(options), schema))

@@ -1,0 +1,495 @@
+"""The streaming source: `spark.readStream.format("sparkqueue")` receives with peek-lock in micro-batches (SPEC §12).
+
+How a micro-batch flows (see docs/spark-streaming.md for the guarantee):
+
+1. Spark asks `latestOffset(start)`. Batches up to `start` have been committed by the sink (Spark
+   plans a batch only after the previous one committed), so their messages are completed first.
+   Then the source locks up to `maxMessagesPerTrigger` messages, in the driver's source process,
+   and records the batch under the namespace root: ``_spark_streams/<stream id>/batch-<n>/`` holds
+   the lock commits' data files (hard-linked, as `receive_dataframe` stages them: no copy) and a
+   manifest of the (sequence number, lock token) pairs emitted. The offset is
+   ``{"stream": <id>, "batch": n}``; it names that record, never a position in the queue.
+2. `partitions(start, end)` reads the manifests of the batches in (start, end], one input
+   partition per queue partition, and `read` returns the manifest's rows of the linked files. A
+   batch replayed after a restart therefore returns exactly the messages it returned before.
+3. The sink commits; Spark records the batch in the checkpoint's commit log; the next
+   `latestOffset` (or `commit(end)`) completes the batch's messages and deletes its record.
+
+While a batch is in flight a thread in the source process renews its locks every third of the
+entity's lock duration. A lock lost anyway (the query was down longer than a lock duration) is
+handled on completion: the sequence numbers whose completion failed are kept in the stream's
+`_skip.json`, and when this stream receives such a message again it completes it instead of
+emitting it, so committed output is not repeated. Batch records that Spark never logged (the
+process died between recording a batch and Spark writing its offset) are discarded at the next
+`latestOffset`, their locks abandoned.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import random
+import threading
+import uuid
+from collections import defaultdict
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from datetime import datetime, timedelta
+
+import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.fs as pafs
+import pyarrow.parquet as pq
+from pyspark.sql.datasource import DataSourceStreamReader, InputPartition
+from pyspark.sql.streaming.datasource import ReadAllAvailable, ReadLimit, ReadMaxRows, SupportsTriggerAvailableNow
+
+from sparkqueue.errors import InvalidOperationError, SparkQueueError
+from sparkqueue.model import lifecycle
+from sparkqueue.model.entity import Entity, partition_of, utcnow
+from sparkqueue.spark.datasource import _sub_queue
+from sparkqueue.spark.receive import RECEIVE_CHUNK, ReceiveJob, candidate_partitions, shares, stage_chunk
+from sparkqueue.spark.schema import received_arrow, staged_rows
+from sparkqueue.spark.staging import Staging, _filesystem
+from sparkqueue.spark.streaming import EntityAddress, address_of, positive_int
+from sparkqueue.spark.worker import EntityRef
+from sparkqueue.storage.schema import SUB_QUEUE_DEAD_LETTER
+
+log = logging.getLogger(__name__)
+
+STREAMS_DIR = "_spark_streams"
+DEFAULT_MAX_MESSAGES_PER_TRIGGER = 10_000
+ALL_AVAILABLE_CAP = 1_000_000  # a batch Spark asks to hold "everything" still locks at most this many
+SKIP_RETENTION = timedelta(days=14)  # how long a committed-but-not-completed message is remembered
+MAX_ROUNDS = 64
+MANIFEST = "_manifest.json"
+SKIP_FILE = "_skip.json"
+Item = tuple[int, str]  # (sequence number, lock token)
+
+
+@dataclass(frozen=True)
+class SourceConfig:
+    """What the source needs (picklable: Spark ships the reader to executors for `read`)."""
+
+    address: EntityAddress
+    sub_queue: str
+    max_per_trigger: int
+
+
+def source_config(options: dict[str, str]) -> SourceConfig:
+    """Validate the source's (lower-cased) options; a session-requiring entity is refused with a clear error."""
+    address = address_of(options, sink=False)
+    sub_queue = _sub_queue(options.get("sub_queue"))
+    config = SourceConfig(address, sub_queue, positive_int(options, "maxMessagesPerTrigger", DEFAULT_MAX_MESSAGES_PER_TRIGGER))
+    ns = address.namespace()
+    try:
+        props = address.entity(ns).props
+    finally:
+        ns.close()
+    if getattr(props, "requires_session", False) and sub_queue != SUB_QUEUE_DEAD_LETTER:
+        raise InvalidOperationError(
+            f"{address.display!r} requires sessions, which the streaming source does not read (messages of a session "
+            "must stay in order under one session lock); use a session receiver, or stream its dead-letter sub-queue"
+        )
+    return config
+
+
+class BatchPartition(InputPartition):
+    """One queue partition of a recorded batch: its linked data files and the lock tokens the batch emits from them."""
+
+    def __init__(self, batch: int, partition_id: int, files: list[str], tokens: list[str]) -> None:
+        super().__init__((batch, partition_id))
+        self.batch = batch
+        self.partition_id = partition_id
+        self.files = files
+        self.tokens = tokens
+
+
+class QueueStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
+    """Micro-batches of peek-locked messages, completed after the sink commits them (see the module docstring).
+
+    Spark creates readers in several processes; only the source process's reader (the one Spark
+    asks for offsets) opens a namespace and keeps state, lazily, so creating and pickling a
+    reader is cheap.
+    """
+
+    def __init__(self, config: SourceConfig) -> None:
+        self.config = config
+        self._stream_id: str | None = None
+        self._state: StreamState | None = None
+        self._available_now = False
+
+    def __getstate__(self) -> dict[str, object]:
+        return {"config": self.config, "_stream_id": None, "_state": None, "_available_now": False}
+
+    # ---- offsets -----------------------------------------------------------------------------
+
+    def initialOffset(self) -> dict:  # noqa: N802 - pyspark's name
+        """A new stream: a fresh id, before batch 0."""
+        if self._stream_id is None:
+            self._stream_id = uuid.uuid4().hex
+        return {"stream": self._stream_id, "batch": -1}
+
+    def getDefaultReadLimit(self) -> ReadLimit:  # noqa: N802 - pyspark's name
+        """maxMessagesPerTrigger messages per batch."""
+        return ReadMaxRows(self.config.max_per_trigger)
+
+    def prepareForTriggerAvailableNow(self) -> None:  # noqa: N802 - pyspark's name
+        """Trigger.AvailableNow: the run stops after as many messages as the sub-queue holds now (or when it is empty)."""
+        self._available_now = True
+
+    def latestOffset(self, start: dict, limit: ReadLimit) -> dict:  # noqa: N802 - pyspark's name
+        """Complete the batches Spark committed, then lock and record the next batch; `start` when nothing arrived."""
+        state = self._state_for(start)
+        done = int(start["batch"])
+        state.complete_through(done)
+        state.discard_after(done)
+        if isinstance(limit, ReadMaxRows):
+            want = limit.max_rows
+        elif isinstance(limit, ReadAllAvailable):
+            want = ALL_AVAILABLE_CAP
+        else:
+            want = self.config.max_per_trigger
+        got = state.receive(done + 1, want)
+        return {"stream": state.stream_id, "batch": done + 1} if got else start
+
+    def partitions(self, start: dict, end: dict) -> Sequence[InputPartition]:
+        """The recorded batches in (start, end], one input partition per queue partition they hold."""
+        state = self._state_for(end)
+        return state.partitions(int(start["batch"]) + 1, int(end["batch"]))
+
+    def commit(self, end: dict) -> None:
+        """Spark committed every batch up to `end`: complete their messages."""
+        self._state_for(end).complete_through(int(end["batch"]))
+
+    def stop(self) -> None:
+        """Stop lock renewal (locks of an uncommitted batch lapse, and its messages come back)."""
+        if self._state is not None:
+            self._state.stop()
+
+    # ---- data ----------------------------------------------------------------------------------
+
+    def read(self, partition: InputPartition) -> Iterator[pa.RecordBatch]:
+        """The batch's messages of one queue partition, in sequence order (ReceivedMessage columns)."""
+        assert isinstance(partition, BatchPartition)
+        tokens = pa.array(partition.tokens, pa.string())
+        now = utcnow()
+        parts = []
+        for uri in partition.files:
+            fs, path = _filesystem(uri)
+            t = pq.read_table(path, filesystem=fs)
+            parts.append(t.filter(pc.fill_null(pc.is_in(t.column("lock_token"), value_set=tokens), False)))
+        if parts:
+            rows = pa.concat_tables(parts, promote_options="permissive").sort_by("sequence_number")
+            yield from received_arrow(staged_rows(rows, now)).to_batches()
+
+    # ---- state ---------------------------------------------------------------------------------
+
+    def _state_for(self, offset: dict) -> StreamState:
+        stream_id = str(offset["stream"])
+        if self._state is None or self._state.stream_id != stream_id:
+            if self._state is not None:
+                self._state.stop()
+            self._stream_id = stream_id
+            self._state = StreamState(self.config, stream_id, self._available_now)
+        return self._state
+
+
+class StreamState:
+    """The source process's state of one stream: its directory under the namespace root, in-flight batches, renewal."""
+
+    def __init__(self, config: SourceConfig, stream_id: str, available_now: bool) -> None:
+        self.config = config
+        self.stream_id = stream_id
+        self.ns = config.address.namespace()
+        self.uri = f"{self.ns.root}/{STREAMS_DIR}/{stream_id}"
+        self.fs, self.path = _filesystem(self.uri)
+        self.fs.create_dir(self.path, recursive=True)
+        self.inflight: dict[int, list[Item]] = {}
+        self.lock = threading.Lock()
+        self.skip = self._load_skip()
+        self._stopping = threading.Event()
+        self._renewer: threading.Thread | None = None
+        self.budget: int | None = self._available_count() if available_now else None
+
+    def entity(self) -> Entity:
+        """The streamed entity (settings at most a second old)."""
+        return self.config.address.entity(self.ns)
+
+    def _available_count(self) -> int:
+        props = self.entity().runtime_properties()
+        if self.config.sub_queue == SUB_QUEUE_DEAD_LETTER:
+            return props.dead_letter_message_count
+        return props.active_message_count
+
+    # ---- batch records -----------------------------------------------------------------------
+
+    def batch_staging(self, n: int) -> Staging:
+        """The directory of batch n's linked files."""
+        return Staging(f"{self.uri}/batch-{n:012d}")
+
+    def batches(self) -> list[int]:
+        """Batch ids with a directory (recorded, or interrupted while recording)."""
+        infos = self.fs.get_file_info(pafs.FileSelector(self.path, allow_not_found=True))
+        out = []
+        for i in infos:
+            if i.type == pafs.FileType.Directory and i.base_name.startswith("batch-"):
+                try:
+                    out.append(int(i.base_name.removeprefix("batch-")))
+                except ValueError:
+                    continue
+        return sorted(out)
+
+    def manifest(self, n: int) -> dict | None:
+        """Batch n's manifest, or None when the batch was never fully recorded."""
+        path = f"{self.path}/batch-{n:012d}/{MANIFEST}"
+        try:
+            with self.fs.open_input_stream(path) as f:
+                return json.loads(f.read())
+        except (FileNotFoundError, OSError):
+            return None
+
+    def _write_json(self, path: str, value: object) -> None:
+        tmp = f"{path}.{uuid.uuid4().hex}.tmp"
+        with self.fs.open_output_stream(tmp) as out:
+            out.write(json.dumps(value).encode())
+        self.fs.move(tmp, path)
+
+    def _remove_batch(self, n: int) -> None:
+        try:
+            self.fs.delete_dir(f"{self.path}/batch-{n:012d}")
+        except (FileNotFoundError, OSError) as exc:
+            log.debug("could not remove batch %d of stream %s: %s", n, self.stream_id, exc)
+
+    def _items(self, n: int) -> list[Item]:
+        """The (sequence, token) pairs batch n holds locks for: its manifest's, else those of its linked files."""
+        m = self.manifest(n)
+        if m is not None:
+            return [(int(s), str(t)) for s, t in m["items"]]
+        staging = self.batch_staging(n)
+        items: list[Item] = []
+        for name in staging.names():
+            t = staging.read_file(name).select(["sequence_number", "lock_token"])
+            t = t.filter(pc.is_valid(t.column("lock_token")))
+            items += list(zip(t.column("sequence_number").to_pylist(), t.column("lock_token").to_pylist(), strict=True))
+        return items
+
+    # ---- receive ---------------------------------------------------------------------------------
+
+    def receive(self, n: int, want: int) -> int:
+        """Lock up to `want` messages as batch n and record it; returns how many the batch emits (0: no batch)."""
+        if self.budget is not None:
+            want = min(want, self.budget)
+        if want <= 0:
+            return 0
+        staging = self.batch_staging(n)
+        self.fs.create_dir(f"{self.path}/batch-{n:012d}", recursive=True)
+        items: list[Item] = []
+        while not items:
+            got = self._lock(staging, want, items)
+            if self.budget is not None:
+                self.budget -= got
+            if got == 0 or (self.budget is not None and self.budget <= 0):
+                break
+        if not items:
+            self._remove_batch(n)
+            return 0
+        self._write_json(f"{self.path}/batch-{n:012d}/{MANIFEST}", {"batch": n, "items": items, "at": utcnow().isoformat()})
+        with self.lock:
+            self.inflight[n] = items
+        self._ensure_renewer()
+        log.info("stream %s: batch %d holds %d messages of %s", self.stream_id, n, len(items), self.config.address.display)
+        return len(items)
+
+    def _lock(self, staging: Staging, want: int, items: list[Item]) -> int:
+        """Lock up to `want` messages spread over the partitions (as receive_dataframe does); returns how many."""
+        entity = self.entity()
+        job = ReceiveJob(
+            EntityRef.of(self.ns, self.config.address.entity_type, self.config.address.name),
+            self.config.sub_queue,
+            False,
+            staging,
+            utcnow(),
+        )
+        estimate = candidate_partitions(entity, self.config.sub_queue)
+        candidates = list(estimate)
+        if candidates:
+            shift = random.randrange(len(candidates))
+            candidates = candidates[shift:] + candidates[:shift]
+        total = 0
+        for round_no in range(MAX_ROUNDS):
+            plan = shares(want - total, candidates, estimate)
+            if not plan:
+                break
+            full = []
+            for p, share in plan:
+                got = self._lock_partition(job, entity, p, share, round_no, items)
+                total += got
+                estimate[p] = max(0, estimate[p] - got)
+                if got >= share and estimate[p] > 0:
+                    full.append(p)
+            planned = {p for p, _ in plan}
+            candidates = full + [p for p in candidates if p not in planned]
+            if total >= want:
+                break
+        return total
+
+    def _lock_partition(self, job: ReceiveJob, entity: Entity, p: int, share: int, round_no: int, items: list[Item]) -> int:
+        got = 0
+        chunk = 0
+        while got < share:
+            ask = min(RECEIVE_CHUNK, share - got)
+            written: list[str] = []
+            rows = entity.receive_partition(entity.table.snapshot(), p, job.sub_queue, ask, False, written)
+            if rows.num_rows:
+                stage_chunk(job, entity, p, f"r{round_no:03d}-c{chunk:03d}", rows, written)
+                chunk += 1
+                got += rows.num_rows
+                pairs = list(zip(rows.column("sequence_number").to_pylist(), rows.column("lock_token").to_pylist(), strict=True))
+                items += self._drop_committed(entity, pairs)
+            if rows.num_rows < ask:
+                break
+        return got
+
+    def _drop_committed(self, entity: Entity, pairs: list[Item]) -> list[Item]:
+        """Complete at once the messages whose output an earlier batch committed (their first completion lost the lock)."""
+        if not self.skip:
+            return pairs
+        again = [(s, t) for s, t in pairs if str(s) in self.skip]
+        if not again:
+            return pairs
+        result = entity.settle(again, lifecycle.COMPLETE)
+        for (s, _), ok in zip(again, result.ok, strict=True):
+            if ok:
+                self.skip.pop(str(s), None)
+        self._save_skip()
+        log.info("stream %s: completed %d redelivered messages whose output was already committed", self.stream_id, len(again))
+        keep = {s for s, _ in again}
+        return [(s, t) for s, t in pairs if s not in keep]
+
+    # ---- replay --------------------------------------------------------------------------------
+
+    def partitions(self, first: int, last: int) -> list[BatchPartition]:
+        """Input partitions of the recorded batches first..last (a replay after a restart reads the same records)."""
+        out: list[BatchPartition] = []
+        for n in range(first, last + 1):
+            m = self.manifest(n)
+            if m is None:
+                raise InvalidOperationError(
+                    f"batch {n} of stream {self.stream_id} has no record under {self.uri}: the checkpoint belongs to "
+                    "another namespace, or the stream's directory was removed; start the query with a new checkpoint"
+                )
+            items = [(int(s), str(t)) for s, t in m["items"]]
+            with self.lock:
+                self.inflight.setdefault(n, items)
+            tokens: dict[int, list[str]] = defaultdict(list)
+            for s, t in items:
+                tokens[partition_of(s)].append(t)
+            files: dict[int, list[str]] = defaultdict(list)
+            staging = self.batch_staging(n)
+            for name in staging.names("part-p"):
+                files[int(name.split("-")[1].removeprefix("p"))].append(f"{staging.uri}/{name}")
+            out += [BatchPartition(n, p, files[p], tokens[p]) for p in sorted(tokens)]
+        if out:
+            self._ensure_renewer()
+        return out
+
+    # ---- completion ------------------------------------------------------------------------------
+
+    def complete_through(self, n: int) -> None:
+        """Complete the messages of every recorded batch up to n (the sink committed them) and drop their records."""
+        for b in self.batches():
+            if b > n:
+                break
+            with self.lock:
+                self.inflight.pop(b, None)
+            items = self._items(b)
+            try:
+                result = self.entity().settle(items, lifecycle.COMPLETE) if items else None
+            except SparkQueueError as exc:  # e.g. a partition unavailable: keep the record, retry at the next call
+                log.warning("stream %s: completing batch %d failed (%s); will retry", self.stream_id, b, exc)
+                return
+            lost = [s for (s, _), ok in zip(items, result.ok, strict=True) if not ok] if result else []
+            if lost:
+                now = utcnow().isoformat()
+                self.skip.update({str(s): now for s in lost})
+                self._save_skip()
+                log.warning(
+                    "stream %s: %d messages of batch %d lost their locks before completion; "
+                    "if this stream receives them again it completes them without emitting them",
+                    self.stream_id,
+                    len(lost),
+                    b,
+                )
+            self._remove_batch(b)
+            log.info("stream %s: completed batch %d (%d messages)", self.stream_id, b, len(items) - len(lost))
+
+    def discard_after(self, n: int) -> None:
+        """Drop batch records beyond n, which Spark never logged; their locks are abandoned so the messages return now."""
+        for b in self.batches():
+            if b <= n:
+                continue
+            with self.lock:
+                self.inflight.pop(b, None)
+            items = self._items(b)
+            if items:
+                try:
+                    self.entity().settle(items, lifecycle.ABANDON)
+                except SparkQueueError as exc:
+                    log.info("stream %s: abandoning unlogged batch %d failed (%s); its locks lapse", self.stream_id, b, exc)
+            self._remove_batch(b)
+            log.info(
+                "stream %s: discarded batch %d, which Spark never logged (%d messages released)", self.stream_id, b, len(items)
+            )
+
+    # ---- skip list -------------------------------------------------------------------------------
+
+    def _load_skip(self) -> dict[str, str]:
+        try:
+            with self.fs.open_input_stream(f"{self.path}/{SKIP_FILE}") as f:
+                skip = dict(json.loads(f.read()))
+        except (FileNotFoundError, OSError):
+            return {}
+        cutoff = utcnow() - SKIP_RETENTION
+        return {s: at for s, at in skip.items() if datetime.fromisoformat(at) >= cutoff}
+
+    def _save_skip(self) -> None:
+        self._write_json(f"{self.path}/{SKIP_FILE}", self.skip)
+
+    # ---- lock renewal ----------------------------------------------------------------------------
+
+    def _ensure_renewer(self) -> None:
+        if self._renewer is None or not self._renewer.is_alive():
+            self._stopping.clear()
+            self._renewer = threading.Thread(target=self._renew_loop, name=f"sparkqueue-renew-{self.stream_id[:8]}", daemon=True)
+            self._renewer.start()
+
+    def _renew_loop(self) -> None:
+        """Renew the in-flight batches' locks every third of the lock duration (own namespace handle: own thread)."""
+        ns = self.config.address.namespace()
+        try:
+            while True:
+                entity = self.config.address.entity(ns)
+                interval = max(0.5, entity.props.lock_duration.total_seconds() / 3)
+                if self._stopping.wait(interval):
+                    return
+                with self.lock:
+                    items = [it for b in sorted(self.inflight) for it in self.inflight[b]]
+                if not items:
+                    continue
+                try:
+                    result = entity.settle(items, lifecycle.RENEW)
+                except SparkQueueError as exc:
+                    log.warning("stream %s: lock renewal failed (%s); retrying", self.stream_id, exc)
+                    continue
+                lost = result.ok.count(False)
+                if lost:
+                    log.info("stream %s: %d in-flight messages no longer hold their lock", self.stream_id, lost)
+        finally:
+            ns.close()
+
+    def stop(self) -> None:
+        """Stop renewing; close the namespace handle."""
+        self._stopping.set()
+        if self._renewer is not None:
+            self._renewer.join(timeout=5)
+        self.ns.close()

@@ -1,0 +1,238 @@
+"""Structured Streaming: the `sparkqueue` source and sink, and the streaming consumer job, on a real local SparkSession.
+
+"Output exactly once" is measured where a duplicate would show: the source tests write with
+Spark's Parquet file sink (exactly once per batch id through its `_spark_metadata` log) or the
+job's foreachBatch, which appends each batch id once (a Delta txn) and never deduplicates
+messages, so a message the source emitted in two batches would appear twice.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+from datetime import timedelta
+from pathlib import Path
+
+import pytest
+from deltalake import DeltaTable
+from pyspark.errors import PySparkException
+
+from sparkqueue import Message, Namespace, SqlRuleFilter
+from sparkqueue.spark.streaming_source import STREAMS_DIR
+
+pytestmark = pytest.mark.spark
+REPO = Path(__file__).resolve().parents[2]
+
+
+def send(root: str, queue: str, n: int, prefix: str = "m") -> None:
+    with Namespace(root) as ns, ns.get_queue_sender(queue) as s:
+        s.send_messages([Message(f"body-{i}", message_id=f"{prefix}-{i}") for i in range(n)])
+
+
+def batch_dirs(root: str) -> list[str]:
+    base = Path(root) / STREAMS_DIR
+    return [str(b) for s in base.iterdir() for b in s.iterdir() if b.name.startswith("batch-")] if base.exists() else []
+
+
+def test_source_drains_in_micro_batches_and_completes_after_commit(spark, tmp_path):
+    root = str(tmp_path / "ns")
+    with Namespace(root) as ns:
+        ns.create_queue("q")
+    send(root, "q", 250)
+    stream = spark.readStream.format("sparkqueue").option("namespace", root).option("maxMessagesPerTrigger", 100).load("q")
+    query = (
+        stream.select("message_id", "body", "sequence_number", "delivery_count")
+        .writeStream.format("parquet")
+        .option("checkpointLocation", str(tmp_path / "ck"))
+        .trigger(availableNow=True)
+        .start(str(tmp_path / "out"))
+    )
+    query.awaitTermination()
+    assert [p.numInputRows for p in query.recentProgress] == [100, 100, 50]
+    out = spark.read.parquet(str(tmp_path / "out"))
+    ids = [r.message_id for r in out.select("message_id").collect()]
+    assert sorted(ids) == sorted(f"m-{i}" for i in range(250))
+    assert len({r.delivery_count for r in out.select("delivery_count").collect()}) == 1  # all first deliveries
+    with Namespace(root) as ns:
+        assert ns.get_queue_runtime_properties("q").total_message_count == 0  # every batch completed, the last one too
+    assert batch_dirs(root) == []  # completed batches leave no record behind
+
+
+def test_source_reads_a_subscription_and_a_dead_letter_sub_queue(spark, tmp_path):
+    root = str(tmp_path / "ns")
+    with Namespace(root) as ns:
+        ns.create_topic("t")
+        ns.create_subscription("t", "big")
+        ns.delete_rule("t", "big", "$Default")
+        ns.create_rule("t", "big", "big", filter=SqlRuleFilter("n >= 5"))
+        with ns.get_topic_sender("t") as s:
+            s.send_messages([Message(f"{i}", message_id=f"t-{i}", application_properties={"n": i}) for i in range(8)])
+        ns.create_queue("dl")
+        send(root, "dl", 3)
+        with ns.get_queue_receiver("dl") as r:
+            for m in r.receive_messages(3, max_wait_time=5):
+                r.dead_letter_message(m, reason="Bad")
+    sub = (
+        spark.readStream.format("sparkqueue").option("namespace", root).option("topic", "t").option("subscription", "big").load()
+    )
+    q1 = sub.writeStream.format("memory").queryName("sub_out").option("checkpointLocation", str(tmp_path / "c1"))
+    q1.trigger(availableNow=True).start().awaitTermination()
+    assert sorted(r.message_id for r in spark.sql("SELECT message_id FROM sub_out").collect()) == ["t-5", "t-6", "t-7"]
+    dlq = spark.readStream.format("sparkqueue").option("namespace", root).option("sub_queue", "deadletter").load("dl")
+    q2 = dlq.writeStream.format("memory").queryName("dl_out").option("checkpointLocation", str(tmp_path / "c2"))
+    q2.trigger(availableNow=True).start().awaitTermination()
+    rows = spark.sql("SELECT message_id, dead_letter_reason FROM dl_out").collect()
+    assert sorted((r.message_id, r.dead_letter_reason) for r in rows) == [("m-0", "Bad"), ("m-1", "Bad"), ("m-2", "Bad")]
+    with Namespace(root) as ns:
+        assert ns.get_subscription_runtime_properties("t", "big").total_message_count == 0
+        assert ns.get_queue_runtime_properties("dl").dead_letter_message_count == 0
+
+
+def test_source_refuses_a_session_queue_and_bad_options(spark, tmp_path):
+    root = str(tmp_path / "ns")
+    with Namespace(root) as ns:
+        ns.create_queue("sq", requires_session=True)
+        ns.create_queue("q")
+    send(root, "q", 1)
+
+    def start(**options: str) -> None:
+        reader = spark.readStream.format("sparkqueue")
+        for k, v in options.items():
+            reader = reader.option(k, v)
+        checkpoint = str(tmp_path / f"c-{len(list(tmp_path.iterdir()))}")  # a fresh checkpoint per attempt
+        q = reader.load().writeStream.format("memory").queryName("never").option("checkpointLocation", checkpoint)
+        q.trigger(availableNow=True).start().awaitTermination()
+
+    with pytest.raises(PySparkException, match="requires sessions"):
+        start(namespace=root, entity="sq")
+    with pytest.raises(PySparkException, match="maxMessagesPerTrigger must be a positive integer"):
+        start(namespace=root, entity="q", maxMessagesPerTrigger="0")
+    with pytest.raises(PySparkException, match="set the namespace root"):
+        start(entity="q")
+    with Namespace(root) as ns:
+        assert ns.get_queue_runtime_properties("q").active_message_count == 1  # nothing was received
+
+
+def test_sink_sends_each_micro_batch_once_when_spark_replays_it(spark, tmp_path):
+    root = str(tmp_path / "ns")
+    with Namespace(root) as ns:
+        ns.create_queue("out", requires_duplicate_detection=False)
+    src = tmp_path / "src"
+    for f in range(3):
+        rows = [(f"file{f}-{i}", f"k{i % 4}", {"file": str(f)}) for i in range(40)]
+        df = spark.createDataFrame(rows, "body string, partition_key string, application_properties map<string,string>")
+        df.coalesce(1).write.parquet(str(src / f"f{f}"))
+    schema = spark.read.parquet(str(src / "f0")).schema
+
+    def run() -> list[int]:
+        stream = spark.readStream.schema(schema).option("maxFilesPerTrigger", 1).parquet(str(src / "*"))
+        query = (
+            stream.writeStream.format("sparkqueue")
+            .option("namespace", root)
+            .option("checkpointLocation", str(tmp_path / "ck"))
+            .trigger(availableNow=True)
+            .start("out")
+        )
+        query.awaitTermination()
+        return [p.batchId for p in query.recentProgress]
+
+    assert run() == [0, 1, 2]
+    with Namespace(root) as ns:
+        assert ns.get_queue_runtime_properties("out").active_message_count == 120
+    # The sink committed batch 2 but the process "died" before Spark recorded it: Spark replays it.
+    for name in ("2", ".2.crc"):
+        (tmp_path / "ck" / "commits" / name).unlink(missing_ok=True)
+    assert run() == [2]
+    with Namespace(root) as ns:
+        assert ns.get_queue_runtime_properties("out").active_message_count == 120  # the replay sent nothing
+    got = spark.read.format("sparkqueue").option("namespace", root).load("out").collect()
+    assert sorted(r.body.decode() for r in got) == sorted(f"file{f}-{i}" for f in range(3) for i in range(40))
+    assert {r.application_properties["file"] for r in got} == {"0", "1", "2"}
+    assert {r.partition_key for r in got} == {"k0", "k1", "k2", "k3"}
+
+
+def test_sink_rejects_rows_without_body_and_a_query_without_checkpoint(spark, tmp_path):
+    root = str(tmp_path / "ns")
+    with Namespace(root) as ns:
+        ns.create_queue("out")
+    rate = spark.readStream.format("rate").option("rowsPerSecond", 1).load()
+    with pytest.raises(PySparkException, match="needs a `body` column"):
+        w = rate.writeStream.format("sparkqueue").option("namespace", root).option("checkpointLocation", str(tmp_path / "c1"))
+        w.start("out").awaitTermination(60)
+    with pytest.raises(PySparkException, match="checkpointLocation"):
+        q = rate.selectExpr("CAST(value AS STRING) AS body").writeStream.format("sparkqueue").option("namespace", root)
+        q.start("out").awaitTermination(60)
+    with Namespace(root) as ns:
+        assert ns.get_queue_runtime_properties("out").active_message_count == 0
+
+
+def write_config(tmp_path: Path, lock_s: int) -> Path:
+    path = tmp_path / "job.toml"
+    path.write_text(
+        f"""
+[namespace]
+root = "{tmp_path / "ns"}"
+[spark]
+master = "local[2]"
+[spark.conf]
+"spark.sql.shuffle.partitions" = "2"
+"spark.ui.enabled" = "false"
+[queue]
+name = "sq"
+lock_duration = {lock_s}
+[consumer]
+output = "{tmp_path / "out"}"
+[stream_consumer]
+checkpoint = "{tmp_path / "ck"}"
+max_messages_per_trigger = 100
+"""
+    )
+    return path
+
+
+def run_job(path: Path, *extra: str) -> subprocess.CompletedProcess[str]:
+    """The streaming consumer in a process of its own (own session: killing it kills its JVM too)."""
+    env = {**os.environ, "PYSPARK_PYTHON": sys.executable, "PYTHONPATH": str(REPO)}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "jobs.stream_consumer", "--config", str(path), "--no-progress", *extra],
+        cwd=REPO,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+    try:
+        out, err = proc.communicate(timeout=900)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)  # the JVM this job started, if it outlived its driver
+    return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+
+
+def test_stream_consumer_killed_mid_batch_restarts_with_each_output_once(tmp_path):
+    """SIGKILL after batch 1's output is written, before Spark commits it; locks lapse while the job is down (5 s)."""
+    path = write_config(tmp_path, lock_s=5)
+    root = str(tmp_path / "ns")
+    with Namespace(root) as ns:
+        ns.create_queue("sq", lock_duration=timedelta(seconds=5))
+    send(root, "sq", 300)
+    crashed = run_job(path, "--crash-after-write", "1")
+    assert crashed.returncode == -signal.SIGKILL, crashed.stderr[-3000:]
+    out = DeltaTable(str(tmp_path / "out")).to_pyarrow_table(columns=["sequence_number", "message_id"])
+    assert out.num_rows == 200  # batches 0 and 1 written; batch 1 never committed by Spark
+    with Namespace(root) as ns:
+        assert ns.get_queue_runtime_properties("sq").total_message_count == 200  # batch 0 completed, batch 1 not
+
+    done = run_job(path)
+    assert done.returncode == 0, done.stderr[-3000:]
+    out = DeltaTable(str(tmp_path / "out")).to_pyarrow_table(columns=["sequence_number", "message_id", "body_upper"])
+    ids = out.column("message_id").to_pylist()
+    assert len(ids) == 300 and sorted(ids) == sorted(f"m-{i}" for i in range(300))
+    assert len(set(out.column("sequence_number").to_pylist())) == 300
+    with Namespace(root) as ns:
+        assert ns.get_queue_runtime_properties("sq").total_message_count == 0
+    assert batch_dirs(root) == []
