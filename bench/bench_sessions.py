@@ -41,6 +41,7 @@ from pathlib import Path
 from typing import Any
 
 import pyarrow as pa
+from common import bulk
 from common import latency_summary_ms as summary_ms
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
@@ -117,7 +118,7 @@ def fill(root: str, sessions: int, per: int, layout: str) -> dict[str, Any]:
     t0 = time.perf_counter()
     with ns.get_queue_sender(QUEUE) as s:
         for b in batches:
-            s.send_messages(b)
+            s.send_messages(bulk(s, b))
     secs = time.perf_counter() - t0
     n = sessions * per
     stored = ns.get_queue_runtime_properties(QUEUE).active_message_count

@@ -69,7 +69,7 @@ def bench_one(label: str, root: str, options: dict[str, str] | None, rounds: int
     payload = [Message(b) for b in c.random_bodies(BATCH)]
     t0 = time.perf_counter()
     for _ in range(batches):
-        s.send_messages(payload)
+        s.send_messages(c.bulk(s, payload))
     send_s = time.perf_counter() - t0
     done = 0
     t0 = time.perf_counter()

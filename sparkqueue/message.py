@@ -435,8 +435,9 @@ def to_rows(messages: Iterable[Message], settings: SendSettings, now: datetime) 
 class MessageBatch:
     """Messages that fit one send (SDK: ServiceBusMessageBatch); add_message raises when one would not fit."""
 
-    def __init__(self, max_size_in_bytes: int) -> None:
+    def __init__(self, max_size_in_bytes: int, max_message_bytes: int | None = None) -> None:
         self.max_size_in_bytes = max_size_in_bytes
+        self.max_message_bytes = max_message_bytes or max_size_in_bytes
         self._messages: list[Message] = []
         self._size = 0
 
@@ -444,6 +445,8 @@ class MessageBatch:
         """Add a message (or a received one, or a dict of Message fields); MessageSizeExceededError if it does not fit."""
         message = as_message(message)
         size = message.size_in_bytes
+        if size > self.max_message_bytes:
+            raise MessageSizeExceededError(f"message of {size} bytes is larger than the tier allows ({self.max_message_bytes})")
         if self._size + size > self.max_size_in_bytes:
             raise MessageSizeExceededError(
                 f"message of {size} bytes does not fit: the batch holds {self._size} of {self.max_size_in_bytes} bytes"

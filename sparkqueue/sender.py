@@ -90,14 +90,19 @@ class Sender:
             raise InvalidOperationError("the sender is closed; get a new one from the namespace")
 
     def create_message_batch(self, max_size_in_bytes: int | None = None) -> MessageBatch:
-        """An empty batch bounded by the tier's message size limit (or a smaller given bound)."""
+        """An empty batch bounded by the tier's message size limit, or by `max_size_in_bytes`.
+
+        sparkqueue sends a batch as one Delta commit, so a batch may be larger than the SDK
+        allows (up to MAX_BATCH_BYTES, for bulk sends such as 1,000 x 1 KB); each message in it
+        still respects the tier's message size limit.
+        """
         self._check_open()
         cap = limits.MAX_MESSAGE_BYTES[self._ns.tier]
         if max_size_in_bytes is not None:
             limits.check_int(max_size_in_bytes, "max_size_in_bytes")
-            if max_size_in_bytes > cap:
-                raise InvalidOperationError(f"max_size_in_bytes may be at most {cap} in the {self._ns.tier} tier")
-        return MessageBatch(max_size_in_bytes or cap)
+            if not 0 < max_size_in_bytes <= limits.MAX_BATCH_BYTES:
+                raise InvalidOperationError(f"max_size_in_bytes must be between 1 and {limits.MAX_BATCH_BYTES}")
+        return MessageBatch(max_size_in_bytes or cap, cap)
 
     def send_messages(self, message: object, *, timeout: float | None = None) -> list[int]:
         """Send atomically; returns the stored sequence numbers (duplicates dropped by detection have none).

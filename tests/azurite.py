@@ -13,7 +13,11 @@ import socket
 import subprocess
 import time
 import uuid
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
+
+from sparkqueue import Namespace
 
 REPO = Path(__file__).resolve().parent.parent
 INSTALL_DIR = REPO / ".azurite"
@@ -108,3 +112,15 @@ class Azurite:
                 self.proc.wait(timeout=10)
             except subprocess.TimeoutExpired:
                 os.killpg(self.proc.pid, 9)
+
+
+@dataclass(frozen=True)
+class Store:
+    """A namespace location for tests that run on a local disk and on an object store alike."""
+
+    kind: str
+    root: str
+    storage_options: dict[str, str] | None
+
+    def open(self, **kwargs: Any) -> Namespace:
+        return Namespace(self.root, storage_options=self.storage_options, **kwargs)

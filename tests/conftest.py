@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import os
 from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import pytest
+from azurite import ACCOUNT, KEY, Azurite, Store
 
 from sparkqueue import Namespace
 
@@ -49,25 +49,12 @@ def premium_ns(tmp_path: Path) -> Iterator[Namespace]:
 @pytest.fixture(scope="session")
 def azurite(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
     """One Azurite blob service for the session (installed from npm on first use)."""
-    from azurite import Azurite
 
     server = Azurite(tmp_path_factory.mktemp("azurite"))
     try:
         yield server
     finally:
         server.stop()
-
-
-@dataclass(frozen=True)
-class Store:
-    """A namespace location for tests that run on a local disk and on an object store alike."""
-
-    kind: str
-    root: str
-    storage_options: dict[str, str] | None
-
-    def open(self, **kwargs: Any) -> Namespace:
-        return Namespace(self.root, storage_options=self.storage_options, **kwargs)
 
 
 @pytest.fixture(params=["local", "azure"])
@@ -80,7 +67,6 @@ def store(request: pytest.FixtureRequest, tmp_path: Path, monkeypatch: pytest.Mo
     if request.param == "local":
         return Store("local", str(tmp_path / "ns"), None)
     server = request.getfixturevalue("azurite")
-    from azurite import ACCOUNT, KEY
 
     for name, value in {
         "AZURE_STORAGE_ACCOUNT_NAME": ACCOUNT,

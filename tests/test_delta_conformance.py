@@ -15,7 +15,7 @@ from datetime import timedelta
 from typing import Any
 
 import pyarrow as pa
-from conftest import Store
+from azurite import Store
 from deltalake import DeltaTable
 
 from sparkqueue import Message, Namespace

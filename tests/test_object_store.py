@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import Store
+from azurite import Store
 from deltalake import DeltaTable
 from procs import drain_all, receive_and_complete, send_and_lock_until_killed
 
