@@ -24,6 +24,7 @@ from sparkqueue.errors import (
     InvalidOperationError,
     PartitionUnavailableError,
     QuotaExceededError,
+    SparkQueueError,
 )
 from sparkqueue.model import limits
 from sparkqueue.model.deadlines import call_timeout
@@ -48,6 +49,7 @@ from sparkqueue.model.properties import (
 from sparkqueue.model.topics import ACCEPTED_MARKER
 from sparkqueue.storage import maintenance
 from sparkqueue.storage.catalog import CatalogEntry, catalog_key
+from sparkqueue.storage.check import Finding, check_table
 from sparkqueue.storage.table import EntityTable
 
 if TYPE_CHECKING:
@@ -429,19 +431,12 @@ class Management:
             if e.entity_type not in (QUEUE, TOPIC):
                 continue
             name = e.name.split(":", 1)[1]
-            entity = self._entity(e.entity_type, name)
-            window = getattr(entity.props, "duplicate_detection_history_time_window", None) or timedelta(0)
-            live = None
-            if e.entity_type == TOPIC:
-                live = {
-                    split_subscription_path(s.table_path)[1]
-                    for s in entries
-                    if s.entity_type == SUBSCRIPTION and s.name.split(":", 1)[1].split("|")[0] == name
-                } | {ACCEPTED_MARKER}  # the topic's own id records: kept for its duplicate-detection window
-            report = maintenance.compact(entity.table, drop_before=datetime.now(UTC) - window, live_subscriptions=live)
-            maintenance.checkpoint(entity.table, report)
-            if vacuum:
-                maintenance.vacuum(entity.table, vacuum_retention, report)
+            try:
+                report = self._maintain(e.entity_type, name, entries, vacuum_retention if vacuum else None)
+            except SparkQueueError as exc:  # one faulty entity never blocks the others
+                log.error("maintenance of %s %s skipped: %s", e.entity_type, name, exc)
+                reports[f"{e.entity_type}:{name}"] = maintenance.MaintenanceReport(error=str(exc))
+                continue
             reports[f"{e.entity_type}:{name}"] = report
             log.info(
                 "maintenance of %s %s: %d -> %d files, %d rows dropped",
@@ -452,6 +447,48 @@ class Management:
                 report.rows_dropped,
             )
         return reports
+
+    def _maintain(
+        self: Namespace, entity_type: str, name: str, entries: list[CatalogEntry], vacuum_retention: timedelta | None
+    ) -> maintenance.MaintenanceReport:
+        """Compact, checkpoint and (when a retention is given) vacuum one queue's or topic's table."""
+        entity = self._entity(entity_type, name)
+        window = getattr(entity.props, "duplicate_detection_history_time_window", None) or timedelta(0)
+        live = None
+        if entity_type == TOPIC:
+            live = {
+                split_subscription_path(s.table_path)[1]
+                for s in entries
+                if s.entity_type == SUBSCRIPTION and s.name.split(":", 1)[1].split("|")[0] == name
+            } | {ACCEPTED_MARKER}  # the topic's own id records: kept for its duplicate-detection window
+        report = maintenance.compact(entity.table, drop_before=datetime.now(UTC) - window, live_subscriptions=live)
+        maintenance.checkpoint(entity.table, report)
+        if vacuum_retention is not None:
+            maintenance.vacuum(entity.table, vacuum_retention, report)
+        return report
+
+    def check(self: Namespace, *, repair: bool = False) -> list[Finding]:
+        """Damage in the namespace's entity tables, by table; with `repair`, what is safe to repair is repaired.
+
+        An empty list means nothing was found. See docs/storage.md for what is checked and repaired.
+        """
+        findings: list[Finding] = []
+        for e in self._catalog.entries():
+            if e.entity_type not in (QUEUE, TOPIC):
+                continue
+            name = e.name.split(":", 1)[1]
+            table = EntityTable(self.table_uri(e.table_path), 1, self.fault_injector(name, e.entity_type), self.storage_options)
+            try:
+                found = check_table(table, repair=repair)
+            except SparkQueueError as exc:
+                found = [Finding(table.uri, str(exc))]
+            for f in found:
+                f.table = f"{e.entity_type} {name} ({f.table})"
+            findings += found
+        if repair:
+            with self._lock:
+                self._tables.clear()  # handles re-read the repaired log
+        return findings
 
     def _no_rule_changes_in_transaction(self: Namespace) -> None:
         if self._active_transaction is not None:

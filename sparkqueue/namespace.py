@@ -12,7 +12,7 @@ from datetime import timedelta
 from typing import Any
 
 from sparkqueue.constants import ReceiveMode, SubQueue
-from sparkqueue.errors import EntityNotFoundError, InvalidOperationError
+from sparkqueue.errors import EntityNotFoundError, InvalidOperationError, SparkQueueError
 from sparkqueue.management import (
     PROPERTY_TYPES,
     QUEUE,
@@ -269,9 +269,12 @@ class Namespace(Management):
         """Finish every pending auto-forward in the namespace (after a crash, or when forward_to was set later)."""
         for entry in self._catalog.entries():
             if entry.entity_type in (QUEUE, SUBSCRIPTION):
-                entity = self._entity(entry.entity_type, entry.name.split(":", 1)[1])
-                if routes(entity):
-                    self._pump(entity)
+                try:
+                    entity = self._entity(entry.entity_type, entry.name.split(":", 1)[1])
+                    if routes(entity):
+                        self._pump(entity)
+                except SparkQueueError as exc:  # one faulty entity never blocks the others
+                    log.error("forwarding from %s skipped: %s", entry.name, exc)
 
     def _after_send(self, entity_type: str, name: str, stored_partitions: list[int]) -> None:
         """Forward what a send just stored, when the queue or any of the topic's subscriptions forwards."""

@@ -149,7 +149,8 @@ def trim_log(store: Store, snap: Snapshot) -> int:
     """Delete log entries older than the log retention that precede the newest checkpoint; returns how many."""
     entries = []
     for e in store.list(f"{LOG_DIR}/"):
-        m = _LOG_FILE.match(e.path.rsplit("/", 1)[-1])
+        folder, _, name = e.path.rpartition("/")
+        m = _LOG_FILE.match(name) if folder == LOG_DIR else None
         if m is not None:
             entries.append((int(m.group(1)), m.group(2), e))
     checkpoints = [v for v, kind, _ in entries if kind.startswith("checkpoint")]

@@ -12,7 +12,7 @@ import logging
 import threading
 import uuid
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from datetime import datetime, timedelta
 
 import pyarrow as pa
@@ -47,8 +47,12 @@ class DataFiles:
     cache keyed by path: a receive that locks rows and the settle that follows read no file twice.
     """
 
-    def __init__(self, store: Store, cache_bytes: int = CACHE_BYTES) -> None:
+    def __init__(
+        self, store: Store, cache_bytes: int = CACHE_BYTES, on_damage: Callable[[str, str], Exception] | None = None
+    ) -> None:
+        """`on_damage(path, what)` turns a missing or unreadable file into the error to raise (default StorageCorruptedError)."""
         self.store = store
+        self.on_damage = on_damage
         self._cache: OrderedDict[str, pa.Table] = OrderedDict()
         self._cache_bytes = cache_bytes
         self._cached = 0
@@ -70,13 +74,16 @@ class DataFiles:
         try:
             data = self.store.get(path)
         except FileNotFoundError as exc:
-            raise StorageCorruptedError(f"table {self.store.uri}: live data file {path} is missing") from exc
+            raise self._damage(path, f"live data file {path} of table {self.store.uri} is missing") from exc
         try:
             t = pq.read_table(pa.BufferReader(data), columns=wanted).cast(_schema_of(wanted))
         except (pa.ArrowInvalid, OSError) as exc:
-            raise StorageCorruptedError(f"table {self.store.uri}: data file {path} is damaged ({exc})") from exc
+            raise self._damage(path, f"data file {path} of table {self.store.uri} is damaged ({exc})") from exc
         self._remember(path, t)
         return t.select(cols)
+
+    def _damage(self, path: str, what: str) -> Exception:
+        return self.on_damage(path, what) if self.on_damage is not None else StorageCorruptedError(what)
 
     def _remember(self, path: str, rows: pa.Table) -> None:
         """Cache a file's rows (all columns, or all but the body), evicting the least recently used beyond the budget.

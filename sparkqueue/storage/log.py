@@ -228,7 +228,8 @@ class DeltaLog:
         parts: dict[int, dict[int, str]] = {}
         totals: dict[int, int] = {}
         for e in self.store.list(f"{LOG_DIR}/"):
-            m = _ENTRY.match(e.path.rsplit("/", 1)[-1])
+            folder, _, name = e.path.rpartition("/")
+            m = _ENTRY.match(name) if folder == LOG_DIR else None  # not the entries of subfolders (_damaged/)
             if m is None:
                 continue
             v = int(m.group(1))

@@ -50,6 +50,7 @@ class MaintenanceReport:
     vacuumed_files: int = 0
     checkpointed_version: int | None = None
     per_partition_files: dict[int, int] = field(default_factory=dict)
+    error: str | None = None  # why the run could not finish this table (the others went on)
 
 
 def compact(
@@ -226,7 +227,7 @@ def _removals(table: EntityTable) -> dict[str, float]:
     """When each file removed by a commit still in the log was removed (seconds since the epoch)."""
     out: dict[str, float] = {}
     for e in table.store.list(f"{LOG_DIR}/"):
-        if not e.path.endswith(".json"):
+        if not e.path.endswith(".json") or e.path.rpartition("/")[0] != LOG_DIR:
             continue
         try:
             text = table.store.get(e.path).decode("utf-8")

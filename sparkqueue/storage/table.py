@@ -99,7 +99,7 @@ class EntityTable:
         self.faults = faults or FaultInjector()
         self.storage_options = dict(storage_options or {})
         self.store: Store = open_store(self.uri, self.storage_options)
-        self.data = DataFiles(self.store)
+        self.data = DataFiles(self.store, on_damage=self._damaged)
         self.log = DeltaLog(self.store, FileIndex, after_commit=self._after_commit)
         self._local = threading.local()
 
@@ -166,8 +166,14 @@ class EntityTable:
             self.data.delete([a.path for a in adds])
             raise
 
+    def _damaged(self, path: str, what: str) -> Exception:
+        """A missing or unreadable data file makes its partition unavailable, not the whole table (faults.py)."""
+        log.error("storage damage: %s", what)
+        partition = path.split("/", 1)[0].removeprefix(f"{PARTITION_COLUMN}=")
+        return self.faults.damaged(int(partition), what) if partition.isdigit() else StorageCorruptedError(what)
+
     def available(self, partition: int) -> bool:
-        """False while a fault is injected on the partition."""
+        """False while a fault is injected on the partition or damage was found in it."""
         return not self.faults.failing(partition)
 
     def files(self, dt: Snapshot, partition: int) -> list[FileInfo]:

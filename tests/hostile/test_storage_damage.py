@@ -1,0 +1,180 @@
+"""Damaged storage is detected and reported, never read as empty; partition-local damage stays in its partition.
+
+Each test damages a real namespace the way a failing disk, a power loss or a careless copy would,
+on a local disk and (where the damage can be made there) on Azurite.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from azurite import Store
+from procs import drain_all, key_for_partition
+
+from sparkqueue import Message, Namespace
+from sparkqueue.errors import StorageCorruptedError
+
+
+def _queue_table(ns: Namespace, name: str = "q") -> object:
+    return ns._entity("queue", name).table
+
+
+def _newest_entry(table: object) -> str:
+    names = sorted(e.path for e in table.store.list("_delta_log/") if e.path.endswith(".json"))  # type: ignore[attr-defined]
+    return names[-1]
+
+
+def test_a_zero_byte_newest_commit_is_an_error_and_no_sequence_number_is_reused(store: Store) -> None:
+    with store.open() as ns:
+        ns.create_queue("q", enable_partitioning=False)
+        seqs = []
+        with ns.get_queue_sender("q") as s:
+            for i in range(10):
+                seqs += s.send_messages(Message(f"m{i}"))
+        table = _queue_table(ns)
+        newest = _newest_entry(table)
+        table.store.put(newest, b"")  # what a torn write leaves
+    with store.open() as ns:
+        with pytest.raises(StorageCorruptedError, match="empty"):
+            ns.get_queue_runtime_properties("q")
+        with pytest.raises(StorageCorruptedError), ns.get_queue_sender("q") as s:
+            s.send_messages(Message("after"))
+        findings = ns.check()
+        assert len(findings) == 1 and "empty" in findings[0].problem and not findings[0].repaired
+        repaired = ns.check(repair=True)
+        assert repaired[0].repaired
+        assert ns.check() == []
+        # The torn entry was the last send: nine messages remain and the next number is new.
+        assert ns.get_queue_runtime_properties("q").active_message_count == 9
+        with ns.get_queue_sender("q") as s:
+            (new,) = s.send_messages(Message("after"))
+        assert new > max(seqs[:9]) and new not in seqs[:9]
+
+
+def test_a_truncated_newest_commit_is_an_error_naming_the_file(tmp_path: Path) -> None:
+    with Namespace(tmp_path / "ns") as ns:
+        ns.create_queue("q")
+        ns.get_queue_sender("q").send_messages(Message("x"))
+        table = _queue_table(ns)
+        newest = _newest_entry(table)
+        table.store.put(newest, table.store.get(newest)[:25])  # type: ignore[attr-defined]
+    with Namespace(tmp_path / "ns") as ns, pytest.raises(StorageCorruptedError, match=Path(newest).name):
+        ns.get_queue_receiver("q").receive_messages(1)
+
+
+def test_a_deleted_catalog_log_is_reported_not_opened_empty(store: Store) -> None:
+    with store.open() as ns:
+        ns.create_queue("q")
+        ns.get_queue_sender("q").send_messages(Message("x"))
+        catalog = ns.store.child("_catalog")
+        for e in catalog.list("_delta_log/"):
+            catalog.delete(e.path)
+    with pytest.raises(StorageCorruptedError, match="catalog"):
+        store.open()
+
+
+def test_an_emptied_catalog_entry_is_reported(tmp_path: Path) -> None:
+    with Namespace(tmp_path / "ns") as ns:
+        ns.create_queue("q")
+    log_dir = tmp_path / "ns" / "_catalog" / "_delta_log"
+    newest = sorted(log_dir.glob("*.json"))[-1]
+    newest.write_bytes(b"")
+    with pytest.raises(StorageCorruptedError):
+        Namespace(tmp_path / "ns")
+
+
+def test_a_deleted_data_file_makes_only_its_partition_unavailable(store: Store) -> None:
+    with store.open() as ns:
+        ns.create_queue("q")
+        damaged_key = key_for_partition(5)
+        with ns.get_queue_sender("q") as s:
+            s.send_messages([Message(f"d{i}", message_id=f"d{i}", partition_key=damaged_key) for i in range(10)])
+            for p in (1, 2, 3):
+                s.send_messages(
+                    [Message(f"ok{p}-{i}", message_id=f"ok{p}-{i}", partition_key=key_for_partition(p)) for i in range(10)]
+                )
+        table = _queue_table(ns)
+        (victim,) = [f for f in table.snapshot().files if f.partition == 5]  # type: ignore[attr-defined]
+        table.store.delete(victim.path)  # type: ignore[attr-defined]
+    with store.open() as ns:
+        with ns.get_queue_receiver("q", max_wait_time=1) as r:
+            got = drain_all(r)
+        assert sorted(m.message_id for m in got) == sorted(f"ok{p}-{i}" for p in (1, 2, 3) for i in range(10))
+        rp = ns.get_queue_runtime_properties("q")
+        assert rp.availability_status == "Limited"
+        assert rp.active_message_count == 30
+        findings = ns.check()
+        assert len(findings) == 1 and victim.path in findings[0].problem
+        assert ns.check(repair=True)[0].repaired
+    with store.open() as ns:
+        assert ns.check() == []
+        assert ns.get_queue_runtime_properties("q").availability_status == "Available"
+
+
+def test_maintenance_and_forwarding_skip_a_damaged_entity_and_do_the_rest(tmp_path: Path) -> None:
+    with Namespace(tmp_path / "ns") as ns:
+        ns.create_queue("bad")
+        ns.create_queue("good")
+        ns.get_queue_sender("bad").send_messages(Message("x"))
+        ns.get_queue_sender("good").send_messages([Message("y") for _ in range(3)])
+        bad = _queue_table(ns, "bad")
+        bad.store.put(_newest_entry(bad), b"")  # type: ignore[attr-defined]
+    with Namespace(tmp_path / "ns") as ns:
+        reports = ns.run_maintenance()
+        assert reports["queue:bad"].error is not None and "empty" in reports["queue:bad"].error
+        assert reports["queue:good"].error is None and reports["queue:good"].checkpointed_version is not None
+        ns.forward_pending_messages()  # does not raise for the damaged queue
+        assert [q.name for q in ns.list_queues()] == ["bad", "good"]
+
+
+def test_a_copied_namespace_is_independent_of_the_original(tmp_path: Path) -> None:
+    original = tmp_path / "original"
+    with Namespace(original) as ns:
+        ns.create_queue("q")
+        ns.get_queue_sender("q").send_messages([Message(f"m{i}") for i in range(5)])
+    copy = tmp_path / "copy"
+    shutil.copytree(original, copy, symlinks=True)
+    with Namespace(copy) as ns:
+        with ns.get_queue_receiver("q") as r:
+            r.complete_messages(drain_all(r))
+        ns.get_queue_sender("q").send_messages(Message("only in the copy"))
+        ns.delete_queue("q")
+    with Namespace(original) as ns:
+        assert ns.get_queue_runtime_properties("q").active_message_count == 5
+
+
+def test_a_relative_root_opens_the_same_namespace_from_another_directory(tmp_path: Path) -> None:
+    work = tmp_path / "work"
+    work.mkdir()
+    code = (
+        "from sparkqueue import Namespace, Message\n"
+        "ns = Namespace('rel-ns'); ns.create_queue('q')\n"
+        "ns.get_queue_sender('q').send_messages(Message('from a relative root'))\n"
+    )
+    subprocess.run([sys.executable, "-c", code], cwd=work, check=True, timeout=120)
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    code = (
+        f"from sparkqueue import Namespace\nns = Namespace({str(work / 'rel-ns')!r})\n"
+        "print([str(m) for m in ns.get_queue_receiver('q').receive_messages(5, max_wait_time=2)])\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], cwd=elsewhere, check=True, capture_output=True, text=True, timeout=120)
+    assert out.stdout.strip() == "['from a relative root']"
+    assert not any(Path(elsewhere).iterdir())
+
+
+def test_files_are_created_with_the_process_umask(tmp_path: Path) -> None:
+    old = os.umask(0o027)
+    try:
+        with Namespace(tmp_path / "ns") as ns:
+            ns.create_queue("q")
+            ns.get_queue_sender("q").send_messages(Message("x"))
+    finally:
+        os.umask(old)
+    written = [p for p in (tmp_path / "ns").rglob("*") if p.is_file() and "partition_id=" in str(p)]
+    assert written and all(p.stat().st_mode & 0o007 == 0 for p in written)
