@@ -1,5 +1,6 @@
 """sparkqueue: partitioned message queues and topics for Spark, stored in Delta Lake."""
 
+from sparkqueue import shutdown as _shutdown  # noqa: F401 - registers the exit hook (see shutdown.py)
 from sparkqueue.constants import NEXT_AVAILABLE_SESSION, ReceiveMode, SubQueue
 from sparkqueue.message import Message, MessageBatch, ReceivedMessage
 from sparkqueue.model.filters import CorrelationRuleFilter, FalseRuleFilter, SqlRuleAction, SqlRuleFilter, TrueRuleFilter
