@@ -260,8 +260,10 @@ def test_resubmit_keeps_duplicates_and_needs_via_topic(root: Path) -> None:
         dead_letter_all(ns, "dd", 2)
         ns.create_topic("t")
         ns.create_subscription("t", "s")
-    p, sub = sq_all(root, ("resubmit", "dd"), ("resubmit", "t/s"))
-    assert p.returncode == 0 and "2 dead letter(s) were not accepted" in p.stderr
+    p, sub, empty = sq_all(root, ("resubmit", "dd"), ("resubmit", "t/s"), ("resubmit", "t/s", "--via-topic"))
+    assert p.returncode == 1 and "2 dead letter(s) were not resubmitted" in p.stderr and "duplicate detection" in p.stderr
+    assert "Resubmitted" not in p.stdout  # nothing claims success
+    assert empty.returncode == 0 and "No dead letters" in empty.stdout
     with Namespace(root) as ns:
         assert ns.get_queue_runtime_properties("dd").dead_letter_message_count == 2
     assert sub.returncode == 1 and "--via-topic" in sub.stderr
@@ -318,3 +320,67 @@ def test_message_from_json() -> None:
     for bad in bad_records:
         with pytest.raises(ValueError):
             ops.message_from_json(bad)
+
+
+def test_rule_commands(root: Path) -> None:
+    """rule create (SQL, correlation, action), list (table and JSON), delete; the rules then route messages."""
+    with Namespace(root) as ns:
+        ns.create_topic("t")
+        ns.create_subscription("t", "s")
+    ok(root, "rule", "create", "t", "s", "big", "--sql", "region = 'eu' AND qty > 10", "--action", "SET routed = 'big'")
+    ok(root, "rule", "create", "t", "s", "vip", "--correlation-id", "c-1", "--property", "tier=vip", "-p", "level=3")
+    ok(root, "rule", "delete", "t", "s", "$Default")
+    table, listed = ok_all(root, ("rule", "list", "t", "s"), ("rule", "list", "t", "s", "--json"))
+    rules = {r["name"]: r for r in as_json(listed)}
+    assert sorted(rules) == ["big", "vip"]
+    assert rules["big"]["filter"]["sql_expression"] == "region = 'eu' AND qty > 10"
+    assert rules["big"]["action"] == {"sql_expression": "SET routed = 'big'"}
+    assert rules["vip"]["filter"]["correlation_id"] == "c-1"
+    assert rules["vip"]["filter"]["properties"] == {"tier": "vip", "level": 3}  # numbers stay numbers
+    assert "region = 'eu' AND qty > 10" in table and 'correlation_id = "c-1"' in table
+    with Namespace(root) as ns:
+        with ns.get_topic_sender("t") as s:
+            s.send_messages([
+                Message("eu", application_properties={"region": "eu", "qty": 20}),
+                Message("small", application_properties={"region": "eu", "qty": 2}),
+                Message("vip", correlation_id="c-1", application_properties={"tier": "vip", "level": 3}),
+                Message("vip-as-text", correlation_id="c-1", application_properties={"tier": "vip", "level": "3"}),
+            ])  # fmt: skip
+        with ns.get_subscription_receiver("t", "s") as r:
+            got = {str(m): m for m in r.receive_messages(10, max_wait_time=2)}
+    assert sorted(got) == ["eu", "vip"]
+    assert got["eu"].application_properties["routed"] == "big"
+    bad = sq_all(
+        root,
+        ("rule", "create", "t", "s", "x", "--sql", "a = 1", "--property", "b=2"),
+        ("rule", "create", "t", "s", "y", "--sql", "a = = 1"),
+        ("rule", "create", "t", "s", "z", "--property", "novalue"),
+        ("rule", "delete", "t", "s", "nosuch"),
+        ("rule", "list", "t", "nosuch"),
+    )
+    for p in bad:
+        assert p.returncode == 1 and p.stderr.startswith("Error: ") and "Traceback" not in p.stderr, p.stderr
+    with Namespace(root) as ns:
+        assert sorted(r.name for r in ns.list_rules("t", "s")) == ["big", "vip"]  # failed commands changed nothing
+
+
+def test_relative_root_works_from_another_directory(tmp_path: Path) -> None:
+    """A namespace created with a relative --root opens by absolute path, and by another relative path, elsewhere."""
+    home, elsewhere = tmp_path / "home", tmp_path / "elsewhere"
+    home.mkdir()
+    elsewhere.mkdir()
+
+    def run(cwd: Path, *args: str) -> str:
+        env = {**os.environ, "COLUMNS": "200", "NO_COLOR": "1", "TERM": "dumb"}
+        env.pop("SPARKQUEUE_ROOT", None)
+        p = subprocess.run([sys.executable, "-m", "sparkqueue.cli", *args], cwd=cwd, env=env, capture_output=True,
+                           text=True, timeout=CLI_TIMEOUT_S)  # fmt: skip
+        assert p.returncode == 0, f"{args}: {p.stderr}"
+        return p.stdout
+
+    run(home, "--root", "cli-data", "create", "queue", "q")
+    (home / "lines.txt").write_text("a\nb\nc\n")
+    run(home, "--root", "cli-data", "send", "q", "--file", "lines.txt")
+    for root in (str(home / "cli-data"), "../home/cli-data"):
+        shown = as_json(run(elsewhere, "--root", root, "show", "q", "--json"))
+        assert shown["runtime"]["active_message_count"] == 3

@@ -2,7 +2,9 @@
 
 import contextlib
 import functools
+import json
 import logging
+import math
 import os
 import sys
 from collections.abc import Callable, Iterator
@@ -15,13 +17,14 @@ from typing import Annotated, Any, NoReturn, ParamSpec, TypeVar
 
 import typer
 from rich.console import Console
+from rich.highlighter import JSONHighlighter
 from rich.logging import RichHandler
 from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 from rich.text import Text
 
 import sparkqueue
-from sparkqueue import Namespace, ReceivedMessage
+from sparkqueue import CorrelationRuleFilter, Namespace, ReceivedMessage, SqlRuleAction, SqlRuleFilter
 from sparkqueue.cli import ops, render
 from sparkqueue.errors import SparkQueueError
 from sparkqueue.receiver import Receiver
@@ -61,16 +64,19 @@ class _App(typer.Typer):
 
 app = _App(
     name="sparkqueue",
-    help="Partitioned queues and topics stored in Delta Lake: manage entities, send, peek, receive, purge, resubmit.",
+    help="Partitioned queues and topics stored in Delta Lake: manage entities and rules, send, peek, receive, purge, resubmit.",
     no_args_is_help=True,
     add_completion=False,
     pretty_exceptions_show_locals=False,
 )
 create_app = typer.Typer(help="Create a queue, a topic or a subscription.", no_args_is_help=True)
 delete_app = typer.Typer(help="Delete a queue, a topic (with its subscriptions) or a subscription.", no_args_is_help=True)
+rule_app = typer.Typer(help="Create, list and delete the rules (filters and actions) of a subscription.", no_args_is_help=True)
 app.add_typer(create_app, name="create")
 app.add_typer(delete_app, name="delete")
+app.add_typer(rule_app, name="rule")
 
+_verbose = False  # --verbose of this invocation: unexpected errors then show their traceback
 P = ParamSpec("P")
 R = TypeVar("R")
 
@@ -92,9 +98,14 @@ class State:
 
     root: str
     tier: str
+    verbose: bool = False
 
     def namespace(self, *, create: bool = False) -> Namespace:
         """Open the namespace; only `create` commands may create a missing local root."""
+        if not self.root.strip():
+            raise CliError("the namespace root is empty: pass --root PATH or set SPARKQUEUE_ROOT")
+        if "://" not in self.root and Path(self.root).resolve() == Path(Path(self.root).resolve().anchor):
+            raise CliError(f"namespace root {self.root!r} is the filesystem root: choose a directory for the namespace")
         if not create and "://" not in self.root and not Path(self.root).is_dir():
             raise CliError(
                 f"namespace root {self.root!r} does not exist: pass --root PATH or set SPARKQUEUE_ROOT "
@@ -105,17 +116,21 @@ class State:
 
 def fail(message: str) -> NoReturn:
     """Print a one-line error in red on stderr and exit with code 1."""
-    err.print(Text(f"Error: {message}", style="bold red"), soft_wrap=True)
+    err.print(render.safe(f"Error: {message}", style="bold red"), soft_wrap=True)
     raise typer.Exit(1)
 
 
 def handle_errors(fn: Callable[P, R]) -> Callable[P, R]:
-    """Turn expected errors (sparkqueue's, the CLI's, file I/O) into a one-line message and exit code 1."""
+    """Turn errors into a one-line message and exit code 1: expected ones (sparkqueue's, the CLI's, file I/O) as they
+    are, anything else (a value the library could not store, an engine error) named by its type, with the traceback
+    under --verbose only. A command never ends in a traceback for a bad argument."""
 
     @functools.wraps(fn)
     def wrapper(*args: P.args, **kwargs: P.kwargs) -> R:
         try:
             return fn(*args, **kwargs)
+        except (typer.Exit, typer.Abort, typer.BadParameter, SystemExit):
+            raise
         except (SparkQueueError, CliError) as e:
             fail(str(e))
         except OSError as e:
@@ -123,8 +138,13 @@ def handle_errors(fn: Callable[P, R]) -> Callable[P, R]:
         except KeyboardInterrupt:
             err.print(Text("Interrupted", style="yellow"))
             raise typer.Exit(130) from None
+        except Exception as e:  # the CLI's last line of defence: one line, not a traceback
+            if _verbose:
+                raise
+            fail(f"{type(e).__name__}: {e} (run with --verbose for the traceback)")
 
     return wrapper
+
 
 
 def state(ctx: typer.Context) -> State:
@@ -136,17 +156,23 @@ def state(ctx: typer.Context) -> State:
 
 def done(message: str) -> None:
     """A success line on stdout."""
-    out.print(Text(message, style="green"), soft_wrap=True)
+    out.print(render.safe(message, style="green"), soft_wrap=True)
 
 
 def note(message: str) -> None:
     """A warning line on stderr."""
-    err.print(Text(message, style="yellow"), soft_wrap=True)
+    err.print(render.safe(message, style="yellow"), soft_wrap=True)
+
+
+def plain(message: str) -> None:
+    """A neutral line on stdout (data in it escaped, never markup)."""
+    out.print(render.safe(message), soft_wrap=True)
 
 
 def print_json(data: Any) -> None:
-    """JSON on stdout, unwrapped (colored only on a terminal)."""
-    out.print_json(data=render.jsonable(data))
+    """JSON on stdout, unwrapped (colored only on a terminal), with every control character \\u-escaped."""
+    text = render.json_text(render.jsonable(data))
+    out.print(JSONHighlighter()(Text(text)), soft_wrap=True)
 
 
 @contextmanager
@@ -158,9 +184,23 @@ def progress_bar(description: str, total: int | None) -> Iterator[Callable[[int]
         yield lambda n: progress.advance(task, n)
 
 
+MAX_SECONDS = timedelta.max.total_seconds()
+
+
+def finite(value: float | None) -> float | None:
+    """Option callback: a finite number of seconds (nan and inf are not durations)."""
+    if value is not None and not math.isfinite(value):
+        raise typer.BadParameter(f"{value} is not a number of seconds")
+    return value
+
+
 def seconds(value: float | None) -> timedelta | None:
-    """A duration option (seconds) as a timedelta."""
-    return timedelta(seconds=value) if value is not None else None
+    """A duration option (seconds) as a timedelta; a value no timedelta holds is a one-line error."""
+    if value is None:
+        return None
+    if not math.isfinite(value) or abs(value) >= MAX_SECONDS:
+        raise CliError(f"{value} seconds is not a duration sparkqueue can store")
+    return timedelta(seconds=value)
 
 
 def given(**settings: Any) -> dict[str, Any]:
@@ -193,18 +233,24 @@ def main(
         handlers=[RichHandler(console=err, show_path=False)],
         force=True,
     )
-    ctx.obj = State(root, tier.value)
+    global _verbose
+    _verbose = verbose
+    ctx.obj = State(root, tier.value, verbose)
 
 
 # ---- create / delete / list / show -----------------------------------------------------------------
 
-LockDuration = Annotated[float | None, typer.Option(help="Peek-lock duration in seconds (default 60, at most 300).")]
+LockDuration = Annotated[
+    float | None, typer.Option(callback=finite, help="Peek-lock duration in seconds (default 60, at most 300).")
+]
 MaxDelivery = Annotated[int | None, typer.Option(help="Deliveries before a message is dead-lettered (default 10).")]
-Ttl = Annotated[float | None, typer.Option("--ttl", help="Default message time to live in seconds (default: never).")]
+Ttl = Annotated[
+    float | None, typer.Option("--ttl", callback=finite, help="Default message time to live in seconds (default: never).")
+]
 Sessions = Annotated[bool, typer.Option("--sessions", help="Require a session id on every message.")]
 NoPartitioning = Annotated[bool, typer.Option("--no-partitioning", help="One partition instead of 16.")]
 DupDetection = Annotated[bool, typer.Option("--duplicate-detection", help="Drop messages whose id was seen recently.")]
-DupWindow = Annotated[float | None, typer.Option(help="Duplicate detection window in seconds (default 600).")]
+DupWindow = Annotated[float | None, typer.Option(callback=finite, help="Duplicate detection window in seconds (default 600).")]
 MaxSize = Annotated[int | None, typer.Option("--max-size", help="Maximum size per partition in MB (1024 ... 5120).")]
 DlOnExpiry = Annotated[bool, typer.Option("--dead-letter-on-expiration", help="Dead-letter expired messages.")]
 ForwardTo = Annotated[str | None, typer.Option(help="Forward every message to this queue or topic.")]
@@ -378,7 +424,7 @@ def list_entities(
             }
         )
     elif not rows:
-        out.print(f"No queues or topics in {state(ctx).root}.")
+        plain(f"No queues or topics in {state(ctx).root}.")
     else:
         out.print(render.list_table(rows, counts=counts))
 
@@ -430,9 +476,9 @@ Session = Annotated[
 def peek(
     ctx: typer.Context,
     name: EntityName,
-    count: Annotated[int, typer.Option("--count", "-n", min=1, help="Messages to show.")] = 10,
+    count: Annotated[int, typer.Option("--count", "-n", min=1, max=1_000_000, help="Messages to show.")] = 10,
     dead_letter: Annotated[bool, typer.Option("--dead-letter", help="Browse the dead-letter sub-queue.")] = False,
-    from_sequence: Annotated[int | None, typer.Option(min=0, help="Start at this sequence number.")] = None,
+    from_sequence: Annotated[int | None, typer.Option(min=0, max=2**63 - 1, help="Start at this sequence number.")] = None,
     session: Session = None,
     as_json: AsJson = False,
 ) -> None:
@@ -449,7 +495,7 @@ def _print_messages(msgs: list[ReceivedMessage], target: ops.Target, dead_letter
         return
     where = f"{target.label}{' (dead-letter)' if dead_letter else ''}"
     if not msgs:
-        out.print(f"No messages in {where}.")
+        plain(f"No messages in {where}.")
         return
     title = f"{verb} {len(msgs)} message(s) from {where}"
     out.print(render.messages_table(msgs, title, width=out.width, dead_letter=dead_letter))
@@ -467,7 +513,7 @@ def send(
     jsonl: Annotated[
         bool, typer.Option("--jsonl", help="JSON lines: 'body' (or 'body_base64') and optional message properties.")
     ] = False,
-    batch: Annotated[int, typer.Option(min=1, help="Messages per atomic send.")] = 500,
+    batch: Annotated[int, typer.Option(min=1, max=10_000, help="Messages per atomic send.")] = 500,
 ) -> None:
     """Send one message per line of a file (or per JSON-lines record with --jsonl)."""
     if str(file) != "-" and not file.is_file():
@@ -496,14 +542,12 @@ def send(
 def receive(
     ctx: typer.Context,
     name: EntityName,
-    count: Annotated[int, typer.Option("--count", "-n", min=1, help="Messages to receive.")] = 1,
+    count: Annotated[int, typer.Option("--count", "-n", min=1, max=1_000_000, help="Messages to receive.")] = 1,
     complete: Annotated[
         bool, typer.Option("--complete/--abandon", help="Complete the messages (remove them), or abandon (release) them.")
     ] = True,
-    dead_letter_queue: Annotated[
-        bool, typer.Option("--dead-letter-queue", help="Receive from the dead-letter sub-queue.")
-    ] = False,
-    wait: Annotated[float, typer.Option(min=0, help="Seconds to wait for the first message.")] = 1.0,
+    dead_letter: Annotated[bool, typer.Option("--dead-letter", help="Receive from the dead-letter sub-queue.")] = False,
+    wait: Annotated[float, typer.Option(min=0, max=3600, callback=finite, help="Seconds to wait for the first message.")] = 1.0,
     session: Session = None,
     as_json: AsJson = False,
 ) -> None:
@@ -512,12 +556,12 @@ def receive(
     target = ops.resolve(ns, name)
 
     def handle(r: Receiver, msgs: list[ReceivedMessage]) -> None:
-        _print_messages(msgs, target, dead_letter_queue, as_json, "Received")
+        _print_messages(msgs, target, dead_letter, as_json, "Received")
         (r.complete_messages if complete else r.abandon_messages)(msgs)
 
-    msgs = ops.receive(ns, target, count, wait=wait, dead_letter=dead_letter_queue, session=session, handle=handle)
+    msgs = ops.receive(ns, target, count, wait=wait, dead_letter=dead_letter, session=session, handle=handle)
     if not msgs:
-        _print_messages(msgs, target, dead_letter_queue, as_json, "Received")
+        _print_messages(msgs, target, dead_letter, as_json, "Received")
     elif not as_json:
         done(f"{'Completed' if complete else 'Abandoned'} {len(msgs)} message(s).")
 
@@ -528,7 +572,7 @@ def purge(
     ctx: typer.Context,
     name: EntityName,
     dead_letter: Annotated[bool, typer.Option("--dead-letter", help="Purge the dead-letter sub-queue instead.")] = False,
-    batch: Annotated[int, typer.Option(min=1, help="Messages per receive.")] = 500,
+    batch: Annotated[int, typer.Option(min=1, max=10_000, help="Messages per receive.")] = 500,
 ) -> None:
     """Delete all available messages (receive-and-delete in batches)."""
     ns = state(ctx).namespace()
@@ -552,14 +596,14 @@ def purge(
 def resubmit(
     ctx: typer.Context,
     name: EntityName,
-    count: Annotated[int | None, typer.Option("--count", "-n", min=1, help="At most this many dead letters.")] = None,
+    count: Annotated[int | None, typer.Option("--count", "-n", min=1, max=2**31, help="At most this many dead letters.")] = None,
     via_topic: Annotated[
         bool,
         typer.Option(
             "--via-topic", help="For a subscription: resend through its topic (every matching subscription gets a copy)."
         ),
     ] = False,
-    batch: Annotated[int, typer.Option(min=1, help="Dead letters per receive.")] = 100,
+    batch: Annotated[int, typer.Option(min=1, max=10_000, help="Dead letters per receive.")] = 100,
 ) -> None:
     """Move dead letters back to their queue (or, with --via-topic, a subscription's to its topic)."""
     ns = state(ctx).namespace()
@@ -575,9 +619,112 @@ def resubmit(
     if result.at_least_once:
         how.append(f"{result.at_least_once} sent then completed")
     detail = f" ({', '.join(how)})" if how else ""
-    done(f"Resubmitted {result.resubmitted} dead letter(s) to {result.destination.label}{detail}.")
+    if result.resubmitted == 0 and not result.not_accepted:
+        plain(f"No dead letters in {target.label}: nothing to resubmit.")
+        return
+    if result.resubmitted:
+        done(f"Resubmitted {result.resubmitted} dead letter(s) to {result.destination.label}{detail}.")
     if result.not_accepted:
         why = "dropped by duplicate detection: the id is still in the detection window"
         if result.destination.kind == ops.TOPIC:
             why += ", or no subscription matched"
-        note(f"{result.not_accepted} dead letter(s) were not accepted ({why}); they stay in the dead-letter queue.")
+        fail(
+            f"{result.not_accepted} dead letter(s) were not resubmitted ({why}); they stay in the dead-letter queue"
+            f"{' (' + str(result.resubmitted) + ' were)' if result.resubmitted else ''}."
+        )
+
+
+# ---- rules -------------------------------------------------------------------------------------------
+
+Topic = Annotated[str, typer.Argument(help="Topic name.")]
+Subscription = Annotated[str, typer.Argument(help="Subscription name.")]
+RuleName = Annotated[str, typer.Argument(help="Rule name.")]
+
+
+def property_value(item: str) -> tuple[str, Any]:
+    """NAME=VALUE of --property: VALUE as JSON when it is a number, boolean or quoted string, else the text itself."""
+    name, sep, raw = item.partition("=")
+    if not sep or not name.strip():
+        raise CliError(f"--property expects NAME=VALUE, got {item!r}")
+    try:
+        value = json.loads(raw, parse_constant=lambda c: raw)  # NaN/Infinity stay text
+    except (ValueError, RecursionError):
+        value = raw
+    if not isinstance(value, (str, int, float, bool)):
+        value = raw  # objects, arrays and null: compared as the text given
+    return name.strip(), value
+
+
+@rule_app.command("create")
+@handle_errors
+def rule_create(
+    ctx: typer.Context,
+    topic: Topic,
+    subscription: Subscription,
+    name: RuleName,
+    sql: Annotated[str | None, typer.Option("--sql", help="SQL filter, e.g. \"region = 'eu' AND qty > 10\".")] = None,
+    correlation_id: Annotated[str | None, typer.Option(help="Correlation filter: correlation id equals.")] = None,
+    message_id: Annotated[str | None, typer.Option(help="Correlation filter: message id equals.")] = None,
+    to: Annotated[str | None, typer.Option(help="Correlation filter: 'to' equals.")] = None,
+    reply_to: Annotated[str | None, typer.Option(help="Correlation filter: reply-to equals.")] = None,
+    subject: Annotated[str | None, typer.Option(help="Correlation filter: subject (label) equals.")] = None,
+    session_id: Annotated[str | None, typer.Option(help="Correlation filter: session id equals.")] = None,
+    reply_to_session_id: Annotated[str | None, typer.Option(help="Correlation filter: reply-to session id equals.")] = None,
+    content_type: Annotated[str | None, typer.Option(help="Correlation filter: content type equals.")] = None,
+    prop: Annotated[
+        list[str] | None,
+        typer.Option("--property", "-p", help="Correlation filter: application property NAME=VALUE (repeatable)."),
+    ] = None,
+    action: Annotated[
+        str | None, typer.Option("--action", help="SQL action applied to matching copies, e.g. \"SET x = 1\".")
+    ] = None,
+) -> None:
+    """Add a rule to a subscription: a SQL filter (--sql) or a correlation filter (the field options and --property).
+
+    With neither, the rule matches every message. A message is copied to the subscription when any of its rules matches;
+    a new subscription has the rule $Default (every message): delete it to keep only what your rules select.
+    """
+    fields = {
+        "correlation_id": correlation_id,
+        "message_id": message_id,
+        "to": to,
+        "reply_to": reply_to,
+        "label": subject,
+        "session_id": session_id,
+        "reply_to_session_id": reply_to_session_id,
+        "content_type": content_type,
+    }
+    fields = {k: v for k, v in fields.items() if v is not None}
+    props = dict(property_value(item) for item in (prop or []))
+    if sql is not None and (fields or props):
+        raise CliError("give a SQL filter (--sql) or correlation fields (--correlation-id, --property, ...), not both")
+    flt: Any = None
+    if sql is not None:
+        flt = SqlRuleFilter(sql)
+    elif fields or props:
+        flt = CorrelationRuleFilter(**fields, properties=props or None)
+    rule = state(ctx).namespace().create_rule(
+        topic, subscription, name, filter=flt, action=SqlRuleAction(action) if action is not None else None
+    )
+    done(f"Created rule {name!r} on {topic}/{subscription}: {render.filter_text(rule.filter)}.")
+
+
+@rule_app.command("list")
+@handle_errors
+def rule_list(ctx: typer.Context, topic: Topic, subscription: Subscription, as_json: AsJson = False) -> None:
+    """List the rules of a subscription with their filters and actions."""
+    rules = sorted(state(ctx).namespace().list_rules(topic, subscription), key=lambda r: r.name)
+    if as_json:
+        print_json([render.rule_dict(r) for r in rules])
+    elif not rules:
+        plain(f"No rules on {topic}/{subscription}: it receives no messages.")
+    else:
+        out.print(render.rules_table(rules, f"Rules of {topic}/{subscription}"))
+
+
+@rule_app.command("delete")
+@handle_errors
+def rule_delete(ctx: typer.Context, topic: Topic, subscription: Subscription, name: RuleName) -> None:
+    """Delete a rule of a subscription (quote '$Default' in the shell)."""
+    state(ctx).namespace().delete_rule(topic, subscription, name)
+    done(f"Deleted rule {name!r} of {topic}/{subscription}.")

@@ -4,6 +4,7 @@ import base64
 import contextlib
 import json
 import logging
+import math
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
@@ -239,8 +240,10 @@ def message_from_json(obj: object) -> Message:
         kwargs["application_properties"] = props
     ttl = obj.get("time_to_live")
     if ttl is not None:
-        if isinstance(ttl, bool) or not isinstance(ttl, (int, float)):
+        if isinstance(ttl, bool) or not isinstance(ttl, (int, float)) or not math.isfinite(ttl):
             raise InvalidOperationError(f"time_to_live must be a number of seconds, got {ttl!r}")
+        if abs(ttl) >= timedelta.max.total_seconds():
+            raise InvalidOperationError(f"time_to_live {ttl!r} seconds is not a duration sparkqueue can store")
         kwargs["time_to_live"] = timedelta(seconds=ttl)
     when = obj.get("scheduled_enqueue_time_utc")
     if when is not None:
@@ -254,6 +257,27 @@ def message_from_json(obj: object) -> Message:
     return Message(body, **kwargs)
 
 
+def _no_constant(name: str) -> None:
+    """json.loads hook: NaN and Infinity are not JSON, and strict readers of stored properties reject them."""
+    raise InvalidOperationError(f"{name} is not a JSON value")
+
+
+def _finite_float(text: str) -> float:
+    """json.loads hook: a number too large for a float (1e999) would become Infinity."""
+    value = float(text)
+    if not math.isfinite(value):
+        raise InvalidOperationError(f"{text} is out of range for a number")
+    return value
+
+
+def parse_json(line: bytes) -> object:
+    """One JSON-lines record; an error for NaN/Infinity, out-of-range numbers and nesting too deep to process."""
+    try:
+        return json.loads(line, parse_constant=_no_constant, parse_float=_finite_float)
+    except RecursionError:
+        raise InvalidOperationError("the JSON is nested too deeply") from None
+
+
 def iter_messages(stream: IO[bytes], source: str, *, jsonl: bool) -> Iterator[tuple[int, Message]]:
     """(line number, message) pairs: one message per non-empty line (its bytes), or per JSON-lines record."""
     for lineno, raw in enumerate(stream, 1):
@@ -261,9 +285,11 @@ def iter_messages(stream: IO[bytes], source: str, *, jsonl: bool) -> Iterator[tu
         if not (line.strip() if jsonl else line):
             continue
         try:
-            yield lineno, message_from_json(json.loads(line)) if jsonl else Message(line)
+            yield lineno, message_from_json(parse_json(line)) if jsonl else Message(line)
         except (InvalidOperationError, MessageSizeExceededError, json.JSONDecodeError, UnicodeDecodeError) as e:
             raise InvalidOperationError(f"{source}, line {lineno}: {e}") from None
+        except (ValueError, TypeError, OverflowError, RecursionError) as e:  # a value the message cannot hold
+            raise InvalidOperationError(f"{source}, line {lineno}: {type(e).__name__}: {e}") from None
 
 
 def check_size(s: Sender, m: Message, source: str, lineno: int) -> None:

@@ -1,6 +1,8 @@
 """Rich tables and JSON-ready dicts for the CLI's output."""
 
 import base64
+import json
+import re
 from datetime import datetime, timedelta
 from typing import Any
 
@@ -11,6 +13,30 @@ from rich.text import Text
 
 from sparkqueue import ReceivedMessage
 from sparkqueue.model.properties import PartitionRuntimeProperties, RuntimeProperties
+
+# C0 and C1 control characters, DEL, and the Unicode bidirectional overrides (text that reorders what follows it).
+_UNSAFE = re.compile("[\x00-\x1f\x7f-\x9f\u202a-\u202e\u2066-\u2069]")
+
+
+_UNSAFE_IN_JSON = re.compile("[\x7f-\x9f\u202a-\u202e\u2066-\u2069]")  # json.dumps escapes C0 itself
+
+
+def clean(value: object) -> str:
+    """Text safe for a terminal: control characters shown as escapes (\\x1b, \\n), never sent to the terminal."""
+    text = value if isinstance(value, str) else str(value)
+    return _UNSAFE.sub(lambda m: m.group().encode("unicode_escape").decode("ascii"), text)
+
+
+def safe(value: object, style: str = "") -> Text:
+    """Data (bodies, ids, properties, names) as a rich Text: escaped control characters, never read as markup."""
+    return Text(clean(value), style=style)
+
+
+def json_text(data: Any) -> str:
+    """Indented JSON whose strings carry no raw control character: json escapes C0 ones, this the rest (C1, bidi)."""
+    text = json.dumps(data, indent=2, ensure_ascii=False, default=str)
+    return _UNSAFE_IN_JSON.sub(lambda m: f"\\u{ord(m.group()):04x}", text)
+
 
 DURATION_SETTINGS = ("lock_duration", "duplicate_detection_history_time_window", "default_message_time_to_live")
 
@@ -100,7 +126,7 @@ def _body_preview(body: bytes) -> Text:
         text = body.decode("utf-8")
     except UnicodeDecodeError:
         return Text(f"<{len(body)} bytes, binary>", style="dim")
-    return Text(text.replace("\n", "\\n"))
+    return safe(text)
 
 
 def _fit(avail: int, wants: dict[str, tuple[int, int, int]]) -> dict[str, int]:
@@ -131,16 +157,16 @@ def messages_table(messages: list[ReceivedMessage], title: str, *, width: int, d
     reasons = [_reason(m) for m in messages]
     fixed: list[tuple[str, int]] = [("Seq", max(len(str(m.sequence_number)) for m in messages)), ("P", 2)]
     fixed += [("Enqueued (UTC)", 14), ("Dlv", 3)] + ([("State", 9)] if states else [])
-    wants: dict[str, tuple[int, int, int]] = {"Message ID": (8, max(len(m.message_id) for m in messages), 3)}
+    wants: dict[str, tuple[int, int, int]] = {"Message ID": (8, max(len(clean(m.message_id)) for m in messages), 3)}
     if keys:
-        wants["Key"] = (6, max(len(m.session_id or m.partition_key or "") for m in messages), 1)
+        wants["Key"] = (6, max(len(clean(m.session_id or m.partition_key or "")) for m in messages), 1)
     if dead_letter:
-        wants["Reason"] = (6, max(max(len(r) for r in reasons), 6), 2)
+        wants["Reason"] = (6, max(max(len(clean(r)) for r in reasons), 6), 2)
     wants["Body"] = (8, max(max(len(b) for b in bodies), 4), 4)
     gaps = 2 * (len(fixed) + len(wants)) + 1
     fitted = _fit(width - gaps - sum(w for _, w in fixed), wants)
 
-    table = Table(title=title, title_justify="left", box=box.SIMPLE_HEAD, pad_edge=False, collapse_padding=True)
+    table = Table(title=safe(title), title_justify="left", box=box.SIMPLE_HEAD, pad_edge=False, collapse_padding=True)
     for name, w in fixed:
         table.add_column(name, justify="left" if name in ("Enqueued (UTC)", "State") else "right", no_wrap=True, min_width=w)
     for name in ("Message ID", "Key", "Reason"):
@@ -155,12 +181,12 @@ def messages_table(messages: list[ReceivedMessage], title: str, *, width: int, d
             str(m.delivery_count),
         ]
         if states:
-            row.append(m.state)
-        row.append(m.message_id)
+            row.append(safe(m.state))
+        row.append(safe(m.message_id))
         if keys:
-            row.append(m.session_id or m.partition_key or "")
+            row.append(safe(m.session_id or m.partition_key or ""))
         if dead_letter:
-            row.append(reason)
+            row.append(safe(reason))
         row.append(body)
         table.add_row(*row)
     return table
@@ -263,7 +289,7 @@ def entity_view(
         counts.add_row("Updated (UTC)", rp.updated_at_utc.strftime("%Y-%m-%d %H:%M:%S"))
     conf = _grid()
     for key, value in settings_dict(props).items():
-        conf.add_row(SETTING_LABELS.get(key, key.replace("_", " ").capitalize()), _setting_text(key, value))
+        conf.add_row(SETTING_LABELS.get(key, key.replace("_", " ").capitalize()), safe(_setting_text(key, value)))
     summary = Table.grid(padding=(0, 4))
     summary.add_row(counts, conf)
 
@@ -279,7 +305,7 @@ def entity_view(
         row.append(human_size(p.size_in_bytes))
         parts.add_row(*row)
 
-    items: list[RenderableType] = [Text(f"{kind.capitalize()} {display}", style="bold cyan"), summary, Text(""), parts]
+    items: list[RenderableType] = [safe(f"{kind.capitalize()} {display}", style="bold cyan"), summary, Text(""), parts]
     if subscriptions:
         subs = Table(title="Subscriptions", title_justify="left")
         subs.add_column("Subscription", no_wrap=True)
@@ -289,7 +315,7 @@ def entity_view(
         subs.add_column("Status", no_wrap=True)
         for name, srp in subscriptions:
             subs.add_row(
-                name,
+                safe(name),
                 str(srp.active_message_count),
                 str(srp.dead_letter_message_count),
                 str(srp.total_message_count),
@@ -314,7 +340,7 @@ def list_table(rows: list[dict[str, Any]], *, counts: bool) -> Table:
         sub = r["type"] == "subscription"
         row: list[RenderableType] = [
             Text(r["type"], style="dim" if sub else ""),
-            Text(("  └ " if sub else "") + r["name"]),
+            safe(("  └ " if sub else "") + r["name"]),
             str(r["partitions"]),
         ]
         if counts:
@@ -325,4 +351,55 @@ def list_table(rows: list[dict[str, Any]], *, counts: bool) -> Table:
                 _status(r["availability_status"]),
             ]
         table.add_row(*row)
+    return table
+
+
+# ---- rules -----------------------------------------------------------------------------------------
+
+
+def filter_text(flt: Any) -> str:
+    """A rule filter in one line: its SQL, or its correlation fields and properties."""
+    name = type(flt).__name__
+    if name in ("TrueRuleFilter", "FalseRuleFilter"):
+        return "TRUE" if name == "TrueRuleFilter" else "FALSE"
+    if hasattr(flt, "sql_expression"):
+        return str(flt.sql_expression)
+    fields = {k: v for k, v in rule_filter_dict(flt).items() if k not in ("type", "properties") and v is not None}
+    parts = [f"{k} = {json.dumps(v)}" for k, v in fields.items()]
+    parts += [f"{k} = {json.dumps(v)}" for k, v in (getattr(flt, "properties", None) or {}).items()]
+    return " AND ".join(parts)
+
+
+def rule_filter_dict(flt: Any) -> dict[str, Any]:
+    """A rule filter as a JSON-ready dict."""
+    name = type(flt).__name__
+    if hasattr(flt, "sql_expression"):
+        return {"type": name, "sql_expression": flt.sql_expression, "parameters": getattr(flt, "parameters", None)}
+    fields = ("correlation_id", "message_id", "to", "reply_to", "label", "session_id", "reply_to_session_id", "content_type")
+    out: dict[str, Any] = {"type": name, **{f: getattr(flt, f, None) for f in fields}}
+    out["properties"] = getattr(flt, "properties", None)
+    return out
+
+
+def rule_dict(rule: Any) -> dict[str, Any]:
+    """A rule (name, filter, action) as a JSON-ready dict."""
+    action = rule.action
+    return {
+        "name": rule.name,
+        "filter": rule_filter_dict(rule.filter),
+        "action": {"sql_expression": action.sql_expression} if action is not None else None,
+    }
+
+
+def rules_table(rules: list[Any], title: str) -> Table:
+    """`rule list`: one row per rule."""
+    table = Table(title=safe(title), title_justify="left")
+    table.add_column("Rule", no_wrap=True)
+    table.add_column("Kind", no_wrap=True)
+    table.add_column("Filter")
+    table.add_column("Action")
+    for r in rules:
+        kind = "correlation" if not hasattr(r.filter, "sql_expression") else "sql"
+        action = r.action.sql_expression if r.action is not None else ""
+        table.add_row(safe(r.name), kind, safe(filter_text(r.filter)), safe(action))
     return table
