@@ -684,3 +684,23 @@ def test_send_beyond_partition_size_raises_quota_exceeded(premium_ns: Namespace)
         ids = {m.message_id for m in peek_all(r)}
     assert "one-too-many" not in ids
     assert "fits" in ids
+
+
+def test_a_bulk_batch_larger_than_the_sdk_limit_is_one_atomic_send(ns: Namespace) -> None:
+    """send_messages(list) keeps the SDK's one-batch limit; a batch asked larger than 256 KB sends 1,000 x 1 KB at once."""
+    from sparkqueue.errors import MessageSizeExceededError
+
+    ns.create_queue("q")
+    msgs = [Message(b"x" * 1024, partition_key="k") for _ in range(1000)]
+    with ns.get_queue_sender("q") as s:
+        with pytest.raises(MessageSizeExceededError):
+            s.send_messages(msgs)
+        assert ns.get_queue_runtime_properties("q").active_message_count == 0
+        batch = s.create_message_batch(max_size_in_bytes=2 * 1024 * 1024)
+        for m in msgs:
+            batch.add_message(m)
+        with pytest.raises(MessageSizeExceededError):
+            batch.add_message(Message(b"x" * (300 * 1024)))  # each message still within the tier's limit
+        seqs = s.send_messages(batch)
+    assert len(seqs) == 1000 and seqs == sorted(seqs)
+    assert ns.get_queue_runtime_properties("q").active_message_count == 1000

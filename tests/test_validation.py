@@ -12,6 +12,7 @@ from procs import drain, peek_all
 
 from sparkqueue import Message, Namespace
 from sparkqueue.errors import InvalidOperationError, MessageLockLostError, SparkQueueError
+from sparkqueue.model import limits
 
 
 def _nothing_stored(ns: Namespace, queue: str = "q") -> None:
@@ -84,7 +85,9 @@ def test_send_rejects_non_messages(ns: Namespace) -> None:
         with pytest.raises(InvalidOperationError):
             s.cancel_scheduled_messages([-1])
         with pytest.raises(InvalidOperationError):
-            s.create_message_batch(max_size_in_bytes=256 * 1024 + 1)
+            s.create_message_batch(max_size_in_bytes=limits.MAX_BATCH_BYTES + 1)
+        with pytest.raises(InvalidOperationError):
+            s.create_message_batch(max_size_in_bytes=0)
     _nothing_stored(ns)
 
 

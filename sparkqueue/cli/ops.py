@@ -19,6 +19,7 @@ from sparkqueue.errors import (
     MessageSizeExceededError,
     SessionCannotBeLockedError,
 )
+from sparkqueue.message import as_message
 from sparkqueue.model import limits
 from sparkqueue.model.properties import RuntimeProperties
 from sparkqueue.receiver import Receiver
@@ -381,24 +382,6 @@ def _drain(r: Receiver, batch: int, progress: Progress) -> int:
 # ---- resubmit --------------------------------------------------------------------------------------
 
 
-def copy_message(m: ReceivedMessage) -> Message:
-    """A new message with the dead letter's id, keys, properties and body."""
-    return Message(
-        m.body,
-        message_id=m.message_id,
-        session_id=m.session_id,
-        partition_key=m.partition_key,
-        application_properties=m.application_properties,
-        content_type=m.content_type,
-        correlation_id=m.correlation_id,
-        subject=m.subject,
-        to=m.to,
-        reply_to=m.reply_to,
-        reply_to_session_id=m.reply_to_session_id,
-        time_to_live=m.time_to_live,
-    )
-
-
 @dataclass
 class ResubmitResult:
     """What a resubmit did."""
@@ -476,7 +459,7 @@ def _one_by_one(
     progress: Progress,
 ) -> None:
     for m in msgs:
-        if s.send_messages(copy_message(m)):
+        if s.send_messages(as_message(m)):
             r.complete_message(m)
             result.at_least_once += 1
         else:
@@ -488,7 +471,7 @@ def _one_by_one(
 def _at_least_once(r: Receiver, s: Sender, msgs: list[ReceivedMessage], result: ResubmitResult, progress: Progress) -> None:
     if not msgs:
         return
-    s.send_messages([copy_message(m) for m in msgs])
+    s.send_messages([as_message(m) for m in msgs])
     r.complete_messages(msgs)
     result.at_least_once += len(msgs)
     progress(len(msgs))
@@ -511,7 +494,7 @@ def _by_key(
             chunk = group[i : i + MAX_TX_MESSAGES]
             try:
                 with ns.transaction():
-                    s.send_messages([copy_message(m) for m in chunk])
+                    s.send_messages([as_message(m) for m in chunk])
                     r.complete_messages(chunk)
             except InvalidOperationError as e:  # e.g. the dead letter sits outside its key's partition
                 log.info("resubmitting %d message(s) outside a transaction: %s", len(chunk), e)
