@@ -61,6 +61,7 @@ DEFAULT_MAX_MESSAGES_PER_TRIGGER = 10_000
 ALL_AVAILABLE_CAP = 1_000_000  # a batch Spark asks to hold "everything" still locks at most this many
 SKIP_RETENTION = timedelta(days=14)  # how long a committed-but-not-completed message is remembered
 MAX_ROUNDS = 64
+ROWS_PER_TASK = 20_000  # a batch is read by one Spark task per this many messages (at most one per queue partition)
 MANIFEST = "_manifest.json"
 SKIP_FILE = "_skip.json"
 Item = tuple[int, str]  # (sequence number, lock token)
@@ -94,12 +95,12 @@ def source_config(options: dict[str, str]) -> SourceConfig:
 
 
 class BatchPartition(InputPartition):
-    """One queue partition of a recorded batch: its linked data files and the lock tokens the batch emits from them."""
+    """Queue partitions of a recorded batch read by one Spark task: their linked data files and the tokens the batch emits."""
 
-    def __init__(self, batch: int, partition_id: int, files: list[str], tokens: list[str]) -> None:
-        super().__init__((batch, partition_id))
+    def __init__(self, batch: int, index: int, files: list[str], tokens: list[str]) -> None:
+        super().__init__((batch, index))
         self.batch = batch
-        self.partition_id = partition_id
+        self.index = index
         self.files = files
         self.tokens = tokens
 
@@ -192,6 +193,22 @@ class QueueStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
             self._stream_id = stream_id
             self._state = StreamState(self.config, stream_id, self._available_now)
         return self._state
+
+
+def group_partitions(batch: int, parts: list[tuple[list[str], list[str]]]) -> list[BatchPartition]:
+    """Spread a batch's queue partitions over ceil(messages / ROWS_PER_TASK) tasks, balancing messages per task.
+
+    Tasks cost a Python worker round each, so a small batch is read by one task and a large one
+    by as many as its size warrants.
+    """
+    total = sum(len(tokens) for _, tokens in parts)
+    tasks = max(1, min(len(parts), -(-total // ROWS_PER_TASK)))
+    groups: list[tuple[list[str], list[str]]] = [([], []) for _ in range(tasks)]
+    for files, tokens in sorted(parts, key=lambda ft: -len(ft[1])):
+        files_g, tokens_g = min(groups, key=lambda g: len(g[1]))
+        files_g += files
+        tokens_g += tokens
+    return [BatchPartition(batch, i, f, t) for i, (f, t) in enumerate(groups) if t]
 
 
 class StreamState:
@@ -388,7 +405,7 @@ class StreamState:
             staging = self.batch_staging(n)
             for name in staging.names("part-p"):
                 files[int(name.split("-")[1].removeprefix("p"))].append(f"{staging.uri}/{name}")
-            out += [BatchPartition(n, p, files[p], tokens[p]) for p in sorted(tokens)]
+            out += group_partitions(n, [(files[p], tokens[p]) for p in sorted(tokens)])
         if out:
             self._ensure_renewer()
         return out
