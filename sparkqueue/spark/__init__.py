@@ -25,8 +25,21 @@ from sparkqueue.spark.datasource import SparkQueueDataSource, register, row_filt
 from sparkqueue.spark.schema import RECEIVED_SCHEMA, STATUS_LOCK_LOST, STATUS_OK
 from sparkqueue.spark.session import DEFAULT_CONF, spark_session
 from sparkqueue.spark.staging import STAGING_ATTRIBUTE, STAGING_DIR, STAGING_RETENTION, cleanup_staging, local_uri, remove_dirs
-from sparkqueue.spark.streaming_sink import QueueStreamWriter
-from sparkqueue.spark.streaming_source import STREAMS_DIR, QueueStreamReader
+
+_STREAMING = {
+    "QueueStreamReader": "sparkqueue.spark.streaming_source",
+    "STREAMS_DIR": "sparkqueue.spark.streaming_source",
+    "QueueStreamWriter": "sparkqueue.spark.streaming_sink",
+}
+
+
+def __getattr__(name: str) -> object:
+    """The streaming classes, imported on first use: they need PySpark 4.2+, the rest of the package 4.0+."""
+    if name in _STREAMING:
+        import importlib
+
+        return getattr(importlib.import_module(_STREAMING[name]), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def release(df: DataFrame) -> int:
