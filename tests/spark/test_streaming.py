@@ -13,6 +13,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from datetime import timedelta
 from pathlib import Path
 
@@ -89,6 +90,28 @@ def test_source_reads_a_subscription_and_a_dead_letter_sub_queue(spark, tmp_path
     with Namespace(root) as ns:
         assert ns.get_subscription_runtime_properties("t", "big").total_message_count == 0
         assert ns.get_queue_runtime_properties("dl").dead_letter_message_count == 0
+
+
+def test_source_renews_the_locks_of_a_batch_that_outlasts_them(spark, tmp_path):
+    """A batch processed for three lock durations keeps its messages: another receiver gets none meanwhile."""
+    root = str(tmp_path / "ns")
+    with Namespace(root) as ns:
+        ns.create_queue("q", lock_duration=timedelta(seconds=5))
+    send(root, "q", 40)
+    seen: dict[str, object] = {}
+
+    def slow(df, batch_id: int) -> None:
+        seen[f"rows-{batch_id}"] = sorted(r.message_id for r in df.select("message_id").collect())
+        time.sleep(16)  # > 3 lock durations
+        with Namespace(root) as ns, ns.get_queue_receiver("q") as other:
+            seen[f"stolen-{batch_id}"] = len(other.receive_messages(40, max_wait_time=1))
+
+    stream = spark.readStream.format("sparkqueue").option("namespace", root).load("q")
+    query = stream.writeStream.foreachBatch(slow).option("checkpointLocation", str(tmp_path / "ck"))
+    query.trigger(availableNow=True).start().awaitTermination()
+    assert seen == {"rows-0": sorted(f"m-{i}" for i in range(40)), "stolen-0": 0}
+    with Namespace(root) as ns:
+        assert ns.get_queue_runtime_properties("q").total_message_count == 0
 
 
 def test_source_refuses_a_session_queue_and_bad_options(spark, tmp_path):
