@@ -177,6 +177,73 @@ def test_sink_sends_each_micro_batch_once_when_spark_replays_it(spark, tmp_path)
     assert {r.partition_key for r in got} == {"k0", "k1", "k2", "k3"}
 
 
+SINK_CHILD = """
+import os, sys, time
+from pathlib import Path
+from pyspark.sql import functions as sf
+from sparkqueue.spark import spark_session
+
+root, src, checkpoint, hang = sys.argv[1:5]
+spark = spark_session("local[2]", conf={"spark.ui.enabled": "false", "spark.sql.shuffle.partitions": "2"})
+
+
+@sf.udf("string")
+def passing(body):
+    if hang != "-" and body.startswith("file1-"):  # batch 1 hangs in its write tasks until the test kills us
+        Path(hang).touch()
+        time.sleep(3600)
+    return body
+
+
+schema = spark.read.parquet(f"{src}/f0").schema
+stream = spark.readStream.schema(schema).option("maxFilesPerTrigger", 1).parquet(f"{src}/*")
+query = (
+    stream.select(passing("body").alias("body"), "partition_key")
+    .writeStream.format("sparkqueue")
+    .option("namespace", root)
+    .option("checkpointLocation", checkpoint)
+    .trigger(availableNow=True)
+    .start("out")
+)
+query.awaitTermination()
+"""
+
+
+def test_sink_query_killed_mid_batch_restarts_and_sends_each_batch_once(spark, tmp_path):
+    """A separate process runs a sink query and is SIGKILLed inside batch 1's write; the restarted query sends it once."""
+    root = str(tmp_path / "ns")
+    with Namespace(root) as ns:
+        ns.create_queue("out")
+    src = tmp_path / "src"
+    for f in range(3):
+        df = spark.createDataFrame([(f"file{f}-{i}", f"k{i % 4}") for i in range(40)], "body string, partition_key string")
+        df.coalesce(1).write.parquet(str(src / f"f{f}"))
+    child = tmp_path / "sink_child.py"
+    child.write_text(SINK_CHILD)
+    hang = tmp_path / "hanging"
+    env = {**os.environ, "PYSPARK_PYTHON": sys.executable, "PYTHONPATH": str(REPO)}
+    args = [sys.executable, str(child), root, str(src), str(tmp_path / "ck")]
+    log = tmp_path / "child.log"
+    with open(log, "w") as err:
+        proc = subprocess.Popen([*args, str(hang)], env=env, stdout=err, stderr=err, start_new_session=True)
+    try:
+        for _ in range(3000):  # a bound on the wait, not an assertion on time
+            if hang.exists() or proc.poll() is not None:
+                break
+            time.sleep(0.2)
+        assert hang.exists(), log.read_text()[-3000:]
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+    with Namespace(root) as ns:
+        assert ns.get_queue_runtime_properties("out").active_message_count == 40  # batch 0 only: batch 1 never committed
+    done = subprocess.run([*args, "-"], env=env, capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stderr[-3000:]
+    got = spark.read.format("sparkqueue").option("namespace", root).load("out").collect()
+    assert sorted(r.body.decode() for r in got) == sorted(f"file{f}-{i}" for f in range(3) for i in range(40))
+
+
 def test_sink_rejects_rows_without_body_and_a_query_without_checkpoint(spark, tmp_path):
     root = str(tmp_path / "ns")
     with Namespace(root) as ns:
