@@ -33,8 +33,11 @@ import threading
 import uuid
 from collections import defaultdict
 from collections.abc import Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from datetime import datetime, timedelta
+from functools import partial
+from typing import TYPE_CHECKING
 
 import pyarrow as pa
 import pyarrow.compute as pc
@@ -54,6 +57,9 @@ from sparkqueue.spark.streaming import EntityAddress, address_of, positive_int
 from sparkqueue.spark.worker import EntityRef
 from sparkqueue.storage.schema import SUB_QUEUE_DEAD_LETTER
 
+if TYPE_CHECKING:
+    from sparkqueue.namespace import Namespace
+
 log = logging.getLogger(__name__)
 
 STREAMS_DIR = "_spark_streams"
@@ -61,6 +67,7 @@ DEFAULT_MAX_MESSAGES_PER_TRIGGER = 10_000
 ALL_AVAILABLE_CAP = 1_000_000  # a batch Spark asks to hold "everything" still locks at most this many
 SKIP_RETENTION = timedelta(days=14)  # how long a committed-but-not-completed message is remembered
 MAX_ROUNDS = 64
+LOCK_THREADS = 4  # partitions locked (and completed) at once by the source's driver process
 ROWS_PER_TASK = 20_000  # a batch is read by one Spark task per this many messages (at most one per queue partition)
 MANIFEST = "_manifest.json"
 SKIP_FILE = "_skip.json"
@@ -226,6 +233,9 @@ class StreamState:
         self.skip = self._load_skip()
         self._stopping = threading.Event()
         self._renewer: threading.Thread | None = None
+        self.pool = ThreadPoolExecutor(LOCK_THREADS, thread_name_prefix=f"sparkqueue-stream-{stream_id[:8]}")
+        self._local = threading.local()
+        self._thread_namespaces: list[Namespace] = []
         self.budget: int | None = self._available_count() if available_now else None
 
     def entity(self) -> Entity:
@@ -338,8 +348,11 @@ class StreamState:
             if not plan:
                 break
             full = []
-            for p, share in plan:
-                got = self._lock_partition(job, entity, p, share, round_no, items)
+            # Partitions lock in parallel threads (commits on different partitions never conflict),
+            # each thread on a namespace handle of its own.
+            locked = self.pool.map(partial(self._lock_partition, job, round_no), plan)
+            for (p, share), (got, pairs) in zip(plan, locked, strict=True):
+                items += self._drop_committed(entity, pairs)
                 total += got
                 estimate[p] = max(0, estimate[p] - got)
                 if got >= share and estimate[p] > 0:
@@ -350,9 +363,21 @@ class StreamState:
                 break
         return total
 
-    def _lock_partition(self, job: ReceiveJob, entity: Entity, p: int, share: int, round_no: int, items: list[Item]) -> int:
+    def _thread_entity(self) -> Entity:
+        """The entity on the calling thread's own namespace handle."""
+        ns = getattr(self._local, "ns", None)
+        if ns is None:
+            ns = self._local.ns = self.config.address.namespace()
+            self._thread_namespaces.append(ns)
+        return self.config.address.entity(ns)
+
+    def _lock_partition(self, job: ReceiveJob, round_no: int, plan: tuple[int, int]) -> tuple[int, list[Item]]:
+        """Lock up to `share` messages of partition p into the batch's directory; (locked, their (sequence, token) pairs)."""
+        p, share = plan
+        entity = self._thread_entity()
         got = 0
         chunk = 0
+        pairs: list[Item] = []
         while got < share:
             ask = min(RECEIVE_CHUNK, share - got)
             written: list[str] = []
@@ -361,11 +386,23 @@ class StreamState:
                 stage_chunk(job, entity, p, f"r{round_no:03d}-c{chunk:03d}", rows, written)
                 chunk += 1
                 got += rows.num_rows
-                pairs = list(zip(rows.column("sequence_number").to_pylist(), rows.column("lock_token").to_pylist(), strict=True))
-                items += self._drop_committed(entity, pairs)
+                pairs += zip(rows.column("sequence_number").to_pylist(), rows.column("lock_token").to_pylist(), strict=True)
             if rows.num_rows < ask:
                 break
-        return got
+        return got, pairs
+
+    def _settle(self, items: list[Item], op: str) -> list[bool]:
+        """Settle items partition by partition in parallel threads; per item: did its lock hold."""
+        groups: dict[int, list[int]] = defaultdict(list)
+        for i, (s, _) in enumerate(items):
+            groups[partition_of(s)].append(i)
+        ok = [False] * len(items)
+        idx = list(groups.values())
+        results = self.pool.map(lambda ii: self._thread_entity().settle([items[i] for i in ii], op).ok, idx)
+        for ii, res in zip(idx, results, strict=True):
+            for i, v in zip(ii, res, strict=True):
+                ok[i] = v
+        return ok
 
     def _drop_committed(self, entity: Entity, pairs: list[Item]) -> list[Item]:
         """Complete at once the messages whose output an earlier batch committed (their first completion lost the lock)."""
@@ -421,11 +458,11 @@ class StreamState:
                 self.inflight.pop(b, None)
             items = self._items(b)
             try:
-                result = self.entity().settle(items, lifecycle.COMPLETE) if items else None
+                done = self._settle(items, lifecycle.COMPLETE)
             except SparkQueueError as exc:  # e.g. a partition unavailable: keep the record, retry at the next call
                 log.warning("stream %s: completing batch %d failed (%s); will retry", self.stream_id, b, exc)
                 return
-            lost = [s for (s, _), ok in zip(items, result.ok, strict=True) if not ok] if result else []
+            lost = [s for (s, _), ok in zip(items, done, strict=True) if not ok]
             if lost:
                 now = utcnow().isoformat()
                 self.skip.update({str(s): now for s in lost})
@@ -509,4 +546,7 @@ class StreamState:
         self._stopping.set()
         if self._renewer is not None:
             self._renewer.join(timeout=5)
+        self.pool.shutdown(wait=True)
+        for ns in self._thread_namespaces:
+            ns.close()
         self.ns.close()
