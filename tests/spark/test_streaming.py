@@ -17,6 +17,7 @@ import time
 from datetime import timedelta
 from pathlib import Path
 
+import pyarrow as pa
 import pytest
 from deltalake import DeltaTable
 from pyspark.errors import PySparkException
@@ -326,3 +327,41 @@ def test_stream_consumer_killed_mid_batch_restarts_with_each_output_once(tmp_pat
     with Namespace(root) as ns:
         assert ns.get_queue_runtime_properties("sq").total_message_count == 0
     assert batch_dirs(root) == []
+
+
+def test_options_and_row_conversion_without_a_session():
+    """Storage options (JSON and per key), Message fields from Arrow columns, and batch reads balanced over tasks."""
+    from sparkqueue.errors import InvalidOperationError
+    from sparkqueue.spark.streaming import storage_options_of
+    from sparkqueue.spark.streaming_sink import messages_from_arrow
+    from sparkqueue.spark.streaming_source import ROWS_PER_TASK, group_partitions
+
+    opts = {"storage_options": '{"account_name": "a", "use_emulator": true}', "storage_option.account_key": "k"}
+    assert storage_options_of(opts) == {"account_name": "a", "use_emulator": "true", "account_key": "k"}
+    with pytest.raises(InvalidOperationError, match="JSON object"):
+        storage_options_of({"storage_options": "[1]"})
+
+    batch = pa.RecordBatch.from_pydict(
+        {
+            "body": pa.array(["a", "b", None]),
+            "partition_key": pa.array(["k", None, None]),
+            "application_properties": pa.array([[("x", "1")], None, []], pa.map_(pa.string(), pa.string())),
+            "time_to_live": pa.array([30, None, 1.5]),
+            "ignored": pa.array([1, 2, 3]),
+        }
+    )
+    msgs = messages_from_arrow(batch)
+    assert [m.body for m in msgs] == [b"a", b"b", b""]
+    assert [m.partition_key for m in msgs] == ["k", None, None]
+    assert [m.application_properties for m in msgs] == [{"x": "1"}, None, None]
+    assert [m.time_to_live for m in msgs] == [timedelta(seconds=30), None, timedelta(seconds=1.5)]
+    as_json = pa.RecordBatch.from_pydict({"body": pa.array([b"x"]), "application_properties": pa.array(['{"n": 2}'])})
+    assert messages_from_arrow(as_json)[0].application_properties == {"n": 2}
+    with pytest.raises(InvalidOperationError, match="JSON object"):
+        messages_from_arrow(pa.RecordBatch.from_pydict({"body": pa.array([b"x"]), "application_properties": pa.array(["[]"])}))
+
+    parts = [([f"f{p}"], [f"t{p}-{i}" for i in range(n)]) for p, n in enumerate([ROWS_PER_TASK, 10, ROWS_PER_TASK // 2, 5])]
+    tasks = group_partitions(7, parts)
+    assert len(tasks) == 2 and sorted(f for t in tasks for f in t.files) == ["f0", "f1", "f2", "f3"]
+    assert sum(len(t.tokens) for t in tasks) == sum(len(t) for _, t in parts)
+    assert group_partitions(7, parts[1:2])[0].files == ["f1"]
