@@ -245,6 +245,26 @@ def test_sink_query_killed_mid_batch_restarts_and_sends_each_batch_once(spark, t
     assert sorted(r.body.decode() for r in got) == sorted(f"file{f}-{i}" for f in range(3) for i in range(40))
 
 
+def test_sink_sends_to_a_topic_through_its_subscription_rules(spark, tmp_path):
+    root = str(tmp_path / "ns")
+    with Namespace(root) as ns:
+        ns.create_topic("t")
+        ns.create_subscription("t", "all")
+        ns.create_subscription("t", "even")
+        ns.delete_rule("t", "even", "$Default")
+        ns.create_rule("t", "even", "even", filter=SqlRuleFilter("parity = 'even'"))
+    src = tmp_path / "src"
+    spark.range(30).selectExpr(
+        "CAST(id AS STRING) AS body", "to_json(named_struct('parity', IF(id % 2 = 0, 'even', 'odd'))) AS application_properties"
+    ).coalesce(1).write.parquet(str(src))
+    stream = spark.readStream.schema(spark.read.parquet(str(src)).schema).parquet(str(src))
+    query = stream.writeStream.format("sparkqueue").option("namespace", root).option("checkpointLocation", str(tmp_path / "ck"))
+    query.trigger(availableNow=True).start("t").awaitTermination()
+    with Namespace(root) as ns:
+        assert ns.get_subscription_runtime_properties("t", "all").active_message_count == 30
+        assert ns.get_subscription_runtime_properties("t", "even").active_message_count == 15
+
+
 def test_sink_rejects_rows_without_body_and_a_query_without_checkpoint(spark, tmp_path):
     root = str(tmp_path / "ns")
     with Namespace(root) as ns:
@@ -365,3 +385,18 @@ def test_options_and_row_conversion_without_a_session():
     assert len(tasks) == 2 and sorted(f for t in tasks for f in t.files) == ["f0", "f1", "f2", "f3"]
     assert sum(len(t.tokens) for t in tasks) == sum(len(t) for _, t in parts)
     assert group_partitions(7, parts[1:2])[0].files == ["f1"]
+
+
+def test_stream_consumer_settings():
+    from jobs import common, stream_consumer
+    from sparkqueue.errors import InvalidOperationError
+
+    cfg = common.load_config(None, {"namespace.root": "/data/sq", "queue.name": "orders"})
+    s = stream_consumer.settings(cfg)
+    expected = ("/data/sq/_checkpoints/orders", "available_now", 50_000)
+    assert (s["checkpoint"], s["trigger"], s["max_messages_per_trigger"]) == expected
+    args = stream_consumer.parse_args(["--trigger", "30", "--checkpoint", "/ck", "--max-messages-per-trigger", "7"])
+    s = stream_consumer.settings(common.load_config(None, common.overrides_from(args, stream_consumer.FLAGS)))
+    assert (s["checkpoint"], s["trigger"], s["max_messages_per_trigger"]) == ("/ck", "30", 7)
+    with pytest.raises(InvalidOperationError, match="trigger must be"):
+        stream_consumer.settings(common.load_config(None, {"stream_consumer.trigger": "soon"}))
