@@ -7,6 +7,8 @@ container, created with azure-storage-blob.
 
 from __future__ import annotations
 
+import atexit
+import contextlib
 import os
 import shutil
 import socket
@@ -71,6 +73,7 @@ class Azurite:
             stderr=subprocess.DEVNULL,
             start_new_session=True,
         )
+        atexit.register(self.stop)  # also when the test run is interrupted
         deadline = time.monotonic() + 60
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
@@ -107,7 +110,8 @@ class Azurite:
 
     def stop(self) -> None:
         if self.proc.poll() is None:
-            os.killpg(self.proc.pid, 15)
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.proc.pid, 15)
             try:
                 self.proc.wait(timeout=10)
             except subprocess.TimeoutExpired:

@@ -8,6 +8,9 @@ optional for the core library):
 - `receiver.complete_dataframe(df)`, `abandon_dataframe(df)`, `defer_dataframe(df)`,
   `dead_letter_dataframe(df, reason=None, error_description=None)` -> DataFrame (lock_token, status)
 - `spark.read.format("sparkqueue").option("namespace", root).load(entity)` after `register(spark)`
+- `spark.readStream.format("sparkqueue")...load(entity)`: peek-locked micro-batches, completed after the
+  sink commits them; `df.writeStream.format("sparkqueue")...start(entity)`: each micro-batch sent once
+  (streaming_source.py, streaming_sink.py, docs/spark-streaming.md)
 
 and the helpers below: `spark_session()` builds a local session configured for sparkqueue,
 `table_path()` / `row_filter()` locate an entity's Delta table for other Delta readers, and
@@ -22,6 +25,21 @@ from sparkqueue.spark.datasource import SparkQueueDataSource, register, row_filt
 from sparkqueue.spark.schema import RECEIVED_SCHEMA, STATUS_LOCK_LOST, STATUS_OK
 from sparkqueue.spark.session import DEFAULT_CONF, spark_session
 from sparkqueue.spark.staging import STAGING_ATTRIBUTE, STAGING_DIR, STAGING_RETENTION, cleanup_staging, local_uri, remove_dirs
+
+_STREAMING = {
+    "QueueStreamReader": "sparkqueue.spark.streaming_source",
+    "STREAMS_DIR": "sparkqueue.spark.streaming_source",
+    "QueueStreamWriter": "sparkqueue.spark.streaming_sink",
+}
+
+
+def __getattr__(name: str) -> object:
+    """The streaming classes, imported on first use: they need PySpark 4.2+, the rest of the package 4.0+."""
+    if name in _STREAMING:
+        import importlib
+
+        return getattr(importlib.import_module(_STREAMING[name]), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def release(df: DataFrame) -> int:
@@ -43,6 +61,9 @@ __all__ = [
     "STAGING_RETENTION",
     "STATUS_LOCK_LOST",
     "STATUS_OK",
+    "STREAMS_DIR",
+    "QueueStreamReader",
+    "QueueStreamWriter",
     "SparkQueueDataSource",
     "cleanup_staging",
     "register",

@@ -56,7 +56,7 @@ def storage_options_of(options: Mapping[str, str]) -> dict[str, str]:
             raise InvalidOperationError(f"storage_options must be a JSON object: {exc}") from None
         if not isinstance(parsed, dict):
             raise InvalidOperationError("storage_options must be a JSON object of strings")
-        out.update({str(k): str(v) for k, v in parsed.items()})
+        out.update({str(k): v if isinstance(v, str) else json.dumps(v) for k, v in parsed.items()})  # true -> "true"
     out.update({k[len(STORAGE_OPTION_PREFIX) :]: str(v) for k, v in options.items() if k.startswith(STORAGE_OPTION_PREFIX)})
     return out
 

@@ -33,8 +33,11 @@ import threading
 import uuid
 from collections import defaultdict
 from collections.abc import Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from datetime import datetime, timedelta
+from functools import partial
+from typing import TYPE_CHECKING
 
 import pyarrow as pa
 import pyarrow.compute as pc
@@ -54,6 +57,9 @@ from sparkqueue.spark.streaming import EntityAddress, address_of, positive_int
 from sparkqueue.spark.worker import EntityRef
 from sparkqueue.storage.schema import SUB_QUEUE_DEAD_LETTER
 
+if TYPE_CHECKING:
+    from sparkqueue.namespace import Namespace
+
 log = logging.getLogger(__name__)
 
 STREAMS_DIR = "_spark_streams"
@@ -61,6 +67,8 @@ DEFAULT_MAX_MESSAGES_PER_TRIGGER = 10_000
 ALL_AVAILABLE_CAP = 1_000_000  # a batch Spark asks to hold "everything" still locks at most this many
 SKIP_RETENTION = timedelta(days=14)  # how long a committed-but-not-completed message is remembered
 MAX_ROUNDS = 64
+LOCK_THREADS = 4  # partitions locked (and completed) at once by the source's driver process
+ROWS_PER_TASK = 20_000  # a batch is read by one Spark task per this many messages (at most one per queue partition)
 MANIFEST = "_manifest.json"
 SKIP_FILE = "_skip.json"
 Item = tuple[int, str]  # (sequence number, lock token)
@@ -94,12 +102,12 @@ def source_config(options: dict[str, str]) -> SourceConfig:
 
 
 class BatchPartition(InputPartition):
-    """One queue partition of a recorded batch: its linked data files and the lock tokens the batch emits from them."""
+    """Queue partitions of a recorded batch read by one Spark task: their linked data files and the tokens the batch emits."""
 
-    def __init__(self, batch: int, partition_id: int, files: list[str], tokens: list[str]) -> None:
-        super().__init__((batch, partition_id))
+    def __init__(self, batch: int, index: int, files: list[str], tokens: list[str]) -> None:
+        super().__init__((batch, index))
         self.batch = batch
-        self.partition_id = partition_id
+        self.index = index
         self.files = files
         self.tokens = tokens
 
@@ -194,6 +202,22 @@ class QueueStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
         return self._state
 
 
+def group_partitions(batch: int, parts: list[tuple[list[str], list[str]]]) -> list[BatchPartition]:
+    """Spread a batch's queue partitions over ceil(messages / ROWS_PER_TASK) tasks, balancing messages per task.
+
+    Tasks cost a Python worker round each, so a small batch is read by one task and a large one
+    by as many as its size warrants.
+    """
+    total = sum(len(tokens) for _, tokens in parts)
+    tasks = max(1, min(len(parts), -(-total // ROWS_PER_TASK)))
+    groups: list[tuple[list[str], list[str]]] = [([], []) for _ in range(tasks)]
+    for files, tokens in sorted(parts, key=lambda ft: -len(ft[1])):
+        files_g, tokens_g = min(groups, key=lambda g: len(g[1]))
+        files_g += files
+        tokens_g += tokens
+    return [BatchPartition(batch, i, f, t) for i, (f, t) in enumerate(groups) if t]
+
+
 class StreamState:
     """The source process's state of one stream: its directory under the namespace root, in-flight batches, renewal."""
 
@@ -209,6 +233,9 @@ class StreamState:
         self.skip = self._load_skip()
         self._stopping = threading.Event()
         self._renewer: threading.Thread | None = None
+        self.pool = ThreadPoolExecutor(LOCK_THREADS, thread_name_prefix=f"sparkqueue-stream-{stream_id[:8]}")
+        self._local = threading.local()
+        self._thread_namespaces: list[Namespace] = []
         self.budget: int | None = self._available_count() if available_now else None
 
     def entity(self) -> Entity:
@@ -321,8 +348,11 @@ class StreamState:
             if not plan:
                 break
             full = []
-            for p, share in plan:
-                got = self._lock_partition(job, entity, p, share, round_no, items)
+            # Partitions lock in parallel threads (commits on different partitions never conflict),
+            # each thread on a namespace handle of its own.
+            locked = self.pool.map(partial(self._lock_partition, job, round_no), plan)
+            for (p, share), (got, pairs) in zip(plan, locked, strict=True):
+                items += self._drop_committed(entity, pairs)
                 total += got
                 estimate[p] = max(0, estimate[p] - got)
                 if got >= share and estimate[p] > 0:
@@ -333,9 +363,21 @@ class StreamState:
                 break
         return total
 
-    def _lock_partition(self, job: ReceiveJob, entity: Entity, p: int, share: int, round_no: int, items: list[Item]) -> int:
+    def _thread_entity(self) -> Entity:
+        """The entity on the calling thread's own namespace handle."""
+        ns = getattr(self._local, "ns", None)
+        if ns is None:
+            ns = self._local.ns = self.config.address.namespace()
+            self._thread_namespaces.append(ns)
+        return self.config.address.entity(ns)
+
+    def _lock_partition(self, job: ReceiveJob, round_no: int, plan: tuple[int, int]) -> tuple[int, list[Item]]:
+        """Lock up to `share` messages of partition p into the batch's directory; (locked, their (sequence, token) pairs)."""
+        p, share = plan
+        entity = self._thread_entity()
         got = 0
         chunk = 0
+        pairs: list[Item] = []
         while got < share:
             ask = min(RECEIVE_CHUNK, share - got)
             written: list[str] = []
@@ -344,11 +386,23 @@ class StreamState:
                 stage_chunk(job, entity, p, f"r{round_no:03d}-c{chunk:03d}", rows, written)
                 chunk += 1
                 got += rows.num_rows
-                pairs = list(zip(rows.column("sequence_number").to_pylist(), rows.column("lock_token").to_pylist(), strict=True))
-                items += self._drop_committed(entity, pairs)
+                pairs += zip(rows.column("sequence_number").to_pylist(), rows.column("lock_token").to_pylist(), strict=True)
             if rows.num_rows < ask:
                 break
-        return got
+        return got, pairs
+
+    def _settle(self, items: list[Item], op: str) -> list[bool]:
+        """Settle items partition by partition in parallel threads; per item: did its lock hold."""
+        groups: dict[int, list[int]] = defaultdict(list)
+        for i, (s, _) in enumerate(items):
+            groups[partition_of(s)].append(i)
+        ok = [False] * len(items)
+        idx = list(groups.values())
+        results = self.pool.map(lambda ii: self._thread_entity().settle([items[i] for i in ii], op).ok, idx)
+        for ii, res in zip(idx, results, strict=True):
+            for i, v in zip(ii, res, strict=True):
+                ok[i] = v
+        return ok
 
     def _drop_committed(self, entity: Entity, pairs: list[Item]) -> list[Item]:
         """Complete at once the messages whose output an earlier batch committed (their first completion lost the lock)."""
@@ -388,7 +442,7 @@ class StreamState:
             staging = self.batch_staging(n)
             for name in staging.names("part-p"):
                 files[int(name.split("-")[1].removeprefix("p"))].append(f"{staging.uri}/{name}")
-            out += [BatchPartition(n, p, files[p], tokens[p]) for p in sorted(tokens)]
+            out += group_partitions(n, [(files[p], tokens[p]) for p in sorted(tokens)])
         if out:
             self._ensure_renewer()
         return out
@@ -404,11 +458,11 @@ class StreamState:
                 self.inflight.pop(b, None)
             items = self._items(b)
             try:
-                result = self.entity().settle(items, lifecycle.COMPLETE) if items else None
+                done = self._settle(items, lifecycle.COMPLETE)
             except SparkQueueError as exc:  # e.g. a partition unavailable: keep the record, retry at the next call
                 log.warning("stream %s: completing batch %d failed (%s); will retry", self.stream_id, b, exc)
                 return
-            lost = [s for (s, _), ok in zip(items, result.ok, strict=True) if not ok] if result else []
+            lost = [s for (s, _), ok in zip(items, done, strict=True) if not ok]
             if lost:
                 now = utcnow().isoformat()
                 self.skip.update({str(s): now for s in lost})
@@ -492,4 +546,7 @@ class StreamState:
         self._stopping.set()
         if self._renewer is not None:
             self._renewer.join(timeout=5)
+        self.pool.shutdown(wait=True)
+        for ns in self._thread_namespaces:
+            ns.close()
         self.ns.close()

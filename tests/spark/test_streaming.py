@@ -13,9 +13,11 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from datetime import timedelta
 from pathlib import Path
 
+import pyarrow as pa
 import pytest
 from deltalake import DeltaTable
 from pyspark.errors import PySparkException
@@ -91,6 +93,28 @@ def test_source_reads_a_subscription_and_a_dead_letter_sub_queue(spark, tmp_path
         assert ns.get_queue_runtime_properties("dl").dead_letter_message_count == 0
 
 
+def test_source_renews_the_locks_of_a_batch_that_outlasts_them(spark, tmp_path):
+    """A batch processed for three lock durations keeps its messages: another receiver gets none meanwhile."""
+    root = str(tmp_path / "ns")
+    with Namespace(root) as ns:
+        ns.create_queue("q", lock_duration=timedelta(seconds=5))
+    send(root, "q", 40)
+    seen: dict[str, object] = {}
+
+    def slow(df, batch_id: int) -> None:
+        seen[f"rows-{batch_id}"] = sorted(r.message_id for r in df.select("message_id").collect())
+        time.sleep(16)  # > 3 lock durations
+        with Namespace(root) as ns, ns.get_queue_receiver("q") as other:
+            seen[f"stolen-{batch_id}"] = len(other.receive_messages(40, max_wait_time=1))
+
+    stream = spark.readStream.format("sparkqueue").option("namespace", root).load("q")
+    query = stream.writeStream.foreachBatch(slow).option("checkpointLocation", str(tmp_path / "ck"))
+    query.trigger(availableNow=True).start().awaitTermination()
+    assert seen == {"rows-0": sorted(f"m-{i}" for i in range(40)), "stolen-0": 0}
+    with Namespace(root) as ns:
+        assert ns.get_queue_runtime_properties("q").total_message_count == 0
+
+
 def test_source_refuses_a_session_queue_and_bad_options(spark, tmp_path):
     root = str(tmp_path / "ns")
     with Namespace(root) as ns:
@@ -152,6 +176,93 @@ def test_sink_sends_each_micro_batch_once_when_spark_replays_it(spark, tmp_path)
     assert sorted(r.body.decode() for r in got) == sorted(f"file{f}-{i}" for f in range(3) for i in range(40))
     assert {r.application_properties["file"] for r in got} == {"0", "1", "2"}
     assert {r.partition_key for r in got} == {"k0", "k1", "k2", "k3"}
+
+
+SINK_CHILD = """
+import os, sys, time
+from pathlib import Path
+from pyspark.sql import functions as sf
+from sparkqueue.spark import spark_session
+
+root, src, checkpoint, hang = sys.argv[1:5]
+spark = spark_session("local[2]", conf={"spark.ui.enabled": "false", "spark.sql.shuffle.partitions": "2"})
+
+
+@sf.udf("string")
+def passing(body):
+    if hang != "-" and body.startswith("file1-"):  # batch 1 hangs in its write tasks until the test kills us
+        Path(hang).touch()
+        time.sleep(3600)
+    return body
+
+
+schema = spark.read.parquet(f"{src}/f0").schema
+stream = spark.readStream.schema(schema).option("maxFilesPerTrigger", 1).parquet(f"{src}/*")
+query = (
+    stream.select(passing("body").alias("body"), "partition_key")
+    .writeStream.format("sparkqueue")
+    .option("namespace", root)
+    .option("checkpointLocation", checkpoint)
+    .trigger(availableNow=True)
+    .start("out")
+)
+query.awaitTermination()
+"""
+
+
+def test_sink_query_killed_mid_batch_restarts_and_sends_each_batch_once(spark, tmp_path):
+    """A separate process runs a sink query and is SIGKILLed inside batch 1's write; the restarted query sends it once."""
+    root = str(tmp_path / "ns")
+    with Namespace(root) as ns:
+        ns.create_queue("out")
+    src = tmp_path / "src"
+    for f in range(3):
+        df = spark.createDataFrame([(f"file{f}-{i}", f"k{i % 4}") for i in range(40)], "body string, partition_key string")
+        df.coalesce(1).write.parquet(str(src / f"f{f}"))
+    child = tmp_path / "sink_child.py"
+    child.write_text(SINK_CHILD)
+    hang = tmp_path / "hanging"
+    env = {**os.environ, "PYSPARK_PYTHON": sys.executable, "PYTHONPATH": str(REPO)}
+    args = [sys.executable, str(child), root, str(src), str(tmp_path / "ck")]
+    log = tmp_path / "child.log"
+    with open(log, "w") as err:
+        proc = subprocess.Popen([*args, str(hang)], env=env, stdout=err, stderr=err, start_new_session=True)
+    try:
+        for _ in range(3000):  # a bound on the wait, not an assertion on time
+            if hang.exists() or proc.poll() is not None:
+                break
+            time.sleep(0.2)
+        assert hang.exists(), log.read_text()[-3000:]
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+    with Namespace(root) as ns:
+        assert ns.get_queue_runtime_properties("out").active_message_count == 40  # batch 0 only: batch 1 never committed
+    done = subprocess.run([*args, "-"], env=env, capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stderr[-3000:]
+    got = spark.read.format("sparkqueue").option("namespace", root).load("out").collect()
+    assert sorted(r.body.decode() for r in got) == sorted(f"file{f}-{i}" for f in range(3) for i in range(40))
+
+
+def test_sink_sends_to_a_topic_through_its_subscription_rules(spark, tmp_path):
+    root = str(tmp_path / "ns")
+    with Namespace(root) as ns:
+        ns.create_topic("t")
+        ns.create_subscription("t", "all")
+        ns.create_subscription("t", "even")
+        ns.delete_rule("t", "even", "$Default")
+        ns.create_rule("t", "even", "even", filter=SqlRuleFilter("parity = 'even'"))
+    src = tmp_path / "src"
+    spark.range(30).selectExpr(
+        "CAST(id AS STRING) AS body", "to_json(named_struct('parity', IF(id % 2 = 0, 'even', 'odd'))) AS application_properties"
+    ).coalesce(1).write.parquet(str(src))
+    stream = spark.readStream.schema(spark.read.parquet(str(src)).schema).parquet(str(src))
+    query = stream.writeStream.format("sparkqueue").option("namespace", root).option("checkpointLocation", str(tmp_path / "ck"))
+    query.trigger(availableNow=True).start("t").awaitTermination()
+    with Namespace(root) as ns:
+        assert ns.get_subscription_runtime_properties("t", "all").active_message_count == 30
+        assert ns.get_subscription_runtime_properties("t", "even").active_message_count == 15
 
 
 def test_sink_rejects_rows_without_body_and_a_query_without_checkpoint(spark, tmp_path):
@@ -236,3 +347,56 @@ def test_stream_consumer_killed_mid_batch_restarts_with_each_output_once(tmp_pat
     with Namespace(root) as ns:
         assert ns.get_queue_runtime_properties("sq").total_message_count == 0
     assert batch_dirs(root) == []
+
+
+def test_options_and_row_conversion_without_a_session():
+    """Storage options (JSON and per key), Message fields from Arrow columns, and batch reads balanced over tasks."""
+    from sparkqueue.errors import InvalidOperationError
+    from sparkqueue.spark.streaming import storage_options_of
+    from sparkqueue.spark.streaming_sink import messages_from_arrow
+    from sparkqueue.spark.streaming_source import ROWS_PER_TASK, group_partitions
+
+    opts = {"storage_options": '{"account_name": "a", "use_emulator": true}', "storage_option.account_key": "k"}
+    assert storage_options_of(opts) == {"account_name": "a", "use_emulator": "true", "account_key": "k"}
+    with pytest.raises(InvalidOperationError, match="JSON object"):
+        storage_options_of({"storage_options": "[1]"})
+
+    batch = pa.RecordBatch.from_pydict(
+        {
+            "body": pa.array(["a", "b", None]),
+            "partition_key": pa.array(["k", None, None]),
+            "application_properties": pa.array([[("x", "1")], None, []], pa.map_(pa.string(), pa.string())),
+            "time_to_live": pa.array([30, None, 1.5]),
+            "ignored": pa.array([1, 2, 3]),
+        }
+    )
+    msgs = messages_from_arrow(batch)
+    assert [m.body for m in msgs] == [b"a", b"b", b""]
+    assert [m.partition_key for m in msgs] == ["k", None, None]
+    assert [m.application_properties for m in msgs] == [{"x": "1"}, None, None]
+    assert [m.time_to_live for m in msgs] == [timedelta(seconds=30), None, timedelta(seconds=1.5)]
+    as_json = pa.RecordBatch.from_pydict({"body": pa.array([b"x"]), "application_properties": pa.array(['{"n": 2}'])})
+    assert messages_from_arrow(as_json)[0].application_properties == {"n": 2}
+    with pytest.raises(InvalidOperationError, match="JSON object"):
+        messages_from_arrow(pa.RecordBatch.from_pydict({"body": pa.array([b"x"]), "application_properties": pa.array(["[]"])}))
+
+    parts = [([f"f{p}"], [f"t{p}-{i}" for i in range(n)]) for p, n in enumerate([ROWS_PER_TASK, 10, ROWS_PER_TASK // 2, 5])]
+    tasks = group_partitions(7, parts)
+    assert len(tasks) == 2 and sorted(f for t in tasks for f in t.files) == ["f0", "f1", "f2", "f3"]
+    assert sum(len(t.tokens) for t in tasks) == sum(len(t) for _, t in parts)
+    assert group_partitions(7, parts[1:2])[0].files == ["f1"]
+
+
+def test_stream_consumer_settings():
+    from jobs import common, stream_consumer
+    from sparkqueue.errors import InvalidOperationError
+
+    cfg = common.load_config(None, {"namespace.root": "/data/sq", "queue.name": "orders"})
+    s = stream_consumer.settings(cfg)
+    expected = ("/data/sq/_checkpoints/orders", "available_now", 50_000)
+    assert (s["checkpoint"], s["trigger"], s["max_messages_per_trigger"]) == expected
+    args = stream_consumer.parse_args(["--trigger", "30", "--checkpoint", "/ck", "--max-messages-per-trigger", "7"])
+    s = stream_consumer.settings(common.load_config(None, common.overrides_from(args, stream_consumer.FLAGS)))
+    assert (s["checkpoint"], s["trigger"], s["max_messages_per_trigger"]) == ("/ck", "30", 7)
+    with pytest.raises(InvalidOperationError, match="trigger must be"):
+        stream_consumer.settings(common.load_config(None, {"stream_consumer.trigger": "soon"}))
