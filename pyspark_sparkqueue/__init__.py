@@ -16,7 +16,7 @@ from __future__ import annotations
 import sys
 from typing import Any
 
-from pyspark.sql.datasource import DataSource, DataSourceReader
+from pyspark.sql.datasource import DataSource, DataSourceReader, DataSourceStreamReader, DataSourceStreamWriter
 from pyspark.sql.types import StructType
 
 __all__ = ["DefaultSource"]
@@ -51,3 +51,11 @@ class DefaultSource(DataSource):
     def reader(self, schema: StructType) -> DataSourceReader:
         """A reader pinned to the table's current version (with partition pruning when filter pushdown is on)."""
         return _implementation().make_reader(dict(self.options))
+
+    def streamReader(self, schema: StructType) -> DataSourceStreamReader:  # noqa: N802 - pyspark's name
+        """`spark.readStream.format("sparkqueue")`: peek-locked micro-batches."""
+        return _implementation().SparkQueueDataSource(dict(self.options)).streamReader(schema)
+
+    def streamWriter(self, schema: StructType, overwrite: bool) -> DataSourceStreamWriter:  # noqa: N802 - pyspark's name
+        """`df.writeStream.format("sparkqueue")`: each micro-batch sent once."""
+        return _implementation().SparkQueueDataSource(dict(self.options)).streamWriter(schema, overwrite)

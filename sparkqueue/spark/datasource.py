@@ -151,6 +151,14 @@ class SparkQueueDataSource(DataSource):
         """A reader pinned to the table's current version."""
         return make_reader(dict(self.options))
 
+    def streamReader(self, schema: StructType) -> DataSourceStreamReader:  # noqa: N802 - pyspark's name
+        """`spark.readStream.format("sparkqueue")`: peek-locked micro-batches (sparkqueue.spark.streaming_source)."""
+        return streaming.stream_reader(self.options, schema)
+
+    def streamWriter(self, schema: StructType, overwrite: bool) -> DataSourceStreamWriter:  # noqa: N802 - pyspark's name
+        """`df.writeStream.format("sparkqueue")`: each micro-batch sent once (sparkqueue.spark.streaming_sink)."""
+        return streaming.stream_writer(self.options, schema, overwrite)
+
 
 def make_reader(options: dict[str, str]) -> DataSourceReader:
     """The entity's reader: one that prunes partitions by pushed filters when the session pushes filters, else a plain one."""
@@ -175,14 +183,6 @@ def _pushdown_enabled() -> bool:
         if "enable_pushdown" in frame.f_locals:
             return bool(frame.f_locals["enable_pushdown"])
     return True
-
-    def streamReader(self, schema: StructType) -> DataSourceStreamReader:  # noqa: N802 - pyspark's name
-        """`spark.readStream.format("sparkqueue")`: peek-locked micro-batches (sparkqueue.spark.streaming_source)."""
-        return streaming.stream_reader(self.options, schema)
-
-    def streamWriter(self, schema: StructType, overwrite: bool) -> DataSourceStreamWriter:  # noqa: N802 - pyspark's name
-        """`df.writeStream.format("sparkqueue")`: each micro-batch sent once (sparkqueue.spark.streaming_sink)."""
-        return streaming.stream_writer(self.options, schema, overwrite)
 
 
 class EntityReader(DataSourceReader):
