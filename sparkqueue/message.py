@@ -118,7 +118,10 @@ class Message:
 
     @message_id.setter
     def message_id(self, value: object) -> None:
-        self._message_id = limits.check_key(value, "message_id")
+        mid = limits.check_key(value, "message_id")
+        if mid == "":
+            raise InvalidOperationError("message_id must not be empty (None lets sparkqueue assign one)")
+        self._message_id = mid
 
     @property
     def correlation_id(self) -> str | None:
@@ -379,7 +382,7 @@ def to_rows(messages: Iterable[Message], settings: SendSettings, now: datetime) 
             raise MessageSizeExceededError(
                 f"message {m.message_id!r} is {size} bytes; the {settings.tier} tier allows {max_bytes}"
             )
-        mid = m.message_id or ids.pop()
+        mid = m.message_id if m.message_id is not None else ids.pop()
         keys.append(partition_key(m.session_id, m.partition_key, mid, settings.requires_duplicate_detection))
         ttl = min((t for t in (m.time_to_live, settings.default_message_time_to_live) if t is not None), default=None)
         at = max(now, m.scheduled_enqueue_time_utc) if m.scheduled_enqueue_time_utc else now
