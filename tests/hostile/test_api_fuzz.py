@@ -7,6 +7,7 @@ break the namespace-wide jobs (listing, maintenance, forwarding, deletion).
 
 from __future__ import annotations
 
+import contextlib
 import math
 import uuid
 from datetime import UTC, datetime, timedelta
@@ -16,8 +17,6 @@ from typing import Any
 import pytest
 
 hypothesis = pytest.importorskip("hypothesis")
-import contextlib
-
 from hypothesis import HealthCheck, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
