@@ -18,6 +18,7 @@ from sparkqueue.errors import (
     MessageSizeExceededError,
     SessionCannotBeLockedError,
 )
+from sparkqueue.message import as_message
 from sparkqueue.model import limits
 from sparkqueue.model.properties import RuntimeProperties
 from sparkqueue.receiver import Receiver
@@ -356,21 +357,8 @@ def _drain(r: Receiver, batch: int, progress: Progress) -> int:
 
 
 def copy_message(m: ReceivedMessage) -> Message:
-    """A new message with the dead letter's id, keys, properties and body."""
-    return Message(
-        m.body,
-        message_id=m.message_id,
-        session_id=m.session_id,
-        partition_key=m.partition_key,
-        application_properties=m.application_properties,
-        content_type=m.content_type,
-        correlation_id=m.correlation_id,
-        subject=m.subject,
-        to=m.to,
-        reply_to=m.reply_to,
-        reply_to_session_id=m.reply_to_session_id,
-        time_to_live=m.time_to_live,
-    )
+    """A new message with the dead letter's id, keys, properties and body (its DeadLetterReason annotations dropped)."""
+    return as_message(m)
 
 
 @dataclass
