@@ -316,7 +316,7 @@ def received_messages(rows: pa.Table, now: datetime) -> list[ReceivedMessage]:
                 message_id=c["message_id"][i],
                 sequence_number=seq,
                 enqueued_time_utc=c["enqueued_time_utc"][i],
-                delivery_count=c["delivery_count"][i],
+                delivery_count=reported_delivery_count(c["delivery_count"][i], c["lock_token"][i], c["locked_until_utc"][i], now),
                 partition_id=seq >> 48,
                 state=state,
                 lock_token=c["lock_token"][i],
@@ -340,6 +340,16 @@ def received_messages(rows: pa.Table, now: datetime) -> list[ReceivedMessage]:
             )
         )
     return out
+
+
+def reported_delivery_count(stored: int, lock_token: str | None, locked_until: datetime | None, now: datetime) -> int:
+    """The SDK's delivery_count: deliveries that ended (lock expired, abandoned, ...), not the one in progress.
+
+    The stored count includes a delivery as soon as it locks the message, so a row whose lock is
+    live reports one less; 0 on the first delivery, as the Python SDK reports it.
+    """
+    live = lock_token is not None and locked_until is not None and locked_until > now
+    return stored - 1 if live and stored > 0 else stored
 
 
 def _received_properties(text: str | None, reason: str | None, description: str | None) -> ApplicationProperties | None:
