@@ -23,6 +23,10 @@ class MessageLockLostError(SparkQueueError):
     """The lock token is not the message's current lock: it expired or a later delivery superseded it."""
 
 
+class MessageAlreadySettled(MessageLockLostError, ValueError):  # noqa: N818 (the SDK's name)
+    """The message was already settled through this handle (SDK: MessageAlreadySettled); its lock is gone."""
+
+
 class SessionLockLostError(SparkQueueError):
     """The receiver's session lock expired or was released; accept the session again."""
 
@@ -93,6 +97,7 @@ __all__ = [
     "EntityNotFoundError",
     "FilterSyntaxError",
     "InvalidOperationError",
+    "MessageAlreadySettled",
     "MessageLockLostError",
     "MessageSizeExceededError",
     "OperationTimeoutError",

@@ -118,7 +118,10 @@ class Message:
 
     @message_id.setter
     def message_id(self, value: object) -> None:
-        self._message_id = limits.check_key(value, "message_id")
+        mid = limits.check_key(value, "message_id")
+        if mid == "":
+            raise InvalidOperationError("message_id must not be empty (None lets sparkqueue assign one)")
+        self._message_id = mid
 
     @property
     def correlation_id(self) -> str | None:
@@ -313,7 +316,7 @@ def received_messages(rows: pa.Table, now: datetime) -> list[ReceivedMessage]:
                 message_id=c["message_id"][i],
                 sequence_number=seq,
                 enqueued_time_utc=c["enqueued_time_utc"][i],
-                delivery_count=c["delivery_count"][i],
+                delivery_count=reported_delivery_count(c["delivery_count"][i], c["lock_token"][i], c["locked_until_utc"][i], now),
                 partition_id=seq >> 48,
                 state=state,
                 lock_token=c["lock_token"][i],
@@ -337,6 +340,16 @@ def received_messages(rows: pa.Table, now: datetime) -> list[ReceivedMessage]:
             )
         )
     return out
+
+
+def reported_delivery_count(stored: int, lock_token: str | None, locked_until: datetime | None, now: datetime) -> int:
+    """The SDK's delivery_count: deliveries that ended (lock expired, abandoned, ...), not the one in progress.
+
+    The stored count includes a delivery as soon as it locks the message, so a row whose lock is
+    live reports one less; 0 on the first delivery, as the Python SDK reports it.
+    """
+    live = lock_token is not None and locked_until is not None and locked_until > now
+    return stored - 1 if live and stored > 0 else stored
 
 
 def _received_properties(text: str | None, reason: str | None, description: str | None) -> ApplicationProperties | None:
@@ -379,7 +392,7 @@ def to_rows(messages: Iterable[Message], settings: SendSettings, now: datetime) 
             raise MessageSizeExceededError(
                 f"message {m.message_id!r} is {size} bytes; the {settings.tier} tier allows {max_bytes}"
             )
-        mid = m.message_id or ids.pop()
+        mid = m.message_id if m.message_id is not None else ids.pop()
         keys.append(partition_key(m.session_id, m.partition_key, mid, settings.requires_duplicate_detection))
         ttl = min((t for t in (m.time_to_live, settings.default_message_time_to_live) if t is not None), default=None)
         at = max(now, m.scheduled_enqueue_time_utc) if m.scheduled_enqueue_time_utc else now

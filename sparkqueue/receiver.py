@@ -15,6 +15,7 @@ from sparkqueue.constants import NEXT_AVAILABLE_SESSION, ReceiveMode, SubQueue
 from sparkqueue.errors import (
     InvalidArgumentTypeError,
     InvalidOperationError,
+    MessageAlreadySettled,
     MessageLockLostError,
     MessageNotFoundError,
     MessageSizeExceededError,
@@ -318,6 +319,8 @@ class Receiver:
                 raise InvalidOperationError("messages received in RECEIVE_AND_DELETE mode are already settled")
             if message.lock_token is None:
                 raise InvalidOperationError("the message has no lock token: peeked messages cannot be settled")
+            if message._settled:
+                raise MessageAlreadySettled(f"message {message.sequence_number} was already settled; nothing was changed")
         if not messages:
             return []
         tx = self._ns._active_transaction

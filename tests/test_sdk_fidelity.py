@@ -18,6 +18,7 @@ from sparkqueue import AutoLockRenewer, EntityStatus, Message, Namespace, SqlRul
 from sparkqueue.errors import (
     AutoLockRenewFailed,
     EntityNotFoundError,
+    MessageAlreadySettled,
     MessageNotFoundError,
     MessageSizeExceededError,
     MessagingEntityDisabledError,
@@ -392,3 +393,32 @@ def test_14_delivery_count_counts_earlier_deliveries(ns: Namespace) -> None:
     with ns.get_queue_receiver("q", sub_queue=SubQueue.DEAD_LETTER) as dlq:
         dead = _one(dlq)
     assert dead.dead_letter_reason == "MaxDeliveryCountExceeded"
+
+
+def test_settling_a_settled_message_again_raises_message_already_settled(ns: Namespace) -> None:
+    """As in the SDK, settling (or renewing) a message this handle already settled raises MessageAlreadySettled."""
+    ns.create_queue("q")
+    with ns.get_queue_sender("q") as s:
+        s.send_messages(Message("x"))
+    with ns.get_queue_receiver("q") as r:
+        m = _one(r)
+        r.complete_message(m)
+        for settle in (r.complete_message, r.abandon_message, r.renew_message_lock):
+            with pytest.raises(MessageAlreadySettled):
+                settle(m)
+
+
+def test_14_peek_counts_only_deliveries_that_ended(ns: Namespace) -> None:
+    """As the SDK documents, delivery_count rises when a lock expires or the message is abandoned, not while it is locked."""
+    ns.create_queue("q", lock_duration=timedelta(seconds=2))
+    with ns.get_queue_sender("q") as s:
+        s.send_messages(Message("x"))
+    with ns.get_queue_receiver("q") as r:
+        m = _one(r)
+        assert [p.delivery_count for p in r.peek_messages(1, sequence_number=0)] == [0]  # locked: still 0
+        sleep_past(m.locked_until_utc)
+        assert [p.delivery_count for p in r.peek_messages(1, sequence_number=0)] == [1]  # the lock expired
+        again = _one(r)
+        r.abandon_message(again)
+        assert again.delivery_count == 1
+        assert [p.delivery_count for p in r.peek_messages(1, sequence_number=0)] == [2]

@@ -105,8 +105,9 @@ def deliver(rows: pa.Table, now: datetime, policy: Policy, *, delete: bool) -> D
     if over_rows.num_rows:
         desc = f"Message could not be consumed after {policy.max_delivery_count} delivery attempts."
         parts.append(changes(over_rows, OP_SET, **_dead_letter_values(MAX_DELIVERY_REASON, desc, now, policy.source)))
-    # The stored count is the number of deliveries made; a delivered message reports the count of
-    # *earlier* deliveries, as the Python SDK does (0 on the first delivery; README "Porting from azure-servicebus").
+    # The stored count includes the delivery in progress; a message reports only the deliveries that
+    # ended (0 on the first delivery, as the Python SDK): see message.reported_delivery_count. Rows
+    # removed on receipt hold no lock, so they are returned with the earlier count.
     got = rows.filter(ok)
     counted = _with(got, delivery_count=pc.add(got.column("delivery_count"), 1).cast(pa.int32()))
     if got.num_rows:
@@ -124,8 +125,8 @@ def deliver(rows: pa.Table, now: datetime, policy: Policy, *, delete: bool) -> D
                 "locked_until_utc": pa.array([until] * got.num_rows, TIMESTAMP),
                 "available_at_utc": avail,
             }
-            parts.append(changes(_with(counted, **lock), OP_SET))
-            got = _with(got, **lock)
+            got = _with(counted, **lock)
+            parts.append(changes(got, OP_SET))
     change_table = pa.concat_tables(parts) if parts else CHANGE_SCHEMA.empty_table()
     return Delivery(
         change_table,

@@ -99,7 +99,7 @@ def received_from_entity_rows(now: datetime) -> list[Column]:
         # from_json keeps string values as they are and gives numbers and booleans as their JSON text (props_map)
         "application_properties": sf.from_json("application_properties", "map<string,string>"),
         "time_to_live": sf.col("time_to_live_ms") * sf.expr("INTERVAL '0.001' SECOND"),
-        # a locked row is stored with this delivery counted; a message reports the earlier ones (0 first)
+        # a locked row is stored with this delivery counted; a message reports the ended ones (0 first)
         "delivery_count": sf.when(sf.col("lock_token").isNotNull(), sf.col("delivery_count") - 1)
         .otherwise(sf.col("delivery_count"))
         .cast("int"),
@@ -129,6 +129,12 @@ def staged_rows(rows: pa.Table, now: datetime) -> pa.Table:
         "state": state,
         "application_properties": props_map(rows.column("application_properties")),
         "body": pc.fill_null(rows.column("body"), b""),
+        # a live lock's delivery is stored already; the SDK counts only deliveries that ended
+        "delivery_count": pc.if_else(
+            pc.fill_null(pc.greater(rows.column("locked_until_utc"), pa.scalar(now, TIMESTAMP)), False),
+            pc.subtract(rows.column("delivery_count"), 1),
+            rows.column("delivery_count"),
+        ).cast(pa.int32()),
     }
     arrays = [computed[f.name] if f.name in computed else rows.column(f.name) for f in STAGED_SCHEMA]
     return pa.Table.from_arrays([pa.chunked_array(a) if isinstance(a, pa.Array) else a for a in arrays], schema=STAGED_SCHEMA)
