@@ -293,7 +293,12 @@ def _pylist(col: pa.ChunkedArray) -> list[Any]:
     if col.null_count == n:
         return [None] * n
     if pa.types.is_timestamp(col.type):
-        return [None if us is None else _EPOCH + timedelta(microseconds=us) for us in col.cast(pa.int64()).to_pylist()]
+        # Rows of one send or one lock share their timestamps: convert each distinct value once.
+        seen: dict[int, datetime] = {}
+        return [
+            None if us is None else seen.get(us) or seen.setdefault(us, _EPOCH + timedelta(microseconds=us))
+            for us in col.cast(pa.int64()).to_pylist()
+        ]
     return col.to_pylist()
 
 
