@@ -37,18 +37,23 @@ from sparkqueue.errors import MessageLockLostError
 BENCHMARKS = ("roundtrip", "send", "receive", "competing", "backlog")
 BATCH = 1000
 
-# PostgreSQL SKIP LOCKED queue on the same machine class, 1 KB bodies, batches of 1000 (context only).
+# PostgreSQL SKIP LOCKED queue (PGMQ's algorithm) on the same machine class, durable commits, 1 KB bodies,
+# batches of 1000: the best of its two measured runs (send 58-76k, receive+complete 37-40k, 4 competing
+# consumers 42-47k msg/s, round trip p50 1.2-1.3 ms).
 PEER = {
-    "send_msg_per_s": 58_000,
-    "receive_complete_msg_per_s": 37_000,
+    "send_msg_per_s": 76_000,
+    "receive_complete_msg_per_s": 40_000,
     "competing_msg_per_s": 47_000,
     "roundtrip_p50_ms": 1.2,
 }
+# Issue #11's acceptance: at least the peer's throughput, within 4x of its latency, a lock or settle
+# costing what it touches (per-message cost at a 100k backlog within 1.5x of that at 1k; 2x at 1M).
 TARGETS = {
-    "roundtrip_p50_ms": 60.0,  # at most
-    "send_msg_per_s": 50_000.0,  # at least
-    "receive_complete_msg_per_s": 20_000.0,  # at least
-    "backlog_cost_ratio": 2.0,  # at most
+    "roundtrip_p50_ms": 4 * PEER["roundtrip_p50_ms"],  # at most
+    "send_msg_per_s": float(PEER["send_msg_per_s"]),  # at least
+    "receive_complete_msg_per_s": float(PEER["receive_complete_msg_per_s"]),  # at least
+    "competing_msg_per_s": float(PEER["competing_msg_per_s"]),  # at least
+    "backlog_cost_ratio": 1.5,  # at most (2.0 with --full's 1M backlog)
 }
 
 
@@ -86,6 +91,7 @@ def make_params(args: argparse.Namespace) -> Params:
         )
     elif args.full:
         p = Params(mode="full", backlog_large=1_000_000)
+        TARGETS["backlog_cost_ratio"] = 2.0
     else:
         p = Params(mode="default")
     if args.backlog is not None:
@@ -498,6 +504,7 @@ def bench_competing(ctx: Context) -> dict[str, Any]:
         "duplicates": len(all_seqs) - unique,
         "left_in_queue": left,
         "exactly_once": exactly_once,
+        "target": {"msg_per_s_min": TARGETS["competing_msg_per_s"], "met": value >= TARGETS["competing_msg_per_s"]},
         "per_consumer": [
             {"messages": len(g["seqs"]), "calls": g["calls"], "empty_receives": g["empty"], "lock_lost": g["lock_lost"]}
             for g in sorted(ok, key=lambda g: g["index"])
@@ -518,6 +525,7 @@ def bench_competing(ctx: Context) -> dict[str, Any]:
     if ctx.single_consumer_msg_per_s:
         c.row("  vs one consumer (benchmark 3)", c.fmt_ratio(out["ratios"]["vs_single_consumer"]))
     c.row("  per consumer (messages)", ", ".join(str(x["messages"]) for x in out["per_consumer"]))
+    c.row(f"target >= {TARGETS['competing_msg_per_s']:,.0f} msg/s", c.verdict(out["target"]["met"]))
     c.row(
         "completed exactly once",
         c.verdict(exactly_once),
