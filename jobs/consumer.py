@@ -155,7 +155,7 @@ def run(cfg: dict[str, Any], spark: SparkSession, *, crash_after_write: bool = F
         queue = common.ensure_queue(ns, cfg)
         backlog = ns.get_queue_runtime_properties(queue).active_message_count
         with (
-            ns.get_queue_receiver(queue, max_wait_time=float(c["max_wait_time"])) as receiver,
+            ns.get_queue_receiver(queue, max_wait_time=float(c["max_wait_time"]) or None) as receiver,  # 0: do not wait
             progress_bar(progress, min(limit, backlog)) as advance,
         ):
             while result.received < limit:

@@ -185,7 +185,7 @@ def receive(
     out: list[ReceivedMessage] = []
     with receiver(ns, target, dead_letter=dead_letter, session=session) as r:
         while len(out) < count:
-            got = r.receive_messages(max_message_count=count - len(out), max_wait_time=0 if out else wait)
+            got = r.receive_messages(max_message_count=count - len(out), max_wait_time=None if out or wait <= 0 else wait)
             if not got:
                 break
             out.extend(got)
