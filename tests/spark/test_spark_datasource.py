@@ -166,6 +166,7 @@ def run_plain_session(tmp_path: Path, root: str, mode: str, **env_vars: str) -> 
     return json.loads(done.stdout.split("RESULT ", 1)[1])
 
 
+@pytest.mark.slow  # tens of seconds of Spark: CI runs it (SPARKQUEUE_SLOW=1)
 def test_format_sparkqueue_on_a_plain_session(ns, tmp_path):
     """A session built with SparkSession.builder.getOrCreate() alone reads format("sparkqueue") (pyspark_sparkqueue)."""
     ns.create_queue("q")

@@ -12,6 +12,7 @@ pytestmark = pytest.mark.spark
 NOTEBOOK = Path(__file__).resolve().parents[2] / "notebooks" / "quickstart.ipynb"
 
 
+@pytest.mark.slow  # tens of seconds of Spark: CI runs it (SPARKQUEUE_SLOW=1)
 def test_quickstart_notebook_runs(tmp_path, monkeypatch):
     monkeypatch.setenv("SPARKQUEUE_QUICKSTART_ROOT", str(tmp_path / "ns"))
     nb = nbformat.read(NOTEBOOK, as_version=4)

@@ -93,6 +93,7 @@ def test_source_reads_a_subscription_and_a_dead_letter_sub_queue(spark, tmp_path
         assert ns.get_queue_runtime_properties("dl").dead_letter_message_count == 0
 
 
+@pytest.mark.slow  # tens of seconds of Spark: CI runs it (SPARKQUEUE_SLOW=1)
 def test_source_renews_the_locks_of_a_batch_that_outlasts_them(spark, tmp_path):
     """A batch processed for three lock durations keeps its messages: another receiver gets none meanwhile."""
     root = str(tmp_path / "ns")
@@ -210,6 +211,7 @@ query.awaitTermination()
 """
 
 
+@pytest.mark.slow  # tens of seconds of Spark: CI runs it (SPARKQUEUE_SLOW=1)
 def test_sink_query_killed_mid_batch_restarts_and_sends_each_batch_once(spark, tmp_path):
     """A separate process runs a sink query and is SIGKILLed inside batch 1's write; the restarted query sends it once."""
     root = str(tmp_path / "ns")
@@ -324,6 +326,7 @@ def run_job(path: Path, *extra: str) -> subprocess.CompletedProcess[str]:
     return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
 
 
+@pytest.mark.slow  # tens of seconds of Spark: CI runs it (SPARKQUEUE_SLOW=1)
 def test_stream_consumer_killed_mid_batch_restarts_with_each_output_once(tmp_path):
     """SIGKILL after batch 1's output is written, before Spark commits it; locks lapse while the job is down (5 s)."""
     path = write_config(tmp_path, lock_s=5)
