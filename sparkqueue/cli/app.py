@@ -634,6 +634,30 @@ def resubmit(
         )
 
 
+@app.command()
+@handle_errors
+def check(
+    ctx: typer.Context,
+    repair: Annotated[
+        bool, typer.Option("--repair", help="Set a torn newest log entry aside and drop references to missing data files.")
+    ] = False,
+    as_json: AsJson = False,
+) -> None:
+    """Look for damaged storage (torn log entries, missing data files); --repair fixes what is safe to fix."""
+    ns = state(ctx).namespace()
+    findings = ns.check(repair=repair)
+    if as_json:
+        print_json([{"table": f.table, "problem": f.problem, "repaired": f.repaired} for f in findings])
+    for f in findings if not as_json else []:
+        out.print(render.safe(f"{'repaired' if f.repaired else 'damaged'}: {f.table}: {f.problem}"))
+    left = [f for f in findings if not f.repaired]
+    if left:
+        hint = "" if repair else "; `sparkqueue check --repair` fixes what is safe"
+        fail(f"{len(left)} problem(s) in {state(ctx).root}{hint}.")
+    if not as_json:
+        done(f"No damage left in {state(ctx).root}." if findings else f"No damage found in {state(ctx).root}.")
+
+
 # ---- rules -------------------------------------------------------------------------------------------
 
 Topic = Annotated[str, typer.Argument(help="Topic name.")]

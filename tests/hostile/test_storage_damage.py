@@ -178,3 +178,24 @@ def test_files_are_created_with_the_process_umask(tmp_path: Path) -> None:
         os.umask(old)
     written = [p for p in (tmp_path / "ns").rglob("*") if p.is_file() and "partition_id=" in str(p)]
     assert written and all(p.stat().st_mode & 0o007 == 0 for p in written)
+
+
+def test_cli_check_reports_and_repairs(tmp_path: Path) -> None:
+    root = tmp_path / "ns"
+    with Namespace(root) as ns:
+        ns.create_queue("q")
+        ns.get_queue_sender("q").send_messages([Message("a"), Message("b")])
+        table = _queue_table(ns)
+        table.store.put(_newest_entry(table), b"")  # type: ignore[attr-defined]
+
+    def cli(*args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            [sys.executable, "-m", "sparkqueue.cli", "--root", str(root), *args], capture_output=True, text=True, timeout=120
+        )
+
+    found = cli("check")
+    assert found.returncode == 1 and "damaged" in found.stdout and "empty" in found.stdout and "--repair" in found.stderr
+    fixed = cli("check", "--repair")
+    assert fixed.returncode == 0 and "repaired" in fixed.stdout
+    clean = cli("check")
+    assert clean.returncode == 0 and "No damage found" in clean.stdout
