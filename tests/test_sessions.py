@@ -13,9 +13,9 @@ import pytest
 from sparkqueue import NEXT_AVAILABLE_SESSION, Message, Namespace, ReceivedMessage, ReceiveMode
 from sparkqueue.errors import (
     InvalidOperationError,
-    OperationTimeoutError,
     MessageLockLostError,
     MessageNotFoundError,
+    OperationTimeoutError,
     SessionCannotBeLockedError,
     SessionLockLostError,
 )

@@ -106,7 +106,9 @@ class Sessions:
             time.sleep(min(poll, max(0.0, give_up - time.monotonic())))
             poll = min(POLL_MAX_S, poll * 2)
 
-    def _accept_named(self, session_id: str, prefetch: int, delete: bool) -> tuple[SessionLock, pa.Table]:
+    def _accept_named(
+        self, session_id: str, prefetch: int, delete: bool, *, need_messages: bool = False
+    ) -> tuple[SessionLock, pa.Table]:
         """One attempt to lock a session and deliver its head; SessionCannotBeLockedError when another receiver holds it.
 
         One commit: the session row takes the new lock, message locks left by an earlier holder
@@ -126,6 +128,8 @@ class Sessions:
         until = now + self.entity.policy.lock_duration
         lock = SessionLock(session_id, p, token, until)
         rows = self.table.scan(dt, p, ROW_COLUMNS, subscription=self.entity.subscription, session_id=session_id)
+        if need_messages and _next_messages(_cleared(rows, now), now, 1).num_rows == 0:
+            raise SessionCannotBeLockedError(f"session {session_id!r} has no available message any more")  # drained meanwhile
         stale = pc.is_valid(rows.column("lock_token"))
         together = pc.less(pa.array(range(rows.num_rows), pa.int64()), KEEP_TOGETHER)
         rows = _cleared(rows.filter(pc.or_(stale, together)), now)  # an earlier holder's message locks end with its lock
@@ -172,7 +176,7 @@ class Sessions:
                     sid = sids.pop(random.randrange(min(len(sids), SPREAD)))
                     seen.add(sid)
                     try:
-                        return self._accept_named(sid, prefetch, delete)
+                        return self._accept_named(sid, prefetch, delete, need_messages=True)
                     except (SessionCannotBeLockedError, CommitConflict):
                         continue
                 if cands.num_rows < window:
