@@ -293,7 +293,7 @@ def test_delivery_count_rises_when_a_session_lock_expires(ns: Namespace) -> None
 
 def test_renew_lock_extends_the_session_lock(ns: Namespace) -> None:
     """renew_lock moves locked_until_utc forward and keeps the session held past its first expiry."""
-    _session_queue(ns, lock=timedelta(seconds=3))
+    _session_queue(ns, lock=timedelta(seconds=6))
     _send(ns, "s1", ["m0", "m1"])
     with ns.get_queue_receiver("q", session_id="s1") as r:
         assert r.session is not None
