@@ -7,8 +7,8 @@ Run from the repository root with the project's interpreter::
 
 A session-enabled queue (16 partitions) is filled with N sessions x M messages (default 1,000 x 10;
 ``--quick``: 100 x 10). P receiver processes (default 4, "spawn") then loop: accept
-NEXT_AVAILABLE_SESSION, receive all of the session's messages, complete them, close the receiver
-(which releases the session at once). Reported:
+NEXT_AVAILABLE_SESSION, receive the session's messages (batches of 100 until one comes back short),
+complete them, close the receiver (which releases the session at once). Reported:
 
 - msg/s: messages completed / wall time from the start barrier until the last worker finished;
 - accept-session latency p50/p99 (successful NEXT_AVAILABLE_SESSION accepts), and the other phases
@@ -130,7 +130,7 @@ def fill(root: str, sessions: int, per: int, layout: str) -> dict[str, Any]:
 def worker(root: str, total: int, settle: str, done: Any, barrier: Any, out_path: str) -> None:
     """Accept the next available session, receive all its messages, complete them, close; until all are done."""
     from sparkqueue import NEXT_AVAILABLE_SESSION, Namespace
-    from sparkqueue.errors import SessionCannotBeLockedError
+    from sparkqueue.errors import OperationTimeoutError
 
     accept, accept_fail, receive, complete, close, cycle = [], [], [], [], [], []
     sessions = messages = empty = 0
@@ -143,7 +143,7 @@ def worker(root: str, total: int, settle: str, done: Any, barrier: Any, out_path
             t0 = time.perf_counter()
             try:
                 r = ns.get_queue_receiver(QUEUE, session_id=NEXT_AVAILABLE_SESSION, max_wait_time=1.0)
-            except SessionCannotBeLockedError:
+            except OperationTimeoutError:  # no free session within max_wait_time (the SDK pool loop)
                 accept_fail.append(time.perf_counter() - t0)
                 continue
             t1 = time.perf_counter()
@@ -151,9 +151,9 @@ def worker(root: str, total: int, settle: str, done: Any, barrier: Any, out_path
             got: list[Any] = []
             while True:  # every message of the session: all are available, FIFO, none locked elsewhere
                 batch = r.receive_messages(max_message_count=100, max_wait_time=None)
-                if not batch:
-                    break
                 got.extend(batch)
+                if len(batch) < 100:
+                    break  # fewer than asked: the session has no more for now (no wait for stragglers)
             t2 = time.perf_counter()
             receive.append(t2 - t1)
             if got:

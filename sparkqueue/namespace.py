@@ -217,8 +217,9 @@ class Namespace(Management):
         for e in entries:
             if e.entity_type == SUBSCRIPTION and e.name.split(":", 1)[1].split("|")[0] == topic_name:
                 sub = e.name.split(":", 1)[1].split("|")[1]
-                ttl = SubscriptionProperties.from_json(e.properties).default_message_time_to_live
-                out.append(Subscriber(split_subscription_path(e.table_path)[1], tuple(rules.get(sub, ())), ttl))
+                props = SubscriptionProperties.from_json(e.properties)
+                key, ttl = split_subscription_path(e.table_path)[1], props.default_message_time_to_live
+                out.append(Subscriber(key, tuple(rules.get(sub, ())), ttl, bool(props.requires_session)))
         return out
 
     # ---- auto-forwarding ------------------------------------------------------------------------

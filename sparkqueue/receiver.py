@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import weakref
 from collections import deque
 from collections.abc import Iterator, Sequence
 from datetime import datetime, timedelta
@@ -37,7 +38,9 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 
-MAX_RECEIVE_BATCH = 2**31 - 1  # rows one receive gathers at most, whatever count was asked (counts are int64)
+MAX_RECEIVE_BATCH = 2**31 - 1
+# Messages a session accept locks with the session in its one commit (held in the receiver's cache).
+SESSION_ACCEPT_PREFETCH = 100  # rows one receive gathers at most, whatever count was asked (counts are int64)
 
 
 def _wait_seconds(value: float | timedelta | None, field: str) -> float:
@@ -102,7 +105,11 @@ class Receiver:
                 raise InvalidOperationError(f"{entity.name!r} is not session-enabled; create it with requires_session=True")
             sid = None if session_id is NEXT_AVAILABLE_SESSION else limits.check_key(session_id, "session_id")
             sessions = Sessions(entity)
-            self.session = ReceiverSession(sessions, sessions.accept(sid, self.max_wait_time), namespace.tier)
+            # The accept commit also locks the session's first messages (docs/storage.md); they wait in the cache.
+            prefetch = SESSION_ACCEPT_PREFETCH if self.receive_mode == ReceiveMode.PEEK_LOCK else 0
+            lock, first = sessions.accept(sid, self.max_wait_time, prefetch=prefetch)
+            self.session = ReceiverSession(sessions, lock, namespace.tier)
+            self._cache.extend(received_messages(first, utcnow()))
             if auto_lock_renewer is not None:
                 auto_lock_renewer.register(self, self.session)
 
@@ -123,7 +130,7 @@ class Receiver:
         if self._closed:
             return
         if self.session is not None:
-            self.session._release()
+            self.session._release([m.sequence_number for m in self._cache])
         elif self._cache and self.receive_mode == ReceiveMode.PEEK_LOCK:
             cached = list(self._cache)
             self._entity().settle([(m.sequence_number, m.lock_token or "") for m in cached], lifecycle.ABANDON)
@@ -156,7 +163,9 @@ class Receiver:
         check_status(self._entity().props, "receive", self._entity().name)
         with call_timeout(bound):
             out = self._receive(n, wait)
-        if self._auto_lock_renewer is not None and self.receive_mode == ReceiveMode.PEEK_LOCK:
+        if self.session is not None:
+            self.session._track(out)  # their lock is the session's: renewing the session renews theirs
+        elif self._auto_lock_renewer is not None and self.receive_mode == ReceiveMode.PEEK_LOCK:
             for m in out:
                 self._auto_lock_renewer.register(self, m)
         return out
@@ -164,9 +173,20 @@ class Receiver:
     def _receive(self, n: int, wait: float) -> list[ReceivedMessage]:
         out: list[ReceivedMessage] = []
         now = utcnow()
+        if self.session is not None and self._cache and self.session._lock_expired:
+            self._cache.clear()  # the session lock is gone: the next holder gets them; the receive below raises
+        if self.session is not None and self.session._rewind:
+            # A message was abandoned: it comes back before the later messages waiting in the cache.
+            self.session._rewind = False
+            rows = self.session._sessions.receive(self.session._lock, n, delete=self._deleting, wait_s=0.0)
+            merged = sorted([*received_messages(rows, utcnow()), *self._cache], key=lambda m: m.sequence_number)
+            self._cache = deque(merged)
         while self._cache and len(out) < n:
             m = self._cache.popleft()
-            if self.receive_mode == ReceiveMode.RECEIVE_AND_DELETE or (m.locked_until_utc and m.locked_until_utc > now):
+            # A session's cached messages hold the session lock (checked above), not a lock of their own.
+            if self.receive_mode == ReceiveMode.RECEIVE_AND_DELETE or self.session is not None or (
+                m.locked_until_utc and m.locked_until_utc > now
+            ):
                 out.append(m)
         if len(out) >= n:
             return out
@@ -204,7 +224,9 @@ class Receiver:
             else:
                 rows = self._entity().receive_deferred(self._sub_queue, seqs, delete=self._deleting)
         out = received_messages(rows, utcnow())
-        if self._auto_lock_renewer is not None and self.receive_mode == ReceiveMode.PEEK_LOCK:
+        if self.session is not None:
+            self.session._track(out)
+        elif self._auto_lock_renewer is not None and self.receive_mode == ReceiveMode.PEEK_LOCK:
             for m in out:
                 self._auto_lock_renewer.register(self, m)
         return out
@@ -251,6 +273,17 @@ class Receiver:
 
     def _peek(self, n: int, sequence_number: int | None) -> list[ReceivedMessage]:
         entity = self._entity()
+        if self.session is not None:  # a session receiver browses its own session only
+            lock = self.session._lock
+            if sequence_number is not None:
+                self._peek_cursors = {lock.partition: (lock.partition << 48) | (sequence_number & SEQUENCE_MASK)}
+            rows = self.session._sessions.peek(lock, self._peek_cursors.get(lock.partition), n)
+            if rows.num_rows:
+                self._peek_cursors[lock.partition] = rows.column("sequence_number")[-1].as_py() + 1
+            peeked = received_messages(rows, utcnow())
+            for m in peeked:
+                m.lock_token = None
+            return peeked
         if sequence_number is not None:
             counter = sequence_number & SEQUENCE_MASK
             self._peek_cursors = {p: (p << 48) | counter for p in range(entity.partition_count)}
@@ -283,7 +316,13 @@ class Receiver:
         self._settle(message, lifecycle.DEAD_LETTER, reason, error_description)
 
     def renew_message_lock(self, message: ReceivedMessage, *, timeout: float | None = None) -> datetime:
-        """Extend the lock by the entity's lock_duration; returns the new expiry."""
+        """Extend the lock by the entity's lock_duration; returns the new expiry.
+
+        A session's messages have no lock of their own: renewing one raises TypeError, as in the
+        SDK; renew the session lock (`receiver.session.renew_lock()`) instead.
+        """
+        if self.session is not None:
+            raise TypeError("session messages cannot be renewed; renew the session lock with receiver.session.renew_lock()")
         with call_timeout(timeout):
             until = self._settle(message, lifecycle.RENEW)
         assert until is not None
@@ -331,6 +370,8 @@ class Receiver:
             tx.add_settle(self, messages, op, reason, description, guard)
             return [None] * len(messages)
         guard = self.session._guard() if self.session is not None else None
+        if self.session is not None and op == lifecycle.ABANDON:
+            self.session._rewind = True
         res = self._entity().settle([(m.sequence_number, m.lock_token or "") for m in messages], op, reason, description, guard)
         if op == lifecycle.DEAD_LETTER:
             self._ns._pump(self._entity(), sorted({m.partition_id for m in messages}))  # forward the dead letters
@@ -402,6 +443,8 @@ class ReceiverSession:
         self._lock = lock
         self._max_state_bytes = limits.MAX_MESSAGE_BYTES[tier]  # Service Bus bounds session state by the message size
         self.auto_renew_error: BaseException | None = None
+        self._delivered: list[weakref.ref[ReceivedMessage]] = []  # handed-out messages whose lock is this session's
+        self._rewind = False  # a message was abandoned: the next receive looks before the cached messages
 
     @property
     def session_id(self) -> str:
@@ -439,10 +482,23 @@ class ReceiverSession:
     def renew_lock(self, *, timeout: float | None = None) -> datetime:
         """Extend the session lock by the entity's lock_duration; returns the new expiry."""
         with call_timeout(timeout):
-            return self._sessions.renew(self._lock)
+            until = self._sessions.renew(self._lock)
+        for ref in self._delivered:
+            m = ref()
+            if m is not None and m.lock_token is not None:
+                m.locked_until_utc = until
+        return until
+
+    def _track(self, messages: list[ReceivedMessage]) -> None:
+        """Remember handed-out messages, so their locked_until_utc follows the session lock."""
+        self._delivered = [r for r in self._delivered if r() is not None and not r()._settled]  # type: ignore[union-attr]
+        for m in messages:
+            if m.lock_token is not None:
+                m.locked_until_utc = self._lock.locked_until
+                self._delivered.append(weakref.ref(m))
 
     def _guard(self) -> Guard:
         return self._sessions.guard(self._lock)
 
-    def _release(self) -> None:
-        self._sessions.release(self._lock)
+    def _release(self, undelivered: Sequence[int] = ()) -> None:
+        self._sessions.release(self._lock, undelivered)

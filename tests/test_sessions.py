@@ -15,6 +15,7 @@ from sparkqueue.errors import (
     InvalidOperationError,
     MessageLockLostError,
     MessageNotFoundError,
+    OperationTimeoutError,
     SessionCannotBeLockedError,
     SessionLockLostError,
 )
@@ -148,7 +149,7 @@ def test_next_available_session_locks_distinct_sessions_with_messages(ns: Namesp
         for r in (r1, r2):
             got = _take(r, 2 if r.session.session_id == "a" else 1)
             assert {m.session_id for m in got} == {r.session.session_id}
-        with pytest.raises(SessionCannotBeLockedError):
+        with pytest.raises(OperationTimeoutError):
             ns.get_queue_receiver("q", session_id=NEXT_AVAILABLE_SESSION, max_wait_time=0.3)
     finally:
         r1.close()
@@ -156,9 +157,9 @@ def test_next_available_session_locks_distinct_sessions_with_messages(ns: Namesp
 
 
 def test_next_available_session_with_no_messages_times_out(ns: Namespace) -> None:
-    """NEXT_AVAILABLE_SESSION on a queue with no messages raises SessionCannotBeLockedError after max_wait_time."""
+    """NEXT_AVAILABLE_SESSION on a queue with no messages raises OperationTimeoutError after max_wait_time (SDK pool loop)."""
     _session_queue(ns)
-    with pytest.raises(SessionCannotBeLockedError):
+    with pytest.raises(OperationTimeoutError):
         ns.get_queue_receiver("q", session_id=NEXT_AVAILABLE_SESSION, max_wait_time=0.3)
 
 
@@ -292,7 +293,7 @@ def test_delivery_count_rises_when_a_session_lock_expires(ns: Namespace) -> None
 
 def test_renew_lock_extends_the_session_lock(ns: Namespace) -> None:
     """renew_lock moves locked_until_utc forward and keeps the session held past its first expiry."""
-    _session_queue(ns, lock=timedelta(seconds=3))
+    _session_queue(ns, lock=timedelta(seconds=6))
     _send(ns, "s1", ["m0", "m1"])
     with ns.get_queue_receiver("q", session_id="s1") as r:
         assert r.session is not None
@@ -304,8 +305,11 @@ def test_renew_lock_extends_the_session_lock(ns: Namespace) -> None:
             new_until = r.session.renew_lock()
             assert new_until > last
             assert r.session.locked_until_utc == new_until
-            r.renew_message_lock(m0)
+            assert m0.locked_until_utc == new_until  # a session message's lock is the session's
+            with pytest.raises(TypeError):
+                r.renew_message_lock(m0)
             last = new_until
+        r.session.renew_lock()
         # past the original expiry: still held by r, and r can still work
         with pytest.raises(SessionCannotBeLockedError):
             ns.get_queue_receiver("q", session_id="s1")
@@ -317,17 +321,13 @@ def test_renew_lock_extends_the_session_lock(ns: Namespace) -> None:
 # ---- per-session FIFO ----------------------------------------------------------------------------
 
 
-def test_next_message_is_not_delivered_while_an_earlier_one_is_locked(ns: Namespace) -> None:
-    """Strict FIFO: while a session's earlier message is locked, its next message is not delivered."""
+def test_holder_receives_further_messages_before_settling_earlier_ones(ns: Namespace) -> None:
+    """The session holder may receive the next messages while earlier ones are unsettled, in sequence order."""
     _session_queue(ns)
     _send(ns, "s1", ["m0", "m1", "m2"])
-    with ns.get_queue_receiver("q", session_id="s1") as r:
-        (m0,) = r.receive_messages(max_message_count=1, max_wait_time=2)
-        assert m0.message_id == "m0"
-        assert r.receive_messages(max_message_count=1, max_wait_time=0.3) == []
-        r.complete_message(m0)
-        (m1,) = _take(r, 1)
-        assert m1.message_id == "m1"
+    with ns.get_queue_receiver("q", session_id="s1", max_wait_time=2) as r:
+        got = [m.message_id for m in r]  # `for msg in receiver` without settling yields the whole session
+        assert got == ["m0", "m1", "m2"]
 
 
 def test_batch_receive_returns_a_session_prefix_in_order(ns: Namespace) -> None:
@@ -361,23 +361,21 @@ def test_abandoned_message_is_redelivered_before_later_ones(ns: Namespace) -> No
 
 
 def test_message_whose_lock_expired_is_redelivered_before_later_ones(ns: Namespace) -> None:
-    """Strict FIFO across message-lock expiry: with the session renewed, the expired message comes back first."""
+    """A session's messages share its lock: when it expires, the next holder gets them again first, in order."""
     _session_queue(ns, lock=SHORT)
-    _send(ns, "s1", ["m0", "m1"])
-    with ns.get_queue_receiver("q", session_id="s1") as r:
-        assert r.session is not None
-        (m0,) = _take(r, 1)
-        assert m0.locked_until_utc is not None
-        while datetime.now(UTC) < m0.locked_until_utc + timedelta(milliseconds=300):
-            r.session.renew_lock()  # keep the session, let the message lock lapse
-            time.sleep(0.2)
-        r.session.renew_lock()
-        (again,) = _take(r, 1)
-        assert (again.message_id, again.delivery_count) == ("m0", 1)
-        with pytest.raises(MessageLockLostError):
-            r.complete_message(m0)
-        r.complete_message(again)
-        assert [m.message_id for m in _take(r, 1)] == ["m1"]
+    _send(ns, "s1", ["m0", "m1", "m2"])
+    r = ns.get_queue_receiver("q", session_id="s1")
+    m0, m1 = _take(r, 2)
+    r.complete_message(m0)
+    assert m1.locked_until_utc == r.session.locked_until_utc
+    while datetime.now(UTC) < r.session.locked_until_utc + timedelta(milliseconds=100):
+        time.sleep(0.1)
+    with pytest.raises(SessionLockLostError):
+        r.complete_message(m1)
+    with ns.get_queue_receiver("q", session_id="s1") as r2:
+        got = _take(r2, 2)
+        assert [m.message_id for m in got] == ["m1", "m2"]
+        assert got[0].delivery_count == 1  # handed out once before
 
 
 def test_dead_lettered_and_deferred_messages_step_out_of_the_sequence(ns: Namespace) -> None:

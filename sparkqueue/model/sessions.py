@@ -12,17 +12,19 @@ import itertools
 import logging
 import random
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import datetime
 
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from sparkqueue.errors import SessionCannotBeLockedError, SessionLockLostError
+from sparkqueue.errors import OperationTimeoutError, SessionCannotBeLockedError, SessionLockLostError
 from sparkqueue.model import lifecycle
 from sparkqueue.model.entity import POLL_MAX_S, POLL_MIN_S, ROW_COLUMNS, Entity, Guard, empty_rows, utcnow
 from sparkqueue.model.ids import new_ids
 from sparkqueue.model.partitioning import partition_for_key
+from sparkqueue.storage.files import MAX_FILE_ROWS
 from sparkqueue.storage.log import CommitConflict, Snapshot
 from sparkqueue.storage.retry import retry_commit
 from sparkqueue.storage.schema import (
@@ -38,6 +40,12 @@ from sparkqueue.storage.schema import (
 from sparkqueue.storage.table import MUTABLE_COLUMNS, OP_DELETE, OP_SET, OP_SET_BODY, empty_changes
 
 log = logging.getLogger(__name__)
+
+# Rewrites of a session entity's files write each session's rows to files of their own
+# (docs/storage.md), so one session's accept and completion never rewrite another session's rows.
+GROUP_COLUMN = "session_id"
+KEEP_TOGETHER = MAX_FILE_ROWS  # message rows an accept moves into its session's file (one full file)
+SPREAD = 4  # a next-available accept picks at random among this many of a partition's oldest free sessions
 
 
 @dataclass
@@ -71,46 +79,85 @@ class Sessions:
 
     # ---- accept ------------------------------------------------------------------------------
 
-    def accept(self, session_id: str | None, wait_s: float) -> SessionLock:
-        """Lock a named session, or (session_id None) the next session with available messages."""
+    def accept(
+        self, session_id: str | None, wait_s: float, *, prefetch: int = 0, delete: bool = False
+    ) -> tuple[SessionLock, pa.Table]:
+        """Lock a named session, or (session_id None) the next session with available messages.
+
+        The same commit also delivers the session's first `prefetch` messages (returned with the
+        lock), so accepting and receiving the head of a session is one commit. With no free session
+        within `wait_s`, NEXT_AVAILABLE_SESSION raises OperationTimeoutError (the SDK's session-pool
+        loop ends on it); a named session held elsewhere raises SessionCannotBeLockedError.
+        """
         if session_id is not None:
-            return retry_commit(lambda: self._accept_named(session_id), self.entity.deadline(), f"accept session {session_id!r}")
+            return retry_commit(
+                lambda: self._accept_named(session_id, prefetch, delete), self.entity.deadline(), f"accept session {session_id!r}"
+            )
         give_up = time.monotonic() + wait_s
         poll = POLL_MIN_S
         while True:
-            lock = self._accept_next()
-            if lock is not None:
-                return lock
+            got = self._accept_next(prefetch, delete)
+            if got is not None:
+                return got
             if time.monotonic() >= give_up:
-                raise SessionCannotBeLockedError(
+                raise OperationTimeoutError(
                     f"no session of {self.entity.name!r} with available messages could be locked within {wait_s:g}s"
                 )
             time.sleep(min(poll, max(0.0, give_up - time.monotonic())))
             poll = min(POLL_MAX_S, poll * 2)
 
-    def _accept_named(self, session_id: str) -> SessionLock:
-        """One attempt to lock a session; raises SessionCannotBeLockedError when another receiver holds it."""
+    def _accept_named(
+        self, session_id: str, prefetch: int, delete: bool, *, need_messages: bool = False
+    ) -> tuple[SessionLock, pa.Table]:
+        """One attempt to lock a session and deliver its head; SessionCannotBeLockedError when another receiver holds it.
+
+        One commit: the session row takes the new lock, message locks left by an earlier holder
+        are cleared (the new holder starts from the earliest message), the first `prefetch`
+        messages are delivered, and every message row of the session is written to one file of
+        its own (docs/storage.md: a session's rows kept together), so its completion drops that file whole.
+        """
         p = partition_for_key(session_id, self.entity.partition_count)
         dt = self.table.snapshot()
         now = utcnow()
         row = self._row(dt, p, session_id)
+        if row is not None:
+            held = row.column("locked_until_utc")[0].as_py()
+            if row.column("lock_token")[0].as_py() is not None and held is not None and held > now:
+                raise SessionCannotBeLockedError(f"session {session_id!r} is locked by another receiver until {held.isoformat()}")
         token = new_ids(1)[0]
         until = now + self.entity.policy.lock_duration
+        lock = SessionLock(session_id, p, token, until)
+        rows = self.table.scan(dt, p, ROW_COLUMNS, subscription=self.entity.subscription, session_id=session_id)
+        if need_messages and _next_messages(_cleared(rows, now), now, 1).num_rows == 0:
+            raise SessionCannotBeLockedError(f"session {session_id!r} has no available message any more")  # drained meanwhile
+        stale = pc.is_valid(rows.column("lock_token"))
+        together = pc.less(pa.array(range(rows.num_rows), pa.int64()), KEEP_TOGETHER)
+        rows = _cleared(rows.filter(pc.or_(stale, together)), now)  # an earlier holder's message locks end with its lock
+        delivered = empty_rows()
+        parts: list[pa.Table] = []
+        if prefetch > 0 and rows.num_rows:
+            head = _next_messages(rows, now, prefetch)
+            if head.num_rows:
+                d = lifecycle.deliver(head, now, self.entity.policy, delete=delete)
+                delivered = _session_until(d.delivered, until)
+                parts.append(_session_until_changes(d.changes, until))
+                rows = rows.filter(pc.invert(pc.is_in(rows.column("sequence_number"), value_set=head.column("sequence_number"))))
+        if rows.num_rows:
+            parts.append(lifecycle.changes(rows, OP_SET))  # unchanged rows move along: the session stays together
         if row is None:
-            self.table.apply(dt, p, empty_changes(), new_rows=self._new_row(session_id, p, now, token, until))
-            return SessionLock(session_id, p, token, until)
-        held = row.column("locked_until_utc")[0].as_py()
-        if row.column("lock_token")[0].as_py() is not None and held is not None and held > now:
-            raise SessionCannotBeLockedError(f"session {session_id!r} is locked by another receiver until {held.isoformat()}")
-        changes = [
-            lifecycle.changes(row, OP_SET, lock_token=token, locked_until_utc=until),
-            self._release_messages(dt, p, session_id, now),
-        ]
-        self.table.apply(dt, p, pa.concat_tables(changes))
-        return SessionLock(session_id, p, token, until)
+            changes = pa.concat_tables(parts) if parts else empty_changes()
+            self.table.apply(dt, p, changes, new_rows=self._new_row(session_id, p, now, token, until), group_by=GROUP_COLUMN)
+        else:
+            parts.insert(0, lifecycle.changes(row, OP_SET, lock_token=token, locked_until_utc=until))
+            self.table.apply(dt, p, pa.concat_tables(parts), group_by=GROUP_COLUMN)
+        return lock, delivered
 
-    def _accept_next(self) -> SessionLock | None:
-        """Lock the first free session that has an available message, trying partitions from a rotating start."""
+    def _accept_next(self, prefetch: int, delete: bool) -> tuple[SessionLock, pa.Table] | None:
+        """Lock a free session that has an available message, trying partitions from a rotating start.
+
+        Among the oldest sessions of a partition one of the first few is picked at random, so
+        receivers racing over one partition mostly lock different sessions instead of colliding.
+        """
         start = next(self._start)
         for i in range(self.entity.partition_count):
             p = (start + i) % self.entity.partition_count
@@ -121,13 +168,15 @@ class Sessions:
             window = 1000
             while True:
                 now = utcnow()
-                cands = self.table.candidates(dt, p, SUB_QUEUE_MAIN, now, window, subscription=self.entity.subscription)
-                for sid in cands.column("session_id").to_pylist():
-                    if sid is None or sid in seen:
-                        continue
+                cands = self.table.candidates(
+                    dt, p, SUB_QUEUE_MAIN, now, window, subscription=self.entity.subscription
+                )
+                sids = [s for s in dict.fromkeys(cands.column("session_id").to_pylist()) if s is not None and s not in seen]
+                while sids:
+                    sid = sids.pop(random.randrange(min(len(sids), SPREAD)))
                     seen.add(sid)
                     try:
-                        return self._accept_named(sid)
+                        return self._accept_named(sid, prefetch, delete, need_messages=True)
                     except (SessionCannotBeLockedError, CommitConflict):
                         continue
                 if cands.num_rows < window:
@@ -138,7 +187,11 @@ class Sessions:
     # ---- receive and settle --------------------------------------------------------------------
 
     def receive(self, lock: SessionLock, max_count: int, *, delete: bool, wait_s: float) -> pa.Table:
-        """The session's next messages in sequence order; none while an earlier one is still locked."""
+        """The session's next messages in sequence order, after those already delivered under this lock.
+
+        The holder may receive further messages before settling earlier ones; an abandoned
+        message (its lock cleared) is the earliest undelivered one again, so it comes back first.
+        """
         give_up = time.monotonic() + wait_s
         poll = POLL_MIN_S
         while True:
@@ -153,12 +206,13 @@ class Sessions:
         now = utcnow()
         touch = self.guard(lock)(dt, lock.partition, now)
         rows = self.table.scan(dt, lock.partition, ROW_COLUMNS, subscription=self.entity.subscription, session_id=lock.session_id)
-        head = _deliverable_head(rows, now, max_count)
+        head = _next_messages(rows, now, max_count)
         if head.num_rows == 0:
             return empty_rows()
         d = lifecycle.deliver(head, now, self.entity.policy, delete=delete)
-        self.table.apply(dt, lock.partition, pa.concat_tables([d.changes, touch]))
-        return d.delivered
+        changes = _session_until_changes(d.changes, lock.locked_until)
+        self.table.apply(dt, lock.partition, pa.concat_tables([changes, touch]), group_by=GROUP_COLUMN)
+        return _session_until(d.delivered, lock.locked_until)
 
     def guard(self, lock: SessionLock) -> Guard:
         """A check run inside each commit: the session lock must still be ours; returns the row's touch."""
@@ -189,22 +243,27 @@ class Sessions:
             if rows.num_rows == 0:
                 return empty_rows()
             d = lifecycle.deliver(rows, now, self.entity.policy, delete=delete)
-            self.table.apply(dt, lock.partition, pa.concat_tables([d.changes, touch]))
-            return d.delivered
+            changes = _session_until_changes(d.changes, lock.locked_until)
+            self.table.apply(dt, lock.partition, pa.concat_tables([changes, touch]), group_by=GROUP_COLUMN)
+            return _session_until(d.delivered, lock.locked_until)
 
         return retry_commit(attempt, self.entity.deadline(), "receive deferred session messages")
 
     # ---- lock and state ------------------------------------------------------------------------
 
     def renew(self, lock: SessionLock) -> datetime:
-        """Extend the session lock by lock_duration; returns the new expiry."""
+        """Extend the session lock by lock_duration, and with it the locks of the messages delivered under it."""
 
         def attempt() -> datetime:
             dt = self.table.snapshot()
             now = utcnow()
             row = self._held_row(dt, lock, now)
             until = now + self.entity.policy.lock_duration
-            self.table.apply(dt, lock.partition, lifecycle.changes(row, OP_SET, locked_until_utc=until))
+            rows = self._locked_messages(dt, lock)
+            changes = [lifecycle.changes(row, OP_SET, locked_until_utc=until)]
+            if rows.num_rows:
+                changes.append(_session_until_changes(lifecycle.changes(rows, OP_SET), until))
+            self.table.apply(dt, lock.partition, pa.concat_tables(changes), group_by=GROUP_COLUMN)
             return until
 
         lock.locked_until = retry_commit(attempt, self.entity.deadline(), "renew session lock")
@@ -225,11 +284,13 @@ class Sessions:
 
         retry_commit(attempt, self.entity.deadline(), "set session state")
 
-    def release(self, lock: SessionLock) -> None:
+    def release(self, lock: SessionLock, undelivered: Sequence[int] = ()) -> None:
         """Give the session up at once, releasing its locked messages too; a lost lock is left alone.
 
-        A session left with no state and no messages is forgotten (its row deleted), so finished
-        sessions do not pile up as one small file each; accepting it again starts afresh.
+        `undelivered` are messages locked for the receiver but never handed to the application
+        (prefetched with the accept): their delivery count is restored. A session left with no
+        state and no messages is forgotten (its row deleted), so finished sessions do not pile up;
+        accepting it again starts afresh.
         """
 
         def attempt() -> None:
@@ -240,20 +301,27 @@ class Sessions:
             except SessionLockLostError:
                 return
             sub = self.entity.subscription
-            if (
-                row.column("body")[0].as_py() is None
-                and not self.table.scan(
-                    dt, lock.partition, ["sequence_number"], subscription=sub, session_id=lock.session_id
-                ).num_rows
-            ):
+            rows = self.table.scan(dt, lock.partition, ROW_COLUMNS, subscription=sub, session_id=lock.session_id)
+            if row.column("body")[0].as_py() is None and not rows.num_rows:
                 self.table.apply(dt, lock.partition, lifecycle.changes(row, OP_DELETE))
                 return
+            locked = rows.filter(pc.is_valid(rows.column("lock_token")))
+            unused = pc.is_in(locked.column("sequence_number"), value_set=pa.array(list(undelivered), pa.int64()))
+            count = pc.if_else(unused, pc.subtract(locked.column("delivery_count"), 1), locked.column("delivery_count"))
+            locked = locked.set_column(locked.schema.get_field_index("delivery_count"), "delivery_count", count.cast(pa.int32()))
             release = lifecycle.changes(row, OP_SET, lock_token=None, locked_until_utc=None)
-            self.table.apply(
-                dt, lock.partition, pa.concat_tables([release, self._release_messages(dt, lock.partition, lock.session_id, now)])
-            )
+            parts = [release, lifecycle.changes(_cleared(locked, now), OP_SET)] if locked.num_rows else [release]
+            self.table.apply(dt, lock.partition, pa.concat_tables(parts), group_by=GROUP_COLUMN)
 
         retry_commit(attempt, self.entity.deadline(), "release session")
+
+    def peek(self, lock: SessionLock, from_seq: int | None, max_count: int) -> pa.Table:
+        """Up to max_count of the held session's messages (main sub-queue) from `from_seq`, in sequence order."""
+        dt = self.table.snapshot()
+        rows = self.table.scan(
+            dt, lock.partition, ROW_COLUMNS, from_seq=from_seq, subscription=self.entity.subscription, session_id=lock.session_id
+        )
+        return rows.filter(pc.equal(rows.column("sub_queue"), SUB_QUEUE_MAIN)).slice(0, max_count).select(ROW_COLUMNS)
 
     def list(self) -> list[SessionInfo]:
         """Every session that has a session row or messages, with its state and counts."""
@@ -306,14 +374,10 @@ class Sessions:
             )
         return row
 
-    def _release_messages(self, dt: Snapshot, p: int, session_id: str, now: datetime) -> pa.Table:
-        """Changes that clear the message locks of a session: its new holder starts from the earliest message."""
-        rows = self.table.scan(dt, p, ROW_COLUMNS, subscription=self.entity.subscription, session_id=session_id)
-        rows = rows.filter(pc.is_valid(rows.column("lock_token")))
-        if rows.num_rows == 0:
-            return empty_changes()
-        avail = pc.if_else(pc.equal(rows.column("state"), STATE_ACTIVE), pa.scalar(now, TIMESTAMP), pa.scalar(None, TIMESTAMP))
-        return lifecycle.changes(rows, OP_SET, lock_token=None, locked_until_utc=None, available_at_utc=avail)
+    def _locked_messages(self, dt: Snapshot, lock: SessionLock) -> pa.Table:
+        """The session's message rows delivered under its current lock (their lock token is set)."""
+        rows = self.table.scan(dt, lock.partition, ROW_COLUMNS, subscription=self.entity.subscription, session_id=lock.session_id)
+        return rows.filter(pc.is_valid(rows.column("lock_token")))
 
     def _new_row(self, session_id: str, p: int, now: datetime, token: str, until: datetime) -> pa.Table:
         """A first session row, locked by its creator."""
@@ -338,25 +402,61 @@ class Sessions:
         return pa.Table.from_pylist([values], schema=ENTITY_SCHEMA)
 
 
-def _deliverable_head(rows: pa.Table, now: datetime, limit: int) -> pa.Table:
-    """The leading run of a session's visible active messages that are not locked, at most `limit`.
+def _next_messages(rows: pa.Table, now: datetime, limit: int) -> pa.Table:
+    """The session's next deliverable messages, at most `limit`, in sequence order.
 
-    Stops at the first locked message: a session's next message is never delivered while an
-    earlier one is locked (strict FIFO across abandon and lock expiry).
+    Messages already delivered under the session lock (lock token set) are skipped: the holder
+    may take later ones before settling them. An abandoned message has no lock token again, so
+    as the earliest undelivered message it comes back before any later one.
     """
     visible = pc.and_(
         pc.and_(pc.equal(rows.column("kind"), KIND_MESSAGE), pc.equal(rows.column("sub_queue"), SUB_QUEUE_MAIN)),
         pc.and_(
-            pc.equal(rows.column("state"), STATE_ACTIVE),
-            pc.invert(pc.fill_null(pc.greater(rows.column("scheduled_enqueue_time_utc"), pa.scalar(now, TIMESTAMP)), False)),
+            pc.and_(pc.equal(rows.column("state"), STATE_ACTIVE), pc.is_null(rows.column("lock_token"))),
+            pc.fill_null(pc.less_equal(rows.column("available_at_utc"), pa.scalar(now, TIMESTAMP)), False),
         ),
     )
-    rows = rows.filter(visible)
-    until = rows.column("locked_until_utc").to_pylist()
-    tokens = rows.column("lock_token").to_pylist()
-    n = 0
-    for tok, u in zip(tokens, until, strict=True):
-        if n >= limit or (tok is not None and u is not None and u > now):
-            break
-        n += 1
-    return rows.slice(0, n)
+    return rows.filter(visible).slice(0, limit)
+
+
+def _cleared(rows: pa.Table, now: datetime) -> pa.Table:
+    """Rows with the message locks of an earlier session holder removed: active ones are available again now."""
+    locked = pc.is_valid(rows.column("lock_token"))
+    if not pc.any(locked).as_py():
+        return rows
+    active = pc.equal(rows.column("state"), STATE_ACTIVE)
+    again = pc.if_else(active, pa.scalar(now, TIMESTAMP), pa.scalar(None, TIMESTAMP))
+    avail = pc.if_else(locked, again, rows.column("available_at_utc"))
+    out = {
+        "lock_token": pc.if_else(locked, pa.scalar(None, pa.string()), rows.column("lock_token")),
+        "locked_until_utc": pc.if_else(locked, pa.scalar(None, TIMESTAMP), rows.column("locked_until_utc")),
+        "available_at_utc": avail,
+    }
+    for name, arr in out.items():
+        i = rows.schema.get_field_index(name)
+        rows = rows.set_column(i, rows.schema.field(i), arr)
+    return rows
+
+
+def _session_until(rows: pa.Table, until: datetime) -> pa.Table:
+    """Delivered rows whose lock expiry is the session's (session messages carry no lock of their own)."""
+    if rows.num_rows == 0 or "locked_until_utc" not in rows.column_names:
+        return rows
+    i = rows.schema.get_field_index("locked_until_utc")
+    locked = pc.is_valid(rows.column("lock_token"))
+    value = pc.if_else(locked, pa.scalar(until, TIMESTAMP), pa.scalar(None, TIMESTAMP))
+    return rows.set_column(i, rows.schema.field(i), value)
+
+
+def _session_until_changes(changes: pa.Table, until: datetime) -> pa.Table:
+    """Change rows in which every lock set follows the session lock's expiry (and active rows stay hidden until then)."""
+    if changes.num_rows == 0:
+        return changes
+    locked = pc.is_valid(changes.column("lock_token"))
+    active = pc.fill_null(pc.equal(changes.column("state"), STATE_ACTIVE), False)
+    at = pa.scalar(until, TIMESTAMP)
+    i = changes.schema.get_field_index("locked_until_utc")
+    changes = changes.set_column(i, changes.schema.field(i), pc.if_else(locked, at, changes.column("locked_until_utc")))
+    j = changes.schema.get_field_index("available_at_utc")
+    avail = pc.if_else(pc.and_(locked, active), at, changes.column("available_at_utc"))
+    return changes.set_column(j, changes.schema.field(j), avail)

@@ -23,6 +23,9 @@ ACCEPTED_MARKER = "$accepted"
 # A copy a rule action would leave invalid (too large, an id over 128 characters, a TTL that is not
 # positive, a property JSON cannot hold) is dead-lettered in its subscription, unmodified, with this reason.
 RULE_ACTION_REASON = "RuleActionViolation"
+# A copy without a session id for a subscription that requires sessions could never be received
+# there, so it is dead-lettered in that subscription at fan-out with this reason.
+SESSION_REQUIRED_REASON = "SessionIdRequired"
 _KEY_COLUMNS = ("message_id", "session_id", "partition_key")
 _SIZED_STRINGS = (
     "message_id",
@@ -53,6 +56,7 @@ class Subscriber:
     key: str
     rules: tuple[Rule, ...]
     default_message_time_to_live: timedelta | None = None  # caps the TTL of the subscription's copies
+    requires_session: bool = False  # copies without a session id are dead-lettered (SESSION_REQUIRED_REASON)
 
 
 def fan_out(rows: pa.Table, subscribers: list[Subscriber], record_ids: bool, max_message_bytes: int | None = None) -> pa.Table:
@@ -65,6 +69,7 @@ def fan_out(rows: pa.Table, subscribers: list[Subscriber], record_ids: bool, max
     cap = max_message_bytes if max_message_bytes is not None else limits.MAX_MESSAGE_BYTES[limits.STANDARD]
     parts: list[pa.Table] = []
     for sub in subscribers:
+        first = len(parts)
         plain: pa.Array | None = None
         for rule in sub.rules:
             hit = pc.fill_null(rule.filter.evaluate(rows), False)
@@ -79,6 +84,8 @@ def fan_out(rows: pa.Table, subscribers: list[Subscriber], record_ids: bool, max
             matched = rows.filter(plain)
             if matched.num_rows:
                 parts.append(_cap_ttl(_tag(matched, sub.key), sub))
+        if sub.requires_session:
+            parts[first:] = [_sessionless_dead_lettered(p) for p in parts[first:]]
     if record_ids:
         parts.append(_markers(rows))
     return pa.concat_tables([p.cast(rows.schema) for p in parts]) if parts else rows.schema.empty_table()
@@ -99,6 +106,21 @@ def checked_action_copies(original: pa.Table, acted: pa.Table, max_bytes: int) -
         dead_letter_error_description=pa.array([p for p in problems if p is not None], pa.string()),
     )
     return pa.concat_tables([acted.filter(pc.invert(bad)), dead.cast(original.schema)])
+
+
+def _sessionless_dead_lettered(copies: pa.Table) -> pa.Table:
+    """A session-requiring subscription's copies, those without a session id moved to its dead-letter sub-queue."""
+    missing = pc.is_null(copies.column("session_id"))
+    if not pc.any(missing).as_py():
+        return copies
+    dead = _set(
+        copies.filter(missing),
+        sub_queue=SUB_QUEUE_DEAD_LETTER,
+        state=STATE_ACTIVE,
+        dead_letter_reason=SESSION_REQUIRED_REASON,
+        dead_letter_error_description="the subscription requires sessions and the message has no session_id",
+    )
+    return pa.concat_tables([copies.filter(pc.invert(missing)), dead.cast(copies.schema)])
 
 
 def _set(rows: pa.Table, **values: Any) -> pa.Table:

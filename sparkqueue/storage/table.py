@@ -398,6 +398,7 @@ class EntityTable:
         *,
         changed_file_rows: int = MAX_FILE_ROWS,
         written: list[str] | None = None,
+        group_by: str | None = None,
     ) -> pa.Table | None:
         """Apply per-row changes (CHANGE_SCHEMA), and append new rows, to one partition in one commit; one attempt.
 
@@ -409,9 +410,13 @@ class EntityTable:
         in files of up to `changed_file_rows` (a large receive passes its batch size, so that its
         locked messages sit in one file that their settlement drops whole). Once committed, the
         paths of those files are added to `written`, when given.
+
+        With `group_by` (a column), the rows of every rewritten file, changed or not, are written
+        one file per value of that column: a session entity keeps each session's rows apart, so
+        later changes to one session never rewrite another's rows.
         """
         with self.existing():
-            return self._apply(dt, partition, changes, new_rows, dedupe_since, expand, changed_file_rows, written)
+            return self._apply(dt, partition, changes, new_rows, dedupe_since, expand, changed_file_rows, written, group_by)
 
     def _apply(
         self,
@@ -423,10 +428,11 @@ class EntityTable:
         expand: Expand | None,
         changed_file_rows: int,
         written: list[str] | None,
+        group_by: str | None = None,
     ) -> pa.Table | None:
         self.faults.check(partition, "write")
         changes = changes.cast(CHANGE_SCHEMA)
-        adds, removed, changed = [], [], []
+        adds, removed, changed, kept = [], [], [], []
         if changes.num_rows:
             seqs = changes.column("sequence_number").combine_chunks()
             lo, hi = pc.min(seqs).as_py(), pc.max(seqs).as_py()
@@ -444,10 +450,19 @@ class EntityTable:
                 split = _apply_changes(self.data.read(f.path), changes)
                 if split is not None:
                     changed.append(split[0])
-                    adds += self.data.write_chunks(partition, split[1])
+                    if group_by is None:
+                        adds += self.data.write_chunks(partition, split[1])
+                    else:
+                        kept.append(split[1])
             if not removed:
                 raise CommitConflict("none of the changed rows is live any more")
-        changed_adds = self.data.write_chunks(partition, pa.concat_tables(changed), changed_file_rows) if changed else []
+        if group_by is not None:
+            changed_adds = [
+                a for g in _groups(changed, group_by) for a in self.data.write_chunks(partition, g, changed_file_rows)
+            ]
+            adds += [a for g in _groups(kept, group_by) for a in self.data.write_chunks(partition, g)]
+        else:
+            changed_adds = self.data.write_chunks(partition, pa.concat_tables(changed), changed_file_rows) if changed else []
         adds += changed_adds
         staged = self._stage(dt, partition, new_rows, dedupe_since, expand) if new_rows is not None else None
         fences: list[Fence] = []
@@ -515,6 +530,21 @@ def _apply_changes(rows: pa.Table, changes: pa.Table) -> tuple[pa.Table, pa.Tabl
             pos = rows.schema.get_field_index(c)
             rows = rows.set_column(pos, rows.field(c), pc.if_else(tomb, pa.scalar(None, rows.field(c).type), rows.column(c)))
     return rows.filter(pc.invert(pc.fill_null(pc.equal(ops, OP_DELETE), False))), kept
+
+
+def _groups(tables: list[pa.Table], column: str) -> list[pa.Table]:
+    """The rows of `tables` split by the value of `column` (nulls together), each group in sequence order."""
+    rows = [t for t in tables if t.num_rows]
+    if not rows:
+        return []
+    t = pa.concat_tables(rows).sort_by([(column, "ascending"), ("sequence_number", "ascending")])
+    keys = t.column(column).to_pylist()
+    out, start = [], 0
+    for i in range(1, len(keys) + 1):
+        if i == len(keys) or keys[i] != keys[start]:
+            out.append(t.slice(start, i - start))
+            start = i
+    return out
 
 
 def _in_scope(t: pa.Table, kind: str, subscription: str | None) -> pa.ChunkedArray:
