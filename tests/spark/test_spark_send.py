@@ -350,4 +350,3 @@ def test_a_concurrent_core_sender_moves_the_fences_and_the_dataframe_send_lands_
     on_disk = {f.name for f in Path(table_dir).glob("partition_id=*/*.parquet")}
     live = {u.rsplit("/", 1)[-1] for u in DeltaTable(table_dir).file_uris()}
     assert on_disk == live  # the conflicting attempt's files were deleted
-    }  # the conflicting attempt's files were deleted
