@@ -626,6 +626,9 @@ class PartitionStager:
 
         base = self.last.get(p, self.plan.bases[p] or 0)
         adds = self.adds.setdefault(p, [])
+        self.last[p] = base
+        if rows.num_rows == 0:  # every row repeats one an earlier chunk staged
+            return
         stored, new = table.stage(self._snap, p, rows, base, since, expand, self.staged_bytes.get(p, 0))
         adds += new
         self.last[p] = base + stored.num_rows

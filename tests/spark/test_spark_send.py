@@ -15,8 +15,9 @@ from deltalake import DeltaTable
 from pyspark.sql import functions as sf
 
 from sparkqueue import Namespace
-from sparkqueue.errors import InvalidOperationError, MessageSizeExceededError, PartitionUnavailableError
+from sparkqueue.errors import InvalidOperationError, MessageSizeExceededError, OperationTimeoutError, PartitionUnavailableError
 from sparkqueue.model.partitioning import partition_for_key
+from sparkqueue.spark.send import send_dataframe
 from sparkqueue.storage.table import SEQUENCE_MASK
 
 pytestmark = pytest.mark.spark
@@ -292,6 +293,30 @@ open(done, "w").close()
 """
 
 
+def _racing_core_sender(root: str, tmp_path: Path, count: int):
+    """A core sender in another process that sends `count` single messages to queue "q" while a DataFrame send runs.
+
+    Returns the process and a function that gates a DataFrame on it: the first evaluation of row 0
+    (in the send's first attempt, after the driver read the fences) starts the sender and waits
+    until it has sent everything; later evaluations pass straight through.
+    """
+    started, done = str(tmp_path / "started"), str(tmp_path / "done")
+    child = subprocess.Popen(
+        [sys.executable, "-c", CONCURRENT_SENDER, root, started, done, str(count)],
+        env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)},
+    )
+    core_sent = _waiting(lambda: os.path.exists(done), "the core sender")
+
+    def body(i, b):
+        if i == 0 and not os.path.exists(done):
+            Path(started).touch()
+            core_sent()
+        return b
+
+    gated = sf.udf(body, "binary").asNondeterministic()
+    return child, lambda df: df.withColumn("body", gated(sf.col("id"), sf.col("body")))
+
+
 @pytest.mark.parametrize("keyed", [False, True], ids=["in-place", "shuffled"])
 def test_a_concurrent_core_sender_moves_the_fences_and_the_dataframe_send_lands_whole_after_it(
     spark, ns, numbered, tmp_path, keyed
@@ -303,22 +328,10 @@ def test_a_concurrent_core_sender_moves_the_fences_and_the_dataframe_send_lands_
     gap or repeat, the core messages in their send order and the DataFrame's after them.
     """
     ns.create_queue("q")
-    started, done = str(tmp_path / "started"), str(tmp_path / "done")
     core = 48  # single unkeyed sends go round-robin: every one of the 16 partitions gets some
-    child = subprocess.Popen(
-        [sys.executable, "-c", CONCURRENT_SENDER, ns.root, started, done, str(core)],
-        env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)},
-    )
-
-    def body(i, b):
-        if i == 0 and not os.path.exists(done):  # the first attempt waits, after the driver read the fences
-            Path(started).touch()
-            core_sent()
-        return b
-
-    core_sent = _waiting(lambda: os.path.exists(done), "the core sender")
+    child, gate = _racing_core_sender(ns.root, tmp_path, core)
     n = 4000
-    df = numbered(n, partitions=4).withColumn("body", sf.udf(body, "binary").asNondeterministic()(sf.col("id"), sf.col("body")))
+    df = gate(numbered(n, partitions=4))
     if keyed:
         df = df.withColumn("partition_key", sf.concat(sf.lit("k"), (sf.col("id") % 64).cast("string")))
     try:
@@ -350,3 +363,40 @@ def test_a_concurrent_core_sender_moves_the_fences_and_the_dataframe_send_lands_
     on_disk = {f.name for f in Path(table_dir).glob("partition_id=*/*.parquet")}
     live = {u.rsplit("/", 1)[-1] for u in DeltaTable(table_dir).file_uris()}
     assert on_disk == live  # the conflicting attempt's files were deleted
+
+
+def test_conflicts_past_the_operation_timeout_raise_and_send_nothing(spark, root, numbered, tmp_path):
+    with Namespace(root, operation_timeout=1.0) as ns:
+        ns.create_queue("q")
+        child, gate = _racing_core_sender(ns.root, tmp_path, 20)  # the first attempt outlasts the 1 s timeout
+        try:
+            with ns.get_queue_sender("q") as s, pytest.raises(OperationTimeoutError, match="operation timeout"):
+                s.send_dataframe(gate(numbered(1000)))
+        finally:
+            assert child.wait(timeout=120) == 0
+        assert DeltaTable(ns._entity("queue", "q").table.uri).to_pyarrow_table().num_rows == 20
+        assert {m.message_id for m in peek_all(ns, "q")} == {f"c-{i}" for i in range(20)}
+
+
+def test_small_stages_keep_duplicate_detection_and_dense_numbering(spark, ns, numbered):
+    """A task stages its rows in many chunks: a repeat in a later chunk is still a duplicate, numbers stay dense."""
+    ns.create_queue("q", requires_duplicate_detection=True)
+    df = numbered(500)
+    with ns.get_queue_sender("q") as s:
+        assert send_dataframe(s, df.union(df.limit(100)), stage_rows=8) == 500
+        assert send_dataframe(s, numbered(600), stage_rows=8) == 100
+    got = peek_all(ns, "q")
+    assert sorted(m.message_id for m in got) == sorted(f"m-{i}" for i in range(600))
+    by_partition = Counter(m.partition_id for m in got)
+    for p, count in by_partition.items():
+        counters = sorted(m.sequence_number & SEQUENCE_MASK for m in got if m.partition_id == p)
+        assert counters == list(range(1, count + 1))
+
+
+def test_a_forwarding_queue_forwards_what_a_dataframe_send_stored(spark, ns, numbered):
+    ns.create_queue("dest")
+    ns.create_queue("q", forward_to="dest")
+    with ns.get_queue_sender("q") as s:
+        assert s.send_dataframe(numbered(200)) == 200
+    assert ns.get_queue_runtime_properties("q").total_message_count == 0
+    assert sorted(m.message_id for m in peek_all(ns, "dest")) == sorted(f"m-{i}" for i in range(200))
