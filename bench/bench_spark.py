@@ -9,7 +9,7 @@ Sizes: 100k and N (default 1M); `--quick` runs 100k only. For each size, in one 
 is in the JSON):
 
 - floor: Spark writing the same DataFrame to Parquet: no queue at all;
-- send: `sender.send_dataframe(df)` into a fresh partitioned queue;
+- send: `sender.send_dataframe(df)` into a fresh partitioned queue (all or nothing: one commit from the driver);
 - read: counting the queue through the `sparkqueue` data source;
 - receive+complete: `receive_dataframe(batch)` then `complete_dataframe` until the queue is empty.
 

@@ -1,4 +1,13 @@
-"""Send a DataFrame of messages (SPEC §12): validated and placed in Spark, written and committed per queue partition.
+"""Send a DataFrame of messages (SPEC §12): validated and placed in Spark, written by Spark tasks, committed once.
+
+A DataFrame send is all-or-nothing. The driver reads every queue partition's sequence fence
+(docs/storage.md) from one snapshot; Spark tasks, each owning whole queue partitions, number their
+rows from those fences and write the data files without committing; the driver then commits every
+task's files in ONE Delta commit that moves the fences and expects the versions it read. A send
+that fails anywhere (a bad row, a quota, a failing task) commits nothing, and the files its tasks
+wrote are deleted (vacuum removes what a killed task left). A concurrent sender that moved one of
+the fences makes the commit conflict: the files are deleted and the whole send runs again on a
+fresh snapshot, until it lands or the operation timeout passes (OperationTimeoutError).
 
 Keyed rows (a session id, a partition key, or a message id on a duplicate-detecting entity), or
 any send asked to keep the DataFrame's order, take two stages separated by a shuffle:
@@ -8,17 +17,16 @@ any send asked to keep the DataFrame's order, take two stages separated by a shu
    rows by mmh3 exactly as `model.partitioning` does (unkeyed rows go round-robin over the
    available partitions in blocks of ROUND_ROBIN_BLOCK rows), convert application properties to
    the core's JSON, and validate every row (size, key lengths, sessions, time to live). A bad row
-   fails the stage with the sparkqueue error, and Spark runs no task of the second stage, so
-   nothing is stored.
+   fails the stage with the sparkqueue error, and Spark runs no task of the second stage.
 2. Reduce stage: `repartition` by a key whose Spark hash sends each queue partition to exactly
    one task (one task per partition, up to the session's parallelism; see session.task_count);
-   each task builds entity rows and appends them to their partition in commits of COMMIT_ROWS
-   (duplicate detection, quota and sequence fences as in a core send). Commits on different
-   partitions do not conflict, so tasks commit in parallel.
+   each task builds entity rows and stages them in its partitions STAGE_ROWS at a time
+   (duplicate detection against the table and across the task's chunks, quota, numbering from
+   the driver's fence base; `EntityTable.stage`), returning the add actions of its files.
 
 Unkeyed rows need no shuffle (see `in_place`): a validation pass over the rows (the map stage's
-checks) comes first, then each input task writes its own rows to queue partitions that it alone
-owns. The driver only collects the per-task counts.
+checks) comes first, then each input task stages its own rows in queue partitions that it alone
+owns.
 """
 
 from __future__ import annotations
@@ -28,7 +36,7 @@ import json
 import logging
 import random
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass, replace
 from datetime import timedelta
 from functools import partial
 from typing import TYPE_CHECKING
@@ -36,31 +44,35 @@ from typing import TYPE_CHECKING
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
-from pyspark.sql import Column, DataFrame
+from pyspark.accumulators import Accumulator, AccumulatorParam
+from pyspark.sql import Column, DataFrame, Row, SparkSession
 from pyspark.sql import functions as sf
 from pyspark.sql import types as st
 from pyspark.sql.functions import arrow_udf
 
-from sparkqueue.errors import InvalidOperationError, MessageSizeExceededError, PartitionUnavailableError
+from sparkqueue.errors import InvalidOperationError, MessageSizeExceededError, PartitionUnavailableError, StorageError
 from sparkqueue.message import SendSettings
 from sparkqueue.model import limits
 from sparkqueue.model.entity import utcnow
 from sparkqueue.model.partitioning import partition_for_key
 from sparkqueue.spark.session import bucket_key, input_partitions, marked, spark_errors, task_count, task_error
 from sparkqueue.spark.worker import EntityRef, marking_errors
+from sparkqueue.storage.log import AddFile, Fence
 from sparkqueue.storage.retry import retry_commit
 from sparkqueue.storage.schema import ENTITY_SCHEMA, KIND_MESSAGE, PARTITION_COLUMN, STATE_ACTIVE, SUB_QUEUE_MAIN, TIMESTAMP
+from sparkqueue.storage.table import fence_app_id
 
 if TYPE_CHECKING:
     from sparkqueue.model.entity import Entity
     from sparkqueue.sender import Sender
-    from sparkqueue.storage.table import Expand
+    from sparkqueue.storage.log import Snapshot
+    from sparkqueue.storage.table import EntityTable, Expand
 
 log = logging.getLogger(__name__)
 
 ROUND_ROBIN_BLOCK = 1024  # unkeyed rows go round-robin in blocks: a small DataFrame touches few partitions
-COMMIT_ROWS = 32_768  # rows per commit of a send task (storage splits them into bounded files)
-COMMIT_BYTES = 32 << 20  # and at most this many message bytes per commit
+STAGE_ROWS = 32_768  # rows a send task numbers and writes at a time (storage splits them into bounded files)
+STAGE_BYTES = 32 << 20  # and at most this many message bytes at a time
 
 KEY_FIELDS = ("message_id", "session_id", "partition_key")
 STRING_FIELDS = (*KEY_FIELDS, "correlation_id", "subject", "to", "reply_to", "reply_to_session_id", "content_type")
@@ -74,7 +86,7 @@ WRITE_COLUMNS = (
     "size_in_bytes",
     "_qp",
 )
-RESULT_DDL = "partition_id int, accepted long, files int"
+RESULT_DDL = "partition_id int, accepted long, last long, adds string"
 _PROPERTY_VALUE_TYPES = (st.StringType, st.IntegralType, st.FloatType, st.DoubleType, st.BooleanType, st.NullType)
 
 
@@ -86,8 +98,9 @@ class SendPlan:
     settings: SendSettings
     partition_count: int
     available: tuple[int, ...]
-    commit_rows: int = COMMIT_ROWS
-    commit_bytes: int = COMMIT_BYTES
+    stage_rows: int = STAGE_ROWS
+    stage_bytes: int = STAGE_BYTES
+    bases: tuple[int | None, ...] = ()  # per queue partition: its fence version as the driver read it (None: no fence yet)
 
 
 def send_dataframe(
@@ -95,10 +108,10 @@ def send_dataframe(
     df: DataFrame,
     *,
     preserve_order: bool | None = None,
-    commit_rows: int = COMMIT_ROWS,
-    commit_bytes: int = COMMIT_BYTES,
+    stage_rows: int = STAGE_ROWS,
+    stage_bytes: int = STAGE_BYTES,
 ) -> int:
-    """Send every row of `df` as a message; returns how many were accepted (duplicates dropped are not counted).
+    """Send every row of `df` as a message, all or nothing; returns how many were accepted (duplicates dropped are not counted).
 
     `preserve_order` keeps the DataFrame's row order within each queue partition (a shuffle and
     a sort per task). By default it is on when rows may carry a session id or partition key, the
@@ -119,38 +132,119 @@ def send_dataframe(
         send_settings(ns.tier, entity.props),
         entity.partition_count,
         available,
-        limits.check_int(commit_rows, "commit_rows"),
-        limits.check_int(commit_bytes, "commit_bytes"),
+        limits.check_int(stage_rows, "stage_rows"),
+        limits.check_int(stage_bytes, "stage_bytes"),
     )
     if preserve_order is None:
         preserve_order = bool(_key_columns(df))
     inputs = input_partitions(df)
+    check: DataFrame | None = None
     if preserve_order or _may_have_keys(df, plan) or inputs is None:
         staged = shuffle_by_partition(prepare(df, plan), task_count(df.sparkSession, plan.partition_count), preserve_order)
     else:
-        staged = in_place(df, plan, inputs)
-    with spark_errors():
-        counts = staged.mapInArrow(partial(write_task, plan), RESULT_DDL).collect()
-    accepted = sum(r.accepted for r in counts)
-    log.info("sent %d messages to %s over %d partitions", accepted, entity.name, len({r.partition_id for r in counts}))
+        staged, check = in_place(df, plan, inputs)
+    table = entity.table
+
+    def attempt() -> tuple[int, list[int]]:
+        bases = fence_bases(table, plan.partition_count)
+        if check is not None:  # a bad row fails this pass, before any task writes a file
+            with spark_errors():
+                check.collect()
+        return commit_send(table, write_files(table, staged, replace(plan, bases=bases)), bases)
+
+    accepted, touched = retry_commit(attempt, entity.deadline(), f"DataFrame send to {entity.name}")
+    if touched:
+        ns._after_send(sender.entity_type, sender.entity_name, touched)
+    log.info("sent %d messages to %s over %d partitions in one commit", accepted, entity.name, len(touched))
     return accepted
 
 
-def in_place(df: DataFrame, plan: SendPlan, inputs: int) -> DataFrame:
+def fence_bases(table: EntityTable, partition_count: int) -> tuple[int | None, ...]:
+    """Every partition's sequence fence in a fresh snapshot of the table: where this attempt's numbering starts."""
+    with table.existing():
+        snap = table.snapshot()
+    return tuple(snap.transaction_version(fence_app_id(p)) for p in range(partition_count))
+
+
+def write_files(table: EntityTable, staged: DataFrame, plan: SendPlan) -> list[Row]:
+    """Run the write tasks: per queue partition, the rows accepted, the last counter used and the files (no commit).
+
+    When the job fails, the files of the tasks that had finished are deleted (an accumulator
+    collects their paths; a failing task deletes its own).
+    """
+    written = _paths_accumulator(staged.sparkSession)
+    try:
+        with spark_errors():
+            return staged.mapInArrow(partial(write_task, plan, written), RESULT_DDL).collect()
+    except BaseException:
+        if written is not None:
+            log.info("the DataFrame send failed: deleting %d files its tasks wrote", len(written.value))
+            table.data.delete(written.value)
+        raise
+    finally:
+        if written is not None:
+            written.value = []
+
+
+def commit_send(table: EntityTable, results: list[Row], bases: tuple[int | None, ...]) -> tuple[int, list[int]]:
+    """Commit every task's files in one commit that moves the fences of the partitions written; (accepted, partitions).
+
+    The commit expects each fence at the version the tasks numbered from: a concurrent append to
+    one of the partitions makes it raise CommitConflict, and EntityTable.commit deletes the files.
+    """
+    adds: list[AddFile] = []
+    fences: list[Fence] = []
+    seen: dict[str, int | None] = {}
+    touched: list[int] = []
+    for r in results:
+        adds += [AddFile(**a) for a in json.loads(r.adds)]
+        if r.last != (bases[r.partition_id] or 0):
+            app = fence_app_id(r.partition_id)
+            if app in seen:  # two tasks numbered one partition: never commit that (see in_place, shuffle_by_partition)
+                table.data.delete([a.path for a in adds])
+                raise StorageError(f"partition {r.partition_id} of {table.uri} was written by two send tasks; nothing was sent")
+            fences.append(Fence(app, r.last))
+            seen[app] = bases[r.partition_id]
+        if r.accepted:
+            touched.append(r.partition_id)
+    if adds:
+        with table.existing():
+            table.commit(table.snapshot(), adds, [], fences, seen, "WRITE")
+    return sum(r.accepted for r in results), sorted(touched)
+
+
+class _PathList(AccumulatorParam):
+    """Accumulates lists of file paths."""
+
+    def zero(self, value: list[str]) -> list[str]:
+        return []
+
+    def addInPlace(self, value1: list[str], value2: list[str]) -> list[str]:  # noqa: N802 - pyspark's name
+        value1.extend(value2)
+        return value1
+
+
+def _paths_accumulator(spark: SparkSession) -> Accumulator | None:
+    """An accumulator of the files finished tasks wrote; None without a SparkContext (Spark Connect)."""
+    try:
+        return spark.sparkContext.accumulator([], _PathList())
+    except Exception:  # no SparkContext: a failed send's files are left to vacuum
+        return None
+
+
+def in_place(df: DataFrame, plan: SendPlan, inputs: int) -> tuple[DataFrame, DataFrame]:
     """Unkeyed rows, written by the tasks that hold them: each owns queue partitions of its own, so nothing is shuffled.
 
     Input partition k of T takes available partitions k, k + T, ... in turn (a DataFrame with
-    more partitions than the queue is coalesced first), so no two tasks commit to one queue
-    partition and each keeps its rows' order. A validation pass over the rows comes first: a bad
-    row fails it before any task commits. It reads the input once more, which costs less than
-    shuffling every body.
+    more partitions than the queue is coalesced first), so no two tasks stage rows in one queue
+    partition and each keeps its rows' order. Returns the rows to write and a validation pass
+    over them (one row) that the send runs first: a bad row fails it before any task writes. It
+    reads the input once more, which costs less than shuffling every body.
     """
     if inputs > len(plan.available):  # `inputs`: df's partition count
         df = df.coalesce(len(plan.available))
     prepared = prepare(df, plan, owned=True)
-    with spark_errors():
-        prepared.agg(sf.max("size_in_bytes")).collect()
-    return prepared.select(*WRITE_COLUMNS)
+    return prepared.select(*WRITE_COLUMNS), prepared.agg(sf.max("size_in_bytes"))
 
 
 def shuffle_by_partition(prepared: DataFrame, tasks: int, preserve_order: bool) -> DataFrame:
@@ -421,68 +515,90 @@ def mmh3_udf(partition_count: int) -> Callable[[Column], Column]:
     return partition_of
 
 
-# ---- reduce stage: rows, files and commits per partition ------------------------------------------
+# ---- reduce stage: rows numbered and written per partition, committed by the driver -----------------
 
 
 @marking_errors
-def write_task(plan: SendPlan, batches: Iterator[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
-    """Append this task's rows to their queue partition(s), one commit per bounded file; yields counts."""
-    writer = PartitionWriter(plan)
-    for batch in batches:
-        writer.add(pa.Table.from_batches([batch]))
-    writer.finish()
-    yield writer.summary()
+def write_task(plan: SendPlan, written: Accumulator | None, batches: Iterator[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
+    """Stage this task's rows in their queue partition(s) STAGE_ROWS at a time; yields per partition counts and files.
+
+    Nothing is committed here. If the task fails, it deletes the files it wrote; once it has
+    finished, `written` tells the driver its files, which it deletes if another task fails.
+    """
+    stager = PartitionStager(plan)
+    try:
+        for batch in batches:
+            stager.add(pa.Table.from_batches([batch]))
+        stager.finish()
+    except BaseException:
+        stager.discard()
+        raise
+    if written is not None:
+        written.add(stager.paths())
+    yield stager.summary()
 
 
-class PartitionWriter:
-    """Buffers a task's rows per queue partition and commits them a file at a time."""
+class PartitionStager:
+    """Buffers a task's rows per queue partition, numbering them from the driver's fence bases and writing their files."""
 
     def __init__(self, plan: SendPlan) -> None:
         self.plan = plan
         self._entity: Entity | None = None
+        self._snap: Snapshot | None = None
         self.expand: Expand | None = None
         self.pending: dict[int, list[pa.Table]] = {}
         self.accepted: dict[int, int] = {}
-        self.files: dict[int, int] = {}
+        self.last: dict[int, int] = {}  # the last counter numbered per partition
+        self.staged_bytes: dict[int, int] = {}  # message bytes staged per partition (the quota counts them)
+        self.ids: dict[int, list[pa.Array]] = {}  # message ids staged per partition (duplicate detection)
+        self.adds: dict[int, list[AddFile]] = {}
 
     def add(self, rows: pa.Table) -> None:
-        """Buffer rows, committing full files as they fill."""
+        """Buffer rows, staging full chunks as they fill."""
         for p, part in partition_runs(rows):
             buffered = [*self.pending.get(p, []), part]
             table = pa.concat_tables(buffered)
-            limit = self._commit_limit(table)
+            limit = self._chunk_limit(table)
             while table.num_rows >= limit:
-                self._commit(p, table.slice(0, limit))
+                self._stage(p, table.slice(0, limit))
                 table = table.slice(limit)
             self.pending[p] = [table] if table.num_rows else []
 
     def finish(self) -> None:
-        """Commit what is left, then forward what arrived if the entity forwards."""
+        """Stage what is left."""
         for p, tables in self.pending.items():
             if tables:
-                self._commit(p, pa.concat_tables(tables))
+                self._stage(p, pa.concat_tables(tables))
         self.pending.clear()
-        touched = sorted(p for p, n in self.accepted.items() if n)
-        if touched:
-            self.plan.ref.namespace()._after_send(self.plan.ref.entity_type, self.plan.ref.name, touched)
+
+    def paths(self) -> list[str]:
+        """Every file this task wrote."""
+        return [a.path for adds in self.adds.values() for a in adds]
+
+    def discard(self) -> None:
+        """Delete the files written so far (the task failed: nothing of it will be committed)."""
+        if self._entity is not None and self.adds:
+            self._entity.table.data.delete(self.paths())
+        self.adds.clear()
 
     def summary(self) -> pa.RecordBatch:
-        """Per partition: messages accepted and files committed."""
-        parts = sorted(self.files)
+        """Per partition staged: messages accepted, the last counter numbered, and the files' add actions (JSON)."""
+        parts = sorted(self.adds)
         return pa.RecordBatch.from_pydict(
             {
                 "partition_id": pa.array(parts, pa.int32()),
                 "accepted": pa.array([self.accepted.get(p, 0) for p in parts], pa.int64()),
-                "files": pa.array([self.files[p] for p in parts], pa.int32()),
+                "last": pa.array([self.last[p] for p in parts], pa.int64()),
+                "adds": pa.array([json.dumps([asdict(a) for a in self.adds[p]]) for p in parts], pa.string()),
             }
         )
 
-    def _commit_limit(self, rows: pa.Table) -> int:
-        """Rows per commit: the row cap, lowered so a commit's message bytes stay under the byte cap."""
+    def _chunk_limit(self, rows: pa.Table) -> int:
+        """Rows staged at a time: the row cap, lowered so a chunk's message bytes stay under the byte cap."""
         if rows.num_rows == 0:
-            return self.plan.commit_rows
+            return self.plan.stage_rows
         mean = max(1, (pc.sum(rows.column("size_in_bytes")).as_py() or 0) // rows.num_rows)
-        return max(1, min(self.plan.commit_rows, self.plan.commit_bytes // mean))
+        return max(1, min(self.plan.stage_rows, self.plan.stage_bytes // mean))
 
     @property
     def entity(self) -> Entity:
@@ -492,23 +608,40 @@ class PartitionWriter:
             self.expand = self.plan.ref.namespace()._expander(self.plan.ref.entity_type, self.plan.ref.name)
         return self._entity
 
-    def _commit(self, p: int, chunk: pa.Table) -> None:
-        """Append one commit's rows to partition p (duplicates dropped, quota checked), retrying lost races."""
+    def _stage(self, p: int, chunk: pa.Table) -> None:
+        """Number and write one chunk of partition p (duplicates dropped, quota checked) after what is staged already."""
         rows = entity_rows(chunk, self.plan.settings)
-        entity = self.entity  # the table checks the partition's size quota inside the commit
+        table = self.entity.table
+        if self._snap is None:  # one view of the table for every chunk of the task
+            with table.existing():
+                self._snap = table.snapshot().copy()
+        since = self.entity.dedupe_since()
+        if since is not None:
+            rows = self._unseen(p, rows)
         counted = [0]
 
         def expand(survivors: pa.Table) -> pa.Table:
             counted[0] = survivors.num_rows
             return self.expand(survivors) if self.expand is not None else survivors
 
-        def attempt() -> pa.Table:
-            counted[0] = 0
-            return entity.table.append(rows, entity.dedupe_since(), expand)
-
-        retry_commit(attempt, entity.deadline(), f"send to {entity.name}")
+        base = self.last.get(p, self.plan.bases[p] or 0)
+        adds = self.adds.setdefault(p, [])
+        self.last[p] = base
+        if rows.num_rows == 0:  # every row repeats one an earlier chunk staged
+            return
+        stored, new = table.stage(self._snap, p, rows, base, since, expand, self.staged_bytes.get(p, 0))
+        adds += new
+        self.last[p] = base + stored.num_rows
         self.accepted[p] = self.accepted.get(p, 0) + counted[0]
-        self.files[p] = self.files.get(p, 0) + 1
+        self.staged_bytes[p] = self.staged_bytes.get(p, 0) + (pc.sum(stored.column("size_in_bytes")).as_py() or 0)
+
+    def _unseen(self, p: int, rows: pa.Table) -> pa.Table:
+        """Rows whose message id no earlier chunk of the partition staged (the table's check sees only committed rows)."""
+        prior = self.ids.setdefault(p, [])
+        if prior:
+            rows = rows.filter(pc.invert(pc.is_in(rows.column("message_id"), value_set=pa.concat_arrays(prior))))
+        prior.append(rows.column("message_id").combine_chunks())
+        return rows
 
 
 def partition_runs(rows: pa.Table) -> Iterator[tuple[int, pa.Table]]:

@@ -227,21 +227,51 @@ class EntityTable:
         self.commit(dt, adds, [], fences, seen, "WRITE")
         return pa.concat_tables(stored)
 
+    def stage(
+        self,
+        dt: Snapshot,
+        partition: int,
+        rows: pa.Table,
+        base: int,
+        dedupe_since: datetime | None = None,
+        expand: Expand | None = None,
+        pending_bytes: int = 0,
+    ) -> tuple[pa.Table, list[AddFile]]:
+        """Number one partition's new rows after `base` and write their files, without committing.
+
+        For a writer that commits elsewhere (a Spark send commits every task's files in one commit
+        from the driver). `base` is the partition's fence version as the committer read it; that
+        commit must carry `Fence(fence_app_id(partition), base + stored rows)` and expect `base`, so a
+        concurrent append to the partition makes it conflict. Duplicates are dropped against `dt` as
+        in `append`; `pending_bytes` (rows staged for the partition, not committed yet) counts
+        toward the size quota. Returns the stored rows and the add actions of their files.
+        """
+        with self.existing():
+            staged = self._stage(dt, partition, rows, dedupe_since, expand, base, pending_bytes)
+        return staged.rows, staged.adds
+
     def _stage(
-        self, dt: Snapshot, p: int, part: pa.Table, dedupe_since: datetime | None, expand: Expand | None = None
+        self,
+        dt: Snapshot,
+        p: int,
+        part: pa.Table,
+        dedupe_since: datetime | None,
+        expand: Expand | None = None,
+        base: int | None = None,
+        pending_bytes: int = 0,
     ) -> _Staged:
-        """Number new rows of one partition from its fence and write them, one file per subscription."""
+        """Number new rows of one partition from its fence (or `base`) and write them, one file per subscription."""
         self.faults.check(p, "write")
         if dedupe_since is not None:
             part = self._drop_duplicates(dt, p, part, dedupe_since)
         if expand is not None and part.num_rows:
             part = expand(part)
-        self._check_quota(dt, p, part)
+        self._check_quota(dt, p, part, pending_bytes)
         app = fence_app_id(p)
         seen = dt.transaction_version(app)
         if part.num_rows == 0:
             return _Staged(app, seen, None, part, [])
-        last = seen or 0
+        last = (seen or 0) if base is None else base
         first = sequence_number(p, last + 1)
         seqs = pa.array(range(first, first + part.num_rows), pa.int64())
         part = part.set_column(part.schema.get_field_index("sequence_number"), "sequence_number", seqs)
@@ -258,11 +288,11 @@ class EntityTable:
             app, seen, Fence(app, last + part.num_rows), part, [a for g in groups for a in self.data.write_chunks(p, g)]
         )
 
-    def _check_quota(self, dt: Snapshot, p: int, part: pa.Table) -> None:
-        """Raise QuotaExceededError when new rows would take a partition beyond its size quota."""
+    def _check_quota(self, dt: Snapshot, p: int, part: pa.Table, pending_bytes: int = 0) -> None:
+        """Raise QuotaExceededError when new rows (after `pending_bytes` staged ones) would take a partition beyond its quota."""
         if self.max_partition_bytes is None or part.num_rows == 0:
             return
-        used = self.partition_bytes(dt, p)
+        used = self.partition_bytes(dt, p) + pending_bytes
         added = pc.sum(part.column("size_in_bytes")).as_py() or 0
         if used + added > self.max_partition_bytes:
             raise QuotaExceededError(

@@ -1,16 +1,24 @@
-"""DataFrame send (SPEC §12 with the rules of §2-4): placement, duplicate detection, validation before any commit."""
+"""DataFrame send (SPEC §12 with the rules of §2-4): placement, duplicate detection, validation, all-or-nothing commit."""
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+import time
 from collections import Counter
 from datetime import UTC, datetime, timedelta
+from pathlib import Path
 
 import pytest
+from deltalake import DeltaTable
 from pyspark.sql import functions as sf
 
 from sparkqueue import Namespace
-from sparkqueue.errors import InvalidOperationError, MessageSizeExceededError, PartitionUnavailableError
+from sparkqueue.errors import InvalidOperationError, MessageSizeExceededError, OperationTimeoutError, PartitionUnavailableError
 from sparkqueue.model.partitioning import partition_for_key
+from sparkqueue.spark.send import send_dataframe
+from sparkqueue.storage.table import SEQUENCE_MASK
 
 pytestmark = pytest.mark.spark
 
@@ -220,3 +228,175 @@ def test_topic_send_copies_to_every_subscription(spark, ns, numbered):
             counts.update(m.message_id for m in got)
             r.complete_messages(got)
     assert len(counts) == 300 and set(counts.values()) == {1}
+
+
+# ---- all or nothing ----------------------------------------------------------------------------
+
+
+def _waiting(check, what):
+    """A function that polls check() until true, for UDFs (defined here so cloudpickle ships it by value to workers)."""
+
+    def wait(limit_s=120.0):  # a bound on a hang, not a timed assertion
+        give_up = time.monotonic() + limit_s
+        while not check():
+            if time.monotonic() > give_up:
+                raise RuntimeError(f"gave up waiting for {what}")
+            time.sleep(0.05)
+
+    return wait
+
+
+def test_a_task_failing_after_others_wrote_their_files_sends_nothing(spark, ns, numbered, tmp_path):
+    """The last input partition's task raises (in the write pass) once other tasks have written files: nothing is sent."""
+    ns.create_queue("q")
+    table_dir = ns._entity("queue", "q").table.uri
+    marker = str(tmp_path / "validated")
+    fail_id = 3999  # in the last of 16 input partitions: local[2] runs it after most of the others
+    files_written = _waiting(lambda: any(Path(table_dir).glob("partition_id=*/*.parquet")), "another task's files")
+
+    def body(i, b):  # a plain Python UDF (no type hints: pyspark would read them as an Arrow UDF's)
+        if i != fail_id:
+            return b
+        if not os.path.exists(marker):  # the validation pass lets the row through
+            Path(marker).touch()
+            return b
+        files_written()
+        raise RuntimeError("injected failure after other tasks wrote their files")
+
+    df = numbered(4000, partitions=16).withColumn(
+        "body", sf.udf(body, "binary").asNondeterministic()(sf.col("id"), sf.col("body"))
+    )
+    with ns.get_queue_sender("q") as s, pytest.raises(Exception, match="injected failure"):
+        s.send_dataframe(df)
+    assert ns.get_queue_runtime_properties("q").total_message_count == 0
+    assert DeltaTable(table_dir).to_pyarrow_table().num_rows == 0
+    assert peek_all(ns, "q") == []
+    # The files of the tasks that had finished are deleted; only the one task local[2] ran beside the failing
+    # one may have been stopped mid-way (its file is not in the log; vacuum removes it).
+    assert len(list(Path(table_dir).glob("partition_id=*/*.parquet"))) <= 1
+    with ns.get_queue_sender("q") as s:  # the queue takes a send afterwards, numbered from 1
+        assert s.send_dataframe(numbered(100)) == 100
+    counters = sorted(m.sequence_number & SEQUENCE_MASK for m in peek_all(ns, "q"))
+    assert counters[0] == 1
+
+
+CONCURRENT_SENDER = """
+import os, sys, time
+from sparkqueue import Message, Namespace
+root, started, done, count = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4])
+while not os.path.exists(started):
+    time.sleep(0.02)
+with Namespace(root) as ns, ns.get_queue_sender("q") as s:
+    for i in range(count):
+        s.send_messages(Message(f"core-{i}", message_id=f"c-{i}"))
+open(done, "w").close()
+"""
+
+
+def _racing_core_sender(root: str, tmp_path: Path, count: int):
+    """A core sender in another process that sends `count` single messages to queue "q" while a DataFrame send runs.
+
+    Returns the process and a function that gates a DataFrame on it: the first evaluation of row 0
+    (in the send's first attempt, after the driver read the fences) starts the sender and waits
+    until it has sent everything; later evaluations pass straight through.
+    """
+    started, done = str(tmp_path / "started"), str(tmp_path / "done")
+    child = subprocess.Popen(
+        [sys.executable, "-c", CONCURRENT_SENDER, root, started, done, str(count)],
+        env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)},
+    )
+    core_sent = _waiting(lambda: os.path.exists(done), "the core sender")
+
+    def body(i, b):
+        if i == 0 and not os.path.exists(done):
+            Path(started).touch()
+            core_sent()
+        return b
+
+    gated = sf.udf(body, "binary").asNondeterministic()
+    return child, lambda df: df.withColumn("body", gated(sf.col("id"), sf.col("body")))
+
+
+@pytest.mark.parametrize("keyed", [False, True], ids=["in-place", "shuffled"])
+def test_a_concurrent_core_sender_moves_the_fences_and_the_dataframe_send_lands_whole_after_it(
+    spark, ns, numbered, tmp_path, keyed
+):
+    """A core sender in another process sends to every partition while the DataFrame send runs.
+
+    The DataFrame's first attempt numbered its rows from fences that then moved: its commit
+    conflicts, its files go, and the send runs again. Every partition ends numbered 1..N with no
+    gap or repeat, the core messages in their send order and the DataFrame's after them.
+    """
+    ns.create_queue("q")
+    core = 48  # single unkeyed sends go round-robin: every one of the 16 partitions gets some
+    child, gate = _racing_core_sender(ns.root, tmp_path, core)
+    n = 4000
+    df = gate(numbered(n, partitions=4))
+    if keyed:
+        df = df.withColumn("partition_key", sf.concat(sf.lit("k"), (sf.col("id") % 64).cast("string")))
+    try:
+        with ns.get_queue_sender("q") as s:
+            assert s.send_dataframe(df) == n
+    finally:
+        assert child.wait(timeout=120) == 0
+    got = peek_all(ns, "q")
+    assert len(got) == n + core
+    by_partition: dict[int, list] = {}
+    for m in got:
+        by_partition.setdefault(m.partition_id, []).append(m)
+    for p, msgs in by_partition.items():
+        msgs.sort(key=lambda m: m.sequence_number)
+        assert [m.sequence_number & SEQUENCE_MASK for m in msgs] == list(range(1, len(msgs) + 1)), p
+        ids = [m.message_id for m in msgs]
+        core_ids = [i for i in ids if i.startswith("c-")]
+        assert core_ids == sorted(core_ids, key=lambda i: int(i[2:]))  # the core sender's order
+        assert ids[: len(core_ids)] == core_ids  # the DataFrame's rows were numbered after them
+        frame_ids = [int(i[2:]) for i in ids[len(core_ids) :]]
+        if keyed:  # a key's rows keep the DataFrame's order
+            for k in range(64):
+                mine = [i for i in frame_ids if i % 64 == k]
+                assert mine == sorted(mine)
+        else:
+            assert frame_ids == sorted(frame_ids)  # one input partition owns the queue partition
+    assert sum(1 for msgs in by_partition.values() if any(m.message_id.startswith("c-") for m in msgs)) == 16
+    table_dir = ns._entity("queue", "q").table.uri
+    on_disk = {f.name for f in Path(table_dir).glob("partition_id=*/*.parquet")}
+    live = {u.rsplit("/", 1)[-1] for u in DeltaTable(table_dir).file_uris()}
+    assert on_disk == live  # the conflicting attempt's files were deleted
+
+
+def test_conflicts_past_the_operation_timeout_raise_and_send_nothing(spark, root, numbered, tmp_path):
+    with Namespace(root, operation_timeout=1.0) as ns:
+        ns.create_queue("q")
+        child, gate = _racing_core_sender(ns.root, tmp_path, 20)  # the first attempt outlasts the 1 s timeout
+        try:
+            with ns.get_queue_sender("q") as s, pytest.raises(OperationTimeoutError, match="operation timeout"):
+                s.send_dataframe(gate(numbered(1000)))
+        finally:
+            assert child.wait(timeout=120) == 0
+        assert DeltaTable(ns._entity("queue", "q").table.uri).to_pyarrow_table().num_rows == 20
+        assert {m.message_id for m in peek_all(ns, "q")} == {f"c-{i}" for i in range(20)}
+
+
+def test_small_stages_keep_duplicate_detection_and_dense_numbering(spark, ns, numbered):
+    """A task stages its rows in many chunks: a repeat in a later chunk is still a duplicate, numbers stay dense."""
+    ns.create_queue("q", requires_duplicate_detection=True)
+    df = numbered(500)
+    with ns.get_queue_sender("q") as s:
+        assert send_dataframe(s, df.union(df.limit(100)), stage_rows=8) == 500
+        assert send_dataframe(s, numbered(600), stage_rows=8) == 100
+    got = peek_all(ns, "q")
+    assert sorted(m.message_id for m in got) == sorted(f"m-{i}" for i in range(600))
+    by_partition = Counter(m.partition_id for m in got)
+    for p, count in by_partition.items():
+        counters = sorted(m.sequence_number & SEQUENCE_MASK for m in got if m.partition_id == p)
+        assert counters == list(range(1, count + 1))
+
+
+def test_a_forwarding_queue_forwards_what_a_dataframe_send_stored(spark, ns, numbered):
+    ns.create_queue("dest")
+    ns.create_queue("q", forward_to="dest")
+    with ns.get_queue_sender("q") as s:
+        assert s.send_dataframe(numbered(200)) == 200
+    assert ns.get_queue_runtime_properties("q").total_message_count == 0
+    assert sorted(m.message_id for m in peek_all(ns, "dest")) == sorted(f"m-{i}" for i in range(200))
