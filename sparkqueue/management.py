@@ -1,7 +1,7 @@
 """Administration of queues, topics, subscriptions and rules (SDK: ServiceBusAdministrationClient).
 
 A mixin of `Namespace`: every method here changes or reads the catalog, and management of an
-entity with an unavailable partition fails without changing anything (SPEC §1).
+entity with an unavailable partition fails without changing anything (docs/semantics.md §1).
 """
 
 from __future__ import annotations

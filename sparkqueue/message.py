@@ -1,4 +1,4 @@
-"""Messages as users build and receive them, and their conversion to and from table rows (SPEC §2)."""
+"""Messages as users build and receive them, and their conversion to and from table rows (docs/semantics.md §2)."""
 
 from __future__ import annotations
 
@@ -420,7 +420,7 @@ def to_rows(messages: Iterable[Message], settings: SendSettings, now: datetime) 
         "state": pa.array([STATE_ACTIVE] * n),
         "kind": pa.array([KIND_MESSAGE] * n),
         # A scheduled message is enqueued when it becomes visible (as in Service Bus), so that
-        # expires_at_utc == enqueued_time_utc + ttl holds for it too (SPEC §5).
+        # expires_at_utc == enqueued_time_utc + ttl holds for it too (docs/semantics.md §5).
         "enqueued_time_utc": pa.array(visible, _ROW_SCHEMA.field("enqueued_time_utc").type),
         "expires_at_utc": expires,
         "scheduled_enqueue_time_utc": attr("scheduled_enqueue_time_utc"),

@@ -92,7 +92,7 @@ class Receiver:
         self._auto_lock_renewer = auto_lock_renewer
         self.session: ReceiverSession | None = None
         entity = self._entity()  # fail fast on an unknown entity
-        # The dead-letter sub-queue of a session-enabled entity is read without a session (SPEC §5).
+        # The dead-letter sub-queue of a session-enabled entity is read without a session (docs/semantics.md §5).
         requires_session = bool(getattr(entity.props, "requires_session", False)) and sub_queue is None
         if session_id is None and requires_session:
             raise InvalidOperationError(
@@ -391,7 +391,7 @@ class Receiver:
     # ---- DataFrames (sparkqueue.spark, imported lazily: pyspark is optional) -------------------
 
     def receive_dataframe(self, max_message_count: int, spark: SparkSession | None = None) -> DataFrame:
-        """Lock up to max_message_count messages in Spark tasks (one per partition); a DataFrame of them (SPEC §12)."""
+        """Lock up to max_message_count messages in Spark tasks, one per partition (docs/semantics.md §12)."""
         from sparkqueue.spark.receive import receive_dataframe
 
         return receive_dataframe(self, max_message_count, spark)

@@ -141,7 +141,7 @@ class Sender:
     def send_dataframe(self, df: DataFrame, spark: SparkSession | None = None, *, preserve_order: bool | None = None) -> int:
         """Send each row of a DataFrame as a message, in Spark tasks per partition; returns how many were accepted.
 
-        Columns are named as Message fields (SPEC §12); `spark` is accepted for symmetry (the
+        Columns are named as Message fields (docs/semantics.md §12); `spark` is accepted for symmetry (the
         DataFrame's own session runs the job). `preserve_order` (default: when rows may carry a
         session id or partition key) keeps the DataFrame's row order within each queue partition.
         See sparkqueue.spark.send.

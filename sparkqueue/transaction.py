@@ -1,4 +1,4 @@
-"""Transactions (SPEC §7): sends and settlements on one entity and one partition key, in one Delta commit."""
+"""Transactions (docs/semantics.md §7): sends and settlements on one entity and one partition key, in one Delta commit."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Auto-forwarding (SPEC §9): move messages from a queue or subscription to another queue or topic, exactly once.
+"""Auto-forwarding (docs/semantics.md §9): move messages from a queue or subscription to another queue or topic, exactly once.
 
 A move spans two Delta tables, so it is made idempotent rather than atomic. In each source
 partition messages are forwarded in sequence order, a leading run at a time: (1) the copies are

@@ -1,4 +1,4 @@
-"""Message lock states and their transitions, as change rows for the storage MERGE (SPEC §5).
+"""Message lock states and their transitions, as change rows for the storage MERGE (docs/semantics.md §5).
 
 Every function here is pure: it takes the current rows of a snapshot and returns the rows'
 new mutable values. Storage applies them in one MERGE against that same snapshot, so a

@@ -1,4 +1,4 @@
-"""Validation of names, sizes, durations and entity settings, with the contract's limits (SPEC §1, §2).
+"""Validation of names, sizes, durations and entity settings, with the contract's limits (docs/semantics.md §1, §2).
 
 Every value the public API accepts is checked here against the range it is stored and computed in
 (int64 sequence numbers and counts, microsecond timestamps up to the year 9999, strict JSON), so an

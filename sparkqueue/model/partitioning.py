@@ -1,4 +1,4 @@
-"""Which partition a message goes to (SPEC §3): key precedence, mmh3 placement, round-robin failover."""
+"""Which partition a message goes to (docs/semantics.md §3): key precedence, mmh3 placement, round-robin failover."""
 
 from __future__ import annotations
 

@@ -322,7 +322,7 @@ def build_properties(cls: type[_EntityProperties], name: str, tier: str, setting
         raise InvalidArgumentTypeError(str(exc)) from None
     props.validate(tier)
     if tier == limits.PREMIUM and getattr(props, "enable_partitioning", False):
-        props.enable_partitioning = False  # premium entities are never partitioned (SPEC §1)
+        props.enable_partitioning = False  # premium entities are never partitioned (docs/semantics.md §1)
     return props
 
 

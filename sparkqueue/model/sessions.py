@@ -1,4 +1,4 @@
-"""Sessions (SPEC §6): an exclusive, expiring lock per session id, FIFO delivery within it, and session state.
+"""Sessions (docs/semantics.md §6): an exclusive, expiring lock per session id, FIFO delivery within it, and session state.
 
 Each session has one row (kind "session") in its partition holding the session lock and the
 state (in `body`). Every session operation rewrites that row in the same commit as its own

@@ -1,4 +1,4 @@
-"""Topic fan-out (SPEC §8): which subscriptions get a copy of each message, and what the copies look like.
+"""Topic fan-out (docs/semantics.md §8): which subscriptions get a copy of each message, and what the copies look like.
 
 A subscription's copies live in its topic's Delta table, tagged with the subscription's key, so
 a send to a topic is one append: every matching subscription gets its copy atomically.

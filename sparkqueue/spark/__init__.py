@@ -1,4 +1,4 @@
-"""Spark integration (SPEC §12): send, receive and settle messages as DataFrames, and read entities as DataFrames.
+"""Spark integration (docs/semantics.md §12): send, receive and settle messages as DataFrames, and read entities as DataFrames.
 
 Entry points are methods of the core objects (this package is imported lazily, so pyspark stays
 optional for the core library):

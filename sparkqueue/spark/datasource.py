@@ -1,4 +1,4 @@
-"""Read an entity as a DataFrame without locking: the `sparkqueue` Python data source (SPEC §12).
+"""Read an entity as a DataFrame without locking: the `sparkqueue` Python data source (docs/semantics.md §12).
 
     df = spark.read.format("sparkqueue").option("namespace", root).load("orders")
     dlq = spark.read.format("sparkqueue").option("namespace", root).option("sub_queue", "deadletter").load("orders")

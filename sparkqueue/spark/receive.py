@@ -1,4 +1,4 @@
-"""Receive messages as a DataFrame (SPEC §12): Spark tasks lock them in parallel, one task per queue partition.
+"""Receive messages as a DataFrame (docs/semantics.md §12): Spark tasks lock them in parallel, one task per queue partition.
 
 (One task per partition up to the session's parallelism; beyond it a task takes several
 partitions in turn, see session.task_count.) Each task locks (or, in RECEIVE_AND_DELETE mode,

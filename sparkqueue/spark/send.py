@@ -1,4 +1,4 @@
-"""Send a DataFrame of messages (SPEC §12): validated and placed in Spark, written by Spark tasks, committed once.
+"""Send a DataFrame of messages (docs/semantics.md §12): validated and placed in Spark, written by Spark tasks, committed once.
 
 A DataFrame send is all-or-nothing. The driver reads every queue partition's sequence fence
 (docs/storage.md) from one snapshot; Spark tasks, each owning whole queue partitions, number their
@@ -13,7 +13,7 @@ Keyed rows (a session id, a partition key, or a message id on a duplicate-detect
 any send asked to keep the DataFrame's order, take two stages separated by a shuffle:
 
 1. Map stage (JVM expressions plus two small Arrow UDFs that see only the key and the
-   properties): fill missing message ids, apply the key precedence of SPEC §3 and place keyed
+   properties): fill missing message ids, apply the key precedence of docs/semantics.md §3 and place keyed
    rows by mmh3 exactly as `model.partitioning` does (unkeyed rows go round-robin over the
    available partitions in blocks of ROUND_ROBIN_BLOCK rows), convert application properties to
    the core's JSON, and validate every row (size, key lengths, sessions, time to live). A bad row
@@ -477,7 +477,7 @@ def _may_have_keys(df: DataFrame, plan: SendPlan) -> bool:
 
 
 def _partition(plan: SendPlan, round_robin: Column, keyed: bool = True) -> Column:
-    """The queue partition: by mmh3 of the key (SPEC §3 precedence), else round-robin over available partitions."""
+    """The queue partition: by mmh3 of the key (docs/semantics.md §3 precedence), else round-robin over available partitions."""
     if not keyed:
         return round_robin
     key = sf.coalesce(

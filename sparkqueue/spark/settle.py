@@ -1,4 +1,4 @@
-"""Settle messages by a DataFrame of lock tokens (SPEC §12): complete, abandon, defer or dead-letter, per partition.
+"""Settle messages by a DataFrame of lock tokens (docs/semantics.md §12): complete, abandon, defer or dead-letter, per partition.
 
 A lock token begins with its message's sequence number (model.ids), whose top 16 bits are the
 partition: Spark routes each token to its partition's task without reading the table. A task

@@ -1,4 +1,4 @@
-"""Structured Streaming (SPEC §12): what the `sparkqueue` source and sink share, and the factories the data source calls.
+"""Structured Streaming (docs/semantics.md §12): what the sparkqueue source and sink share; the data source's factories.
 
     spark.readStream.format("sparkqueue").option("namespace", root).load("orders")          # streaming_source.py
     df.writeStream.format("sparkqueue").option("namespace", root).option("checkpointLocation", c).start("orders")

@@ -1,4 +1,4 @@
-"""The streaming sink: `df.writeStream.format("sparkqueue")` sends each micro-batch exactly once across restarts (SPEC §12).
+"""The streaming sink: `df.writeStream.format("sparkqueue")` sends each micro-batch once across restarts (docs/semantics.md §12).
 
     (df.writeStream.format("sparkqueue").option("namespace", root)
        .option("checkpointLocation", checkpoint).start("orders"))

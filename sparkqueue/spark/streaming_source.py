@@ -1,4 +1,4 @@
-"""The streaming source: `spark.readStream.format("sparkqueue")` receives with peek-lock in micro-batches (SPEC §12).
+"""The streaming source: `spark.readStream.format("sparkqueue")` receives with peek-lock in micro-batches (docs/semantics.md §12).
 
 How a micro-batch flows (see docs/spark-streaming.md for the guarantee):
 
