@@ -5,7 +5,9 @@ cd "$(dirname "$0")/.."
 python3 -m venv .venv
 .venv/bin/python -m pip install -q --upgrade pip
 .venv/bin/python -m pip install -q -e ".[test]"
-.venv/bin/ruff check sparkqueue jobs tests bench
+.venv/bin/ruff check sparkqueue jobs tests bench scripts
+.venv/bin/python scripts/check_layers.py
+.venv/bin/mypy sparkqueue/storage
 set +e
 .venv/bin/python -m pytest "$@"
 rc=$?

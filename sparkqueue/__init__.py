@@ -1,6 +1,6 @@
 """sparkqueue: partitioned message queues and topics for Spark, stored in Delta Lake."""
 
-from sparkqueue import shutdown as _shutdown  # noqa: F401 - registers the exit hook (see shutdown.py)
+import sparkqueue.shutdown  # noqa: F401 - registers the exit hook (see shutdown.py)
 from sparkqueue.auto_lock_renewer import AutoLockRenewer
 from sparkqueue.constants import NEXT_AVAILABLE_SESSION, EntityStatus, ReceiveMode, SubQueue
 from sparkqueue.message import Message, MessageBatch, ReceivedMessage

@@ -37,12 +37,12 @@ from sparkqueue.model.filters import (
     filter_from_dict,
 )
 from sparkqueue.model.properties import (
+    EntityProperties,
     QueueProperties,
     RuleProperties,
     RuntimeProperties,
     SubscriptionProperties,
     TopicProperties,
-    _EntityProperties,
     build_properties,
     check_update,
 )
@@ -59,7 +59,7 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 QUEUE, TOPIC, SUBSCRIPTION, RULE = "queue", "topic", "subscription", "rule"
-PROPERTY_TYPES: dict[str, type[_EntityProperties]] = {
+PROPERTY_TYPES: dict[str, type[EntityProperties]] = {
     QUEUE: QueueProperties,
     TOPIC: TopicProperties,
     SUBSCRIPTION: SubscriptionProperties,
@@ -80,7 +80,7 @@ def rule_entity_name(topic_name: str, subscription_name: str, rule: str) -> str:
     return f"{sub_entity_name(topic_name, subscription_name)}|{rule}"
 
 
-def _as_properties(cls: type[_EntityProperties], value: object, overrides: dict[str, Any]) -> _EntityProperties:
+def _as_properties(cls: type[EntityProperties], value: object, overrides: dict[str, Any]) -> EntityProperties:
     """An update's properties: a property object or a dict of its fields (as the SDK), with keyword overrides; a copy."""
     if isinstance(value, cls):
         props = dataclasses.replace(value)
@@ -116,7 +116,7 @@ class Management:
         self: Namespace,
         entity_type: str,
         name: str,
-        props: _EntityProperties,
+        props: EntityProperties,
         table_path: str,
         extra: tuple[CatalogEntry, ...] = (),
     ) -> None:
@@ -128,7 +128,7 @@ class Management:
             raise EntityAlreadyExistsError(f"{entity_type} {shown!r} already exists in namespace {self.root!r}")
         log.info("created %s %s", entity_type, name)
 
-    def _create_with_table(self: Namespace, entity_type: str, name: str, settings: dict[str, Any]) -> _EntityProperties:
+    def _create_with_table(self: Namespace, entity_type: str, name: str, settings: dict[str, Any]) -> EntityProperties:
         """Create a queue or topic: its own Delta table, then its catalog entry."""
         props = build_properties(PROPERTY_TYPES[entity_type], name, self.tier, settings)
         self._check_entity_quota(props)
@@ -154,7 +154,7 @@ class Management:
         if local is not None:
             shutil.rmtree(local, ignore_errors=True)
 
-    def _check_entity_quota(self: Namespace, props: _EntityProperties) -> None:
+    def _check_entity_quota(self: Namespace, props: EntityProperties) -> None:
         """At most 10,000 entities, and at most 100 partitioned queues and topics, per namespace."""
         entries = [e for e in self._catalog.entries() if e.entity_type != RULE]
         if len(entries) >= limits.MAX_ENTITIES:
@@ -177,10 +177,10 @@ class Management:
                 f"cannot {what}: partition(s) {down} of {entity.name!r} are unavailable; nothing was changed"
             )
 
-    def _get(self: Namespace, entity_type: str, name: str) -> _EntityProperties:
+    def _get(self: Namespace, entity_type: str, name: str) -> EntityProperties:
         return PROPERTY_TYPES[entity_type].from_json(self._entry(entity_type, name).properties)
 
-    def _update(self: Namespace, entity_type: str, name: str, props: _EntityProperties) -> None:
+    def _update(self: Namespace, entity_type: str, name: str, props: EntityProperties) -> None:
         """Replace an entity's settings, refusing changes to settings fixed at creation."""
         cls = PROPERTY_TYPES[entity_type]
         if not isinstance(props, cls):

@@ -21,7 +21,7 @@ from sparkqueue.errors import MessageLockLostError, PartitionUnavailableError
 from sparkqueue.model import lifecycle
 from sparkqueue.model.deadlines import effective
 from sparkqueue.model.partitioning import RoundRobin, partition_for_key
-from sparkqueue.model.properties import PartitionRuntimeProperties, RuntimeProperties, _EntityProperties
+from sparkqueue.model.properties import EntityProperties, PartitionRuntimeProperties, RuntimeProperties
 from sparkqueue.storage.files import MAX_FILE_ROWS
 from sparkqueue.storage.log import CommitConflict, Fence, Snapshot
 from sparkqueue.storage.retry import Deadline, backoff, retry_commit
@@ -82,7 +82,7 @@ class Entity:
     """A queue or subscription: send, receive, settle, peek and count, over all its partitions."""
 
     def __init__(
-        self, props: _EntityProperties, table: EntityTable, operation_timeout: float, subscription: str | None = None
+        self, props: EntityProperties, table: EntityTable, operation_timeout: float, subscription: str | None = None
     ) -> None:
         self.table = table
         self.props = props
@@ -93,12 +93,12 @@ class Entity:
         self._recv_start = itertools.count(random.randrange(self.partition_count))
 
     @property
-    def props(self) -> _EntityProperties:
+    def props(self) -> EntityProperties:
         """The entity's settings (refreshed from the catalog by the namespace)."""
         return self._props
 
     @props.setter
-    def props(self, props: _EntityProperties) -> None:
+    def props(self, props: EntityProperties) -> None:
         self._props = props
         self.table.max_partition_bytes = int(props.max_size_in_megabytes) * 1024 * 1024
 

@@ -17,7 +17,7 @@ NEVER = None  # default_message_time_to_live: messages never expire
 
 
 @dataclass
-class _EntityProperties:
+class EntityProperties:
     """Common base: validation, and a JSON form for the catalog (timedeltas as seconds)."""
 
     name: str
@@ -59,7 +59,7 @@ class _EntityProperties:
         return json.dumps(self.settings(), sort_keys=True)
 
     @classmethod
-    def from_json(cls, text: str) -> _EntityProperties:
+    def from_json(cls, text: str) -> EntityProperties:
         """Rebuild from the catalog's JSON."""
         raw = json.loads(text)
         for f in dataclasses.fields(cls):
@@ -115,7 +115,7 @@ class _EntityProperties:
 
 
 @dataclass
-class QueueProperties(_EntityProperties):
+class QueueProperties(EntityProperties):
     """A queue's settings (SDK: QueueProperties)."""
 
     enable_partitioning: bool = True
@@ -140,7 +140,7 @@ class QueueProperties(_EntityProperties):
 
 
 @dataclass
-class TopicProperties(_EntityProperties):
+class TopicProperties(EntityProperties):
     """A topic's settings (SDK: TopicProperties)."""
 
     enable_partitioning: bool = True
@@ -160,7 +160,7 @@ class TopicProperties(_EntityProperties):
 
 
 @dataclass
-class SubscriptionProperties(_EntityProperties):
+class SubscriptionProperties(EntityProperties):
     """A subscription's settings (SDK: SubscriptionProperties); it is stored with its topic's partitioning."""
 
     topic_name: str = ""
@@ -310,7 +310,7 @@ _CHECKS: dict[str, Any] = {
 }
 
 
-def build_properties(cls: type[_EntityProperties], name: str, tier: str, settings: dict[str, Any]) -> _EntityProperties:
+def build_properties(cls: type[EntityProperties], name: str, tier: str, settings: dict[str, Any]) -> EntityProperties:
     """Create validated properties from keyword settings (durations as timedelta or ISO 8601); unknown keywords are an error."""
     known = {f.name for f in dataclasses.fields(cls)} - {"name"}
     unknown = set(settings) - known
@@ -326,7 +326,7 @@ def build_properties(cls: type[_EntityProperties], name: str, tier: str, setting
     return props
 
 
-def check_update(old: _EntityProperties, new: _EntityProperties, tier: str) -> None:
+def check_update(old: EntityProperties, new: EntityProperties, tier: str) -> None:
     """Raise InvalidOperationError when an update changes a setting fixed at creation."""
     if type(old) is not type(new) or old.name != new.name:
         raise InvalidOperationError(f"update must pass the {old.entity_type} properties of {old.name!r}")

@@ -116,10 +116,10 @@ def row_filter(namespace: object, name: str, entity_type: str | None = None, sub
     """A SQL predicate selecting an entity's live messages of a sub-queue in its Delta table."""
     _, _, key = resolve(namespace, name, entity_type)
     scope = "subscription IS NULL" if key is None else f"subscription = '{key}'"
-    return f"kind = '{KIND_MESSAGE}' AND {scope} AND sub_queue = '{_sub_queue(sub_queue)}' AND state <> '{STATE_COMPLETED}'"
+    return f"kind = '{KIND_MESSAGE}' AND {scope} AND sub_queue = '{sub_queue_of(sub_queue)}' AND state <> '{STATE_COMPLETED}'"
 
 
-def _sub_queue(value: str | None) -> str:
+def sub_queue_of(value: str | None) -> str:
     key = value.lower() if isinstance(value, str) else value
     if key not in SUB_QUEUES:
         raise InvalidOperationError(f"sub_queue must be 'deadletter' or unset, got {value!r}")
@@ -195,7 +195,7 @@ class EntityReader(DataSourceReader):
             raise InvalidOperationError('use spark.read.format("sparkqueue").option("namespace", root).load(entity_name)')
         self.storage_options = _storage_options(options)
         self.table_uri, _, self.subscription = resolve(root, name, options.get("entity_type"), self.storage_options)
-        self.sub_queue = _sub_queue(options.get("sub_queue"))
+        self.sub_queue = sub_queue_of(options.get("sub_queue"))
         snap = DeltaLog(open_store(self.table_uri, self.storage_options), FileIndex).load()
         self.version = snap.version
         self.files = _files_by_partition(snap.files)

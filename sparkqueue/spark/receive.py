@@ -87,12 +87,12 @@ def receive_dataframe(
     chunk: int = RECEIVE_CHUNK,
 ) -> DataFrame:
     """Lock up to max_message_count messages in Spark tasks and return them as a DataFrame (ReceivedMessage columns)."""
-    from sparkqueue.receiver import _wait_seconds
+    from sparkqueue.receiver import wait_seconds
 
     want = limits.check_int(max_message_count, "max_message_count")
     check_dataframe_receiver(receiver)
     session = active_session(spark)
-    wait = receiver.max_wait_time if max_wait_time is None else _wait_seconds(max_wait_time, "max_wait_time")
+    wait = receiver.max_wait_time if max_wait_time is None else wait_seconds(max_wait_time, "max_wait_time")
     ns = receiver._ns
     cleanup_staging(ns.root)
     job = ReceiveJob(

@@ -35,7 +35,7 @@ STAGING_ATTRIBUTE = "_sparkqueue_staging"  # attribute of a returned DataFrame: 
 _STAMP = "%Y%m%dT%H%M%S"
 
 
-def _filesystem(uri: str) -> tuple[pafs.FileSystem, str]:
+def filesystem(uri: str) -> tuple[pafs.FileSystem, str]:
     """A pyarrow filesystem and the path of `uri` on it (local paths made absolute)."""
     if "://" not in uri or uri.startswith("file:"):
         return pafs.LocalFileSystem(), local_path(uri)
@@ -78,13 +78,13 @@ class Staging:
         if "://" not in root or root.startswith("file:"):
             root = local_path(root)  # absolute: Spark tasks and the returned DataFrame may run in another directory
         staging = cls(f"{root.rstrip('/')}/{STAGING_DIR}/{kind}/{stamp}-{uuid.uuid4().hex[:12]}")
-        fs, path = _filesystem(staging.uri)
+        fs, path = filesystem(staging.uri)
         fs.create_dir(path, recursive=True)
         return staging
 
     def write(self, name: str, table: pa.Table) -> None:
         """Write a Parquet file atomically where the filesystem renames atomically (temp name, then rename)."""
-        fs, path = _filesystem(self.uri)
+        fs, path = filesystem(self.uri)
         tmp = f"{path}/_tmp-{uuid.uuid4().hex}-{name}"  # names starting with '_' are invisible to Spark
         with fs.open_output_stream(tmp) as out:
             out.write(encode_parquet(table))
@@ -96,7 +96,7 @@ class Staging:
         A linked table file stays readable here after the table's vacuum deletes it, until the
         staging directory is removed. Elsewhere (object stores) the file is copied.
         """
-        fs, path = _filesystem(self.uri)
+        fs, path = filesystem(self.uri)
         tmp = f"{path}/_tmp-{uuid.uuid4().hex}-{name}"
         linked = False
         local = data.store.local_path(source)
@@ -113,7 +113,7 @@ class Staging:
 
     def remove(self, prefix: str) -> int:
         """Delete the directory's files whose name starts with `prefix` (what a failed task attempt left); returns how many."""
-        fs, path = _filesystem(self.uri)
+        fs, path = filesystem(self.uri)
         names = [n for n in self.names() if n.startswith(prefix)]
         for name in names:
             with contextlib.suppress(FileNotFoundError):
@@ -122,7 +122,7 @@ class Staging:
 
     def names(self, part: str = "") -> list[str]:
         """Names of the directory's finished Parquet files whose name contains `part`."""
-        fs, path = _filesystem(self.uri)
+        fs, path = filesystem(self.uri)
         infos = fs.get_file_info(pafs.FileSelector(path, allow_not_found=True))
         return sorted(
             i.base_name
@@ -132,7 +132,7 @@ class Staging:
 
     def read_file(self, name: str) -> pa.Table:
         """One staged file."""
-        fs, path = _filesystem(self.uri)
+        fs, path = filesystem(self.uri)
         return pq.read_table(f"{path}/{name}", filesystem=fs)
 
     def read(self, spark: SparkSession, schema: st.StructType) -> DataFrame:
@@ -149,7 +149,7 @@ class Staging:
 
 def cleanup_staging(root: str, older_than: timedelta = STAGING_RETENTION) -> int:
     """Remove staging directories of a namespace older than `older_than`; returns how many were removed."""
-    fs, base = _filesystem(f"{root.rstrip('/')}/{STAGING_DIR}")
+    fs, base = filesystem(f"{root.rstrip('/')}/{STAGING_DIR}")
     cutoff = datetime.now(UTC) - older_than
     removed = 0
     try:
@@ -179,7 +179,7 @@ def remove_dirs(uris: list[str]) -> int:
     for uri in uris:
         if f"/{STAGING_DIR}/" not in uri:
             raise ValueError(f"{uri!r} is not a sparkqueue staging directory")
-        fs, path = _filesystem(local_uri(uri))
+        fs, path = filesystem(local_uri(uri))
         with contextlib.suppress(OSError):
             fs.delete_dir(path)
             removed += 1

@@ -41,7 +41,7 @@ from sparkqueue.message import Message, to_rows
 from sparkqueue.model.entity import utcnow
 from sparkqueue.model.topics import ACCEPTED_MARKER
 from sparkqueue.spark.session import task_error
-from sparkqueue.spark.staging import Staging, _filesystem, cleanup_staging, remove_dirs
+from sparkqueue.spark.staging import Staging, cleanup_staging, filesystem, remove_dirs
 from sparkqueue.spark.streaming import EntityAddress, address_of, idempotence_key
 
 log = logging.getLogger(__name__)
@@ -178,7 +178,7 @@ def query_id(checkpoint: str) -> str:
     elif location.startswith("file:"):
         location = "/" + location.removeprefix("file:").lstrip("/")
     try:
-        fs, path = _filesystem(location)
+        fs, path = filesystem(location)
         with fs.open_input_stream(f"{path}/metadata") as f:
             return str(json.loads(f.read())["id"])
     except (OSError, ValueError, KeyError) as exc:

@@ -49,10 +49,10 @@ from pyspark.sql.streaming.datasource import ReadAllAvailable, ReadLimit, ReadMa
 from sparkqueue.errors import InvalidOperationError, SparkQueueError
 from sparkqueue.model import lifecycle
 from sparkqueue.model.entity import Entity, partition_of, utcnow
-from sparkqueue.spark.datasource import _sub_queue
+from sparkqueue.spark.datasource import sub_queue_of
 from sparkqueue.spark.receive import RECEIVE_CHUNK, ReceiveJob, candidate_partitions, shares, stage_chunk
 from sparkqueue.spark.schema import received_arrow, staged_rows
-from sparkqueue.spark.staging import Staging, _filesystem
+from sparkqueue.spark.staging import Staging, filesystem
 from sparkqueue.spark.streaming import EntityAddress, address_of, positive_int
 from sparkqueue.spark.worker import EntityRef
 from sparkqueue.storage.schema import SUB_QUEUE_DEAD_LETTER
@@ -86,7 +86,7 @@ class SourceConfig:
 def source_config(options: dict[str, str]) -> SourceConfig:
     """Validate the source's (lower-cased) options; a session-requiring entity is refused with a clear error."""
     address = address_of(options, sink=False)
-    sub_queue = _sub_queue(options.get("sub_queue"))
+    sub_queue = sub_queue_of(options.get("sub_queue"))
     config = SourceConfig(address, sub_queue, positive_int(options, "maxMessagesPerTrigger", DEFAULT_MAX_MESSAGES_PER_TRIGGER))
     ns = address.namespace()
     try:
@@ -183,7 +183,7 @@ class QueueStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
         now = utcnow()
         parts = []
         for uri in partition.files:
-            fs, path = _filesystem(uri)
+            fs, path = filesystem(uri)
             t = pq.read_table(path, filesystem=fs)
             parts.append(t.filter(pc.fill_null(pc.is_in(t.column("lock_token"), value_set=tokens), False)))
         if parts:
@@ -226,7 +226,7 @@ class StreamState:
         self.stream_id = stream_id
         self.ns = config.address.namespace()
         self.uri = f"{self.ns.root}/{STREAMS_DIR}/{stream_id}"
-        self.fs, self.path = _filesystem(self.uri)
+        self.fs, self.path = filesystem(self.uri)
         self.fs.create_dir(self.path, recursive=True)
         self.inflight: dict[int, list[Item]] = {}
         self.lock = threading.Lock()

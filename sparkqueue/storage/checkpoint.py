@@ -92,9 +92,9 @@ def checkpoint_table(snap: Snapshot) -> pa.Table:
     return pa.Table.from_pylist(rows, schema=CHECKPOINT_SCHEMA)
 
 
-def _pairs(mapping: Mapping[str, str] | None) -> list[tuple[str, str]]:
+def _pairs(mapping: Mapping[str, str | None] | None) -> list[tuple[str, str | None]]:
     """A dict as the (key, value) list Arrow map columns take."""
-    return [(str(k), None if v is None else str(v)) for k, v in (mapping or {}).items()]  # type: ignore[misc]
+    return [(str(k), None if v is None else str(v)) for k, v in (mapping or {}).items()]
 
 
 _MAP = pa.map_(pa.string(), pa.string())

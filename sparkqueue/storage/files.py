@@ -148,7 +148,8 @@ def encode_parquet(rows: pa.Table) -> bytes:
     plain = [c for c in rows.schema.names if c != BODY_COLUMN]
     sink = pa.BufferOutputStream()
     pq.write_table(rows, sink, compression="lz4", use_dictionary=plain, write_statistics=plain)
-    return sink.getvalue().to_pybytes()
+    data: bytes = sink.getvalue().to_pybytes()
+    return data
 
 
 def remove_action(path: str, partition: int, size: int) -> RemoveFile:

@@ -25,9 +25,10 @@ import pyarrow.compute as pc
 
 from sparkqueue.storage.checkpoint import trim_log, write_checkpoint
 from sparkqueue.storage.files import MAX_FILE_BYTES, MAX_FILE_ROWS, remove_action
+from sparkqueue.storage.index import FileInfo
 from sparkqueue.storage.log import LOG_DIR, CommitConflict
 from sparkqueue.storage.schema import STATE_COMPLETED, TIMESTAMP
-from sparkqueue.storage.table import EntityTable, FileInfo
+from sparkqueue.storage.table import EntityTable
 
 log = logging.getLogger(__name__)
 
@@ -179,7 +180,8 @@ def _rewrite(table: EntityTable, p: int, group: list[FileInfo], droppable: Calla
     adds = table.data.write_chunks(p, rows)
     removes = [remove_action(f.path, f.partition, f.size_bytes) for f in group]
     table.commit(dt, adds, removes, operation="OPTIMIZE")
-    return before - rows.num_rows
+    dropped: int = before - rows.num_rows
+    return dropped
 
 
 def checkpoint(table: EntityTable, report: MaintenanceReport | None = None) -> MaintenanceReport:

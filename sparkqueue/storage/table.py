@@ -28,7 +28,7 @@ from sparkqueue.storage.checkpoint import trim_log, write_checkpoint
 from sparkqueue.storage.faults import FaultInjector
 from sparkqueue.storage.files import FILE_SCHEMA, MAX_FILE_ROWS, DataFiles, remove_action
 from sparkqueue.storage.index import FileIndex, FileInfo
-from sparkqueue.storage.log import AddFile, CommitConflict, DeltaLog, Fence, Snapshot, checkpoint_interval
+from sparkqueue.storage.log import AddFile, CommitConflict, DeltaLog, Fence, RemoveFile, Snapshot, checkpoint_interval
 from sparkqueue.storage.schema import (
     ANY_SUBSCRIPTION,
     ENTITY_SCHEMA,
@@ -154,7 +154,7 @@ class EntityTable:
         self,
         snap: Snapshot,
         adds: Sequence[AddFile],
-        removes: Sequence,
+        removes: Sequence[RemoveFile],
         fences: Sequence[Fence] = (),
         seen: dict[str, int | None] | None = None,
         operation: str = "WRITE",
@@ -303,7 +303,10 @@ class EntityTable:
     def _drop_duplicates(self, dt: Snapshot, p: int, part: pa.Table, since: datetime) -> pa.Table:
         """Remove rows whose message_id repeats within the batch or was accepted since `since`."""
         seen: set[str] = set()
-        keep = [not (mid in seen or seen.add(mid)) for mid in part.column("message_id").to_pylist()]
+        keep = []
+        for mid in part.column("message_id").to_pylist():
+            keep.append(mid not in seen)
+            seen.add(mid)
         part = part.filter(pa.array(keep))
         files = [f for f in self.files(dt, p) if f.max_enqueued is None or f.max_enqueued >= since]
         if not files:
