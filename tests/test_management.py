@@ -393,3 +393,11 @@ def test_at_most_100_partitioned_entities(ns: Namespace) -> None:
     assert ns.get_queue("unpartitioned").enable_partitioning is False
     ns.delete_queue("q0")
     ns.create_queue("q-after-delete")
+
+
+def test_runtime_properties_repr_is_short(ns: Namespace) -> None:
+    """A REPL shows the counts, not sixteen partition records (they stay on .partitions)."""
+    ns.create_queue("q")
+    rp = ns.get_queue_runtime_properties("q")
+    assert len(repr(rp)) < 1000 and "active_message_count=0" in repr(rp)
+    assert len(rp.partitions) == 16

@@ -235,7 +235,7 @@ class RuntimeProperties:
     total_message_count: int = 0
     size_in_bytes: int = 0
     availability_status: str = "Available"
-    partitions: list[PartitionRuntimeProperties] = field(default_factory=list)
+    partitions: list[PartitionRuntimeProperties] = field(default_factory=list, repr=False)  # 16 of them: see .partitions
     subscription_count: int | None = None  # topics only
     created_at_utc: datetime | None = None
     updated_at_utc: datetime | None = None
