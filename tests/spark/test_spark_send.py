@@ -365,17 +365,42 @@ def test_a_concurrent_core_sender_moves_the_fences_and_the_dataframe_send_lands_
     assert on_disk == live  # the conflicting attempt's files were deleted
 
 
+STEADY_SENDER = """
+import os, sys, time
+from sparkqueue import Message, Namespace
+root, stop, sent = sys.argv[1], sys.argv[2], sys.argv[3]
+n = 0
+with Namespace(root) as ns, ns.get_queue_sender("q") as s:
+    while not os.path.exists(stop) and n < 5000:
+        s.send_messages(Message(f"core-{n}", message_id=f"c-{n}"))
+        n += 1
+        time.sleep(0.01)
+with open(sent, "w") as f:
+    f.write(str(n))
+"""
+
+
 def test_conflicts_past_the_operation_timeout_raise_and_send_nothing(spark, root, numbered, tmp_path):
+    """A core sender keeps moving every partition's fence while each attempt of the DataFrame send runs (each lasts
+    more than the 1 s timeout): the send gives up with OperationTimeoutError and stores none of its rows."""
+    stop, sent = tmp_path / "stop", tmp_path / "sent"
     with Namespace(root, operation_timeout=1.0) as ns:
         ns.create_queue("q")
-        child, gate = _racing_core_sender(ns.root, tmp_path, 20)  # the first attempt outlasts the 1 s timeout
+        child = subprocess.Popen(
+            [sys.executable, "-c", STEADY_SENDER, ns.root, str(stop), str(sent)],
+            env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)},
+        )
         try:
+            _waiting(lambda: ns.get_queue_runtime_properties("q").total_message_count > 0, "the core sender")()
+            slow = sf.udf(lambda b: time.sleep(0.002) or b, "binary")  # 1,000 rows: each attempt outlasts the timeout
             with ns.get_queue_sender("q") as s, pytest.raises(OperationTimeoutError, match="operation timeout"):
-                s.send_dataframe(gate(numbered(1000)))
+                s.send_dataframe(numbered(1000).withColumn("body", slow(sf.col("body"))))
         finally:
+            stop.touch()
             assert child.wait(timeout=120) == 0
-        assert DeltaTable(ns._entity("queue", "q").table.uri).to_pyarrow_table().num_rows == 20
-        assert {m.message_id for m in peek_all(ns, "q")} == {f"c-{i}" for i in range(20)}
+        core = int(sent.read_text())
+        assert DeltaTable(ns._entity("queue", "q").table.uri).to_pyarrow_table().num_rows == core
+        assert {m.message_id for m in peek_all(ns, "q")} == {f"c-{i}" for i in range(core)}
 
 
 def test_small_stages_keep_duplicate_detection_and_dense_numbering(spark, ns, numbered):
