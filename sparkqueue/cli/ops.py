@@ -24,6 +24,7 @@ from sparkqueue.model import limits
 from sparkqueue.model.properties import RuntimeProperties
 from sparkqueue.receiver import Receiver
 from sparkqueue.sender import Sender
+from sparkqueue.storage.schema import STRING_PROPERTY_COLUMNS
 
 log = logging.getLogger(__name__)
 
@@ -196,19 +197,16 @@ def receive(
 
 # ---- sending from a file ---------------------------------------------------------------------------
 
-_STR_FIELDS = (
-    "message_id",
-    "session_id",
-    "partition_key",
-    "content_type",
-    "correlation_id",
-    "subject",
-    "to",
-    "reply_to",
-    "reply_to_session_id",
-)
 JSONL_FIELDS = frozenset(
-    {"body", "body_base64", "application_properties", "properties", "time_to_live", "scheduled_enqueue_time_utc", *_STR_FIELDS}
+    {
+        "body",
+        "body_base64",
+        "application_properties",
+        "properties",
+        "time_to_live",
+        "scheduled_enqueue_time_utc",
+        *STRING_PROPERTY_COLUMNS,
+    }
 )
 
 
@@ -223,7 +221,7 @@ def message_from_json(obj: object) -> Message:
         raise InvalidOperationError("give exactly one of 'body' and 'body_base64'")
     if "application_properties" in obj and "properties" in obj:
         raise InvalidOperationError("give 'application_properties' or its alias 'properties', not both")
-    kwargs: dict[str, Any] = {k: obj[k] for k in _STR_FIELDS if obj.get(k) is not None}
+    kwargs: dict[str, Any] = {k: obj[k] for k in STRING_PROPERTY_COLUMNS if obj.get(k) is not None}
     if "body_base64" in obj:
         try:
             body: bytes | str = base64.b64decode(obj["body_base64"], validate=True)

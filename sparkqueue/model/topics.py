@@ -15,7 +15,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from sparkqueue.model import limits
-from sparkqueue.storage.schema import STATE_ACTIVE, STATE_COMPLETED, SUB_QUEUE_DEAD_LETTER, TIMESTAMP
+from sparkqueue.storage.schema import STATE_ACTIVE, STATE_COMPLETED, STRING_PROPERTY_COLUMNS, SUB_QUEUE_DEAD_LETTER, TIMESTAMP
 
 # Subscription key of the rows that only record an accepted message id, so a duplicate-detecting
 # topic detects repeats even of messages no subscription took. Subscription names cannot start with '$'.
@@ -27,17 +27,6 @@ RULE_ACTION_REASON = "RuleActionViolation"
 # there, so it is dead-lettered in that subscription at fan-out with this reason.
 SESSION_REQUIRED_REASON = "SessionIdRequired"
 _KEY_COLUMNS = ("message_id", "session_id", "partition_key")
-_SIZED_STRINGS = (
-    "message_id",
-    "session_id",
-    "partition_key",
-    "content_type",
-    "correlation_id",
-    "subject",
-    "to",
-    "reply_to",
-    "reply_to_session_id",
-)
 
 
 @dataclass(frozen=True)
@@ -149,7 +138,7 @@ def _recompute_expiry(rows: pa.Table) -> pa.Table:
 def _recompute_size(rows: pa.Table) -> pa.Table:
     """size_in_bytes as Message.size_in_bytes counts it: body, string properties and the properties' JSON."""
     total = pc.fill_null(pc.binary_length(rows.column("body")), 0).cast(pa.int64())
-    for name in (*_SIZED_STRINGS, "application_properties"):
+    for name in (*STRING_PROPERTY_COLUMNS, "application_properties"):
         total = pc.add(total, pc.fill_null(pc.binary_length(rows.column(name)), 0).cast(pa.int64()))
     return _set(rows, size_in_bytes=total)
 

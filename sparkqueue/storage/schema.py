@@ -65,6 +65,19 @@ ENTITY_SCHEMA = pa.schema(
 
 ENTITY_COLUMNS = ENTITY_SCHEMA.names
 
+# The message's string properties (ids, keys and the rest), as columns of the same names.
+STRING_PROPERTY_COLUMNS = (
+    "message_id",
+    "session_id",
+    "partition_key",
+    "content_type",
+    "correlation_id",
+    "subject",
+    "to",
+    "reply_to",
+    "reply_to_session_id",
+)
+
 # The columns a settlement reads to validate a lock and write its change: no payload.
 STATE_COLUMNS = [
     "sequence_number",
