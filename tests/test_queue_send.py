@@ -147,6 +147,35 @@ def test_message_size_counts_properties(ns: Namespace) -> None:
     assert _stored_count(ns) == 0
 
 
+def test_received_size_is_the_sent_size_in_a_mixed_batch(ns: Namespace) -> None:
+    """A batch mixing bare, keyed, scheduled, expiring and property-laden messages stores each one's size_in_bytes
+    and properties as the message itself reports them (the batch conversion is column-wise)."""
+    ns.create_queue("q")
+    now = datetime.now(UTC)
+    sent = [
+        Message(b"plain"),
+        Message("h\u00e9llo \u2603", message_id="id-\u00e9", correlation_id="c\u00fc", subject="s", to="t"),
+        Message(b"k" * 10, partition_key="pk-1", content_type="text/plain", reply_to="r", reply_to_session_id="rs"),
+        Message(b"p", application_properties={"n": 1, "s": "\u00e4\u00f6", "f": 1.5}),
+        Message(b"ttl", time_to_live=timedelta(hours=1)),
+        Message(b"sched", scheduled_enqueue_time_utc=now - timedelta(seconds=1)),
+    ]
+    with ns.get_queue_sender("q") as s:
+        s.send_messages(sent)
+    with ns.get_queue_receiver("q") as r:
+        got = {m.body: m for m in drain(r, len(sent))}
+    for m in sent:
+        g = got[m.body]
+        assert g.size_in_bytes == m.size_in_bytes
+        assert (g.correlation_id, g.subject, g.to, g.partition_key) == (m.correlation_id, m.subject, m.to, m.partition_key)
+        assert (g.content_type, g.reply_to, g.reply_to_session_id) == (m.content_type, m.reply_to, m.reply_to_session_id)
+        assert dict(g.application_properties or {}) == (m.application_properties or {})
+        assert g.time_to_live == m.time_to_live
+    assert got["h\u00e9llo \u2603".encode()].message_id == "id-\u00e9"
+    assert got[b"ttl"].expires_at_utc == got[b"ttl"].enqueued_time_utc + timedelta(hours=1)
+    assert got[b"plain"].expires_at_utc is None
+
+
 def test_premium_allows_messages_over_256kb(premium_ns: Namespace) -> None:
     """The premium tier accepts a 1 MB message (its limit is 100 MB)."""
     premium_ns.create_queue("q")

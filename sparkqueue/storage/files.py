@@ -9,10 +9,12 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import threading
 import uuid
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from datetime import datetime, timedelta
 
 import pyarrow as pa
@@ -109,10 +111,10 @@ class DataFiles:
         """Write one partition's rows (file schema, no partition column) and describe the file as an add action."""
         rel = f"{PARTITION_COLUMN}={partition}/part-{uuid.uuid4().hex}.lz4.parquet"
         rows = rows.select(FILE_SCHEMA.names).cast(FILE_SCHEMA)
-        data = encode_parquet(rows)
-        self.store.put(rel, data)
+        data = _encode(rows)
+        self.store.put_new(rel, memoryview(data))
         self._remember(rel, rows)
-        return AddFile(rel, {PARTITION_COLUMN: str(partition)}, len(data), json.dumps(_stats(rows), separators=(",", ":")))
+        return AddFile(rel, {PARTITION_COLUMN: str(partition)}, data.size, json.dumps(_stats(rows), separators=(",", ":")))
 
     def write_chunks(self, partition: int, rows: pa.Table, max_rows: int = MAX_FILE_ROWS) -> list[AddFile]:
         """Write rows (in their order) as files of at most `max_rows` rows and about as many KB (MAX_FILE_BYTES per 1,000).
@@ -120,11 +122,33 @@ class DataFiles:
         Bounded files keep a lock or settle proportional to the messages it touches: MERGE-style
         copy-on-write rewrites a whole file, never more than one bounded file per touched run.
         """
-        if rows.num_rows == 0:
-            return []
-        per_row = max(1, rows.nbytes // rows.num_rows)
-        step = max(1, min(max_rows, MAX_FILE_BYTES * max_rows // MAX_FILE_ROWS // per_row))
-        return [self.write(partition, rows.slice(i, step)) for i in range(0, rows.num_rows, step)]
+        (adds,) = self.write_all([(partition, rows, max_rows)])
+        return adds
+
+    def write_all(self, pieces: Sequence[tuple[int, pa.Table, int]]) -> list[list[AddFile]]:
+        """Write several (partition, rows, max rows per file) pieces as in `write_chunks`, concurrently; each piece's adds.
+
+        A commit's files are written side by side (encoding releases the GIL; fsyncs and object
+        puts overlap), so a send to many partitions or subscriptions costs about one file's latency.
+        All or nothing: when one write fails, the files already written are deleted and the error raised.
+        """
+        jobs = [(i, p, chunk) for i, (p, rows, max_rows) in enumerate(pieces) for chunk in _chunks(rows, max_rows)]
+        out: list[list[AddFile]] = [[] for _ in pieces]
+        if len(jobs) <= 1:
+            for i, p, chunk in jobs:
+                out[i].append(self.write(p, chunk))
+            return out
+        futures = [(i, _writers().submit(self.write, p, chunk)) for i, p, chunk in jobs]
+        error: BaseException | None = None
+        for i, f in futures:
+            try:
+                out[i].append(f.result())
+            except BaseException as exc:  # re-raised below, once the other writes ended
+                error = error or exc
+        if error is not None:
+            self.delete([a.path for adds in out for a in adds])
+            raise error
+        return out
 
     def delete(self, paths: Sequence[str]) -> None:
         """Best-effort removal of files written by a commit that was abandoned (vacuum catches the rest)."""
@@ -135,7 +159,36 @@ class DataFiles:
                 log.debug("could not delete abandoned file %s: %s", p, exc)
 
 
+def _chunks(rows: pa.Table, max_rows: int) -> list[pa.Table]:
+    """Rows cut (in order) into files of at most `max_rows` rows and about as many KB (MAX_FILE_BYTES per 1,000)."""
+    if rows.num_rows == 0:
+        return []
+    per_row = max(1, rows.nbytes // rows.num_rows)
+    step = max(1, min(max_rows, MAX_FILE_BYTES * max_rows // MAX_FILE_ROWS // per_row))
+    return [rows.slice(i, step) for i in range(0, rows.num_rows, step)]
+
+
+_POOL: tuple[int, ThreadPoolExecutor] | None = None
+_POOL_LOCK = threading.Lock()
+WRITERS = 8  # concurrent file writes per process: enough to overlap a 16-partition send's fsyncs or object puts
+
+
+def _writers() -> ThreadPoolExecutor:
+    """This process's pool of file writers (a forked child makes its own: threads do not survive a fork)."""
+    global _POOL
+    with _POOL_LOCK:
+        if _POOL is None or _POOL[0] != os.getpid():
+            _POOL = (os.getpid(), ThreadPoolExecutor(WRITERS, thread_name_prefix="sparkqueue-write"))
+        return _POOL[1]
+
+
 def encode_parquet(rows: pa.Table) -> bytes:
+    """Rows as the bytes of one Parquet file (see `_encode`)."""
+    data: bytes = _encode(rows).to_pybytes()
+    return data
+
+
+def _encode(rows: pa.Table) -> pa.Buffer:
     """Rows as the bytes of one Parquet file.
 
     LZ4 (Parquet's LZ4_RAW, read by Spark 3.4+, Databricks and delta-rs) encodes and decodes 1 KB
@@ -148,7 +201,7 @@ def encode_parquet(rows: pa.Table) -> bytes:
     plain = [c for c in rows.schema.names if c != BODY_COLUMN]
     sink = pa.BufferOutputStream()
     pq.write_table(rows, sink, compression="lz4", use_dictionary=plain, write_statistics=plain)
-    data: bytes = sink.getvalue().to_pybytes()
+    data: pa.Buffer = sink.getvalue()
     return data
 
 

@@ -52,6 +52,14 @@ class Store(ABC):
     def put(self, path: str, data: bytes) -> None:
         """Write (or replace) an object durably."""
 
+    def put_new(self, path: str, data: bytes | memoryview) -> None:
+        """Write an object durably under a fresh name nobody else writes (a data file named by a random id).
+
+        Readers reach such an object only through a commit made after this returns, so it
+        needs no protection against being read half-written (LocalStore skips the rename).
+        """
+        self.put(path, bytes(data))
+
     @abstractmethod
     def put_if_absent(self, path: str, data: bytes) -> bool:
         """Write an object durably unless the name exists; False when it did (nothing written)."""
@@ -103,6 +111,15 @@ class LocalStore(Store):
             os.replace(tmp, target)
             _fsync_dir(os.path.dirname(target))
 
+    def put_new(self, path: str, data: bytes | memoryview) -> None:
+        """Create the file, write and fsync it, then fsync its directory: one file and no rename (see Store.put_new)."""
+        target = self._path(path)
+        with _translate(self.uri, path):
+            folder = os.path.dirname(target)
+            os.makedirs(folder, exist_ok=True)
+            _write_synced(target, data)
+            _fsync_dir(folder)
+
     def put_if_absent(self, path: str, data: bytes) -> bool:
         """Write a fresh name, fsync it, then hard-link it to the target: the link is atomic and refused when the name exists."""
         target = self._path(path)
@@ -122,14 +139,7 @@ class LocalStore(Store):
         folder = os.path.dirname(target)
         os.makedirs(folder, exist_ok=True)
         tmp = f"{folder}/.tmp-{uuid.uuid4().hex}"
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)  # the process umask applies
-        try:
-            view = memoryview(data)
-            while view:
-                view = view[os.write(fd, view) :]
-            os.fsync(fd)
-        finally:
-            os.close(fd)
+        _write_synced(tmp, data)
         return tmp
 
     def list(self, prefix: str = "") -> list[Entry]:
@@ -301,6 +311,18 @@ def _translate(uri: str, path: str) -> Iterator[None]:
 def _first_line(exc: BaseException) -> str:
     text = str(exc).strip()
     return text.splitlines()[0] if text else type(exc).__name__
+
+
+def _write_synced(path: str, data: bytes | memoryview) -> None:
+    """Create a new file (never an existing one) holding `data`, fsynced; the process umask applies to its mode."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
+    try:
+        view = memoryview(data)
+        while view:
+            view = view[os.write(fd, view) :]
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def _fsync_dir(folder: str) -> None:

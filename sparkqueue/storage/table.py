@@ -218,7 +218,7 @@ class EntityTable:
         stored = [st.rows for st in staged if st.rows.num_rows]
         if not stored:
             return rows.schema.empty_table()
-        adds = [a for st in staged for a in st.adds]
+        adds = [a for piece in self.data.write_all([x for st in staged for x in st.pieces]) for a in piece]
         fences = [st.fence for st in staged if st.fence is not None]
         seen = {st.app: st.seen for st in staged}
         if once is not None:
@@ -248,7 +248,8 @@ class EntityTable:
         """
         with self.existing():
             staged = self._stage(dt, partition, rows, dedupe_since, expand, base, pending_bytes)
-        return staged.rows, staged.adds
+            written = self.data.write_all(staged.pieces)
+        return staged.rows, [a for adds in written for a in adds]
 
     def _stage(
         self,
@@ -260,7 +261,7 @@ class EntityTable:
         base: int | None = None,
         pending_bytes: int = 0,
     ) -> _Staged:
-        """Number new rows of one partition from its fence (or `base`) and write them, one file per subscription."""
+        """Number new rows of one partition from its fence (or `base`) and cut them into files to write, one per subscription."""
         self.faults.check(p, "write")
         if dedupe_since is not None:
             part = self._drop_duplicates(dt, p, part, dedupe_since)
@@ -284,9 +285,7 @@ class EntityTable:
                 for v in pc.unique(subs).to_pylist()
             ]
         )
-        return _Staged(
-            app, seen, Fence(app, last + part.num_rows), part, [a for g in groups for a in self.data.write_chunks(p, g)]
-        )
+        return _Staged(app, seen, Fence(app, last + part.num_rows), part, [(p, g, MAX_FILE_ROWS) for g in groups])
 
     def _check_quota(self, dt: Snapshot, p: int, part: pa.Table, pending_bytes: int = 0) -> None:
         """Raise QuotaExceededError when new rows (after `pending_bytes` staged ones) would take a partition beyond its quota."""
@@ -465,7 +464,9 @@ class EntityTable:
     ) -> pa.Table | None:
         self.faults.check(partition, "write")
         changes = changes.cast(CHANGE_SCHEMA)
-        adds, removed, changed, kept = [], [], [], []
+        removed: list[FileInfo] = []
+        changed: list[pa.Table] = []
+        kept: list[pa.Table] = []
         if changes.num_rows:
             seqs = changes.column("sequence_number").combine_chunks()
             lo, hi = pc.min(seqs).as_py(), pc.max(seqs).as_py()
@@ -483,28 +484,25 @@ class EntityTable:
                 split = _apply_changes(self.data.read(f.path), changes)
                 if split is not None:
                     changed.append(split[0])
-                    if group_by is None:
-                        adds += self.data.write_chunks(partition, split[1])
-                    else:
-                        kept.append(split[1])
+                    kept.append(split[1])
             if not removed:
                 raise CommitConflict("none of the changed rows is live any more")
-        if group_by is not None:
-            changed_adds = [
-                a for g in _groups(changed, group_by) for a in self.data.write_chunks(partition, g, changed_file_rows)
-            ]
-            adds += [a for g in _groups(kept, group_by) for a in self.data.write_chunks(partition, g)]
+        # Untouched rows keep files of their own per rewritten file (or per group); changed rows go together.
+        if group_by is None:
+            changed_pieces = [(partition, pa.concat_tables(changed), changed_file_rows)] if changed else []
+            kept_pieces = [(partition, k, MAX_FILE_ROWS) for k in kept]
         else:
-            changed_adds = self.data.write_chunks(partition, pa.concat_tables(changed), changed_file_rows) if changed else []
-        adds += changed_adds
+            changed_pieces = [(partition, g, changed_file_rows) for g in _groups(changed, group_by)]
+            kept_pieces = [(partition, g, MAX_FILE_ROWS) for g in _groups(kept, group_by)]
         staged = self._stage(dt, partition, new_rows, dedupe_since, expand) if new_rows is not None else None
+        files = self.data.write_all(changed_pieces + kept_pieces + (staged.pieces if staged is not None else []))
+        changed_adds = [a for piece in files[: len(changed_pieces)] for a in piece]
+        adds = [a for piece in files for a in piece]
         fences: list[Fence] = []
         seen: dict[str, int | None] = {}
-        if staged is not None:
-            adds.extend(staged.adds)
-            if staged.fence is not None:
-                fences.append(staged.fence)
-                seen[staged.app] = staged.seen
+        if staged is not None and staged.fence is not None:
+            fences.append(staged.fence)
+            seen[staged.app] = staged.seen
         if not adds and not removed:
             return staged.rows if staged else None
         removes = [remove_action(f.path, f.partition, f.size_bytes) for f in removed]
@@ -525,13 +523,13 @@ def _empty(columns: tuple[str, ...]) -> pa.Table:
 
 @dataclass
 class _Staged:
-    """New rows of one partition, numbered and written, waiting for their commit."""
+    """New rows of one partition, numbered, and the files to write them as (DataFiles.write_all pieces)."""
 
     app: str
     seen: int | None
     fence: Fence | None
     rows: pa.Table
-    adds: list[AddFile]
+    pieces: list[tuple[int, pa.Table, int]]
 
 
 def _apply_changes(rows: pa.Table, changes: pa.Table) -> tuple[pa.Table, pa.Table] | None:
