@@ -22,6 +22,7 @@ from sparkqueue.storage.schema import (
     SUB_QUEUE_MAIN,
     TIMESTAMP,
 )
+from sparkqueue.storage.table import SEQUENCE_BITS
 
 _ROW_SCHEMA = ENTITY_SCHEMA
 
@@ -304,48 +305,77 @@ def _pylist(col: pa.ChunkedArray) -> list[Any]:
 
 
 def received_messages(rows: pa.Table, now: datetime) -> list[ReceivedMessage]:
-    """Build ReceivedMessage objects from entity rows (column-wise: far cheaper than per-row dicts)."""
+    """Build ReceivedMessage objects from entity rows.
+
+    Column-wise: the per-row rules (scheduled state, the reported delivery count, the partition)
+    are Arrow expressions, and each object gets its attributes in one dict update; building
+    1,000 messages this way costs a fraction of 1,000 dataclass constructions.
+    """
+    n = rows.num_rows
+    if n == 0:
+        return []
+    now_ts = pa.scalar(now, TIMESTAMP)
+    state = rows.column("state")
+    scheduled = pc.fill_null(
+        pc.and_(pc.equal(state, STATE_ACTIVE), pc.greater(rows.column("scheduled_enqueue_time_utc"), now_ts)), False
+    )
+    counts = rows.column("delivery_count")
+    # The SDK's delivery_count counts deliveries that ended; the stored one includes a live lock's (reported_delivery_count).
+    live = pc.fill_null(
+        pc.and_(
+            pc.and_(pc.is_valid(rows.column("lock_token")), pc.greater(rows.column("locked_until_utc"), now_ts)),
+            pc.greater(counts, 0),
+        ),
+        False,
+    )
     c = {name: _pylist(col) for name, col in zip(rows.column_names, rows.columns, strict=True)}
+    ttls = c["time_to_live_ms"]
+    reasons, descriptions = c["dead_letter_reason"], c["dead_letter_error_description"]
+    props = c["application_properties"]
+    if any(rows.column(name).null_count < n for name in ("application_properties", *_DEAD_LETTER_COLUMNS)):
+        props = [_received_properties(*v) for v in zip(props, reasons, descriptions, strict=True)]
+    columns: dict[str, list[Any]] = {
+        **{name: c[name] for name in _RECEIVED_COLUMNS},
+        "body": [b or b"" for b in c["body"]],
+        "delivery_count": _pylist(pc.if_else(live, pc.subtract(counts, 1), counts)),
+        "partition_id": _pylist(pc.shift_right(rows.column("sequence_number"), SEQUENCE_BITS)),
+        "state": _pylist(pc.if_else(scheduled, "scheduled", state)),
+        "application_properties": props,
+        "time_to_live": [None if ms is None else timedelta(milliseconds=ms) for ms in ttls],
+    }
+    names = tuple(columns)
+    new = object.__new__
     out = []
-    for i, seq in enumerate(c["sequence_number"]):
-        sched = c["scheduled_enqueue_time_utc"][i]
-        state = c["state"][i]
-        if state == STATE_ACTIVE and sched is not None and sched > now:
-            state = "scheduled"
-        ttl = c["time_to_live_ms"][i]
-        props = _received_properties(
-            c["application_properties"][i], c["dead_letter_reason"][i], c["dead_letter_error_description"][i]
-        )
-        out.append(
-            ReceivedMessage(
-                body=c["body"][i] or b"",
-                message_id=c["message_id"][i],
-                sequence_number=seq,
-                enqueued_time_utc=c["enqueued_time_utc"][i],
-                delivery_count=reported_delivery_count(c["delivery_count"][i], c["lock_token"][i], c["locked_until_utc"][i], now),
-                partition_id=seq >> 48,
-                state=state,
-                lock_token=c["lock_token"][i],
-                locked_until_utc=c["locked_until_utc"][i],
-                expires_at_utc=c["expires_at_utc"][i],
-                session_id=c["session_id"][i],
-                partition_key=c["partition_key"][i],
-                application_properties=props,
-                content_type=c["content_type"][i],
-                correlation_id=c["correlation_id"][i],
-                subject=c["subject"][i],
-                to=c["to"][i],
-                reply_to=c["reply_to"][i],
-                reply_to_session_id=c["reply_to_session_id"][i],
-                time_to_live=timedelta(milliseconds=ttl) if ttl is not None else None,
-                scheduled_enqueue_time_utc=sched,
-                dead_letter_reason=c["dead_letter_reason"][i],
-                dead_letter_error_description=c["dead_letter_error_description"][i],
-                dead_letter_source=c["dead_letter_source"][i],
-                size_in_bytes=c["size_in_bytes"][i],
-            )
-        )
+    for values in zip(*columns.values(), strict=True):
+        m = new(ReceivedMessage)
+        m.__dict__.update(zip(names, values, strict=True), _settled=False, auto_renew_error=None)
+        out.append(m)
     return out
+
+
+_DEAD_LETTER_COLUMNS = ("dead_letter_reason", "dead_letter_error_description")
+# Received-message fields copied as stored (the others are computed in received_messages).
+_RECEIVED_COLUMNS = (
+    "message_id",
+    "sequence_number",
+    "enqueued_time_utc",
+    "lock_token",
+    "locked_until_utc",
+    "expires_at_utc",
+    "session_id",
+    "partition_key",
+    "content_type",
+    "correlation_id",
+    "subject",
+    "to",
+    "reply_to",
+    "reply_to_session_id",
+    "scheduled_enqueue_time_utc",
+    "dead_letter_reason",
+    "dead_letter_error_description",
+    "dead_letter_source",
+    "size_in_bytes",
+)
 
 
 def reported_delivery_count(stored: int, lock_token: str | None, locked_until: datetime | None, now: datetime) -> int:
