@@ -10,6 +10,7 @@ return. The same storage-options dict configures obstore and delta-rs (docs/stor
 
 from __future__ import annotations
 
+import builtins
 import contextlib
 import os
 import uuid
@@ -143,18 +144,24 @@ class LocalStore(Store):
         return tmp
 
     def list(self, prefix: str = "") -> list[Entry]:
-        base = self._path(prefix)
+        base = self._path(prefix).rstrip("/")
         out: list[Entry] = []
         with _translate(self.uri, prefix):
-            if not os.path.isdir(base):
-                return out
-            for folder, _, names in os.walk(base):
-                for name in names:
-                    full = os.path.join(folder, name)
-                    with contextlib.suppress(FileNotFoundError):  # removed while listing
-                        st = os.stat(full)
-                        out.append(Entry(os.path.relpath(full, self.root).replace(os.sep, "/"), st.st_size, st.st_mtime))
+            if os.path.isdir(base):
+                self._scan(base, base[len(self.root) :].lstrip("/"), out)
         return out
+
+    def _scan(self, folder: str, rel: str, out: builtins.list[Entry]) -> None:
+        """Append the files below `folder` (named `rel` in the store) to `out`, recursively."""
+        with contextlib.suppress(FileNotFoundError), os.scandir(folder) as it:  # a folder removed while listing
+            for e in it:
+                name = f"{rel}/{e.name}" if rel else e.name
+                with contextlib.suppress(FileNotFoundError):  # removed while listing
+                    if e.is_dir(follow_symlinks=False):
+                        self._scan(e.path, name, out)
+                    else:
+                        st = e.stat(follow_symlinks=False)
+                        out.append(Entry(name, st.st_size, st.st_mtime))
 
     def delete(self, path: str) -> None:
         with _translate(self.uri, path), contextlib.suppress(FileNotFoundError):

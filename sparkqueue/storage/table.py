@@ -46,6 +46,7 @@ log = logging.getLogger(__name__)
 # Log entries older than this and before a checkpoint are deleted: loading lists the log, so it is kept short.
 LOG_RETENTION = "interval 2 minutes"
 CHECKPOINT_INTERVAL = "100"
+TRIM_EVERY = 10  # checkpoints between two trims of the log
 SEQUENCE_BITS = 48
 SEQUENCE_MASK = (1 << SEQUENCE_BITS) - 1
 
@@ -146,8 +147,13 @@ class EntityTable:
             raise StorageCorruptedError(f"table {self.uri}: {exc}") from exc
 
     def _after_commit(self, snap: Snapshot) -> None:
-        """Checkpoint every `delta.checkpointInterval` versions and trim the log behind it."""
-        if snap.version % checkpoint_interval(snap.configuration) == 0 and write_checkpoint(self.store, snap):
+        """Checkpoint every `delta.checkpointInterval` versions; every TRIM_EVERY checkpoints, trim the log behind it.
+
+        Trimming lists the log, which holds a retention's worth of entries at a busy table's
+        commit rate: done at every checkpoint it would cost a busy table more than its commits.
+        """
+        interval = checkpoint_interval(snap.configuration)
+        if snap.version % interval == 0 and write_checkpoint(self.store, snap) and snap.version % (interval * TRIM_EVERY) == 0:
             trim_log(self.store, snap)
 
     def commit(
