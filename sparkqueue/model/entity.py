@@ -21,7 +21,13 @@ from sparkqueue.errors import MessageLockLostError, PartitionUnavailableError
 from sparkqueue.model import lifecycle
 from sparkqueue.model.deadlines import effective
 from sparkqueue.model.partitioning import RoundRobin, partition_for_key
-from sparkqueue.model.properties import EntityProperties, PartitionRuntimeProperties, RuntimeProperties
+from sparkqueue.model.properties import (
+    AnyEntityProperties,
+    PartitionRuntimeProperties,
+    RuntimeProperties,
+    SubscriptionProperties,
+    TopicProperties,
+)
 from sparkqueue.storage.files import MAX_FILE_ROWS
 from sparkqueue.storage.log import CommitConflict, Fence, Snapshot
 from sparkqueue.storage.retry import Deadline, backoff, retry_commit
@@ -82,7 +88,7 @@ class Entity:
     """A queue or subscription: send, receive, settle, peek and count, over all its partitions."""
 
     def __init__(
-        self, props: EntityProperties, table: EntityTable, operation_timeout: float, subscription: str | None = None
+        self, props: AnyEntityProperties, table: EntityTable, operation_timeout: float, subscription: str | None = None
     ) -> None:
         self.table = table
         self.props = props
@@ -93,12 +99,12 @@ class Entity:
         self._recv_start = itertools.count(random.randrange(self.partition_count))
 
     @property
-    def props(self) -> EntityProperties:
+    def props(self) -> AnyEntityProperties:
         """The entity's settings (refreshed from the catalog by the namespace)."""
         return self._props
 
     @props.setter
-    def props(self, props: EntityProperties) -> None:
+    def props(self, props: AnyEntityProperties) -> None:
         self._props = props
         self.table.max_partition_bytes = int(props.max_size_in_megabytes) * 1024 * 1024
 
@@ -111,7 +117,8 @@ class Entity:
     @property
     def policy(self) -> lifecycle.Policy:
         """The settings that drive lock-state transitions."""
-        p = self.props
+        # A topic's own rows are never received (only scheduled and cancelled): the defaults serve it.
+        p = self.props if not isinstance(self.props, TopicProperties) else SubscriptionProperties(name=self.props.name)
         return lifecycle.Policy(
             lock_duration=p.lock_duration,
             max_delivery_count=p.max_delivery_count,
@@ -166,9 +173,10 @@ class Entity:
 
     def dedupe_since(self) -> datetime | None:
         """Start of the duplicate-detection window, or None when the entity does not detect duplicates."""
-        if not getattr(self.props, "requires_duplicate_detection", False):
+        p = self.props
+        if isinstance(p, SubscriptionProperties) or not p.requires_duplicate_detection:
             return None
-        return utcnow() - self.props.duplicate_detection_history_time_window
+        return utcnow() - p.duplicate_detection_history_time_window
 
     # ---- receive -----------------------------------------------------------------------------
 
@@ -383,7 +391,7 @@ class Entity:
                 rows = rows.filter(pc.and_(mask, pc.is_null(rows.column("lock_token"))))
                 if rows.num_rows:
                     self.table.apply(dt, p, lifecycle.changes(rows, lifecycle.removal(self.policy)))
-                return rows.num_rows
+                return int(rows.num_rows)
 
             removed += retry_commit(attempt, self.deadline(), f"cancel scheduled on {self.name}")
         return removed

@@ -41,7 +41,7 @@ import uuid
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from functools import reduce, singledispatch
-from typing import Any
+from typing import Any, TypeAlias
 
 import pyarrow as pa
 import pyarrow.compute as pc
@@ -85,7 +85,7 @@ __all__ = [
     "filter_from_dict",
 ]
 
-Batch = pa.Table | pa.RecordBatch
+Batch: TypeAlias = pa.Table | pa.RecordBatch
 APPLICATION_PROPERTIES = "application_properties"
 _TIME = pa.timestamp("us", tz="UTC")
 _LANE_TYPES: dict[str, pa.DataType] = {

@@ -15,6 +15,7 @@ cannot tell what was forwarded: each batch is first claimed at the source (see
 
 from __future__ import annotations
 
+import functools
 import logging
 import uuid
 from collections.abc import Callable
@@ -124,7 +125,7 @@ def _forward_batch(entity: Entity, route: Route, p: int, resolve: Resolver) -> i
     changes = _source_changes(entity, run, over, failure, now)
     retry_commit(lambda: _settle_source(entity, p, changes), entity.deadline(), f"forward from {entity.name}")
     log.debug("%d message(s) left %s for %s (partition %d)", changes.num_rows, entity.name, route.destination, p)
-    return changes.num_rows
+    return int(changes.num_rows)
 
 
 def _forward_dead_letters(entity: Entity, route: Route, p: int, resolve: Resolver) -> int:
@@ -152,13 +153,13 @@ def _forward_dead_letters(entity: Entity, route: Route, p: int, resolve: Resolve
         app = f"{_app_id(entity, route, p)}.{token.removeprefix(CLAIM_PREFIX)}"
         try:
             _deliver(dest, expand, _copies(batch, now), Fence(app, 1))
-            changes, moved = lifecycle.changes(batch, lifecycle.removal(entity.policy)), batch.num_rows
+            changes, moved = lifecycle.changes(batch, lifecycle.removal(entity.policy)), int(batch.num_rows)
         except (EntityNotFoundError, QuotaExceededError):  # release the claim: they stay dead letters here
             changes, moved = lifecycle.changes(batch, OP_SET, lock_token=None, locked_until_utc=None, available_at_utc=now), 0
         except SparkQueueError as exc:  # destination unavailable: the claim stays for a later forwarder
             log.warning("forwarding dead letters %s -> %s deferred: %s", entity.name, route.destination, exc)
             return total
-        retry_commit(lambda c=changes: _settle_source(entity, p, c), entity.deadline(), f"forward from {entity.name}")
+        retry_commit(functools.partial(_settle_source, entity, p, changes), entity.deadline(), f"forward from {entity.name}")
         total += moved
         if not abandoned or moved == 0:
             return total

@@ -148,7 +148,8 @@ def lock_valid(rows: pa.Table, tokens: list[str], now: datetime) -> list[bool]:
     """Per row: does `tokens[i]` hold the current, unexpired lock of `rows[i]`?"""
     same = pc.equal(rows.column("lock_token"), pa.array(tokens, pa.string()))
     live = pc.greater(rows.column("locked_until_utc"), pa.scalar(now, TIMESTAMP))
-    return pc.fill_null(pc.and_(same, live), False).to_pylist()
+    valid: list[bool] = pc.fill_null(pc.and_(same, live), False).to_pylist()
+    return valid
 
 
 def settle(

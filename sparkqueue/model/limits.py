@@ -226,7 +226,7 @@ def check_size_mb(value: object, tier: str) -> int:
     """max_size_in_megabytes: one of the tier's allowed sizes."""
     if isinstance(value, bool) or value not in SIZES_MB[tier]:
         raise InvalidOperationError(f"max_size_in_megabytes must be one of {SIZES_MB[tier]} in the {tier} tier, got {value!r}")
-    return int(value)  # type: ignore[arg-type]
+    return int(value)
 
 
 def check_application_properties(props: object) -> dict[str, Any] | None:

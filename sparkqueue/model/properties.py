@@ -33,12 +33,13 @@ class EntityProperties:
                 if name in _NEVER_DURATIONS and isinstance(value, timedelta) and value >= limits.TTL_NEVER:
                     value = None  # Service Bus's TimeSpan.MaxValue (or more): never
                 setattr(self, name, value)
-        if isinstance(getattr(self, "status", None), str):
+        status = getattr(self, "status", None)
+        if isinstance(status, str):
             try:
-                self.status = EntityStatus(self.status)  # type: ignore[attr-defined]
+                setattr(self, "status", EntityStatus(status))  # noqa: B010 - every entity kind has a status; the base does not declare it
             except ValueError:
                 raise InvalidOperationError(
-                    f"status must be an EntityStatus ({', '.join(s.value for s in EntityStatus)}), got {self.status!r}"  # type: ignore[attr-defined]
+                    f"status must be an EntityStatus ({', '.join(s.value for s in EntityStatus)}), got {status!r}"
                 ) from None
         for f in dataclasses.fields(self):
             value = getattr(self, f.name)
@@ -183,6 +184,9 @@ class SubscriptionProperties(EntityProperties):
     immutable: ClassVar[tuple[str, ...]] = ("enable_partitioning", "requires_session", "topic_name")
 
 
+AnyEntityProperties = QueueProperties | TopicProperties | SubscriptionProperties
+
+
 @dataclass
 class RuleProperties:
     """A subscription rule: a filter and an optional action (SDK: RuleProperties)."""
@@ -322,7 +326,7 @@ def build_properties(cls: type[EntityProperties], name: str, tier: str, settings
         raise InvalidArgumentTypeError(str(exc)) from None
     props.validate(tier)
     if tier == limits.PREMIUM and getattr(props, "enable_partitioning", False):
-        props.enable_partitioning = False  # premium entities are never partitioned (docs/semantics.md §1)
+        props.enable_partitioning = False  # type: ignore[attr-defined]  # premium entities are never partitioned (docs/semantics.md §1)
     return props
 
 
