@@ -28,7 +28,7 @@ from sparkqueue.model.entity import ROW_COLUMNS, Entity, Guard, utcnow
 from sparkqueue.model.sessions import SessionLock, Sessions
 from sparkqueue.sender import check_status
 from sparkqueue.storage.schema import KIND_MESSAGE, STATE_DEFERRED, SUB_QUEUE_DEAD_LETTER, SUB_QUEUE_MAIN
-from sparkqueue.storage.table import SEQUENCE_MASK
+from sparkqueue.storage.table import SEQUENCE_MASK, partition_of
 
 if TYPE_CHECKING:
     from pyspark.sql import DataFrame, SparkSession
@@ -238,7 +238,7 @@ class Receiver:
         missing: list[int] = []
         groups: dict[int, list[int]] = {}
         for seq in seqs:
-            groups.setdefault(seq >> 48, []).append(seq)
+            groups.setdefault(partition_of(seq), []).append(seq)
         for p, group in groups.items():
             if p >= entity.partition_count:
                 missing.extend(group)

@@ -43,7 +43,7 @@ from sparkqueue.storage.schema import (
     SUB_QUEUE_MAIN,
     TIMESTAMP,
 )
-from sparkqueue.storage.table import SEQUENCE_BITS, SEQUENCE_MASK, EntityTable, Expand, empty_changes
+from sparkqueue.storage.table import SEQUENCE_MASK, EntityTable, Expand, empty_changes, partition_of
 
 log = logging.getLogger(__name__)
 
@@ -55,11 +55,6 @@ POLL_MIN_S, POLL_MAX_S = 0.02, 0.5
 def utcnow() -> datetime:
     """Current time, timezone-aware UTC."""
     return datetime.now(UTC)
-
-
-def partition_of(seq: int) -> int:
-    """The partition a sequence number belongs to (its top 16 bits)."""
-    return seq >> SEQUENCE_BITS
 
 
 Guard = Callable[[Snapshot, int, datetime], "pa.Table | None"]

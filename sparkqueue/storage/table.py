@@ -84,6 +84,11 @@ def sequence_number(partition: int, counter: int) -> int:
     return (partition << SEQUENCE_BITS) | counter
 
 
+def partition_of(seq: int) -> int:
+    """The partition a sequence number belongs to (its top 16 bits)."""
+    return seq >> SEQUENCE_BITS
+
+
 class EntityTable:
     """Thread-safe handle on one entity's Delta table; every method works on a fresh snapshot."""
 
