@@ -21,6 +21,7 @@ from sparkqueue.model import limits
 from sparkqueue.model.deadlines import call_timeout
 from sparkqueue.model.entity import utcnow
 from sparkqueue.model.topics import ACCEPTED_MARKER
+from sparkqueue.storage.table import partition_of
 
 if TYPE_CHECKING:
     from pyspark.sql import DataFrame, SparkSession
@@ -163,7 +164,7 @@ class Sender:
         stored = entity.send(rows, keys, self._ns._expander(self.entity_type, self.entity_name))
         stored = stored.filter(pc.invert(pc.fill_null(pc.equal(stored.column("subscription"), ACCEPTED_MARKER), False)))
         seqs = stored.column("sequence_number").to_pylist()
-        self._ns._after_send(self.entity_type, self.entity_name, sorted({s >> 48 for s in seqs}))
+        self._ns._after_send(self.entity_type, self.entity_name, sorted({partition_of(s) for s in seqs}))
         return seqs
 
 
