@@ -1,0 +1,67 @@
+"""Data files (storage/files.py): statistics, small-file encoding, and writing a commit's files side by side."""
+
+from __future__ import annotations
+
+import os
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from sparkqueue.errors import StorageError
+from sparkqueue.message import Message, SendSettings, to_rows
+from sparkqueue.storage.files import FILE_SCHEMA, DataFiles, _stats
+from sparkqueue.storage.store import LocalStore
+
+
+def _rows(n: int) -> pa.Table:
+    """n varied message rows in the file schema."""
+    now = datetime(2026, 1, 2, 3, 4, 5, 678901, tzinfo=UTC)
+    msgs = [
+        Message(f"b{i}".encode(), subject=f"s{i}" if i % 2 else None, time_to_live=timedelta(seconds=i + 1))
+        for i in range(n)
+    ]
+    rows, _ = to_rows(msgs, SendSettings("standard", False, False, None), now)
+    seqs = pa.array(range(10, 10 + n), pa.int64())
+    return rows.set_column(rows.schema.get_field_index("sequence_number"), "sequence_number", seqs).select(FILE_SCHEMA.names)
+
+
+@pytest.mark.parametrize("index", [0, 1])
+def test_one_row_statistics_equal_the_general_computation(index: int) -> None:
+    """The one-row shortcut gives the bounds and null counts that min/max over the column give."""
+    one = _rows(2).slice(index, 1)
+    two = pa.concat_tables([one, one])  # same bounds, computed by the general path
+    fast, general = _stats(one), _stats(two)
+    assert fast["minValues"] == general["minValues"]
+    assert fast["maxValues"] == general["maxValues"]
+    assert {k: 2 * v for k, v in fast["nullCount"].items()} == general["nullCount"]  # type: ignore[union-attr]
+    assert fast["numRecords"] == 1
+
+
+def test_small_and_large_files_read_back_the_same_rows(tmp_path: Path) -> None:
+    """Files of a few rows (no dictionaries or Parquet statistics) and larger ones hold exactly the rows written."""
+    files = DataFiles(LocalStore(str(tmp_path)), cache_bytes=0)
+    for n in (1, 3, 500):
+        rows = _rows(n).cast(FILE_SCHEMA)
+        add = files.write(0, rows)
+        assert pq.read_table(tmp_path / add.path).cast(FILE_SCHEMA).equals(rows)
+        assert files.read(add.path).equals(rows)
+
+
+def test_write_all_writes_every_piece_in_order_and_cleans_up_on_failure(tmp_path: Path) -> None:
+    """Pieces for many partitions come back in order; when one write fails, no file of the batch remains."""
+    files = DataFiles(LocalStore(str(tmp_path)))
+    pieces = [(p, _rows(3).cast(FILE_SCHEMA), 2) for p in range(6)]
+    written = files.write_all(pieces)
+    assert [len(adds) for adds in written] == [2] * 6  # 3 rows at most 2 per file
+    assert [a.partition_values["partition_id"] for adds in written for a in adds] == [str(p) for p in range(6) for _ in (0, 1)]
+    before = {str(p.relative_to(tmp_path)) for p in tmp_path.rglob("*.parquet")}
+    blocker = tmp_path / "partition_id=9"
+    blocker.write_text("a file where a directory must go")  # partition 9's write fails
+    with pytest.raises(StorageError):
+        files.write_all([(p, _rows(2).cast(FILE_SCHEMA), 1000) for p in (7, 8, 9, 10)])
+    after = {str(p.relative_to(tmp_path)) for p in tmp_path.rglob("*.parquet")}
+    assert after == before
+    assert os.path.isfile(blocker)
