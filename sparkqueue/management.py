@@ -27,6 +27,7 @@ from sparkqueue.errors import (
     SparkQueueError,
 )
 from sparkqueue.model import limits
+from sparkqueue.model.addresses import QUEUE, RULE, SUBSCRIPTION, TOPIC, Address
 from sparkqueue.model.deadlines import call_timeout
 from sparkqueue.model.filters import (
     CorrelationRuleFilter,
@@ -48,7 +49,7 @@ from sparkqueue.model.properties import (
 )
 from sparkqueue.model.topics import ACCEPTED_MARKER
 from sparkqueue.storage import maintenance
-from sparkqueue.storage.catalog import CatalogEntry, catalog_key
+from sparkqueue.storage.catalog import CatalogEntry
 from sparkqueue.storage.check import Finding, check_table
 from sparkqueue.storage.table import EntityTable
 
@@ -58,7 +59,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-QUEUE, TOPIC, SUBSCRIPTION, RULE = "queue", "topic", "subscription", "rule"
 PROPERTY_TYPES: dict[str, type[EntityProperties]] = {
     QUEUE: QueueProperties,
     TOPIC: TopicProperties,
@@ -71,13 +71,14 @@ def sub_entity_name(topic_name: str, subscription_name: str) -> str:
     """Catalog name of a subscription: topic and subscription joined by '|' (neither may contain it)."""
     limits.check_name_type(topic_name, "topic")
     limits.check_name_type(subscription_name, "subscription")
-    return f"{topic_name}|{subscription_name}"
+    return Address.subscription_of(topic_name, subscription_name).name
 
 
 def rule_entity_name(topic_name: str, subscription_name: str, rule: str) -> str:
     """Catalog name of a rule."""
     limits.check_name_type(rule, "rule")
-    return f"{sub_entity_name(topic_name, subscription_name)}|{rule}"
+    sub_entity_name(topic_name, subscription_name)  # checks both names
+    return Address.rule_of(topic_name, subscription_name, rule).name
 
 
 def _as_properties(cls: type[EntityProperties], value: object, overrides: dict[str, Any]) -> EntityProperties:
@@ -122,7 +123,7 @@ class Management:
     ) -> None:
         """Insert the catalog entry (and extras, e.g. a default rule) in one commit; EntityAlreadyExistsError if taken."""
         now = datetime.now(UTC)
-        entry = CatalogEntry(catalog_key(entity_type, name), entity_type, table_path, props.to_json(), now, now)
+        entry = CatalogEntry(Address.of(entity_type, name).key, entity_type, table_path, props.to_json(), now, now)
         if not self._catalog.insert([entry, *extra], self._deadline()):
             shown = name.replace("|", "/")
             raise EntityAlreadyExistsError(f"{entity_type} {shown!r} already exists in namespace {self.root!r}")
@@ -188,18 +189,19 @@ class Management:
         entity = self._entity(entity_type, name)
         check_update(self._get(entity_type, name), props, self.tier)
         self._require_all_partitions(entity, f"update {entity_type} {name!r}")
-        if not self._catalog.update(catalog_key(entity_type, name), props.to_json(), self._deadline()):
+        if not self._catalog.update(Address.of(entity_type, name).key, props.to_json(), self._deadline()):
             raise EntityNotFoundError(f"{entity_type} {name!r} does not exist")
-        self._forget(catalog_key(entity_type, name))
+        self._forget(Address.of(entity_type, name).key)
 
-    def _delete_entries(self: Namespace, entity_type: str, name: str, children_prefix: str | None) -> CatalogEntry:
+    def _delete_entries(self: Namespace, entity_type: str, name: str) -> CatalogEntry:
         """Delete an entity's catalog entry and its children's (subscriptions, rules) in one commit."""
         entity = self._entity(entity_type, name)
         self._require_all_partitions(entity, f"delete {entity_type} {name!r}")
         entry = self._entry(entity_type, name)
+        me = Address.of(entity_type, name)
         keys = [entry.name]
-        if children_prefix is not None:
-            keys += [e.name for e in self._catalog.entries() if e.name.split(":", 1)[1].startswith(children_prefix)]
+        if entity_type != QUEUE:
+            keys += [e.name for e in self._catalog.entries() if Address.parse(e.name).is_child_of(me)]
         if self._catalog.delete(keys, self._deadline()) == 0:
             raise EntityNotFoundError(f"{entity_type} {name!r} does not exist")
         for k in keys:
@@ -236,7 +238,7 @@ class Management:
     def delete_queue(self: Namespace, queue_name: str) -> None:
         """Delete the queue and all its messages."""
         limits.check_name_type(queue_name)
-        self._remove_table(self._delete_entries(QUEUE, queue_name, None).table_path)
+        self._remove_table(self._delete_entries(QUEUE, queue_name).table_path)
 
     def list_queues(self: Namespace) -> list[QueueProperties]:
         """All queues, by name."""
@@ -268,7 +270,7 @@ class Management:
     def delete_topic(self: Namespace, topic_name: str) -> None:
         """Delete the topic with its subscriptions, rules and messages."""
         limits.check_name_type(topic_name, "topic")
-        self._remove_table(self._delete_entries(TOPIC, topic_name, f"{topic_name}|").table_path)
+        self._remove_table(self._delete_entries(TOPIC, topic_name).table_path)
 
     def list_topics(self: Namespace) -> list[TopicProperties]:
         """All topics, by name."""
@@ -306,7 +308,7 @@ class Management:
         name = sub_entity_name(topic_name, subscription_name)
         now = datetime.now(UTC)
         default = CatalogEntry(
-            catalog_key(RULE, rule_entity_name(topic_name, subscription_name, DEFAULT_RULE)),
+            Address.of(RULE, rule_entity_name(topic_name, subscription_name, DEFAULT_RULE)).key,
             RULE,
             "",
             _rule_json(TrueRuleFilter(), None),
@@ -314,7 +316,7 @@ class Management:
             now,
         )
         self._create_entry(SUBSCRIPTION, name, props, f"{topic_entry.table_path}#{key}", (default,))
-        self._forget(catalog_key(TOPIC, topic_name))
+        self._forget(Address.of(TOPIC, topic_name).key)
         return props  # type: ignore[return-value]
 
     def get_subscription(self: Namespace, topic_name: str, subscription_name: str) -> SubscriptionProperties:
@@ -328,13 +330,13 @@ class Management:
         props = _as_properties(SubscriptionProperties, subscription, settings)
         self._check_destinations(props.settings())
         self._update(SUBSCRIPTION, sub_entity_name(topic_name, props.name), props)
-        self._forget(catalog_key(TOPIC, topic_name))  # fan-out caches the subscriptions' TTL and forwarding
+        self._forget(Address.of(TOPIC, topic_name).key)  # fan-out caches the subscriptions' TTL and forwarding
 
     def delete_subscription(self: Namespace, topic_name: str, subscription_name: str) -> None:
         """Delete the subscription and its rules; its messages disappear with it (maintenance reclaims the space)."""
         name = sub_entity_name(topic_name, subscription_name)
-        self._delete_entries(SUBSCRIPTION, name, f"{name}|")
-        self._forget(catalog_key(TOPIC, topic_name))
+        self._delete_entries(SUBSCRIPTION, name)
+        self._forget(Address.of(TOPIC, topic_name).key)
 
     def list_subscriptions(self: Namespace, topic_name: str) -> list[SubscriptionProperties]:
         """The topic's subscriptions, by name."""
@@ -342,7 +344,7 @@ class Management:
         return [
             SubscriptionProperties.from_json(e.properties)  # type: ignore[misc]
             for e in self._catalog.entries(SUBSCRIPTION)
-            if e.name.split(":", 1)[1].split("|")[0] == topic_name
+            if Address.parse(e.name).topic == topic_name
         ]
 
     def get_subscription_runtime_properties(self: Namespace, topic_name: str, subscription_name: str) -> RuntimeProperties:
@@ -367,10 +369,10 @@ class Management:
         flt = filter if filter is not None else TrueRuleFilter()
         _check_rule(flt, action)
         now = datetime.now(UTC)
-        key = catalog_key(RULE, rule_entity_name(topic_name, subscription_name, rule_name))
+        key = Address.of(RULE, rule_entity_name(topic_name, subscription_name, rule_name)).key
         if not self._catalog.insert([CatalogEntry(key, RULE, "", _rule_json(flt, action), now, now)], self._deadline()):
             raise EntityAlreadyExistsError(f"rule {rule_name!r} already exists on {topic_name}/{subscription_name}")
-        self._forget(catalog_key(TOPIC, topic_name))
+        self._forget(Address.of(TOPIC, topic_name).key)
         return RuleProperties(rule_name, flt, action)
 
     def get_rule(self: Namespace, topic_name: str, subscription_name: str, rule_name: str) -> RuleProperties:
@@ -394,25 +396,25 @@ class Management:
         action = settings.get("action", rule.action)
         flt = flt if flt is not None else TrueRuleFilter()
         _check_rule(flt, action)
-        key = catalog_key(RULE, rule_entity_name(topic_name, subscription_name, rule.name))
+        key = Address.of(RULE, rule_entity_name(topic_name, subscription_name, rule.name)).key
         self._entry(RULE, rule_entity_name(topic_name, subscription_name, rule.name))
         if not self._catalog.update(key, _rule_json(flt, action), self._deadline()):
             raise EntityNotFoundError(f"rule {rule.name!r} does not exist on {topic_name}/{subscription_name}")
-        self._forget(catalog_key(TOPIC, topic_name))
+        self._forget(Address.of(TOPIC, topic_name).key)
 
     def delete_rule(self: Namespace, topic_name: str, subscription_name: str, rule_name: str) -> None:
         """Remove a rule from a subscription."""
         self._no_rule_changes_in_transaction()
-        key = catalog_key(RULE, rule_entity_name(topic_name, subscription_name, rule_name))
+        key = Address.of(RULE, rule_entity_name(topic_name, subscription_name, rule_name)).key
         if self._catalog.delete([key], self._deadline()) == 0:
             raise EntityNotFoundError(f"rule {rule_name!r} does not exist on {topic_name}/{subscription_name}")
-        self._forget(catalog_key(TOPIC, topic_name))
+        self._forget(Address.of(TOPIC, topic_name).key)
 
     def list_rules(self: Namespace, topic_name: str, subscription_name: str) -> list[RuleProperties]:
         """The rules of a subscription, by name."""
         self._entry(SUBSCRIPTION, sub_entity_name(topic_name, subscription_name))
-        prefix = f"{sub_entity_name(topic_name, subscription_name)}|"
-        return [rule_from_entry(e) for e in self._catalog.entries(RULE) if e.name.split(":", 1)[1].startswith(prefix)]
+        sub = Address.subscription_of(topic_name, subscription_name)
+        return [rule_from_entry(e) for e in self._catalog.entries(RULE) if Address.parse(e.name).is_child_of(sub)]
 
     # ---- maintenance -----------------------------------------------------------------------------
 
@@ -430,7 +432,7 @@ class Management:
         for e in entries:
             if e.entity_type not in (QUEUE, TOPIC):
                 continue
-            name = e.name.split(":", 1)[1]
+            name = Address.parse(e.name).name
             try:
                 report = self._maintain(e.entity_type, name, entries, vacuum_retention if vacuum else None)
             except SparkQueueError as exc:  # one faulty entity never blocks the others
@@ -459,7 +461,7 @@ class Management:
             live = {
                 split_subscription_path(s.table_path)[1]
                 for s in entries
-                if s.entity_type == SUBSCRIPTION and s.name.split(":", 1)[1].split("|")[0] == name
+                if s.entity_type == SUBSCRIPTION and Address.parse(s.name).topic == name
             } | {ACCEPTED_MARKER}  # the topic's own id records: kept for its duplicate-detection window
         report = maintenance.compact(entity.table, drop_before=datetime.now(UTC) - window, live_subscriptions=live)
         maintenance.checkpoint(entity.table, report)
@@ -476,7 +478,7 @@ class Management:
         for e in self._catalog.entries():
             if e.entity_type not in (QUEUE, TOPIC):
                 continue
-            name = e.name.split(":", 1)[1]
+            name = Address.parse(e.name).name
             table = EntityTable(self.table_uri(e.table_path), 1, self.fault_injector(name, e.entity_type), self.storage_options)
             try:
                 found = check_table(table, repair=repair)
@@ -519,7 +521,7 @@ def _rule_json(flt: Any, action: Any) -> str:
 def rule_from_entry(entry: CatalogEntry) -> RuleProperties:
     """A rule rebuilt from its catalog row."""
     raw = json.loads(entry.properties)
-    name = entry.name.split(":", 1)[1].split("|")[-1]
+    name = Address.parse(entry.name).leaf
     action = action_from_dict(raw["action"]) if raw.get("action") else None
     return RuleProperties(name, filter_from_dict(raw["filter"]), action, entry.created_at_utc)
 

@@ -15,16 +15,13 @@ from sparkqueue.constants import ReceiveMode, SubQueue
 from sparkqueue.errors import EntityNotFoundError, InvalidOperationError, SparkQueueError
 from sparkqueue.management import (
     PROPERTY_TYPES,
-    QUEUE,
-    RULE,
-    SUBSCRIPTION,
-    TOPIC,
     Management,
     rule_from_entry,
     split_subscription_path,
     sub_entity_name,
 )
 from sparkqueue.model import limits
+from sparkqueue.model.addresses import QUEUE, RULE, SUBSCRIPTION, TOPIC, Address
 from sparkqueue.model.deadlines import effective
 from sparkqueue.model.entity import Entity
 from sparkqueue.model.forwarding import MAX_HOPS, forward, routes
@@ -33,7 +30,7 @@ from sparkqueue.model.sessions import SessionInfo, Sessions
 from sparkqueue.model.topics import Rule, Subscriber, fan_out
 from sparkqueue.receiver import Receiver
 from sparkqueue.sender import Sender
-from sparkqueue.storage.catalog import Catalog, CatalogEntry, catalog_key
+from sparkqueue.storage.catalog import Catalog, CatalogEntry
 from sparkqueue.storage.faults import FaultInjector
 from sparkqueue.storage.retry import Deadline
 from sparkqueue.storage.schema import ANY_SUBSCRIPTION
@@ -109,7 +106,7 @@ class Namespace(Management):
         if entity_type not in (QUEUE, TOPIC):
             raise InvalidOperationError("faults are injected on a queue's or a topic's table")
         with self._lock:
-            return self._faults.setdefault(catalog_key(entity_type, entity_name), FaultInjector())
+            return self._faults.setdefault(Address.of(entity_type, entity_name).key, FaultInjector())
 
     # ---- entity resolution ---------------------------------------------------------------------
 
@@ -117,7 +114,7 @@ class Namespace(Management):
         return Deadline(effective(self.operation_timeout))
 
     def _entry(self, entity_type: str, name: str) -> CatalogEntry:
-        entry = self._catalog.get(catalog_key(entity_type, name))
+        entry = self._catalog.get(Address.of(entity_type, name).key)
         if entry is None:
             shown = name.replace("|", "/")
             raise EntityNotFoundError(f"{entity_type} {shown!r} does not exist in namespace {self.root!r}")
@@ -131,7 +128,7 @@ class Namespace(Management):
 
     def _entity(self, entity_type: str, name: str) -> Entity:
         """The entity with settings at most PROPERTIES_TTL_S old; raises EntityNotFoundError."""
-        key = catalog_key(entity_type, name)
+        key = Address.of(entity_type, name).key
         with self._lock:
             cached = self._cache.get(key)
             if cached is not None and time.monotonic() - cached.loaded_at < PROPERTIES_TTL_S:
@@ -146,7 +143,7 @@ class Namespace(Management):
                 return cached.entity
             if entity_type == SUBSCRIPTION:
                 path, sub_key = split_subscription_path(entry.table_path)
-                owner = catalog_key(TOPIC, name.split("|")[0])
+                owner = Address.of(SUBSCRIPTION, name).owner().key
             else:
                 path, sub_key = entry.table_path, ANY_SUBSCRIPTION if entity_type == TOPIC else None
                 owner = key
@@ -182,7 +179,7 @@ class Namespace(Management):
 
     def _topic_rules(self, name: str) -> _CachedRules:
         """A topic's subscribers with their rules, and which of them forward; cached for PROPERTIES_TTL_S."""
-        key = catalog_key(TOPIC, name)
+        key = Address.of(TOPIC, name).key
         with self._lock:
             cached = self._rules.get(key)
         if cached is None or time.monotonic() - cached.loaded_at >= PROPERTIES_TTL_S:
@@ -193,9 +190,10 @@ class Namespace(Management):
             record_ids = PROPERTY_TYPES[TOPIC].from_json(topic.properties).requires_duplicate_detection
             forwarding = []
             for e in entries:
-                owner, _, sub = e.name.split(":", 1)[1].partition("|")
-                if e.entity_type != SUBSCRIPTION or owner != name:
+                address = Address.parse(e.name)
+                if e.entity_type != SUBSCRIPTION or address.topic != name:
                     continue
+                sub = address.leaf
                 props = SubscriptionProperties.from_json(e.properties)
                 if props.forward_to or props.forward_dead_lettered_messages_to:
                     forwarding.append(sub)
@@ -209,14 +207,16 @@ class Namespace(Management):
         entries = self._catalog.entries() if entries is None else entries
         rules: dict[str, list[Rule]] = {}
         for e in entries:
-            if e.entity_type == RULE and e.name.split(":", 1)[1].startswith(f"{topic_name}|"):
-                sub = e.name.split(":", 1)[1].split("|")[1]
+            address = Address.parse(e.name)
+            if e.entity_type == RULE and address.topic == topic_name and address.subscription is not None:
+                sub = address.subscription
                 rp = rule_from_entry(e)
                 rules.setdefault(sub, []).append(Rule(rp.name, rp.filter, rp.action))
         out = []
         for e in entries:
-            if e.entity_type == SUBSCRIPTION and e.name.split(":", 1)[1].split("|")[0] == topic_name:
-                sub = e.name.split(":", 1)[1].split("|")[1]
+            address = Address.parse(e.name)
+            if e.entity_type == SUBSCRIPTION and address.topic == topic_name:
+                sub = address.leaf
                 props = SubscriptionProperties.from_json(e.properties)
                 key, ttl = split_subscription_path(e.table_path)[1], props.default_message_time_to_live
                 out.append(Subscriber(key, tuple(rules.get(sub, ())), ttl, bool(props.requires_session)))
@@ -271,7 +271,7 @@ class Namespace(Management):
         for entry in self._catalog.entries():
             if entry.entity_type in (QUEUE, SUBSCRIPTION):
                 try:
-                    entity = self._entity(entry.entity_type, entry.name.split(":", 1)[1])
+                    entity = self._entity(entry.entity_type, Address.parse(entry.name).name)
                     if routes(entity):
                         self._pump(entity)
                 except SparkQueueError as exc:  # one faulty entity never blocks the others

@@ -21,6 +21,7 @@ from sparkqueue.errors import (
 )
 from sparkqueue.message import as_message
 from sparkqueue.model import limits
+from sparkqueue.model.addresses import QUEUE, SUBSCRIPTION, TOPIC
 from sparkqueue.model.properties import RuntimeProperties
 from sparkqueue.receiver import Receiver
 from sparkqueue.sender import Sender
@@ -28,7 +29,6 @@ from sparkqueue.storage.schema import STRING_PROPERTY_COLUMNS
 
 log = logging.getLogger(__name__)
 
-QUEUE, TOPIC, SUBSCRIPTION = "queue", "topic", "subscription"
 ANY_SESSION = "*"  # --session value meaning NEXT_AVAILABLE_SESSION
 MAX_TX_MESSAGES = 50  # a transaction holds at most 100 operations: 50 sends plus their 50 completions
 

@@ -51,11 +51,6 @@ class CatalogEntry:
     updated_at_utc: datetime
 
 
-def catalog_key(entity_type: str, name: str) -> str:
-    """Catalog key: entity type and name, so a queue and a topic may share a name as in Service Bus."""
-    return f"{entity_type}:{name}"
-
-
 class _Files:
     """The catalog's live files (a FileSet for log.py): path to add action."""
 
