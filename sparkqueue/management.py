@@ -54,8 +54,13 @@ from sparkqueue.storage.check import Finding, check_table
 from sparkqueue.storage.table import EntityTable
 
 if TYPE_CHECKING:
+    import threading
+
     from sparkqueue.model.entity import Entity
-    from sparkqueue.namespace import Namespace
+    from sparkqueue.storage.catalog import Catalog
+    from sparkqueue.storage.faults import FaultInjector
+    from sparkqueue.storage.retry import Deadline
+    from sparkqueue.storage.store import Store
 
 log = logging.getLogger(__name__)
 
@@ -109,12 +114,49 @@ def split_subscription_path(table_path: str) -> tuple[str, str]:
 
 
 class Management:
-    """Create, read, update, delete and list entities; mixed into Namespace."""
+    """Create, read, update, delete and list entities; mixed into Namespace.
+
+    What it needs from the namespace it is mixed into is declared here, so this module depends
+    on no module above it (the namespace imports it, never the other way).
+    """
+
+    root: str
+    tier: str
+    storage_options: dict[str, str]
+    store: Store
+    _catalog: Catalog
+    _tables: dict[str, EntityTable]
+    _lock: threading.RLock
+
+    def _entity(self, entity_type: str, name: str) -> Entity:
+        raise NotImplementedError
+
+    def _entry(self, entity_type: str, name: str) -> CatalogEntry:
+        raise NotImplementedError
+
+    def _forget(self, key: str) -> None:
+        raise NotImplementedError
+
+    def _deadline(self) -> Deadline:
+        raise NotImplementedError
+
+    def table_uri(self, table_path: str) -> str:
+        raise NotImplementedError
+
+    def fault_injector(self, entity_name: str, entity_type: str = QUEUE) -> FaultInjector:
+        raise NotImplementedError
+
+    def forward_pending_messages(self) -> None:
+        raise NotImplementedError
+
+    @property
+    def _active_transaction(self) -> object | None:
+        raise NotImplementedError
 
     # ---- generic ---------------------------------------------------------------------------------
 
     def _create_entry(
-        self: Namespace,
+        self,
         entity_type: str,
         name: str,
         props: EntityProperties,
@@ -129,7 +171,7 @@ class Management:
             raise EntityAlreadyExistsError(f"{entity_type} {shown!r} already exists in namespace {self.root!r}")
         log.info("created %s %s", entity_type, name)
 
-    def _create_with_table(self: Namespace, entity_type: str, name: str, settings: dict[str, Any]) -> EntityProperties:
+    def _create_with_table(self, entity_type: str, name: str, settings: dict[str, Any]) -> EntityProperties:
         """Create a queue or topic: its own Delta table, then its catalog entry."""
         props = build_properties(PROPERTY_TYPES[entity_type], name, self.tier, settings)
         self._check_entity_quota(props)
@@ -142,7 +184,7 @@ class Management:
             raise
         return props
 
-    def _remove_table(self: Namespace, table_path: str) -> None:
+    def _remove_table(self, table_path: str) -> None:
         """Delete an entity table's files, data first and log last (a half-deleted table reads as deleted)."""
         if "://" in table_path or table_path.startswith("/"):
             log.warning("leaving %s in place: it was recorded outside the namespace root", table_path)
@@ -155,7 +197,7 @@ class Management:
         if local is not None:
             shutil.rmtree(local, ignore_errors=True)
 
-    def _check_entity_quota(self: Namespace, props: EntityProperties) -> None:
+    def _check_entity_quota(self, props: EntityProperties) -> None:
         """At most 10,000 entities, and at most 100 partitioned queues and topics, per namespace."""
         entries = [e for e in self._catalog.entries() if e.entity_type != RULE]
         if len(entries) >= limits.MAX_ENTITIES:
@@ -170,7 +212,7 @@ class Management:
                     "create this one with enable_partitioning=False or delete one"
                 )
 
-    def _require_all_partitions(self: Namespace, entity: Entity, what: str) -> None:
+    def _require_all_partitions(self, entity: Entity, what: str) -> None:
         """Management acts on every partition: refuse when any is unavailable."""
         down = [p for p in range(entity.partition_count) if not entity.available(p)]
         if down:
@@ -178,10 +220,10 @@ class Management:
                 f"cannot {what}: partition(s) {down} of {entity.name!r} are unavailable; nothing was changed"
             )
 
-    def _get(self: Namespace, entity_type: str, name: str) -> EntityProperties:
+    def _get(self, entity_type: str, name: str) -> EntityProperties:
         return PROPERTY_TYPES[entity_type].from_json(self._entry(entity_type, name).properties)
 
-    def _update(self: Namespace, entity_type: str, name: str, props: EntityProperties) -> None:
+    def _update(self, entity_type: str, name: str, props: EntityProperties) -> None:
         """Replace an entity's settings, refusing changes to settings fixed at creation."""
         cls = PROPERTY_TYPES[entity_type]
         if not isinstance(props, cls):
@@ -193,7 +235,7 @@ class Management:
             raise EntityNotFoundError(f"{entity_type} {name!r} does not exist")
         self._forget(Address.of(entity_type, name).key)
 
-    def _delete_entries(self: Namespace, entity_type: str, name: str) -> CatalogEntry:
+    def _delete_entries(self, entity_type: str, name: str) -> CatalogEntry:
         """Delete an entity's catalog entry and its children's (subscriptions, rules) in one commit."""
         entity = self._entity(entity_type, name)
         self._require_all_partitions(entity, f"delete {entity_type} {name!r}")
@@ -209,7 +251,7 @@ class Management:
         log.info("deleted %s %s", entity_type, name)
         return entry
 
-    def _runtime(self: Namespace, entity_type: str, name: str) -> RuntimeProperties:
+    def _runtime(self, entity_type: str, name: str) -> RuntimeProperties:
         entry = self._entry(entity_type, name)
         entity = self._entity(entity_type, name)
         rp = entity.runtime_properties()
@@ -220,75 +262,75 @@ class Management:
 
     # ---- queues ----------------------------------------------------------------------------------
 
-    def create_queue(self: Namespace, queue_name: str, **settings: Any) -> QueueProperties:
+    def create_queue(self, queue_name: str, **settings: Any) -> QueueProperties:
         """Create a queue; settings are the SDK's keyword names (enable_partitioning, lock_duration, ...)."""
         self._check_destinations(settings)
         return self._create_with_table(QUEUE, limits.check_entity_name(queue_name), settings)  # type: ignore[return-value]
 
-    def get_queue(self: Namespace, queue_name: str) -> QueueProperties:
+    def get_queue(self, queue_name: str) -> QueueProperties:
         """The queue's settings."""
         return self._get(QUEUE, limits.check_name_type(queue_name))  # type: ignore[return-value]
 
-    def update_queue(self: Namespace, queue: QueueProperties | Mapping[str, Any], **settings: Any) -> None:
+    def update_queue(self, queue: QueueProperties | Mapping[str, Any], **settings: Any) -> None:
         """Apply changed settings (partitioning and sessions are fixed at creation); keywords override the given ones."""
         props = _as_properties(QueueProperties, queue, settings)
         self._check_destinations(props.settings())
         self._update(QUEUE, props.name, props)
 
-    def delete_queue(self: Namespace, queue_name: str) -> None:
+    def delete_queue(self, queue_name: str) -> None:
         """Delete the queue and all its messages."""
         limits.check_name_type(queue_name)
         self._remove_table(self._delete_entries(QUEUE, queue_name).table_path)
 
-    def list_queues(self: Namespace) -> list[QueueProperties]:
+    def list_queues(self) -> list[QueueProperties]:
         """All queues, by name."""
         return [QueueProperties.from_json(e.properties) for e in self._catalog.entries(QUEUE)]  # type: ignore[misc]
 
-    def get_queue_runtime_properties(self: Namespace, queue_name: str) -> RuntimeProperties:
+    def get_queue_runtime_properties(self, queue_name: str) -> RuntimeProperties:
         """Message counts and size, aggregated over partitions, with the per-partition breakdown."""
         return self._runtime(QUEUE, limits.check_name_type(queue_name))
 
-    def list_queues_runtime_properties(self: Namespace) -> list[RuntimeProperties]:
+    def list_queues_runtime_properties(self) -> list[RuntimeProperties]:
         """Runtime properties of every queue, by name."""
         return [self._runtime(QUEUE, q.name) for q in self.list_queues()]
 
     # ---- topics ----------------------------------------------------------------------------------
 
-    def create_topic(self: Namespace, topic_name: str, **settings: Any) -> TopicProperties:
+    def create_topic(self, topic_name: str, **settings: Any) -> TopicProperties:
         """Create a topic (partitioned like a queue); its subscriptions are stored in its table."""
         return self._create_with_table(TOPIC, limits.check_entity_name(topic_name, "topic"), settings)  # type: ignore[return-value]
 
-    def get_topic(self: Namespace, topic_name: str) -> TopicProperties:
+    def get_topic(self, topic_name: str) -> TopicProperties:
         """The topic's settings."""
         return self._get(TOPIC, limits.check_name_type(topic_name, "topic"))  # type: ignore[return-value]
 
-    def update_topic(self: Namespace, topic: TopicProperties | Mapping[str, Any], **settings: Any) -> None:
+    def update_topic(self, topic: TopicProperties | Mapping[str, Any], **settings: Any) -> None:
         """Apply changed topic settings (partitioning is fixed at creation); keywords override the given ones."""
         props = _as_properties(TopicProperties, topic, settings)
         self._update(TOPIC, props.name, props)
 
-    def delete_topic(self: Namespace, topic_name: str) -> None:
+    def delete_topic(self, topic_name: str) -> None:
         """Delete the topic with its subscriptions, rules and messages."""
         limits.check_name_type(topic_name, "topic")
         self._remove_table(self._delete_entries(TOPIC, topic_name).table_path)
 
-    def list_topics(self: Namespace) -> list[TopicProperties]:
+    def list_topics(self) -> list[TopicProperties]:
         """All topics, by name."""
         return [TopicProperties.from_json(e.properties) for e in self._catalog.entries(TOPIC)]  # type: ignore[misc]
 
-    def get_topic_runtime_properties(self: Namespace, topic_name: str) -> RuntimeProperties:
+    def get_topic_runtime_properties(self, topic_name: str) -> RuntimeProperties:
         """Counts over all the topic's subscriptions, and its subscription count."""
         rp = self._runtime(TOPIC, limits.check_name_type(topic_name, "topic"))
         rp.subscription_count = len(self.list_subscriptions(topic_name))
         return rp
 
-    def list_topics_runtime_properties(self: Namespace) -> list[RuntimeProperties]:
+    def list_topics_runtime_properties(self) -> list[RuntimeProperties]:
         """Runtime properties of every topic, by name."""
         return [self.get_topic_runtime_properties(t.name) for t in self.list_topics()]
 
     # ---- subscriptions ---------------------------------------------------------------------------
 
-    def create_subscription(self: Namespace, topic_name: str, subscription_name: str, **settings: Any) -> SubscriptionProperties:
+    def create_subscription(self, topic_name: str, subscription_name: str, **settings: Any) -> SubscriptionProperties:
         """Create a subscription with the rule $Default (a true filter); it gets the topic's partitioning."""
         limits.check_child_name(subscription_name, "subscription")
         if subscription_name.startswith("$"):
@@ -319,12 +361,12 @@ class Management:
         self._forget(Address.of(TOPIC, topic_name).key)
         return props  # type: ignore[return-value]
 
-    def get_subscription(self: Namespace, topic_name: str, subscription_name: str) -> SubscriptionProperties:
+    def get_subscription(self, topic_name: str, subscription_name: str) -> SubscriptionProperties:
         """The subscription's settings."""
         return self._get(SUBSCRIPTION, sub_entity_name(topic_name, subscription_name))  # type: ignore[return-value]
 
     def update_subscription(
-        self: Namespace, topic_name: str, subscription: SubscriptionProperties | Mapping[str, Any], **settings: Any
+        self, topic_name: str, subscription: SubscriptionProperties | Mapping[str, Any], **settings: Any
     ) -> None:
         """Apply changed subscription settings (sessions are fixed at creation); keywords override the given ones."""
         props = _as_properties(SubscriptionProperties, subscription, settings)
@@ -332,13 +374,13 @@ class Management:
         self._update(SUBSCRIPTION, sub_entity_name(topic_name, props.name), props)
         self._forget(Address.of(TOPIC, topic_name).key)  # fan-out caches the subscriptions' TTL and forwarding
 
-    def delete_subscription(self: Namespace, topic_name: str, subscription_name: str) -> None:
+    def delete_subscription(self, topic_name: str, subscription_name: str) -> None:
         """Delete the subscription and its rules; its messages disappear with it (maintenance reclaims the space)."""
         name = sub_entity_name(topic_name, subscription_name)
         self._delete_entries(SUBSCRIPTION, name)
         self._forget(Address.of(TOPIC, topic_name).key)
 
-    def list_subscriptions(self: Namespace, topic_name: str) -> list[SubscriptionProperties]:
+    def list_subscriptions(self, topic_name: str) -> list[SubscriptionProperties]:
         """The topic's subscriptions, by name."""
         self._entry(TOPIC, limits.check_name_type(topic_name, "topic"))
         return [
@@ -347,20 +389,20 @@ class Management:
             if Address.parse(e.name).topic == topic_name
         ]
 
-    def get_subscription_runtime_properties(self: Namespace, topic_name: str, subscription_name: str) -> RuntimeProperties:
+    def get_subscription_runtime_properties(self, topic_name: str, subscription_name: str) -> RuntimeProperties:
         """Message counts of the subscription, aggregated over partitions."""
         rp = self._runtime(SUBSCRIPTION, sub_entity_name(topic_name, subscription_name))
         rp.name = subscription_name
         return rp
 
-    def list_subscriptions_runtime_properties(self: Namespace, topic_name: str) -> list[RuntimeProperties]:
+    def list_subscriptions_runtime_properties(self, topic_name: str) -> list[RuntimeProperties]:
         """Runtime properties of every subscription of the topic, by name."""
         return [self.get_subscription_runtime_properties(topic_name, s.name) for s in self.list_subscriptions(topic_name)]
 
     # ---- rules -----------------------------------------------------------------------------------
 
     def create_rule(
-        self: Namespace, topic_name: str, subscription_name: str, rule_name: str, *, filter: Any = None, action: Any = None
+        self, topic_name: str, subscription_name: str, rule_name: str, *, filter: Any = None, action: Any = None
     ) -> RuleProperties:
         """Add a rule (a filter, default true, and an optional SqlRuleAction) to a subscription."""
         self._no_rule_changes_in_transaction()
@@ -375,13 +417,13 @@ class Management:
         self._forget(Address.of(TOPIC, topic_name).key)
         return RuleProperties(rule_name, flt, action)
 
-    def get_rule(self: Namespace, topic_name: str, subscription_name: str, rule_name: str) -> RuleProperties:
+    def get_rule(self, topic_name: str, subscription_name: str, rule_name: str) -> RuleProperties:
         """A rule of a subscription."""
         entry = self._entry(RULE, rule_entity_name(topic_name, subscription_name, rule_name))
         return rule_from_entry(entry)
 
     def update_rule(
-        self: Namespace, topic_name: str, subscription_name: str, rule: RuleProperties | Mapping[str, Any], **settings: Any
+        self, topic_name: str, subscription_name: str, rule: RuleProperties | Mapping[str, Any], **settings: Any
     ) -> None:
         """Replace a rule's filter and action (SDK: update_rule); keywords `filter`/`action` override the given ones."""
         self._no_rule_changes_in_transaction()
@@ -402,7 +444,7 @@ class Management:
             raise EntityNotFoundError(f"rule {rule.name!r} does not exist on {topic_name}/{subscription_name}")
         self._forget(Address.of(TOPIC, topic_name).key)
 
-    def delete_rule(self: Namespace, topic_name: str, subscription_name: str, rule_name: str) -> None:
+    def delete_rule(self, topic_name: str, subscription_name: str, rule_name: str) -> None:
         """Remove a rule from a subscription."""
         self._no_rule_changes_in_transaction()
         key = Address.of(RULE, rule_entity_name(topic_name, subscription_name, rule_name)).key
@@ -410,7 +452,7 @@ class Management:
             raise EntityNotFoundError(f"rule {rule_name!r} does not exist on {topic_name}/{subscription_name}")
         self._forget(Address.of(TOPIC, topic_name).key)
 
-    def list_rules(self: Namespace, topic_name: str, subscription_name: str) -> list[RuleProperties]:
+    def list_rules(self, topic_name: str, subscription_name: str) -> list[RuleProperties]:
         """The rules of a subscription, by name."""
         self._entry(SUBSCRIPTION, sub_entity_name(topic_name, subscription_name))
         sub = Address.subscription_of(topic_name, subscription_name)
@@ -419,7 +461,7 @@ class Management:
     # ---- maintenance -----------------------------------------------------------------------------
 
     def run_maintenance(
-        self: Namespace, *, vacuum_retention: timedelta = maintenance.DEFAULT_VACUUM_RETENTION, vacuum: bool = True
+        self, *, vacuum_retention: timedelta = maintenance.DEFAULT_VACUUM_RETENTION, vacuum: bool = True
     ) -> dict[str, maintenance.MaintenanceReport]:
         """Compact, clean, checkpoint and vacuum every queue and topic table; finish pending forwards first.
 
@@ -451,7 +493,7 @@ class Management:
         return reports
 
     def _maintain(
-        self: Namespace, entity_type: str, name: str, entries: list[CatalogEntry], vacuum_retention: timedelta | None
+        self, entity_type: str, name: str, entries: list[CatalogEntry], vacuum_retention: timedelta | None
     ) -> maintenance.MaintenanceReport:
         """Compact, checkpoint and (when a retention is given) vacuum one queue's or topic's table."""
         entity = self._entity(entity_type, name)
@@ -469,7 +511,7 @@ class Management:
             maintenance.vacuum(entity.table, vacuum_retention, report)
         return report
 
-    def check(self: Namespace, *, repair: bool = False) -> list[Finding]:
+    def check(self, *, repair: bool = False) -> list[Finding]:
         """Damage in the namespace's entity tables, by table; with `repair`, what is safe to repair is repaired.
 
         An empty list means nothing was found. See docs/storage.md for what is checked and repaired.
@@ -492,11 +534,11 @@ class Management:
                 self._tables.clear()  # handles re-read the repaired log
         return findings
 
-    def _no_rule_changes_in_transaction(self: Namespace) -> None:
+    def _no_rule_changes_in_transaction(self) -> None:
         if self._active_transaction is not None:
             raise InvalidOperationError("subscription rules cannot be added or removed inside a transaction")
 
-    def _check_destinations(self: Namespace, settings: dict[str, Any]) -> None:
+    def _check_destinations(self, settings: dict[str, Any]) -> None:
         """forward_to targets must be valid entity names (they may be created later: a missing one dead-letters)."""
         for k in ("forward_to", "forward_dead_lettered_messages_to"):
             if settings.get(k) is not None:
