@@ -38,6 +38,7 @@ from sparkqueue.model.filters import (
     filter_from_dict,
 )
 from sparkqueue.model.properties import (
+    AnyEntityProperties,
     EntityProperties,
     QueueProperties,
     RuleProperties,
@@ -64,7 +65,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-PROPERTY_TYPES: dict[str, type[EntityProperties]] = {
+PROPERTY_TYPES: dict[str, type[AnyEntityProperties]] = {
     QUEUE: QueueProperties,
     TOPIC: TopicProperties,
     SUBSCRIPTION: SubscriptionProperties,
@@ -284,7 +285,7 @@ class Management:
 
     def list_queues(self) -> list[QueueProperties]:
         """All queues, by name."""
-        return [QueueProperties.from_json(e.properties) for e in self._catalog.entries(QUEUE)]  # type: ignore[misc]
+        return [QueueProperties.from_json(e.properties) for e in self._catalog.entries(QUEUE)]
 
     def get_queue_runtime_properties(self, queue_name: str) -> RuntimeProperties:
         """Message counts and size, aggregated over partitions, with the per-partition breakdown."""
@@ -316,7 +317,7 @@ class Management:
 
     def list_topics(self) -> list[TopicProperties]:
         """All topics, by name."""
-        return [TopicProperties.from_json(e.properties) for e in self._catalog.entries(TOPIC)]  # type: ignore[misc]
+        return [TopicProperties.from_json(e.properties) for e in self._catalog.entries(TOPIC)]
 
     def get_topic_runtime_properties(self, topic_name: str) -> RuntimeProperties:
         """Counts over all the topic's subscriptions, and its subscription count."""
@@ -384,7 +385,7 @@ class Management:
         """The topic's subscriptions, by name."""
         self._entry(TOPIC, limits.check_name_type(topic_name, "topic"))
         return [
-            SubscriptionProperties.from_json(e.properties)  # type: ignore[misc]
+            SubscriptionProperties.from_json(e.properties)
             for e in self._catalog.entries(SUBSCRIPTION)
             if Address.parse(e.name).topic == topic_name
         ]

@@ -226,7 +226,7 @@ class ApplicationProperties(dict[str, Any]):
     """Received application properties: str keys, also looked up by the bytes keys the SDK hands out (props[b"k"])."""
 
     @staticmethod
-    def _key(key: object) -> object:
+    def _key(key: object) -> Any:
         if isinstance(key, (bytes, bytearray)):
             try:
                 return bytes(key).decode("utf-8")
@@ -240,9 +240,9 @@ class ApplicationProperties(dict[str, Any]):
     def __contains__(self, key: object) -> bool:
         return super().__contains__(self._key(key))
 
-    def get(self, key: object, default: Any = None) -> Any:  # type: ignore[override]
+    def get(self, key: object, default: Any = None) -> Any:
         """As dict.get, accepting bytes keys."""
-        return super().get(self._key(key), default)  # type: ignore[call-overload]
+        return super().get(self._key(key), default)
 
 
 @dataclass
@@ -301,7 +301,8 @@ def _pylist(col: pa.ChunkedArray) -> list[Any]:
             None if us is None else seen.get(us) or seen.setdefault(us, _EPOCH + timedelta(microseconds=us))
             for us in col.cast(pa.int64()).to_pylist()
         ]
-    return col.to_pylist()
+    values: list[Any] = col.to_pylist()
+    return values
 
 
 def received_messages(rows: pa.Table, now: datetime) -> list[ReceivedMessage]:

@@ -25,7 +25,7 @@ from sparkqueue.model.addresses import QUEUE, RULE, SUBSCRIPTION, TOPIC, Address
 from sparkqueue.model.deadlines import effective
 from sparkqueue.model.entity import Entity
 from sparkqueue.model.forwarding import MAX_HOPS, forward, routes
-from sparkqueue.model.properties import SubscriptionProperties
+from sparkqueue.model.properties import SubscriptionProperties, TopicProperties
 from sparkqueue.model.sessions import SessionInfo, Sessions
 from sparkqueue.model.topics import Rule, Subscriber, fan_out
 from sparkqueue.receiver import Receiver
@@ -141,6 +141,7 @@ class Namespace(Management):
                 cached.entity.props = props
                 cached.loaded_at = time.monotonic()
                 return cached.entity
+            sub_key: str | None
             if entity_type == SUBSCRIPTION:
                 path, sub_key = split_subscription_path(entry.table_path)
                 owner = Address.of(SUBSCRIPTION, name).owner().key
@@ -187,7 +188,7 @@ class Namespace(Management):
             topic = next((e for e in entries if e.name == key), None)
             if topic is None:
                 raise EntityNotFoundError(f"topic {name!r} does not exist in namespace {self.root!r}")
-            record_ids = PROPERTY_TYPES[TOPIC].from_json(topic.properties).requires_duplicate_detection
+            record_ids = TopicProperties.from_json(topic.properties).requires_duplicate_detection
             forwarding = []
             for e in entries:
                 address = Address.parse(e.name)

@@ -163,7 +163,7 @@ class Sender:
         rows, keys = to_rows(msgs, send_settings(self._ns.tier, entity.props), utcnow())
         stored = entity.send(rows, keys, self._ns._expander(self.entity_type, self.entity_name))
         stored = stored.filter(pc.invert(pc.fill_null(pc.equal(stored.column("subscription"), ACCEPTED_MARKER), False)))
-        seqs = stored.column("sequence_number").to_pylist()
+        seqs: list[int] = stored.column("sequence_number").to_pylist()
         self._ns._after_send(self.entity_type, self.entity_name, sorted({partition_of(s) for s in seqs}))
         return seqs
 

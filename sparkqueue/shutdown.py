@@ -23,6 +23,7 @@ import sys
 import threading
 import time
 from collections.abc import Iterator
+from types import FrameType
 from typing import Any
 
 log = logging.getLogger(__name__)
@@ -77,7 +78,7 @@ def _threads_in_library(dirs: tuple[str, ...]) -> list[int]:
     for ident, frame in sys._current_frames().items():
         if ident == me or ident in _parked_threads:
             continue
-        f = frame
+        f: FrameType | None = frame
         while f is not None:
             if f.f_code.co_filename.startswith(dirs):
                 busy.append(ident)

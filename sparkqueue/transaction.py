@@ -139,7 +139,8 @@ class Transaction:
         stored = stored.filter(pc.invert(pc.fill_null(pc.equal(stored.column("subscription"), ACCEPTED_MARKER), False)))
         if stored.num_rows and entity_type in ("queue", "topic"):
             self.namespace._after_send(entity_type, name, [partition])  # auto-forward what arrived
-        return stored.column("sequence_number").to_pylist()
+        seqs: list[int] = stored.column("sequence_number").to_pylist()
+        return seqs
 
     def _partition(self, entity: Entity) -> int:
         """The one partition the transaction writes: its key's, which must also hold the settled messages."""

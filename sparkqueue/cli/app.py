@@ -27,6 +27,7 @@ import sparkqueue
 from sparkqueue import CorrelationRuleFilter, Namespace, ReceivedMessage, SqlRuleAction, SqlRuleFilter
 from sparkqueue.cli import ops, render
 from sparkqueue.errors import SparkQueueError
+from sparkqueue.model.addresses import TOPIC
 from sparkqueue.receiver import Receiver
 
 DEFAULT_ROOT = "./sparkqueue-data"
@@ -405,11 +406,11 @@ def list_entities(
     queues = sorted(ns.list_queues(), key=lambda p: p.name)
     topics = sorted(ns.list_topics(), key=lambda p: p.name)
     for q in queues:
-        rows.append(row("queue", q.name, q, lambda q=q: ns.get_queue_runtime_properties(q.name)))
+        rows.append(row("queue", q.name, q, functools.partial(ns.get_queue_runtime_properties, q.name)))
     for t in topics:
-        rows.append(row("topic", t.name, t, lambda t=t: ns.get_topic_runtime_properties(t.name)))
+        rows.append(row("topic", t.name, t, functools.partial(ns.get_topic_runtime_properties, t.name)))
         for s in sorted(ns.list_subscriptions(t.name), key=lambda p: p.name):
-            sub = row("subscription", s.name, s, lambda t=t, s=s: ns.get_subscription_runtime_properties(t.name, s.name))
+            sub = row("subscription", s.name, s, functools.partial(ns.get_subscription_runtime_properties, t.name, s.name))
             sub["topic"] = t.name
             rows.append(sub)
     if as_json:
@@ -442,7 +443,7 @@ def show(
     props = ops.settings(ns, target)
     rp = ops.runtime(ns, target)
     subs: list[tuple[str, Any]] = []
-    if target.kind == ops.TOPIC:
+    if target.kind == TOPIC:
         subs = [
             (s.name, ns.get_subscription_runtime_properties(target.name, s.name))
             for s in sorted(ns.list_subscriptions(target.name), key=lambda p: p.name)
@@ -454,7 +455,7 @@ def show(
             "settings": render.settings_dict(props),
             "runtime": render.runtime_dict(rp),
         }
-        if target.kind == ops.TOPIC:
+        if target.kind == TOPIC:
             data["subscriptions"] = [
                 {"name": n, **{k: v for k, v in render.runtime_dict(srp).items() if k != "partitions"}} for n, srp in subs
             ]
@@ -529,7 +530,7 @@ def send(
             total = ops.count_messages(file, jsonl=jsonl, check=s)  # validate everything before sending anything
             with file.open("rb") as stream, progress_bar(f"Sending to {target.display}", total) as advance:
                 result = ops.send_stream(s, stream, str(file), jsonl=jsonl, batch=batch, progress=advance)
-    if target.kind == ops.TOPIC:
+    if target.kind == TOPIC:
         done(f"Sent {result.read} message(s) to {target.label} ({result.stored} copies in subscriptions).")
     else:
         dropped = result.read - result.stored
@@ -577,7 +578,7 @@ def purge(
     """Delete all available messages (receive-and-delete in batches)."""
     ns = state(ctx).namespace()
     target = ops.resolve(ns, name)
-    if target.kind == ops.TOPIC:
+    if target.kind == TOPIC:
         ops.receiver(ns, target)  # raises: topics are purged per subscription
     before = ops.runtime(ns, target)
     total = before.dead_letter_message_count if dead_letter else before.active_message_count
@@ -608,7 +609,7 @@ def resubmit(
     """Move dead letters back to their queue (or, with --via-topic, a subscription's to its topic)."""
     ns = state(ctx).namespace()
     target = ops.resolve(ns, name)
-    total = ops.runtime(ns, target).dead_letter_message_count if target.kind != ops.TOPIC else None
+    total = ops.runtime(ns, target).dead_letter_message_count if target.kind != TOPIC else None
     if total is not None and count is not None:
         total = min(total, count)
     with progress_bar(f"Resubmitting {target.display}", total) as advance:
@@ -626,7 +627,7 @@ def resubmit(
         done(f"Resubmitted {result.resubmitted} dead letter(s) to {result.destination.label}{detail}.")
     if result.not_accepted:
         why = "dropped by duplicate detection: the id is still in the detection window"
-        if result.destination.kind == ops.TOPIC:
+        if result.destination.kind == TOPIC:
             why += ", or no subscription matched"
         fail(
             f"{result.not_accepted} dead letter(s) were not resubmitted ({why}); they stay in the dead-letter queue"

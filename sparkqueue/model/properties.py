@@ -7,7 +7,7 @@ import json
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Self
 
 from sparkqueue.constants import EntityStatus
 from sparkqueue.errors import InvalidArgumentTypeError, InvalidOperationError
@@ -60,7 +60,7 @@ class EntityProperties:
         return json.dumps(self.settings(), sort_keys=True)
 
     @classmethod
-    def from_json(cls, text: str) -> EntityProperties:
+    def from_json(cls, text: str) -> Self:
         """Rebuild from the catalog's JSON."""
         raw = json.loads(text)
         for f in dataclasses.fields(cls):
