@@ -7,9 +7,11 @@ python3 -m venv .venv
 .venv/bin/python -m pip install -q -e ".[test]"
 .venv/bin/ruff check sparkqueue jobs tests bench scripts
 .venv/bin/python scripts/check_layers.py
-.venv/bin/mypy sparkqueue/storage
+.venv/bin/mypy sparkqueue/storage sparkqueue/model sparkqueue/management.py sparkqueue/message.py
 set +e
-.venv/bin/python -m pytest "$@"
+# Tests run in parallel workers (pytest-xdist); every Spark test runs in one of them, on one shared SparkSession.
+# Most tests wait on processes, locks and I/O, so 3 workers fit 2 cores. `-n 0` runs them in this process.
+.venv/bin/python -m pytest -n "${SPARKQUEUE_TEST_WORKERS:-3}" --dist loadgroup "$@"
 rc=$?
 set -e
 # pytest exits 5 when it collected no test: that is a failure here, never a pass.

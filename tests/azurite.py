@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import fcntl
 import os
 import shutil
 import socket
@@ -32,16 +33,16 @@ AZURITE_VERSION = "3"
 def azurite_binary() -> Path:
     """The azurite-blob executable, installed from npm into .azurite/ when absent."""
     binary = INSTALL_DIR / "node_modules" / ".bin" / "azurite-blob"
-    if not binary.exists():
-        npm = shutil.which("npm")
-        if npm is None:
-            raise RuntimeError("npm is needed to install Azurite for the object-store tests")
-        INSTALL_DIR.mkdir(exist_ok=True)
-        subprocess.run(
-            [npm, "install", "--silent", "--no-audit", "--no-fund", "--prefix", str(INSTALL_DIR), f"azurite@{AZURITE_VERSION}"],
-            check=True,
-            timeout=600,
-        )
+    INSTALL_DIR.mkdir(exist_ok=True)
+    with open(INSTALL_DIR / ".install-lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # parallel test workers install once, one at a time
+        if not binary.exists():
+            npm = shutil.which("npm")
+            if npm is None:
+                raise RuntimeError("npm is needed to install Azurite for the object-store tests")
+            package = f"azurite@{AZURITE_VERSION}"
+            cmd = [npm, "install", "--silent", "--no-audit", "--no-fund", "--prefix", str(INSTALL_DIR), package]
+            subprocess.run(cmd, check=True, timeout=600)
     return binary
 
 

@@ -15,6 +15,7 @@ from datetime import timedelta
 from typing import Any
 
 import pyarrow as pa
+import pytest
 from azurite import Store
 from deltalake import DeltaTable
 
@@ -63,6 +64,8 @@ def random_worker(root: str, seed: int, barrier: Any, results: Any) -> None:
     results.put((seed, sent))
 
 
+# The Azurite run takes ~40 s (every step is several HTTP calls): it runs with the slow tests (CI), the local one always.
+@pytest.mark.parametrize("store", ["local", pytest.param("azure", marks=pytest.mark.slow)], indirect=True)
 def test_delta_rs_reads_exactly_what_sparkqueue_wrote_after_random_concurrent_work(store: Store) -> None:
     with store.open() as ns:
         ns.create_queue("q", lock_duration=timedelta(seconds=5))

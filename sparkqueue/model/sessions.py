@@ -272,7 +272,8 @@ class Sessions:
     def get_state(self, lock: SessionLock) -> bytes | None:
         """The session state stored with the session."""
         row = self._held_row(self.table.snapshot(), lock, utcnow())
-        return row.column("body")[0].as_py()
+        state: bytes | None = row.column("body")[0].as_py()
+        return state
 
     def set_state(self, lock: SessionLock, state: bytes | None) -> None:
         """Replace (or clear, with None) the session state, in one commit with the session lock check."""

@@ -75,7 +75,8 @@ message_kwargs = st.fixed_dictionaries(
 
 
 def _check_roundtrip(ns: Namespace, sent: Message) -> None:
-    with ns.get_queue_receiver("q") as r:
+    # A message with a session id went to a session queue (see test_fuzz_message_send): read it through its session.
+    with ns.get_queue_receiver("q", session_id=sent.session_id) as r:
         peeked = peek_all(r)
         assert len(peeked) == 1
         (got,) = (

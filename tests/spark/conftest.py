@@ -24,6 +24,13 @@ def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("filterwarnings", "ignore:PySpark does not yet fully support pandas:FutureWarning")
 
 
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Under pytest-xdist (`--dist loadgroup`), every Spark test runs in one worker: one JVM, one shared session."""
+    for item in items:
+        if item.path.parent.name == "spark":
+            item.add_marker(pytest.mark.xdist_group("spark"))
+
+
 @pytest.fixture(scope="session")
 def spark() -> Iterator[SparkSession]:
     """The shared local[2] session, configured by sparkqueue.spark.spark_session (workers on this venv)."""

@@ -59,6 +59,7 @@ def test_config_file_and_command_line_overrides(tmp_path):
     assert common.load_config(common.DEFAULT_CONFIG)["consumer"]["transform"] == "jobs.transforms:uppercase"
 
 
+@pytest.mark.slow  # ~30 s: the job's first run is killed and rerun; CI runs it with the slow tests
 def test_consumer_killed_after_writing_leaves_no_duplicate_output(spark, tmp_path):
     path = write_config(tmp_path, 10)
     cfg = common.load_config(path)
