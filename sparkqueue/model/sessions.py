@@ -12,7 +12,7 @@ import itertools
 import logging
 import random
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import datetime
 
@@ -21,10 +21,11 @@ import pyarrow.compute as pc
 
 from sparkqueue.errors import OperationTimeoutError, SessionCannotBeLockedError, SessionLockLostError
 from sparkqueue.model import lifecycle
-from sparkqueue.model.entity import POLL_MAX_S, POLL_MIN_S, ROW_COLUMNS, Entity, Guard, empty_rows, utcnow
+from sparkqueue.model.entity import POLL_MAX_S, POLL_MIN_S, ROW_COLUMNS, Entity, Guard, SettleResult, empty_rows, utcnow
 from sparkqueue.model.ids import new_ids
 from sparkqueue.model.partitioning import partition_for_key
 from sparkqueue.storage.files import MAX_FILE_ROWS
+from sparkqueue.storage.index import FileInfo
 from sparkqueue.storage.log import CommitConflict, Snapshot
 from sparkqueue.storage.retry import retry_commit
 from sparkqueue.storage.schema import (
@@ -33,6 +34,7 @@ from sparkqueue.storage.schema import (
     KIND_SESSION,
     PARTITION_COLUMN,
     STATE_ACTIVE,
+    STATE_COLUMNS,
     STATE_DEFERRED,
     SUB_QUEUE_MAIN,
     TIMESTAMP,
@@ -107,7 +109,7 @@ class Sessions:
             poll = min(POLL_MAX_S, poll * 2)
 
     def _accept_named(
-        self, session_id: str, prefetch: int, delete: bool, *, need_messages: bool = False
+        self, session_id: str, prefetch: int, delete: bool, *, need_messages: bool = False, dt: Snapshot | None = None
     ) -> tuple[SessionLock, pa.Table]:
         """One attempt to lock a session and deliver its head; SessionCannotBeLockedError when another receiver holds it.
 
@@ -117,7 +119,7 @@ class Sessions:
         its own (docs/storage.md: a session's rows kept together), so its completion drops that file whole.
         """
         p = partition_for_key(session_id, self.entity.partition_count)
-        dt = self.table.snapshot()
+        dt = dt or self.table.snapshot()
         now = utcnow()
         row = self._row(dt, p, session_id)
         if row is not None:
@@ -146,17 +148,20 @@ class Sessions:
             parts.append(lifecycle.changes(rows, OP_SET))  # unchanged rows move along: the session stays together
         if row is None:
             changes = pa.concat_tables(parts) if parts else empty_changes()
-            self.table.apply(dt, p, changes, new_rows=self._new_row(session_id, p, now, token, until), group_by=GROUP_COLUMN)
+            self._apply(dt, p, session_id, changes, self._new_row(session_id, p, now, token, until))
         else:
             parts.insert(0, lifecycle.changes(row, OP_SET, lock_token=token, locked_until_utc=until))
-            self.table.apply(dt, p, pa.concat_tables(parts), group_by=GROUP_COLUMN)
+            self._apply(dt, p, session_id, pa.concat_tables(parts))
         return lock, delivered
 
     def _accept_next(self, prefetch: int, delete: bool) -> tuple[SessionLock, pa.Table] | None:
         """Lock a free session that has an available message, trying partitions from a rotating start.
 
-        Among the oldest sessions of a partition one of the first few is picked at random, so
-        receivers racing over one partition mostly lock different sessions instead of colliding.
+        A session's rows live in files of their own (docs/storage.md), so most candidates are read
+        off file statistics without opening a file: a one-session file with a message available
+        now. Files that mix sessions (fresh sends) are read as before. Among the candidates one of
+        the first few is picked at random, so receivers racing over one partition mostly lock
+        different sessions instead of colliding.
         """
         start = next(self._start)
         for i in range(self.entity.partition_count):
@@ -165,23 +170,47 @@ class Sessions:
                 continue
             dt = self.table.snapshot()
             seen: set[str] = set()
-            window = 1000
+            got = self._try_sessions(dt, p, self._free_by_stats(dt, p), seen, prefetch, delete)
+            if got is not None:
+                return got
+            window = 64
             while True:
                 now = utcnow()
-                cands = self.table.candidates(
-                    dt, p, SUB_QUEUE_MAIN, now, window, subscription=self.entity.subscription
-                )
-                sids = [s for s in dict.fromkeys(cands.column("session_id").to_pylist()) if s is not None and s not in seen]
-                while sids:
-                    sid = sids.pop(random.randrange(min(len(sids), SPREAD)))
-                    seen.add(sid)
-                    try:
-                        return self._accept_named(sid, prefetch, delete, need_messages=True)
-                    except (SessionCannotBeLockedError, CommitConflict):
-                        continue
+                cands = self.table.candidates(dt, p, SUB_QUEUE_MAIN, now, window, subscription=self.entity.subscription)
+                got = self._try_sessions(dt, p, cands.column("session_id").to_pylist(), seen, prefetch, delete)
+                if got is not None:
+                    return got
                 if cands.num_rows < window:
                     break
                 window *= 4  # every session in the window is held: a free one may wait further back
+        return None
+
+    def _free_by_stats(self, dt: Snapshot, p: int) -> list[str]:
+        """Sessions of the partition that, by file statistics alone, have a message available now (oldest first)."""
+        now = utcnow()
+        sub = self.entity.subscription
+        return [
+            f.min_session
+            for f in self.table.files(dt, p)
+            if f.min_session is not None
+            and f.min_session == f.max_session
+            and f.min_available_at is not None
+            and f.min_available_at <= now
+            and f.may_hold(KIND_MESSAGE, SUB_QUEUE_MAIN, sub)
+        ]
+
+    def _try_sessions(
+        self, dt: Snapshot, p: int, sids: Sequence[str | None], seen: set[str], prefetch: int, delete: bool
+    ) -> tuple[SessionLock, pa.Table] | None:
+        """Try to lock one of these sessions (each at most once per pass), picking at random among the first SPREAD."""
+        todo = [s for s in dict.fromkeys(sids) if s is not None and s not in seen]
+        while todo:
+            sid = todo.pop(random.randrange(min(len(todo), SPREAD)))
+            seen.add(sid)
+            try:
+                return self._accept_named(sid, prefetch, delete, need_messages=True, dt=dt)
+            except (SessionCannotBeLockedError, CommitConflict):
+                dt = self.table.snapshot()
         return None
 
     # ---- receive and settle --------------------------------------------------------------------
@@ -211,7 +240,7 @@ class Sessions:
             return empty_rows()
         d = lifecycle.deliver(head, now, self.entity.policy, delete=delete)
         changes = _session_until_changes(d.changes, lock.locked_until)
-        self.table.apply(dt, lock.partition, pa.concat_tables([changes, touch]), group_by=GROUP_COLUMN)
+        self._apply(dt, lock.partition, lock.session_id, pa.concat_tables([changes, touch]))
         return _session_until(d.delivered, lock.locked_until)
 
     def guard(self, lock: SessionLock) -> Guard:
@@ -222,6 +251,45 @@ class Sessions:
             return lifecycle.changes(row, OP_SET)
 
         return check
+
+    def settle(
+        self,
+        lock: SessionLock,
+        items: Sequence[tuple[int, str]],
+        op: str,
+        reason: str | None = None,
+        description: str | None = None,
+    ) -> SettleResult:
+        """Settle the held session's (sequence_number, lock_token) items in one commit, with the session lock check.
+
+        Like Entity.settle, but reading and rewriting only the session's own file(s): a session's
+        messages interleave by sequence number with other sessions', so a settlement found by
+        sequence range would open every file of the partition. An item that is not a current
+        delivery of this session is reported, not applied; a lost session lock raises SessionLockLostError.
+        """
+        ok = [False] * len(items)
+
+        def attempt() -> None:
+            dt = self.table.snapshot()
+            now = utcnow()
+            row = self._held_row(dt, lock, now)
+            rows = self.table.scan(
+                dt, lock.partition, STATE_COLUMNS, subscription=self.entity.subscription, session_id=lock.session_id
+            )
+            by_seq = {s: j for j, s in enumerate(rows.column("sequence_number").to_pylist())}
+            present = [k for k, (seq, _) in enumerate(items) if seq in by_seq]
+            cur = rows.take(pa.array([by_seq[items[k][0]] for k in present], pa.int64()))
+            held = lifecycle.lock_valid(cur, [items[k][1] for k in present], now)
+            good = cur.filter(pa.array(held, pa.bool_()))
+            parts = [lifecycle.changes(row, OP_SET)]  # the touch: a takeover racing this commit makes it conflict
+            if good.num_rows:
+                parts.append(lifecycle.settle(good, op, now, self.entity.policy, reason, description))
+            self._apply(dt, lock.partition, lock.session_id, pa.concat_tables(parts))
+            for k, v in zip(present, held, strict=True):
+                ok[k] = v
+
+        retry_commit(attempt, self.entity.deadline(), f"{op} on session {lock.session_id!r} of {self.entity.name}")
+        return SettleResult(ok, [None] * len(items))
 
     def receive_deferred(self, lock: SessionLock, seqs: list[int], *, delete: bool) -> pa.Table:
         """The held session's deferred messages with these sequence numbers; other sessions' are never returned."""
@@ -244,7 +312,7 @@ class Sessions:
                 return empty_rows()
             d = lifecycle.deliver(rows, now, self.entity.policy, delete=delete)
             changes = _session_until_changes(d.changes, lock.locked_until)
-            self.table.apply(dt, lock.partition, pa.concat_tables([changes, touch]), group_by=GROUP_COLUMN)
+            self._apply(dt, lock.partition, lock.session_id, pa.concat_tables([changes, touch]))
             return _session_until(d.delivered, lock.locked_until)
 
         return retry_commit(attempt, self.entity.deadline(), "receive deferred session messages")
@@ -263,7 +331,7 @@ class Sessions:
             changes = [lifecycle.changes(row, OP_SET, locked_until_utc=until)]
             if rows.num_rows:
                 changes.append(_session_until_changes(lifecycle.changes(rows, OP_SET), until))
-            self.table.apply(dt, lock.partition, pa.concat_tables(changes), group_by=GROUP_COLUMN)
+            self._apply(dt, lock.partition, lock.session_id, pa.concat_tables(changes))
             return until
 
         lock.locked_until = retry_commit(attempt, self.entity.deadline(), "renew session lock")
@@ -272,7 +340,8 @@ class Sessions:
     def get_state(self, lock: SessionLock) -> bytes | None:
         """The session state stored with the session."""
         row = self._held_row(self.table.snapshot(), lock, utcnow())
-        return row.column("body")[0].as_py()
+        state: bytes | None = row.column("body")[0].as_py()
+        return state
 
     def set_state(self, lock: SessionLock, state: bytes | None) -> None:
         """Replace (or clear, with None) the session state, in one commit with the session lock check."""
@@ -280,7 +349,8 @@ class Sessions:
         def attempt() -> None:
             dt = self.table.snapshot()
             row = self._held_row(dt, lock, utcnow())
-            self.table.apply(dt, lock.partition, lifecycle.changes(row, OP_SET_BODY, body=pa.array([state], pa.binary())))
+            changes = lifecycle.changes(row, OP_SET_BODY, body=pa.array([state], pa.binary()))
+            self._apply(dt, lock.partition, lock.session_id, changes)
 
         retry_commit(attempt, self.entity.deadline(), "set session state")
 
@@ -303,7 +373,7 @@ class Sessions:
             sub = self.entity.subscription
             rows = self.table.scan(dt, lock.partition, ROW_COLUMNS, subscription=sub, session_id=lock.session_id)
             if row.column("body")[0].as_py() is None and not rows.num_rows:
-                self.table.apply(dt, lock.partition, lifecycle.changes(row, OP_DELETE))
+                self._apply(dt, lock.partition, lock.session_id, lifecycle.changes(row, OP_DELETE))
                 return
             locked = rows.filter(pc.is_valid(rows.column("lock_token")))
             unused = pc.is_in(locked.column("sequence_number"), value_set=pa.array(list(undelivered), pa.int64()))
@@ -311,7 +381,7 @@ class Sessions:
             locked = locked.set_column(locked.schema.get_field_index("delivery_count"), "delivery_count", count.cast(pa.int32()))
             release = lifecycle.changes(row, OP_SET, lock_token=None, locked_until_utc=None)
             parts = [release, lifecycle.changes(_cleared(locked, now), OP_SET)] if locked.num_rows else [release]
-            self.table.apply(dt, lock.partition, pa.concat_tables(parts), group_by=GROUP_COLUMN)
+            self._apply(dt, lock.partition, lock.session_id, pa.concat_tables(parts))
 
         retry_commit(attempt, self.entity.deadline(), "release session")
 
@@ -349,6 +419,15 @@ class Sessions:
         return [out[k] for k in sorted(out)]
 
     # ---- rows ----------------------------------------------------------------------------------
+
+    def _apply(self, dt: Snapshot, p: int, session_id: str, changes: pa.Table, new_rows: pa.Table | None = None) -> None:
+        """Commit changes to one session's rows (and new rows of it), rewriting only its files and keeping its rows together."""
+        self.table.apply(dt, p, changes, new_rows, group_by=GROUP_COLUMN, where=self._files_of(session_id))
+
+    def _files_of(self, session_id: str) -> Callable[[FileInfo], bool]:
+        """Test of the files that may hold a row (message or session row) of the session, by their statistics."""
+        sub = self.entity.subscription
+        return lambda f: f.may_hold(KIND_MESSAGE, None, sub, session_id) or f.may_hold(KIND_SESSION, None, sub, session_id)
 
     def _row(self, dt: Snapshot, p: int, session_id: str) -> pa.Table | None:
         """The session's row (state columns and body), or None before its first accept."""
