@@ -58,6 +58,7 @@ class SessionLock:
     partition: int
     token: str
     locked_until: datetime
+    ended: bool = False  # the holder's completion emptied the stateless session and removed its row (docs/semantics.md §6)
 
 
 @dataclass(frozen=True)
@@ -233,22 +234,23 @@ class Sessions:
     def _receive_once(self, lock: SessionLock, max_count: int, delete: bool) -> pa.Table:
         dt = self.table.snapshot()
         now = utcnow()
-        touch = self.guard(lock)(dt, lock.partition, now)
+        touch, new_row = self._touch(self._hold(dt, lock, now), lock, now)
         rows = self.table.scan(dt, lock.partition, ROW_COLUMNS, subscription=self.entity.subscription, session_id=lock.session_id)
         head = _next_messages(rows, now, max_count)
         if head.num_rows == 0:
             return empty_rows()
         d = lifecycle.deliver(head, now, self.entity.policy, delete=delete)
         changes = _session_until_changes(d.changes, lock.locked_until)
-        self._apply(dt, lock.partition, lock.session_id, pa.concat_tables([changes, touch]))
+        self._apply(dt, lock.partition, lock.session_id, pa.concat_tables([changes, touch]), new_row)
+        lock.ended = False
         return _session_until(d.delivered, lock.locked_until)
 
     def guard(self, lock: SessionLock) -> Guard:
         """A check run inside each commit: the session lock must still be ours; returns the row's touch."""
 
         def check(dt: Snapshot, partition: int, now: datetime) -> pa.Table:
-            row = self._held_row(dt, lock, now)
-            return lifecycle.changes(row, OP_SET)
+            row = self._hold(dt, lock, now)
+            return lifecycle.changes(row, OP_SET) if row is not None else empty_changes()  # an ended session: nothing to touch
 
         return check
 
@@ -266,13 +268,17 @@ class Sessions:
         messages interleave by sequence number with other sessions', so a settlement found by
         sequence range would open every file of the partition. An item that is not a current
         delivery of this session is reported, not applied; a lost session lock raises SessionLockLostError.
+
+        A completion that leaves a stateless session with no message at all ends the session in
+        the same commit: its row is deleted instead of rewritten (a log-only commit when the
+        session's file empties), and closing the receiver then has nothing to release.
         """
         ok = [False] * len(items)
 
         def attempt() -> None:
             dt = self.table.snapshot()
             now = utcnow()
-            row = self._held_row(dt, lock, now)
+            row = self._hold(dt, lock, now)
             rows = self.table.scan(
                 dt, lock.partition, STATE_COLUMNS, subscription=self.entity.subscription, session_id=lock.session_id
             )
@@ -281,10 +287,17 @@ class Sessions:
             cur = rows.take(pa.array([by_seq[items[k][0]] for k in present], pa.int64()))
             held = lifecycle.lock_valid(cur, [items[k][1] for k in present], now)
             good = cur.filter(pa.array(held, pa.bool_()))
-            parts = [lifecycle.changes(row, OP_SET)]  # the touch: a takeover racing this commit makes it conflict
-            if good.num_rows:
-                parts.append(lifecycle.settle(good, op, now, self.entity.policy, reason, description))
-            self._apply(dt, lock.partition, lock.session_id, pa.concat_tables(parts))
+            if not good.num_rows and row is None:
+                pass  # an ended session: nothing of it is left to settle
+            else:
+                ends = row is not None and op == lifecycle.COMPLETE and good.num_rows == rows.num_rows
+                ends = ends and row is not None and row.column("body")[0].as_py() is None
+                # the touch (or the row's removal): a takeover racing this commit makes it conflict
+                parts, new_row = self._touch(row, lock, now, OP_DELETE if ends else OP_SET)
+                if good.num_rows:
+                    parts = pa.concat_tables([parts, lifecycle.settle(good, op, now, self.entity.policy, reason, description)])
+                self._apply(dt, lock.partition, lock.session_id, parts, new_row)
+                lock.ended = ends
             for k, v in zip(present, held, strict=True):
                 ok[k] = v
 
@@ -298,9 +311,10 @@ class Sessions:
         def attempt() -> pa.Table:
             dt = self.table.snapshot()
             now = utcnow()
-            touch = self.guard(lock)(dt, lock.partition, now)  # raises SessionLockLostError when the lock is gone
-            if not mine:
-                return empty_rows()
+            row = self._hold(dt, lock, now)  # raises SessionLockLostError when the lock is gone
+            if not mine or row is None:
+                return empty_rows()  # an ended session has no deferred message (it ended with no message at all)
+            touch = lifecycle.changes(row, OP_SET)
             rows = self.table.rows_by_sequence(dt, lock.partition, mine, ROW_COLUMNS)
             until = rows.column("locked_until_utc")
             lock_free = pc.or_kleene(pc.is_null(until), pc.less_equal(until, pa.scalar(now, TIMESTAMP)))
@@ -325,13 +339,15 @@ class Sessions:
         def attempt() -> datetime:
             dt = self.table.snapshot()
             now = utcnow()
-            row = self._held_row(dt, lock, now)
+            row = self._hold(dt, lock, now)
             until = now + self.entity.policy.lock_duration
             rows = self._locked_messages(dt, lock)
-            changes = [lifecycle.changes(row, OP_SET, locked_until_utc=until)]
+            touch, new_row = self._touch(row, lock, now, until=until)
+            changes = [touch]
             if rows.num_rows:
                 changes.append(_session_until_changes(lifecycle.changes(rows, OP_SET), until))
-            self._apply(dt, lock.partition, lock.session_id, pa.concat_tables(changes))
+            self._apply(dt, lock.partition, lock.session_id, pa.concat_tables(changes), new_row)
+            lock.ended = False
             return until
 
         lock.locked_until = retry_commit(attempt, self.entity.deadline(), "renew session lock")
@@ -339,8 +355,8 @@ class Sessions:
 
     def get_state(self, lock: SessionLock) -> bytes | None:
         """The session state stored with the session."""
-        row = self._held_row(self.table.snapshot(), lock, utcnow())
-        state: bytes | None = row.column("body")[0].as_py()
+        row = self._hold(self.table.snapshot(), lock, utcnow())
+        state: bytes | None = row.column("body")[0].as_py() if row is not None else None
         return state
 
     def set_state(self, lock: SessionLock, state: bytes | None) -> None:
@@ -348,9 +364,13 @@ class Sessions:
 
         def attempt() -> None:
             dt = self.table.snapshot()
-            row = self._held_row(dt, lock, utcnow())
-            changes = lifecycle.changes(row, OP_SET_BODY, body=pa.array([state], pa.binary()))
-            self._apply(dt, lock.partition, lock.session_id, changes)
+            now = utcnow()
+            row = self._hold(dt, lock, now)
+            if row is None and state is None:
+                return  # an ended session has no state already
+            changes, new_row = self._touch(row, lock, now, OP_SET_BODY, body=state)
+            self._apply(dt, lock.partition, lock.session_id, changes, new_row)
+            lock.ended = False
 
         retry_commit(attempt, self.entity.deadline(), "set session state")
 
@@ -367,9 +387,11 @@ class Sessions:
             dt = self.table.snapshot()
             now = utcnow()
             try:
-                row = self._held_row(dt, lock, now)
+                row = self._hold(dt, lock, now)
             except SessionLockLostError:
                 return
+            if row is None:
+                return  # the session ended with its last completion: nothing is held
             sub = self.entity.subscription
             rows = self.table.scan(dt, lock.partition, ROW_COLUMNS, subscription=sub, session_id=lock.session_id)
             if row.column("body")[0].as_py() is None and not rows.num_rows:
@@ -441,9 +463,16 @@ class Sessions:
         )
         return rows.slice(0, 1) if rows.num_rows else None
 
-    def _held_row(self, dt: Snapshot, lock: SessionLock, now: datetime) -> pa.Table:
-        """The session row, provided `lock` still holds it; otherwise SessionLockLostError."""
+    def _hold(self, dt: Snapshot, lock: SessionLock, now: datetime) -> pa.Table | None:
+        """The session row, provided `lock` still holds it; None when the holder ended the session and none was made since.
+
+        SessionLockLostError when the lock expired or another receiver holds the session.
+        """
         row = self._row(dt, lock.partition, lock.session_id)
+        if row is None and lock.ended:
+            if lock.locked_until <= now:
+                raise SessionLockLostError(f"the lock on session {lock.session_id!r} expired; accept the session again")
+            return None
         if row is None:
             raise SessionLockLostError(f"session {lock.session_id!r} no longer exists")
         until = row.column("locked_until_utc")[0].as_py()
@@ -452,6 +481,31 @@ class Sessions:
                 f"the lock on session {lock.session_id!r} expired or was taken by another receiver; accept the session again"
             )
         return row
+
+    def _touch(
+        self,
+        row: pa.Table | None,
+        lock: SessionLock,
+        now: datetime,
+        op: str = OP_SET,
+        *,
+        body: bytes | None = None,
+        until: datetime | None = None,
+    ) -> tuple[pa.Table, pa.Table | None]:
+        """The change rewriting the held session's row with `op` (new body, new lock expiry), or for an ended session a new row.
+
+        A new row is appended under the partition's sequence fence, so two receivers re-creating
+        one session's row conflict and only one commits (docs/storage.md).
+        """
+        if row is not None:
+            values: dict[str, object] = {} if until is None else {"locked_until_utc": until}
+            if op == OP_SET_BODY:
+                values["body"] = pa.array([body], pa.binary())
+            return lifecycle.changes(row, op, **values), None
+        new_row = self._new_row(lock.session_id, lock.partition, now, lock.token, until or lock.locked_until)
+        if body is not None:
+            new_row = new_row.set_column(new_row.schema.get_field_index("body"), "body", pa.array([body], pa.binary()))
+        return empty_changes(), new_row
 
     def _locked_messages(self, dt: Snapshot, lock: SessionLock) -> pa.Table:
         """The session's message rows delivered under its current lock (their lock token is set)."""
