@@ -48,6 +48,9 @@ log = logging.getLogger(__name__)
 GROUP_COLUMN = "session_id"
 KEEP_TOGETHER = MAX_FILE_ROWS  # message rows an accept moves into its session's file (one full file)
 SPREAD = 4  # a next-available accept picks at random among this many of a partition's oldest free sessions
+# A session row made in a commit that also rewrites one of the session's messages takes that message's sequence
+# number with this counter bit set: unique in the partition, and made without the partition's sequence fence.
+ROW_BIT = 1 << 47
 
 
 @dataclass
@@ -149,7 +152,8 @@ class Sessions:
             parts.append(lifecycle.changes(rows, OP_SET))  # unchanged rows move along: the session stays together
         if row is None:
             changes = pa.concat_tables(parts) if parts else empty_changes()
-            self._apply(dt, p, session_id, changes, self._new_row(session_id, p, now, token, until))
+            new_row = self._new_row(session_id, p, now, token, until)
+            self._apply(dt, p, session_id, changes, new_row, anchor=_first_seq(changes))
         else:
             parts.insert(0, lifecycle.changes(row, OP_SET, lock_token=token, locked_until_utc=until))
             self._apply(dt, p, session_id, pa.concat_tables(parts))
@@ -241,7 +245,7 @@ class Sessions:
             return empty_rows()
         d = lifecycle.deliver(head, now, self.entity.policy, delete=delete)
         changes = _session_until_changes(d.changes, lock.locked_until)
-        self._apply(dt, lock.partition, lock.session_id, pa.concat_tables([changes, touch]), new_row)
+        self._apply(dt, lock.partition, lock.session_id, pa.concat_tables([changes, touch]), new_row, anchor=_first_seq(changes))
         lock.ended = False
         return _session_until(d.delivered, lock.locked_until)
 
@@ -442,9 +446,30 @@ class Sessions:
 
     # ---- rows ----------------------------------------------------------------------------------
 
-    def _apply(self, dt: Snapshot, p: int, session_id: str, changes: pa.Table, new_rows: pa.Table | None = None) -> None:
-        """Commit changes to one session's rows (and new rows of it), rewriting only its files and keeping its rows together."""
-        self.table.apply(dt, p, changes, new_rows, group_by=GROUP_COLUMN, where=self._files_of(session_id))
+    def _apply(
+        self,
+        dt: Snapshot,
+        p: int,
+        session_id: str,
+        changes: pa.Table,
+        new_row: pa.Table | None = None,
+        *,
+        anchor: int | None = None,
+    ) -> None:
+        """Commit changes to one session's rows (and its new row), rewriting only its files and keeping its rows together.
+
+        A new session row is numbered from `anchor`, a message of the session the same commit
+        rewrites (so two receivers making the row both remove that message's file and conflict),
+        without the partition's sequence fence: accepts of different sessions of one partition
+        then never conflict, as two appends would. Without an anchor it is appended under the fence.
+        """
+        numbered = None
+        if new_row is not None and anchor is not None:
+            numbered = new_row.set_column(
+                new_row.schema.get_field_index("sequence_number"), "sequence_number", pa.array([anchor | ROW_BIT], pa.int64())
+            )
+            new_row = None
+        self.table.apply(dt, p, changes, new_row, group_by=GROUP_COLUMN, where=self._files_of(session_id), numbered_rows=numbered)
 
     def _files_of(self, session_id: str) -> Callable[[FileInfo], bool]:
         """Test of the files that may hold a row (message or session row) of the session, by their statistics."""
@@ -533,6 +558,13 @@ class Sessions:
             "transfer_hop_count": 0,
         }
         return pa.Table.from_pylist([values], schema=ENTITY_SCHEMA)
+
+
+def _first_seq(changes: pa.Table) -> int | None:
+    """The lowest sequence number among change rows of messages (never a session row's), or None without any."""
+    seqs = changes.column("sequence_number")
+    low = pc.min(seqs.filter(pc.equal(pc.bit_wise_and(seqs, ROW_BIT), 0))).as_py() if changes.num_rows else None
+    return int(low) if low is not None else None
 
 
 def _next_messages(rows: pa.Table, now: datetime, limit: int) -> pa.Table:

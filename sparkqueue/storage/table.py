@@ -443,6 +443,7 @@ class EntityTable:
         written: list[str] | None = None,
         group_by: str | None = None,
         where: Callable[[FileInfo], bool] | None = None,
+        numbered_rows: pa.Table | None = None,
     ) -> pa.Table | None:
         """Apply per-row changes (CHANGE_SCHEMA), and append new rows, to one partition in one commit; one attempt.
 
@@ -463,10 +464,15 @@ class EntityTable:
         `where` (a file test) narrows the files searched for the changed rows, when the caller knows
         by statistics which files can hold them (a session's rows: their sequence ranges interleave
         with other sessions', so the range alone would open every file of the partition).
+
+        `numbered_rows` are new rows that already carry sequence numbers unique in the partition
+        (a session's lock row, docs/storage.md): they are added without the partition's fence, so
+        they do not conflict with sends and other sessions' accepts; the caller guarantees that
+        two commits adding the same row conflict (both remove one of the same files).
         """
         with self.existing():
             return self._apply(
-                dt, partition, changes, new_rows, dedupe_since, expand, changed_file_rows, written, group_by, where
+                dt, partition, changes, new_rows, dedupe_since, expand, changed_file_rows, written, group_by, where, numbered_rows
             )
 
     def _apply(
@@ -481,6 +487,7 @@ class EntityTable:
         written: list[str] | None,
         group_by: str | None = None,
         where: Callable[[FileInfo], bool] | None = None,
+        numbered_rows: pa.Table | None = None,
     ) -> pa.Table | None:
         self.faults.check(partition, "write")
         changes = changes.cast(CHANGE_SCHEMA)
@@ -511,12 +518,14 @@ class EntityTable:
         # group_by, every row of a group (changed, untouched or new) goes to one file of its own.
         staged = self._stage(dt, partition, new_rows, dedupe_since, expand) if new_rows is not None else None
         new_pieces = staged.pieces if staged is not None else []
+        numbered = [numbered_rows.select(FILE_SCHEMA.names).cast(FILE_SCHEMA)] if numbered_rows is not None else []
         if group_by is None:
+            new_pieces = new_pieces + [(partition, t, MAX_FILE_ROWS) for t in numbered if t.num_rows]
             changed_pieces = [(partition, pa.concat_tables(changed), changed_file_rows)] if changed else []
             kept_pieces = [(partition, k, MAX_FILE_ROWS) for k in kept]
         else:
             fresh = [staged.rows.select(FILE_SCHEMA.names).cast(FILE_SCHEMA)] if staged is not None else []
-            changed_pieces = [(partition, g, MAX_FILE_ROWS) for g in _groups(changed + kept + fresh, group_by)]
+            changed_pieces = [(partition, g, MAX_FILE_ROWS) for g in _groups(changed + kept + fresh + numbered, group_by)]
             kept_pieces, new_pieces = [], []
         files = self.data.write_all(changed_pieces + kept_pieces + new_pieces)
         changed_adds = [a for piece in files[: len(changed_pieces)] for a in piece]
