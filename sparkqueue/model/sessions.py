@@ -4,6 +4,15 @@ Each session has one row (kind "session") in its partition holding the session l
 state (in `body`). Every session operation rewrites that row in the same commit as its own
 changes ("touch"), so an operation racing a receiver that took the session over always fails
 its commit and then sees the lost lock, never acting on a session it no longer holds.
+
+Speed (docs/storage.md, "Sessions keep together"): every commit writes a session's rows to a
+file of its own and opens only files whose statistics may hold the session, so a session cycle
+costs two small commits: the accept (row locked, first messages delivered) and the completion;
+a completion that empties a stateless session deletes its row with the messages (docs/semantics.md
+§6: the hold ends there), so closing commits nothing. Next-available accepts pick sessions from
+file statistics at random among a partition's oldest few, and number a new row from one of the
+session's messages instead of the partition's sequence fence, so receivers accepting different
+sessions of one partition do not conflict.
 """
 
 from __future__ import annotations
