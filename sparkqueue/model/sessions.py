@@ -43,7 +43,7 @@ from sparkqueue.storage.schema import (
     KIND_SESSION,
     PARTITION_COLUMN,
     STATE_ACTIVE,
-    STATE_COLUMNS,
+    STATE_COMPLETED,
     STATE_DEFERRED,
     SUB_QUEUE_MAIN,
     TIMESTAMP,
@@ -134,7 +134,7 @@ class Sessions:
         p = partition_for_key(session_id, self.entity.partition_count)
         dt = dt or self.table.snapshot()
         now = utcnow()
-        row = self._row(dt, p, session_id)
+        row, rows = self._read(dt, p, session_id)
         if row is not None:
             held = row.column("locked_until_utc")[0].as_py()
             if row.column("lock_token")[0].as_py() is not None and held is not None and held > now:
@@ -142,7 +142,6 @@ class Sessions:
         token = new_ids(1)[0]
         until = now + self.entity.policy.lock_duration
         lock = SessionLock(session_id, p, token, until)
-        rows = self.table.scan(dt, p, ROW_COLUMNS, subscription=self.entity.subscription, session_id=session_id)
         if need_messages and _next_messages(_cleared(rows, now), now, 1).num_rows == 0:
             raise SessionCannotBeLockedError(f"session {session_id!r} has no available message any more")  # drained meanwhile
         stale = pc.is_valid(rows.column("lock_token"))
@@ -247,8 +246,8 @@ class Sessions:
     def _receive_once(self, lock: SessionLock, max_count: int, delete: bool) -> pa.Table:
         dt = self.table.snapshot()
         now = utcnow()
-        touch, new_row = self._touch(self._hold(dt, lock, now), lock, now)
-        rows = self.table.scan(dt, lock.partition, ROW_COLUMNS, subscription=self.entity.subscription, session_id=lock.session_id)
+        row, rows = self._read(dt, lock.partition, lock.session_id)
+        touch, new_row = self._touch(self._check(row, lock, now), lock, now)
         head = _next_messages(rows, now, max_count)
         if head.num_rows == 0:
             return empty_rows()
@@ -291,10 +290,8 @@ class Sessions:
         def attempt() -> None:
             dt = self.table.snapshot()
             now = utcnow()
-            row = self._hold(dt, lock, now)
-            rows = self.table.scan(
-                dt, lock.partition, STATE_COLUMNS, subscription=self.entity.subscription, session_id=lock.session_id
-            )
+            row, rows = self._read(dt, lock.partition, lock.session_id)
+            row = self._check(row, lock, now)
             by_seq = {s: j for j, s in enumerate(rows.column("sequence_number").to_pylist())}
             present = [k for k, (seq, _) in enumerate(items) if seq in by_seq]
             cur = rows.take(pa.array([by_seq[items[k][0]] for k in present], pa.int64()))
@@ -480,6 +477,21 @@ class Sessions:
             new_row = None
         self.table.apply(dt, p, changes, new_row, group_by=GROUP_COLUMN, where=self._files_of(session_id), numbered_rows=numbered)
 
+    def _read(self, dt: Snapshot, p: int, session_id: str) -> tuple[pa.Table | None, pa.Table]:
+        """The session's row (or None) and its live message rows in sequence order, from one read of its files."""
+        sub = self.entity.subscription
+        files = [f for f in self.table.files(dt, p) if self._files_of(session_id)(f)]
+        if not files:
+            return None, empty_rows()
+        t = pa.concat_tables([self.table.data.read(f.path, ROW_COLUMNS) for f in files])
+        subs = t.column("subscription")
+        in_sub = pc.is_null(subs) if sub is None else pc.fill_null(pc.equal(subs, sub), False)
+        mine = pc.and_(pc.fill_null(pc.equal(t.column("session_id"), session_id), False), in_sub)
+        t = t.filter(pc.and_(mine, pc.not_equal(t.column("state"), STATE_COMPLETED))).sort_by("sequence_number")
+        rows = t.filter(pc.equal(t.column("kind"), KIND_MESSAGE))
+        row = t.filter(pc.equal(t.column("kind"), KIND_SESSION))
+        return (row.slice(0, 1) if row.num_rows else None), rows
+
     def _files_of(self, session_id: str) -> Callable[[FileInfo], bool]:
         """Test of the files that may hold a row (message or session row) of the session, by their statistics."""
         sub = self.entity.subscription
@@ -502,7 +514,10 @@ class Sessions:
 
         SessionLockLostError when the lock expired or another receiver holds the session.
         """
-        row = self._row(dt, lock.partition, lock.session_id)
+        return self._check(self._row(dt, lock.partition, lock.session_id), lock, now)
+
+    def _check(self, row: pa.Table | None, lock: SessionLock, now: datetime) -> pa.Table | None:
+        """`row` (the session's row as read, or None) provided `lock` still holds it: see `_hold`."""
         if row is None and lock.ended:
             if lock.locked_until <= now:
                 raise SessionLockLostError(f"the lock on session {lock.session_id!r} expired; accept the session again")
