@@ -605,7 +605,8 @@ def _groups(tables: list[pa.Table], column: str) -> list[pa.Table]:
     out, start = [], 0
     for i in range(1, len(keys) + 1):
         if i == len(keys) or keys[i] != keys[start]:
-            out.append(t.slice(start, i - start))
+            # a copy, not a slice: each group's file is cached, and a slice would keep (and count) the whole table
+            out.append(t.take(pa.array(range(start, i), pa.int64())))
             start = i
     return out
 
