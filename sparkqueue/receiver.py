@@ -188,8 +188,8 @@ class Receiver:
                 m.locked_until_utc and m.locked_until_utc > now
             ):
                 out.append(m)
-        if len(out) >= n:
-            return out
+        if len(out) >= n or (out and self.session is not None):
+            return out  # a session's cached messages are its next ones: no read for more until they are taken
         want = min(n - len(out) + self.prefetch_count, MAX_RECEIVE_BATCH)
         wait_s = 0.0 if out else wait
         if self.session is not None:
@@ -369,10 +369,13 @@ class Receiver:
             guard = self.session._guard() if self.session is not None else None  # the session lock is checked at commit
             tx.add_settle(self, messages, op, reason, description, guard)
             return [None] * len(messages)
-        guard = self.session._guard() if self.session is not None else None
         if self.session is not None and op == lifecycle.ABANDON:
             self.session._rewind = True
-        res = self._entity().settle([(m.sequence_number, m.lock_token or "") for m in messages], op, reason, description, guard)
+        items = [(m.sequence_number, m.lock_token or "") for m in messages]
+        if self.session is not None:  # the session's own files only, under its lock (model/sessions.py)
+            res = self.session._sessions.settle(self.session._lock, items, op, reason, description)
+        else:
+            res = self._entity().settle(items, op, reason, description)
         if op == lifecycle.DEAD_LETTER:
             self._ns._pump(self._entity(), sorted({m.partition_id for m in messages}))  # forward the dead letters
         lost = [m for m, ok in zip(messages, res.ok, strict=True) if not ok]

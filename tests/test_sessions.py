@@ -228,6 +228,60 @@ def test_closed_receiver_cannot_settle_after_another_took_the_session(ns: Namesp
     assert ns.get_queue_runtime_properties("q").total_message_count == 0
 
 
+def test_completing_the_last_message_of_a_stateless_session_ends_the_hold(ns: Namespace) -> None:
+    """The completion that empties a stateless session releases it (docs/semantics.md §6): another receiver may
+    take it at once; the former holder's next operation then raises SessionLockLostError, never acting beside it."""
+    _session_queue(ns)  # default lock_duration: 60 s, so only the ended hold can free the session here
+    _send(ns, "s1", ["m0", "m1"])
+    first = ns.get_queue_receiver("q", session_id="s1")
+    first.complete_messages(_take(first, 2))
+    assert "s1" not in _sessions(ns)  # nothing held, nothing stored
+    _send(ns, "s1", ["m2"])
+    with ns.get_queue_receiver("q", session_id=NEXT_AVAILABLE_SESSION, max_wait_time=2) as second:
+        assert second.session is not None and second.session.session_id == "s1"
+        with pytest.raises(SessionLockLostError):
+            first.receive_messages(max_wait_time=0.2)
+        with pytest.raises(SessionLockLostError):
+            first.session.set_state(b"x")  # type: ignore[union-attr]
+        got = _take(second, 1)
+        assert [m.message_id for m in got] == ["m2"]
+        second.complete_messages(got)
+    first.close()  # nothing left to release
+    assert ns.get_queue_runtime_properties("q").total_message_count == 0
+
+
+def test_holder_of_an_ended_session_keeps_it_while_nobody_else_takes_it(ns: Namespace) -> None:
+    """After emptying its session the holder goes on receiving it (the hold is re-recorded with the next delivery),
+    in order, and from then on another receiver is refused again."""
+    _session_queue(ns)
+    _send(ns, "s1", ["m0"])
+    with ns.get_queue_receiver("q", session_id="s1") as holder:
+        holder.complete_messages(_take(holder, 1))
+        assert holder.receive_messages(max_wait_time=0.2) == []
+        assert holder.session is not None and holder.session.get_state() is None
+        _send(ns, "s1", ["m1", "m2"])
+        got = _take(holder, 2)
+        assert [m.message_id for m in got] == ["m1", "m2"]
+        with pytest.raises(SessionCannotBeLockedError):
+            ns.get_queue_receiver("q", session_id="s1")
+        holder.complete_messages(got)
+    assert ns.get_queue_runtime_properties("q").total_message_count == 0
+
+
+def test_a_session_with_state_stays_held_after_its_last_completion(ns: Namespace) -> None:
+    """Only a stateless session ends with its last completion: one with state stays held until close."""
+    _session_queue(ns)
+    _send(ns, "s1", ["m0"])
+    with ns.get_queue_receiver("q", session_id="s1") as holder:
+        assert holder.session is not None
+        holder.session.set_state(b"progress")
+        holder.complete_messages(_take(holder, 1))
+        with pytest.raises(SessionCannotBeLockedError):
+            ns.get_queue_receiver("q", session_id="s1")
+        assert holder.session.get_state() == b"progress"
+    assert _sessions(ns)["s1"].locked_until_utc is None
+
+
 # ---- session lock expiry and renewal ------------------------------------------------------------
 
 

@@ -4,6 +4,15 @@ Each session has one row (kind "session") in its partition holding the session l
 state (in `body`). Every session operation rewrites that row in the same commit as its own
 changes ("touch"), so an operation racing a receiver that took the session over always fails
 its commit and then sees the lost lock, never acting on a session it no longer holds.
+
+Speed (docs/storage.md, "Sessions keep together"): every commit writes a session's rows to a
+file of its own and opens only files whose statistics may hold the session, so a session cycle
+costs two small commits: the accept (row locked, first messages delivered) and the completion;
+a completion that empties a stateless session deletes its row with the messages (docs/semantics.md
+§6: the hold ends there), so closing commits nothing. Next-available accepts pick sessions from
+file statistics at random among a partition's oldest few, and number a new row from one of the
+session's messages instead of the partition's sequence fence, so receivers accepting different
+sessions of one partition do not conflict.
 """
 
 from __future__ import annotations
@@ -12,7 +21,7 @@ import itertools
 import logging
 import random
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import datetime
 
@@ -21,10 +30,11 @@ import pyarrow.compute as pc
 
 from sparkqueue.errors import OperationTimeoutError, SessionCannotBeLockedError, SessionLockLostError
 from sparkqueue.model import lifecycle
-from sparkqueue.model.entity import POLL_MAX_S, POLL_MIN_S, ROW_COLUMNS, Entity, Guard, empty_rows, utcnow
+from sparkqueue.model.entity import POLL_MAX_S, POLL_MIN_S, ROW_COLUMNS, Entity, Guard, SettleResult, empty_rows, utcnow
 from sparkqueue.model.ids import new_ids
 from sparkqueue.model.partitioning import partition_for_key
 from sparkqueue.storage.files import MAX_FILE_ROWS
+from sparkqueue.storage.index import FileInfo
 from sparkqueue.storage.log import CommitConflict, Snapshot
 from sparkqueue.storage.retry import retry_commit
 from sparkqueue.storage.schema import (
@@ -33,6 +43,7 @@ from sparkqueue.storage.schema import (
     KIND_SESSION,
     PARTITION_COLUMN,
     STATE_ACTIVE,
+    STATE_COMPLETED,
     STATE_DEFERRED,
     SUB_QUEUE_MAIN,
     TIMESTAMP,
@@ -46,6 +57,9 @@ log = logging.getLogger(__name__)
 GROUP_COLUMN = "session_id"
 KEEP_TOGETHER = MAX_FILE_ROWS  # message rows an accept moves into its session's file (one full file)
 SPREAD = 4  # a next-available accept picks at random among this many of a partition's oldest free sessions
+# A session row made in a commit that also rewrites one of the session's messages takes that message's sequence
+# number with this counter bit set: unique in the partition, and made without the partition's sequence fence.
+ROW_BIT = 1 << 47
 
 
 @dataclass
@@ -56,6 +70,7 @@ class SessionLock:
     partition: int
     token: str
     locked_until: datetime
+    ended: bool = False  # the holder's completion emptied the stateless session and removed its row (docs/semantics.md §6)
 
 
 @dataclass(frozen=True)
@@ -107,7 +122,7 @@ class Sessions:
             poll = min(POLL_MAX_S, poll * 2)
 
     def _accept_named(
-        self, session_id: str, prefetch: int, delete: bool, *, need_messages: bool = False
+        self, session_id: str, prefetch: int, delete: bool, *, need_messages: bool = False, dt: Snapshot | None = None
     ) -> tuple[SessionLock, pa.Table]:
         """One attempt to lock a session and deliver its head; SessionCannotBeLockedError when another receiver holds it.
 
@@ -117,9 +132,9 @@ class Sessions:
         its own (docs/storage.md: a session's rows kept together), so its completion drops that file whole.
         """
         p = partition_for_key(session_id, self.entity.partition_count)
-        dt = self.table.snapshot()
+        dt = dt or self.table.snapshot()
         now = utcnow()
-        row = self._row(dt, p, session_id)
+        row, rows = self._read(dt, p, session_id)
         if row is not None:
             held = row.column("locked_until_utc")[0].as_py()
             if row.column("lock_token")[0].as_py() is not None and held is not None and held > now:
@@ -127,7 +142,6 @@ class Sessions:
         token = new_ids(1)[0]
         until = now + self.entity.policy.lock_duration
         lock = SessionLock(session_id, p, token, until)
-        rows = self.table.scan(dt, p, ROW_COLUMNS, subscription=self.entity.subscription, session_id=session_id)
         if need_messages and _next_messages(_cleared(rows, now), now, 1).num_rows == 0:
             raise SessionCannotBeLockedError(f"session {session_id!r} has no available message any more")  # drained meanwhile
         stale = pc.is_valid(rows.column("lock_token"))
@@ -146,17 +160,21 @@ class Sessions:
             parts.append(lifecycle.changes(rows, OP_SET))  # unchanged rows move along: the session stays together
         if row is None:
             changes = pa.concat_tables(parts) if parts else empty_changes()
-            self.table.apply(dt, p, changes, new_rows=self._new_row(session_id, p, now, token, until), group_by=GROUP_COLUMN)
+            new_row = self._new_row(session_id, p, now, token, until)
+            self._apply(dt, p, session_id, changes, new_row, anchor=_first_seq(changes))
         else:
             parts.insert(0, lifecycle.changes(row, OP_SET, lock_token=token, locked_until_utc=until))
-            self.table.apply(dt, p, pa.concat_tables(parts), group_by=GROUP_COLUMN)
+            self._apply(dt, p, session_id, pa.concat_tables(parts))
         return lock, delivered
 
     def _accept_next(self, prefetch: int, delete: bool) -> tuple[SessionLock, pa.Table] | None:
         """Lock a free session that has an available message, trying partitions from a rotating start.
 
-        Among the oldest sessions of a partition one of the first few is picked at random, so
-        receivers racing over one partition mostly lock different sessions instead of colliding.
+        A session's rows live in files of their own (docs/storage.md), so most candidates are read
+        off file statistics without opening a file: a one-session file with a message available
+        now. Files that mix sessions (fresh sends) are read as before. Among the candidates one of
+        the first few is picked at random, so receivers racing over one partition mostly lock
+        different sessions instead of colliding.
         """
         start = next(self._start)
         for i in range(self.entity.partition_count):
@@ -165,23 +183,47 @@ class Sessions:
                 continue
             dt = self.table.snapshot()
             seen: set[str] = set()
-            window = 1000
+            got = self._try_sessions(dt, p, self._free_by_stats(dt, p), seen, prefetch, delete)
+            if got is not None:
+                return got
+            window = 64
             while True:
                 now = utcnow()
-                cands = self.table.candidates(
-                    dt, p, SUB_QUEUE_MAIN, now, window, subscription=self.entity.subscription
-                )
-                sids = [s for s in dict.fromkeys(cands.column("session_id").to_pylist()) if s is not None and s not in seen]
-                while sids:
-                    sid = sids.pop(random.randrange(min(len(sids), SPREAD)))
-                    seen.add(sid)
-                    try:
-                        return self._accept_named(sid, prefetch, delete, need_messages=True)
-                    except (SessionCannotBeLockedError, CommitConflict):
-                        continue
+                cands = self.table.candidates(dt, p, SUB_QUEUE_MAIN, now, window, subscription=self.entity.subscription)
+                got = self._try_sessions(dt, p, cands.column("session_id").to_pylist(), seen, prefetch, delete)
+                if got is not None:
+                    return got
                 if cands.num_rows < window:
                     break
                 window *= 4  # every session in the window is held: a free one may wait further back
+        return None
+
+    def _free_by_stats(self, dt: Snapshot, p: int) -> list[str]:
+        """Sessions of the partition that, by file statistics alone, have a message available now (oldest first)."""
+        now = utcnow()
+        sub = self.entity.subscription
+        return [
+            f.min_session
+            for f in self.table.files(dt, p)
+            if f.min_session is not None
+            and f.min_session == f.max_session
+            and f.min_available_at is not None
+            and f.min_available_at <= now
+            and f.may_hold(KIND_MESSAGE, SUB_QUEUE_MAIN, sub)
+        ]
+
+    def _try_sessions(
+        self, dt: Snapshot, p: int, sids: Sequence[str | None], seen: set[str], prefetch: int, delete: bool
+    ) -> tuple[SessionLock, pa.Table] | None:
+        """Try to lock one of these sessions (each at most once per pass), picking at random among the first SPREAD."""
+        todo = [s for s in dict.fromkeys(sids) if s is not None and s not in seen]
+        while todo:
+            sid = todo.pop(random.randrange(min(len(todo), SPREAD)))
+            seen.add(sid)
+            try:
+                return self._accept_named(sid, prefetch, delete, need_messages=True, dt=dt)
+            except (SessionCannotBeLockedError, CommitConflict):
+                dt = self.table.snapshot()
         return None
 
     # ---- receive and settle --------------------------------------------------------------------
@@ -204,24 +246,73 @@ class Sessions:
     def _receive_once(self, lock: SessionLock, max_count: int, delete: bool) -> pa.Table:
         dt = self.table.snapshot()
         now = utcnow()
-        touch = self.guard(lock)(dt, lock.partition, now)
-        rows = self.table.scan(dt, lock.partition, ROW_COLUMNS, subscription=self.entity.subscription, session_id=lock.session_id)
+        row, rows = self._read(dt, lock.partition, lock.session_id)
+        touch, new_row = self._touch(self._check(row, lock, now), lock, now)
         head = _next_messages(rows, now, max_count)
         if head.num_rows == 0:
             return empty_rows()
         d = lifecycle.deliver(head, now, self.entity.policy, delete=delete)
         changes = _session_until_changes(d.changes, lock.locked_until)
-        self.table.apply(dt, lock.partition, pa.concat_tables([changes, touch]), group_by=GROUP_COLUMN)
+        self._apply(dt, lock.partition, lock.session_id, pa.concat_tables([changes, touch]), new_row, anchor=_first_seq(changes))
+        lock.ended = False
         return _session_until(d.delivered, lock.locked_until)
 
     def guard(self, lock: SessionLock) -> Guard:
         """A check run inside each commit: the session lock must still be ours; returns the row's touch."""
 
         def check(dt: Snapshot, partition: int, now: datetime) -> pa.Table:
-            row = self._held_row(dt, lock, now)
-            return lifecycle.changes(row, OP_SET)
+            row = self._hold(dt, lock, now)
+            return lifecycle.changes(row, OP_SET) if row is not None else empty_changes()  # an ended session: nothing to touch
 
         return check
+
+    def settle(
+        self,
+        lock: SessionLock,
+        items: Sequence[tuple[int, str]],
+        op: str,
+        reason: str | None = None,
+        description: str | None = None,
+    ) -> SettleResult:
+        """Settle the held session's (sequence_number, lock_token) items in one commit, with the session lock check.
+
+        Like Entity.settle, but reading and rewriting only the session's own file(s): a session's
+        messages interleave by sequence number with other sessions', so a settlement found by
+        sequence range would open every file of the partition. An item that is not a current
+        delivery of this session is reported, not applied; a lost session lock raises SessionLockLostError.
+
+        A completion that leaves a stateless session with no message at all ends the session in
+        the same commit: its row is deleted instead of rewritten (a log-only commit when the
+        session's file empties), and closing the receiver then has nothing to release.
+        """
+        ok = [False] * len(items)
+
+        def attempt() -> None:
+            dt = self.table.snapshot()
+            now = utcnow()
+            row, rows = self._read(dt, lock.partition, lock.session_id)
+            row = self._check(row, lock, now)
+            by_seq = {s: j for j, s in enumerate(rows.column("sequence_number").to_pylist())}
+            present = [k for k, (seq, _) in enumerate(items) if seq in by_seq]
+            cur = rows.take(pa.array([by_seq[items[k][0]] for k in present], pa.int64()))
+            held = lifecycle.lock_valid(cur, [items[k][1] for k in present], now)
+            good = cur.filter(pa.array(held, pa.bool_()))
+            if not good.num_rows and row is None:
+                pass  # an ended session: nothing of it is left to settle
+            else:
+                ends = row is not None and op == lifecycle.COMPLETE and good.num_rows == rows.num_rows
+                ends = ends and row is not None and row.column("body")[0].as_py() is None
+                # the touch (or the row's removal): a takeover racing this commit makes it conflict
+                parts, new_row = self._touch(row, lock, now, OP_DELETE if ends else OP_SET)
+                if good.num_rows:
+                    parts = pa.concat_tables([parts, lifecycle.settle(good, op, now, self.entity.policy, reason, description)])
+                self._apply(dt, lock.partition, lock.session_id, parts, new_row)
+                lock.ended = ends
+            for k, v in zip(present, held, strict=True):
+                ok[k] = v
+
+        retry_commit(attempt, self.entity.deadline(), f"{op} on session {lock.session_id!r} of {self.entity.name}")
+        return SettleResult(ok, [None] * len(items))
 
     def receive_deferred(self, lock: SessionLock, seqs: list[int], *, delete: bool) -> pa.Table:
         """The held session's deferred messages with these sequence numbers; other sessions' are never returned."""
@@ -230,9 +321,10 @@ class Sessions:
         def attempt() -> pa.Table:
             dt = self.table.snapshot()
             now = utcnow()
-            touch = self.guard(lock)(dt, lock.partition, now)  # raises SessionLockLostError when the lock is gone
-            if not mine:
-                return empty_rows()
+            row = self._hold(dt, lock, now)  # raises SessionLockLostError when the lock is gone
+            if not mine or row is None:
+                return empty_rows()  # an ended session has no deferred message (it ended with no message at all)
+            touch = lifecycle.changes(row, OP_SET)
             rows = self.table.rows_by_sequence(dt, lock.partition, mine, ROW_COLUMNS)
             until = rows.column("locked_until_utc")
             lock_free = pc.or_kleene(pc.is_null(until), pc.less_equal(until, pa.scalar(now, TIMESTAMP)))
@@ -244,7 +336,7 @@ class Sessions:
                 return empty_rows()
             d = lifecycle.deliver(rows, now, self.entity.policy, delete=delete)
             changes = _session_until_changes(d.changes, lock.locked_until)
-            self.table.apply(dt, lock.partition, pa.concat_tables([changes, touch]), group_by=GROUP_COLUMN)
+            self._apply(dt, lock.partition, lock.session_id, pa.concat_tables([changes, touch]))
             return _session_until(d.delivered, lock.locked_until)
 
         return retry_commit(attempt, self.entity.deadline(), "receive deferred session messages")
@@ -257,13 +349,15 @@ class Sessions:
         def attempt() -> datetime:
             dt = self.table.snapshot()
             now = utcnow()
-            row = self._held_row(dt, lock, now)
+            row = self._hold(dt, lock, now)
             until = now + self.entity.policy.lock_duration
             rows = self._locked_messages(dt, lock)
-            changes = [lifecycle.changes(row, OP_SET, locked_until_utc=until)]
+            touch, new_row = self._touch(row, lock, now, until=until)
+            changes = [touch]
             if rows.num_rows:
                 changes.append(_session_until_changes(lifecycle.changes(rows, OP_SET), until))
-            self.table.apply(dt, lock.partition, pa.concat_tables(changes), group_by=GROUP_COLUMN)
+            self._apply(dt, lock.partition, lock.session_id, pa.concat_tables(changes), new_row)
+            lock.ended = False
             return until
 
         lock.locked_until = retry_commit(attempt, self.entity.deadline(), "renew session lock")
@@ -271,8 +365,8 @@ class Sessions:
 
     def get_state(self, lock: SessionLock) -> bytes | None:
         """The session state stored with the session."""
-        row = self._held_row(self.table.snapshot(), lock, utcnow())
-        state: bytes | None = row.column("body")[0].as_py()
+        row = self._hold(self.table.snapshot(), lock, utcnow())
+        state: bytes | None = row.column("body")[0].as_py() if row is not None else None
         return state
 
     def set_state(self, lock: SessionLock, state: bytes | None) -> None:
@@ -280,8 +374,13 @@ class Sessions:
 
         def attempt() -> None:
             dt = self.table.snapshot()
-            row = self._held_row(dt, lock, utcnow())
-            self.table.apply(dt, lock.partition, lifecycle.changes(row, OP_SET_BODY, body=pa.array([state], pa.binary())))
+            now = utcnow()
+            row = self._hold(dt, lock, now)
+            if row is None and state is None:
+                return  # an ended session has no state already
+            changes, new_row = self._touch(row, lock, now, OP_SET_BODY, body=state)
+            self._apply(dt, lock.partition, lock.session_id, changes, new_row)
+            lock.ended = False
 
         retry_commit(attempt, self.entity.deadline(), "set session state")
 
@@ -298,13 +397,15 @@ class Sessions:
             dt = self.table.snapshot()
             now = utcnow()
             try:
-                row = self._held_row(dt, lock, now)
+                row = self._hold(dt, lock, now)
             except SessionLockLostError:
                 return
+            if row is None:
+                return  # the session ended with its last completion: nothing is held
             sub = self.entity.subscription
             rows = self.table.scan(dt, lock.partition, ROW_COLUMNS, subscription=sub, session_id=lock.session_id)
             if row.column("body")[0].as_py() is None and not rows.num_rows:
-                self.table.apply(dt, lock.partition, lifecycle.changes(row, OP_DELETE))
+                self._apply(dt, lock.partition, lock.session_id, lifecycle.changes(row, OP_DELETE))
                 return
             locked = rows.filter(pc.is_valid(rows.column("lock_token")))
             unused = pc.is_in(locked.column("sequence_number"), value_set=pa.array(list(undelivered), pa.int64()))
@@ -312,7 +413,7 @@ class Sessions:
             locked = locked.set_column(locked.schema.get_field_index("delivery_count"), "delivery_count", count.cast(pa.int32()))
             release = lifecycle.changes(row, OP_SET, lock_token=None, locked_until_utc=None)
             parts = [release, lifecycle.changes(_cleared(locked, now), OP_SET)] if locked.num_rows else [release]
-            self.table.apply(dt, lock.partition, pa.concat_tables(parts), group_by=GROUP_COLUMN)
+            self._apply(dt, lock.partition, lock.session_id, pa.concat_tables(parts))
 
         retry_commit(attempt, self.entity.deadline(), "release session")
 
@@ -351,6 +452,51 @@ class Sessions:
 
     # ---- rows ----------------------------------------------------------------------------------
 
+    def _apply(
+        self,
+        dt: Snapshot,
+        p: int,
+        session_id: str,
+        changes: pa.Table,
+        new_row: pa.Table | None = None,
+        *,
+        anchor: int | None = None,
+    ) -> None:
+        """Commit changes to one session's rows (and its new row), rewriting only its files and keeping its rows together.
+
+        A new session row is numbered from `anchor`, a message of the session the same commit
+        rewrites (so two receivers making the row both remove that message's file and conflict),
+        without the partition's sequence fence: accepts of different sessions of one partition
+        then never conflict, as two appends would. Without an anchor it is appended under the fence.
+        """
+        numbered = None
+        if new_row is not None and anchor is not None:
+            numbered = new_row.set_column(
+                new_row.schema.get_field_index("sequence_number"), "sequence_number", pa.array([anchor | ROW_BIT], pa.int64())
+            )
+            new_row = None
+        self.table.apply(dt, p, changes, new_row, group_by=GROUP_COLUMN, where=self._files_of(session_id), numbered_rows=numbered)
+
+    def _read(self, dt: Snapshot, p: int, session_id: str) -> tuple[pa.Table | None, pa.Table]:
+        """The session's row (or None) and its live message rows in sequence order, from one read of its files."""
+        sub = self.entity.subscription
+        files = [f for f in self.table.files(dt, p) if self._files_of(session_id)(f)]
+        if not files:
+            return None, empty_rows()
+        t = pa.concat_tables([self.table.data.read(f.path, ROW_COLUMNS) for f in files])
+        subs = t.column("subscription")
+        in_sub = pc.is_null(subs) if sub is None else pc.fill_null(pc.equal(subs, sub), False)
+        mine = pc.and_(pc.fill_null(pc.equal(t.column("session_id"), session_id), False), in_sub)
+        t = t.filter(pc.and_(mine, pc.not_equal(t.column("state"), STATE_COMPLETED))).sort_by("sequence_number")
+        rows = t.filter(pc.equal(t.column("kind"), KIND_MESSAGE))
+        row = t.filter(pc.equal(t.column("kind"), KIND_SESSION))
+        return (row.slice(0, 1) if row.num_rows else None), rows
+
+    def _files_of(self, session_id: str) -> Callable[[FileInfo], bool]:
+        """Test of the files that may hold a row (message or session row) of the session, by their statistics."""
+        sub = self.entity.subscription
+        return lambda f: f.may_hold(KIND_MESSAGE, None, sub, session_id) or f.may_hold(KIND_SESSION, None, sub, session_id)
+
     def _row(self, dt: Snapshot, p: int, session_id: str) -> pa.Table | None:
         """The session's row (state columns and body), or None before its first accept."""
         rows = self.table.scan(
@@ -363,9 +509,19 @@ class Sessions:
         )
         return rows.slice(0, 1) if rows.num_rows else None
 
-    def _held_row(self, dt: Snapshot, lock: SessionLock, now: datetime) -> pa.Table:
-        """The session row, provided `lock` still holds it; otherwise SessionLockLostError."""
-        row = self._row(dt, lock.partition, lock.session_id)
+    def _hold(self, dt: Snapshot, lock: SessionLock, now: datetime) -> pa.Table | None:
+        """The session row, provided `lock` still holds it; None when the holder ended the session and none was made since.
+
+        SessionLockLostError when the lock expired or another receiver holds the session.
+        """
+        return self._check(self._row(dt, lock.partition, lock.session_id), lock, now)
+
+    def _check(self, row: pa.Table | None, lock: SessionLock, now: datetime) -> pa.Table | None:
+        """`row` (the session's row as read, or None) provided `lock` still holds it: see `_hold`."""
+        if row is None and lock.ended:
+            if lock.locked_until <= now:
+                raise SessionLockLostError(f"the lock on session {lock.session_id!r} expired; accept the session again")
+            return None
         if row is None:
             raise SessionLockLostError(f"session {lock.session_id!r} no longer exists")
         until = row.column("locked_until_utc")[0].as_py()
@@ -374,6 +530,31 @@ class Sessions:
                 f"the lock on session {lock.session_id!r} expired or was taken by another receiver; accept the session again"
             )
         return row
+
+    def _touch(
+        self,
+        row: pa.Table | None,
+        lock: SessionLock,
+        now: datetime,
+        op: str = OP_SET,
+        *,
+        body: bytes | None = None,
+        until: datetime | None = None,
+    ) -> tuple[pa.Table, pa.Table | None]:
+        """The change rewriting the held session's row with `op` (new body, new lock expiry), or for an ended session a new row.
+
+        A new row is appended under the partition's sequence fence, so two receivers re-creating
+        one session's row conflict and only one commits (docs/storage.md).
+        """
+        if row is not None:
+            values: dict[str, object] = {} if until is None else {"locked_until_utc": until}
+            if op == OP_SET_BODY:
+                values["body"] = pa.array([body], pa.binary())
+            return lifecycle.changes(row, op, **values), None
+        new_row = self._new_row(lock.session_id, lock.partition, now, lock.token, until or lock.locked_until)
+        if body is not None:
+            new_row = new_row.set_column(new_row.schema.get_field_index("body"), "body", pa.array([body], pa.binary()))
+        return empty_changes(), new_row
 
     def _locked_messages(self, dt: Snapshot, lock: SessionLock) -> pa.Table:
         """The session's message rows delivered under its current lock (their lock token is set)."""
@@ -401,6 +582,13 @@ class Sessions:
             "transfer_hop_count": 0,
         }
         return pa.Table.from_pylist([values], schema=ENTITY_SCHEMA)
+
+
+def _first_seq(changes: pa.Table) -> int | None:
+    """The lowest sequence number among change rows of messages (never a session row's), or None without any."""
+    seqs = changes.column("sequence_number")
+    low = pc.min(seqs.filter(pc.equal(pc.bit_wise_and(seqs, ROW_BIT), 0))).as_py() if changes.num_rows else None
+    return int(low) if low is not None else None
 
 
 def _next_messages(rows: pa.Table, now: datetime, limit: int) -> pa.Table:

@@ -442,6 +442,8 @@ class EntityTable:
         changed_file_rows: int = MAX_FILE_ROWS,
         written: list[str] | None = None,
         group_by: str | None = None,
+        where: Callable[[FileInfo], bool] | None = None,
+        numbered_rows: pa.Table | None = None,
     ) -> pa.Table | None:
         """Apply per-row changes (CHANGE_SCHEMA), and append new rows, to one partition in one commit; one attempt.
 
@@ -454,12 +456,24 @@ class EntityTable:
         locked messages sit in one file that their settlement drops whole). Once committed, the
         paths of those files are added to `written`, when given.
 
-        With `group_by` (a column), the rows of every rewritten file, changed or not, are written
-        one file per value of that column: a session entity keeps each session's rows apart, so
-        later changes to one session never rewrite another's rows.
+        With `group_by` (a column), the rows of every rewritten file, changed or not, and the new
+        rows are written one file per value of that column: a session entity keeps each session's
+        rows together and apart from other sessions', so later changes to one session rewrite one
+        small file and never another session's rows.
+
+        `where` (a file test) narrows the files searched for the changed rows, when the caller knows
+        by statistics which files can hold them (a session's rows: their sequence ranges interleave
+        with other sessions', so the range alone would open every file of the partition).
+
+        `numbered_rows` are new rows that already carry sequence numbers unique in the partition
+        (a session's lock row, docs/storage.md): they are added without the partition's fence, so
+        they do not conflict with sends and other sessions' accepts; the caller guarantees that
+        two commits adding the same row conflict (both remove one of the same files).
         """
         with self.existing():
-            return self._apply(dt, partition, changes, new_rows, dedupe_since, expand, changed_file_rows, written, group_by)
+            return self._apply(
+                dt, partition, changes, new_rows, dedupe_since, expand, changed_file_rows, written, group_by, where, numbered_rows
+            )
 
     def _apply(
         self,
@@ -472,6 +486,8 @@ class EntityTable:
         changed_file_rows: int,
         written: list[str] | None,
         group_by: str | None = None,
+        where: Callable[[FileInfo], bool] | None = None,
+        numbered_rows: pa.Table | None = None,
     ) -> pa.Table | None:
         self.faults.check(partition, "write")
         changes = changes.cast(CHANGE_SCHEMA)
@@ -483,7 +499,7 @@ class EntityTable:
             lo, hi = pc.min(seqs).as_py(), pc.max(seqs).as_py()
             deleted = changes.filter(pc.equal(changes.column("op"), OP_DELETE)).column("sequence_number").combine_chunks()
             for f in self.files(dt, partition):
-                if f.max_seq < lo or f.min_seq > hi:
+                if f.max_seq < lo or f.min_seq > hi or (where is not None and not where(f)):
                     continue
                 in_file = self.data.read(f.path, ["sequence_number"]).column(0)
                 hit = pc.is_in(in_file, value_set=seqs)
@@ -498,15 +514,20 @@ class EntityTable:
                     kept.append(split[1])
             if not removed:
                 raise CommitConflict("none of the changed rows is live any more")
-        # Untouched rows keep files of their own per rewritten file (or per group); changed rows go together.
+        # Untouched rows keep files of their own per rewritten file; changed rows go together. With
+        # group_by, every row of a group (changed, untouched or new) goes to one file of its own.
+        staged = self._stage(dt, partition, new_rows, dedupe_since, expand) if new_rows is not None else None
+        new_pieces = staged.pieces if staged is not None else []
+        numbered = [numbered_rows.select(FILE_SCHEMA.names).cast(FILE_SCHEMA)] if numbered_rows is not None else []
         if group_by is None:
+            new_pieces = new_pieces + [(partition, t, MAX_FILE_ROWS) for t in numbered if t.num_rows]
             changed_pieces = [(partition, pa.concat_tables(changed), changed_file_rows)] if changed else []
             kept_pieces = [(partition, k, MAX_FILE_ROWS) for k in kept]
         else:
-            changed_pieces = [(partition, g, changed_file_rows) for g in _groups(changed, group_by)]
-            kept_pieces = [(partition, g, MAX_FILE_ROWS) for g in _groups(kept, group_by)]
-        staged = self._stage(dt, partition, new_rows, dedupe_since, expand) if new_rows is not None else None
-        files = self.data.write_all(changed_pieces + kept_pieces + (staged.pieces if staged is not None else []))
+            fresh = [staged.rows.select(FILE_SCHEMA.names).cast(FILE_SCHEMA)] if staged is not None else []
+            changed_pieces = [(partition, g, MAX_FILE_ROWS) for g in _groups(changed + kept + fresh + numbered, group_by)]
+            kept_pieces, new_pieces = [], []
+        files = self.data.write_all(changed_pieces + kept_pieces + new_pieces)
         changed_adds = [a for piece in files[: len(changed_pieces)] for a in piece]
         adds = [a for piece in files for a in piece]
         fences: list[Fence] = []
@@ -584,7 +605,8 @@ def _groups(tables: list[pa.Table], column: str) -> list[pa.Table]:
     out, start = [], 0
     for i in range(1, len(keys) + 1):
         if i == len(keys) or keys[i] != keys[start]:
-            out.append(t.slice(start, i - start))
+            # a copy, not a slice: each group's file is cached, and a slice would keep (and count) the whole table
+            out.append(t.take(pa.array(range(start, i), pa.int64())))
             start = i
     return out
 
