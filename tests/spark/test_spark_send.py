@@ -251,7 +251,10 @@ def test_a_task_failing_after_others_wrote_their_files_sends_nothing(spark, ns, 
     ns.create_queue("q")
     table_dir = ns._entity("queue", "q").table.uri
     fail_id = 3999  # in the last of 16 input partitions: local[2] runs it after most of the others
-    files_written = _waiting(lambda: bool(data_files(table_dir)), "another task's files")
+    # Inlined (not data_files): the UDF runs in Spark's workers, which cannot import this test module.
+    files_written = _waiting(
+        lambda: any("_delta_log" not in p.parts for p in Path(table_dir).rglob("*.parquet")), "another task's files"
+    )
 
     def body(i, b):  # a plain Python UDF (no type hints: pyspark would read them as an Arrow UDF's)
         if i != fail_id:
