@@ -9,11 +9,10 @@ from pathlib import Path
 import pyarrow.parquet as pq
 import pytest
 from deltalake import DeltaTable
-from pyspark.sql import functions as sf
 
 from sparkqueue import Message
 from sparkqueue.errors import QuotaExceededError
-from sparkqueue.storage.files import FILE_SCHEMA, STATS_COLUMNS
+from sparkqueue.storage.files import FILE_SCHEMA
 from sparkqueue.storage.table import SEQUENCE_MASK, partition_of
 
 pytestmark = pytest.mark.spark
