@@ -26,7 +26,9 @@ any send asked to keep the DataFrame's order, take two stages separated by a shu
 
 Unkeyed rows need no shuffle (see `in_place`): a validation pass over the rows (the map stage's
 checks) comes first, then each input task stages its own rows in queue partitions that it alone
-owns.
+owns. Unkeyed rows to a queue without duplicate detection skip Python entirely: Spark's own
+Parquet writer numbers, checks and writes them in one pass, and the driver commits its files
+(jvm_send.py).
 """
 
 from __future__ import annotations
