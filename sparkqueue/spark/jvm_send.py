@@ -61,7 +61,9 @@ STAGING_PREFIX = "spark-send"  # <table>/spark-send/<id>/: where Spark's writer 
 # Spark writes what the engine writes: microsecond UTC timestamps (not INT96) and LZ4_RAW. The rest cuts the
 # per-file cost of Spark's writer, which dominates with files of 1,000 rows: no dictionaries (Spark builds
 # them for every column, and they help little in files this small), no page checksums, no Parquet
-# statistics of the body (Delta statistics go in the add action), and no `.crc` side files on local disks.
+# statistics of the body (Delta statistics go in the add action), and no `.crc` side files on local disks
+# (without Hadoop's native library, the local filesystem forks `chmod` for every file it creates: one per
+# file instead of two).
 WRITE_CONF = {"spark.sql.parquet.outputTimestampType": "TIMESTAMP_MICROS"}
 WRITE_OPTIONS = {
     "compression": "lz4_raw",
