@@ -35,6 +35,8 @@ from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import TYPE_CHECKING
 
+import pyarrow as pa
+import pyarrow.compute as pc
 import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 from pyspark.sql import Column, DataFrame, Observation, SparkSession
@@ -46,12 +48,13 @@ from sparkqueue.spark.send import ORD_ROW_MASK
 from sparkqueue.spark.session import spark_errors
 from sparkqueue.spark.staging import filesystem, spark_path
 from sparkqueue.storage.files import FILE_SCHEMA, MAX_FILE_ROWS, STATS_COLUMNS
-from sparkqueue.storage.log import AddFile, Fence
+from sparkqueue.storage.log import AddFile, CommitConflict, Fence
 from sparkqueue.storage.schema import KIND_MESSAGE, PARTITION_COLUMN, STATE_ACTIVE, SUB_QUEUE_MAIN
 from sparkqueue.storage.table import SEQUENCE_BITS, SEQUENCE_MASK, fence_app_id, partition_of
 
 if TYPE_CHECKING:
     from sparkqueue.spark.send import SendPlan
+    from sparkqueue.storage.retry import Deadline
     from sparkqueue.storage.table import EntityTable
 
 log = logging.getLogger(__name__)
@@ -133,11 +136,16 @@ def numbered_rows(prepared: DataFrame, plan: SendPlan, inputs: int, now: datetim
     )
 
 
-def write_attempt(table: EntityTable, prepared: DataFrame, plan: SendPlan, inputs: int) -> tuple[int, list[int]]:
+def write_attempt(
+    table: EntityTable, prepared: DataFrame, plan: SendPlan, inputs: int, deadline: Deadline
+) -> tuple[int, list[int]]:
     """One attempt: Spark writes the rows numbered from `plan.bases`, the driver commits them once; (accepted, partitions).
 
-    Raises CommitConflict when a fence moved since `plan.bases` were read (the files are deleted),
-    and the send's error when a row is bad or a partition's quota would be passed (nothing committed).
+    A concurrent sender that moved some fences gets those partitions renumbered (commit_renumbering).
+    Raises CommitConflict when the commit cannot land otherwise (the files are deleted), and the
+    send's error when a row is bad or a partition's quota would be passed (nothing committed).
+    Files committed where Spark wrote them (object stores) keep their staging directory, and
+    Spark's `_SUCCESS` marker with them, which vacuum removes as an orphan.
     """
     spark = prepared.sparkSession
     rows = numbered_rows(prepared, plan, inputs, utcnow())
@@ -156,15 +164,74 @@ def write_attempt(table: EntityTable, prepared: DataFrame, plan: SendPlan, input
     except BaseException:
         remove_staging(table, staging)
         raise
-    fences = [Fence(fence_app_id(p), last) for p, last in sorted(written.last.items())]
-    seen = {fence_app_id(p): plan.bases[p] for p in written.last}
-    try:
-        if adds:
-            with table.existing():
-                table.commit(table.snapshot(), adds, [], fences, seen, "WRITE")
-    finally:
-        remove_staging(table, staging)
+    if all(not a.path.startswith(f"{staging}/") for a in adds):
+        remove_staging(table, staging)  # every file moved out: what is left is Spark's markers
+    if adds:
+        commit_renumbering(table, adds, written, dict(zip(range(plan.partition_count), plan.bases, strict=True)), deadline)
     return sum(written.counts.values()), sorted(p for p, c in written.counts.items() if c)
+
+
+def commit_renumbering(
+    table: EntityTable, adds: list[AddFile], written: Written, bases: dict[int, int | None], deadline: Deadline
+) -> None:
+    """Commit the files once, moving the fences from `bases`; when a concurrent sender moved some, renumber only those.
+
+    A conflict whose cause is a moved fence rewrites just the files of the partitions whose fence
+    moved (their rows shifted after the new fence, with pyarrow: no Spark job) and commits again;
+    the other partitions' files are committed as Spark wrote them. Any other conflict, or one past
+    the deadline, deletes every file and raises (the caller runs the whole send again or gives up).
+    """
+    adds = list(adds)
+    last = dict(written.last)
+    while True:
+        fences = [Fence(fence_app_id(p), c) for p, c in sorted(last.items())]
+        seen = {fence_app_id(p): bases[p] for p in last}
+        try:
+            with table.existing():
+                table.log.commit(table.snapshot(), adds, [], fences, seen, "WRITE")
+            return
+        except CommitConflict:
+            fresh = fence_bases_of(table, sorted(last))
+            moved = {p: (fresh[p] or 0) - (bases[p] or 0) for p in last if fresh[p] != bases[p]}
+            if not moved or deadline.expired() or any(d < 0 for d in moved.values()):
+                table.data.delete([a.path for a in adds])
+                raise
+            log.info("a concurrent sender moved the fences of partitions %s: renumbering their files only", sorted(moved))
+            adds = renumber(table, adds, moved)
+            for p, d in moved.items():
+                last[p] += d
+                bases[p] = fresh[p]
+        except BaseException:
+            table.data.delete([a.path for a in adds])
+            raise
+
+
+def fence_bases_of(table: EntityTable, partitions: list[int]) -> dict[int, int | None]:
+    """The current fence versions of some partitions, from a fresh snapshot."""
+    with table.existing():
+        snap = table.snapshot()
+    return {p: snap.transaction_version(fence_app_id(p)) for p in partitions}
+
+
+def renumber(table: EntityTable, adds: list[AddFile], moved: dict[int, int]) -> list[AddFile]:
+    """The files of the moved partitions rewritten with their sequence numbers shifted (engine's writer); the rest kept."""
+    out = []
+    for a in adds:
+        p = int(a.partition_values[PARTITION_COLUMN])
+        shift = moved.get(p)
+        if shift is None:
+            out.append(a)
+            continue
+        rows = table.data.read(a.path)
+        seqs = pc.add(rows.column("sequence_number"), pa.scalar(shift, pa.int64()))
+        rows = rows.set_column(rows.schema.get_field_index("sequence_number"), "sequence_number", seqs)
+        try:
+            out.append(table.data.write(p, rows))
+        except BaseException:
+            table.data.delete([x.path for x in out if x not in adds])
+            raise
+        table.data.delete([a.path])
+    return out
 
 
 @contextlib.contextmanager

@@ -190,7 +190,7 @@ def send_in_jvm(table: EntityTable, df: DataFrame, plan: SendPlan, inputs: int, 
     prepared = prepare(df, plan, owned=True, block=FILE_ROWS)
 
     def attempt() -> tuple[int, list[int]]:
-        return write_attempt(table, prepared, replace(plan, bases=fence_bases(table, plan.partition_count)), inputs)
+        return write_attempt(table, prepared, replace(plan, bases=fence_bases(table, plan.partition_count)), inputs, deadline)
 
     return retry_commit(attempt, deadline, f"DataFrame send to {table.uri}")
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 import subprocess
 import sys
@@ -323,7 +324,7 @@ def _racing_core_sender(root: str, tmp_path: Path, count: int):
 
 @pytest.mark.parametrize("keyed", [False, True], ids=["in-place", "shuffled"])
 def test_a_concurrent_core_sender_moves_the_fences_and_the_dataframe_send_lands_whole_after_it(
-    spark, ns, numbered, tmp_path, keyed
+    spark, ns, numbered, tmp_path, keyed, caplog
 ):
     """A core sender in another process sends to every partition while the DataFrame send runs.
 
@@ -332,6 +333,7 @@ def test_a_concurrent_core_sender_moves_the_fences_and_the_dataframe_send_lands_
     gap or repeat, the core messages in their send order and the DataFrame's after them.
     """
     ns.create_queue("q")
+    caplog.set_level(logging.INFO, logger="sparkqueue.spark.jvm_send")
     core = 48  # single unkeyed sends go round-robin: every one of the 16 partitions gets some
     child, gate = _racing_core_sender(ns.root, tmp_path, core)
     n = 4000
@@ -367,6 +369,8 @@ def test_a_concurrent_core_sender_moves_the_fences_and_the_dataframe_send_lands_
     on_disk = {f.name for f in Path(table_dir).glob("partition_id=*/*.parquet")}
     live = {u.rsplit("/", 1)[-1] for u in DeltaTable(table_dir).file_uris()}
     assert on_disk == live  # the conflicting attempt's files were deleted
+    if not keyed:  # Spark's writer wrote the rows once; only the moved partitions' files were renumbered
+        assert "renumbering their files only" in caplog.text
 
 
 STEADY_SENDER = """
