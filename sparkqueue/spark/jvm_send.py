@@ -243,11 +243,11 @@ def _conf(spark: SparkSession, conf: dict[str, str]) -> Iterator[None]:
     try:
         yield
     finally:
-        for k, v in old.items():
-            if v is None:
+        for k, before in old.items():
+            if before is None:
                 spark.conf.unset(k)
             else:
-                spark.conf.set(k, v)
+                spark.conf.set(k, before)
 
 
 def collect(table: EntityTable, staging: str, plan: SendPlan) -> Written:
