@@ -45,7 +45,8 @@ from pyspark.sql.datasource import (
 from pyspark.sql.types import StructType
 
 from sparkqueue.errors import EntityNotFoundError, InvalidOperationError
-from sparkqueue.management import QUEUE, SUBSCRIPTION, TOPIC, split_subscription_path, sub_entity_name
+from sparkqueue.management import split_subscription_path, sub_entity_name
+from sparkqueue.model.addresses import QUEUE, SUBSCRIPTION, TOPIC
 from sparkqueue.model.entity import ROW_COLUMNS, utcnow
 from sparkqueue.spark import streaming
 from sparkqueue.spark.schema import RECEIVED_SCHEMA, received_arrow, staged_rows

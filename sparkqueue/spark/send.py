@@ -26,7 +26,9 @@ any send asked to keep the DataFrame's order, take two stages separated by a shu
 
 Unkeyed rows need no shuffle (see `in_place`): a validation pass over the rows (the map stage's
 checks) comes first, then each input task stages its own rows in queue partitions that it alone
-owns.
+owns. Unkeyed rows to a queue without duplicate detection skip Python entirely: Spark's own
+Parquet writer numbers, checks and writes them in one pass, and the driver commits its files
+(jvm_send.py).
 """
 
 from __future__ import annotations
@@ -53,6 +55,7 @@ from pyspark.sql.functions import arrow_udf
 from sparkqueue.errors import InvalidOperationError, MessageSizeExceededError, PartitionUnavailableError, StorageError
 from sparkqueue.message import SendSettings
 from sparkqueue.model import limits
+from sparkqueue.model.addresses import QUEUE
 from sparkqueue.model.entity import utcnow
 from sparkqueue.model.partitioning import partition_for_key
 from sparkqueue.spark.session import bucket_key, input_partitions, marked, spark_errors, task_count, task_error
@@ -66,11 +69,13 @@ if TYPE_CHECKING:
     from sparkqueue.model.entity import Entity
     from sparkqueue.sender import Sender
     from sparkqueue.storage.log import Snapshot
+    from sparkqueue.storage.retry import Deadline
     from sparkqueue.storage.table import EntityTable, Expand
 
 log = logging.getLogger(__name__)
 
 ROUND_ROBIN_BLOCK = 1024  # unkeyed rows go round-robin in blocks: a small DataFrame touches few partitions
+ORD_ROW_MASK = (1 << 33) - 1  # monotonically_increasing_id: the row number within its partition (below bit 33)
 STAGE_ROWS = 32_768  # rows a send task numbers and writes at a time (storage splits them into bounded files)
 STAGE_BYTES = 32 << 20  # and at most this many message bytes at a time
 
@@ -138,12 +143,18 @@ def send_dataframe(
     if preserve_order is None:
         preserve_order = bool(_key_columns(df))
     inputs = input_partitions(df)
+    table = entity.table
+    if not preserve_order and inputs is not None and jvm_writable(df, plan, sender.entity_type):
+        accepted, touched = send_in_jvm(table, df, plan, inputs, entity.deadline())
+        if touched:
+            ns._after_send(sender.entity_type, sender.entity_name, touched)
+        log.info("sent %d messages to %s over %d partitions in one commit (Spark's writer)", accepted, entity.name, len(touched))
+        return accepted
     check: DataFrame | None = None
     if preserve_order or _may_have_keys(df, plan) or inputs is None:
         staged = shuffle_by_partition(prepare(df, plan), task_count(df.sparkSession, plan.partition_count), preserve_order)
     else:
         staged, check = in_place(df, plan, inputs)
-    table = entity.table
 
     def attempt() -> tuple[int, list[int]]:
         bases = fence_bases(table, plan.partition_count)
@@ -157,6 +168,31 @@ def send_dataframe(
         ns._after_send(sender.entity_type, sender.entity_name, touched)
     log.info("sent %d messages to %s over %d partitions in one commit", accepted, entity.name, len(touched))
     return accepted
+
+
+def jvm_writable(df: DataFrame, plan: SendPlan, entity_type: str) -> bool:
+    """True when Spark's own writer can do the whole send (see jvm_send): unkeyed rows to a queue, no duplicate detection.
+
+    Keyed rows need mmh3 placement, a topic its fan-out, duplicate detection a look at the
+    table, and a timestamp without time zone a conversion: those take the staged path.
+    """
+    sched = next((f.dataType for f in df.schema.fields if f.name == "scheduled_enqueue_time_utc"), None)
+    return entity_type == QUEUE and not _may_have_keys(df, plan) and not isinstance(sched, st.TimestampNTZType)
+
+
+def send_in_jvm(table: EntityTable, df: DataFrame, plan: SendPlan, inputs: int, deadline: Deadline) -> tuple[int, list[int]]:
+    """Unkeyed rows written by Spark's Parquet writer into the table and committed once (jvm_send); (accepted, partitions)."""
+    from sparkqueue.spark.jvm_send import FILE_ROWS, write_attempt
+
+    if inputs > len(plan.available):  # each input partition owns queue partitions of its own (see in_place)
+        df = df.coalesce(len(plan.available))
+        inputs = len(plan.available)
+    prepared = prepare(df, plan, owned=True, block=FILE_ROWS)
+
+    def attempt() -> tuple[int, list[int]]:
+        return write_attempt(table, prepared, replace(plan, bases=fence_bases(table, plan.partition_count)), inputs, deadline)
+
+    return retry_commit(attempt, deadline, f"DataFrame send to {table.uri}")
 
 
 def fence_bases(table: EntityTable, partition_count: int) -> tuple[int | None, ...]:
@@ -258,8 +294,11 @@ def shuffle_by_partition(prepared: DataFrame, tasks: int, preserve_order: bool) 
 # ---- map stage: columns, placement and validation ----------------------------------------------
 
 
-def prepare(df: DataFrame, plan: SendPlan, owned: bool = False) -> DataFrame:
-    """The DataFrame's messages as normalized columns with their queue partition (`_qp`), validated row by row."""
+def prepare(df: DataFrame, plan: SendPlan, owned: bool = False, block: int = ROUND_ROBIN_BLOCK) -> DataFrame:
+    """The DataFrame's messages as normalized columns with their queue partition (`_qp`), validated row by row.
+
+    Unkeyed rows go round-robin in blocks of `block` consecutive rows of an input partition.
+    """
     types = {f.name: f.dataType for f in df.schema.fields}
     if "body" not in types:
         raise InvalidOperationError(f"the DataFrame needs a `body` column (binary or string); it has {sorted(types)}")
@@ -284,10 +323,11 @@ def prepare(df: DataFrame, plan: SendPlan, owned: bool = False) -> DataFrame:
     inputs, count = input_partitions(df) or 1, len(plan.available)
     if owned:  # input partition k owns available[k], available[k + T], ... (T <= count) and takes them in turn
         owned_count = sf.floor((sf.lit(count + inputs - 1) - sf.col("_task")) / inputs)
-        rr = sf.col("_task") + sf.lit(inputs) * sf.pmod(sf.floor(sf.col("_ord") / ROUND_ROBIN_BLOCK) + start, owned_count)
+        row = sf.col("_ord").bitwiseAND(sf.lit(ORD_ROW_MASK))  # the row's position in its input partition
+        rr = sf.col("_task") + sf.lit(inputs) * sf.pmod(sf.floor(row / block) + start, owned_count)
     else:
-        block = sf.floor(sf.col("_ord") / ROUND_ROBIN_BLOCK) * sf.lit(inputs) + sf.col("_task")
-        rr = sf.pmod(block + sf.lit(start), sf.lit(count))
+        blocks = sf.floor(sf.col("_ord") / block) * sf.lit(inputs) + sf.col("_task")
+        rr = sf.pmod(blocks + sf.lit(start), sf.lit(count))
     round_robin = sf.element_at(sf.array(*[sf.lit(p) for p in plan.available]), rr.cast("int") + 1)
     return first.select(
         *[sf.col(c) for c in ("body", *STRING_FIELDS, "application_properties", "scheduled_enqueue_time_utc", "_ord")],

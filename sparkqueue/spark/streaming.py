@@ -25,7 +25,8 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from sparkqueue.errors import InvalidOperationError
-from sparkqueue.management import QUEUE, SUBSCRIPTION, TOPIC, sub_entity_name
+from sparkqueue.management import sub_entity_name
+from sparkqueue.model.addresses import QUEUE, SUBSCRIPTION, TOPIC
 from sparkqueue.storage.log import Fence
 
 if TYPE_CHECKING:

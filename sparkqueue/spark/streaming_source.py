@@ -48,7 +48,7 @@ from pyspark.sql.streaming.datasource import ReadAllAvailable, ReadLimit, ReadMa
 
 from sparkqueue.errors import InvalidOperationError, SparkQueueError
 from sparkqueue.model import lifecycle
-from sparkqueue.model.entity import Entity, partition_of, utcnow
+from sparkqueue.model.entity import Entity, utcnow
 from sparkqueue.spark.datasource import sub_queue_of
 from sparkqueue.spark.receive import RECEIVE_CHUNK, ReceiveJob, candidate_partitions, shares, stage_chunk
 from sparkqueue.spark.schema import received_arrow, staged_rows
@@ -56,6 +56,7 @@ from sparkqueue.spark.staging import Staging, filesystem
 from sparkqueue.spark.streaming import EntityAddress, address_of, positive_int
 from sparkqueue.spark.worker import EntityRef
 from sparkqueue.storage.schema import SUB_QUEUE_DEAD_LETTER
+from sparkqueue.storage.table import partition_of
 
 if TYPE_CHECKING:
     from sparkqueue.namespace import Namespace

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 import subprocess
 import sys
@@ -250,15 +251,14 @@ def test_a_task_failing_after_others_wrote_their_files_sends_nothing(spark, ns, 
     """The last input partition's task raises (in the write pass) once other tasks have written files: nothing is sent."""
     ns.create_queue("q")
     table_dir = ns._entity("queue", "q").table.uri
-    marker = str(tmp_path / "validated")
     fail_id = 3999  # in the last of 16 input partitions: local[2] runs it after most of the others
-    files_written = _waiting(lambda: any(Path(table_dir).glob("partition_id=*/*.parquet")), "another task's files")
+    # Inlined (not data_files): the UDF runs in Spark's workers, which cannot import this test module.
+    files_written = _waiting(
+        lambda: any("_delta_log" not in p.parts for p in Path(table_dir).rglob("*.parquet")), "another task's files"
+    )
 
     def body(i, b):  # a plain Python UDF (no type hints: pyspark would read them as an Arrow UDF's)
         if i != fail_id:
-            return b
-        if not os.path.exists(marker):  # the validation pass lets the row through
-            Path(marker).touch()
             return b
         files_written()
         raise RuntimeError("injected failure after other tasks wrote their files")
@@ -273,11 +273,16 @@ def test_a_task_failing_after_others_wrote_their_files_sends_nothing(spark, ns, 
     assert peek_all(ns, "q") == []
     # The files of the tasks that had finished are deleted; only the one task local[2] ran beside the failing
     # one may have been stopped mid-way (its file is not in the log; vacuum removes it).
-    assert len(list(Path(table_dir).glob("partition_id=*/*.parquet"))) <= 1
+    assert len(data_files(table_dir)) <= 1
     with ns.get_queue_sender("q") as s:  # the queue takes a send afterwards, numbered from 1
         assert s.send_dataframe(numbered(100)) == 100
     counters = sorted(m.sequence_number & SEQUENCE_MASK for m in peek_all(ns, "q"))
     assert counters[0] == 1
+
+
+def data_files(table_dir: str) -> list[Path]:
+    """Every Parquet file under the table but its log: committed, staged, or being written by a Spark task."""
+    return [p for p in Path(table_dir).rglob("*.parquet") if "_delta_log" not in p.parts]
 
 
 CONCURRENT_SENDER = """
@@ -319,7 +324,7 @@ def _racing_core_sender(root: str, tmp_path: Path, count: int):
 
 @pytest.mark.parametrize("keyed", [False, True], ids=["in-place", "shuffled"])
 def test_a_concurrent_core_sender_moves_the_fences_and_the_dataframe_send_lands_whole_after_it(
-    spark, ns, numbered, tmp_path, keyed
+    spark, ns, numbered, tmp_path, keyed, caplog
 ):
     """A core sender in another process sends to every partition while the DataFrame send runs.
 
@@ -328,6 +333,7 @@ def test_a_concurrent_core_sender_moves_the_fences_and_the_dataframe_send_lands_
     gap or repeat, the core messages in their send order and the DataFrame's after them.
     """
     ns.create_queue("q")
+    caplog.set_level(logging.INFO, logger="sparkqueue.spark.jvm_send")
     core = 48  # single unkeyed sends go round-robin: every one of the 16 partitions gets some
     child, gate = _racing_core_sender(ns.root, tmp_path, core)
     n = 4000
@@ -363,6 +369,8 @@ def test_a_concurrent_core_sender_moves_the_fences_and_the_dataframe_send_lands_
     on_disk = {f.name for f in Path(table_dir).glob("partition_id=*/*.parquet")}
     live = {u.rsplit("/", 1)[-1] for u in DeltaTable(table_dir).file_uris()}
     assert on_disk == live  # the conflicting attempt's files were deleted
+    if not keyed:  # Spark's writer wrote the rows once; only the moved partitions' files were renumbered
+        assert "renumbering their files only" in caplog.text
 
 
 STEADY_SENDER = """

@@ -1,0 +1,376 @@
+"""DataFrame sends written by Spark's own Parquet writer: numbering, validation and files all in the JVM, one commit.
+
+The common DataFrame send (unkeyed rows to a queue without duplicate detection) needs nothing
+that only Python can do, so no Python task touches its rows (docs/spark-streaming.md, "Sends at
+Spark's write speed"):
+
+1. The driver reads every queue partition's fence version (docs/storage.md, "Staged appends").
+2. Each input task owns queue partitions of its own (input partition k of T takes available
+   partitions k, k + T, ...) and deals its rows to them in blocks of FILE_ROWS consecutive rows.
+   A row's counter is then arithmetic on its position in the task: fence + (earlier blocks of
+   the same partition) * FILE_ROWS + position in its block + 1. No shuffle, no sort, no UDF.
+3. Spark's Parquet writer writes the rows, with the engine's column layout and types (the
+   entity schema minus the partition column, LZ4, microsecond UTC timestamps), into a staging
+   directory inside the table, rolling files every FILE_ROWS rows: each file is exactly one
+   block, so it holds one queue partition's rows in sequence order. The per-row checks of
+   `send.prepare` (sizes, key lengths, sessions, time to live) run in the same pass as Spark
+   expressions: a bad row fails the write job, and nothing is committed.
+4. The driver reads the files' Parquet footers for the Delta statistics (numRecords, min, max
+   and null count, timestamps in milliseconds as the engine writes them), checks each
+   partition's size quota with the message bytes the write observed, moves local files into
+   their `partition_id=<p>/` directory, and commits every file in ONE commit that moves the
+   fences it read. A concurrent sender that moved one of them makes the commit conflict: the
+   files are deleted and the send runs again on fresh fences (send.send_dataframe's retry loop).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass
+from datetime import datetime, timedelta
+from typing import TYPE_CHECKING
+
+import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.fs as pafs
+import pyarrow.parquet as pq
+from pyspark.sql import Column, DataFrame, Observation, SparkSession
+from pyspark.sql import functions as sf
+
+from sparkqueue.errors import QuotaExceededError, StorageError
+from sparkqueue.model.entity import utcnow
+from sparkqueue.spark.send import ORD_ROW_MASK
+from sparkqueue.spark.session import spark_errors
+from sparkqueue.spark.staging import filesystem, spark_path
+from sparkqueue.storage.files import FILE_SCHEMA, MAX_FILE_ROWS, STATS_COLUMNS
+from sparkqueue.storage.log import AddFile, CommitConflict, Fence
+from sparkqueue.storage.schema import KIND_MESSAGE, PARTITION_COLUMN, STATE_ACTIVE, SUB_QUEUE_MAIN
+from sparkqueue.storage.table import SEQUENCE_BITS, SEQUENCE_MASK, fence_app_id, partition_of
+
+if TYPE_CHECKING:
+    from sparkqueue.spark.send import SendPlan
+    from sparkqueue.storage.retry import Deadline
+    from sparkqueue.storage.table import EntityTable
+
+log = logging.getLogger(__name__)
+
+FILE_ROWS = MAX_FILE_ROWS  # rows per block and per file, as the engine bounds its files
+STAGING_PREFIX = "spark-send"  # <table>/spark-send/<id>/: where Spark's writer leaves an attempt's files
+# Spark writes what the engine writes: microsecond UTC timestamps (not INT96) and LZ4_RAW. The rest cuts the
+# per-file cost of Spark's writer, which dominates with files of 1,000 rows: no dictionaries (Spark builds
+# them for every column, and they help little in files this small), no page checksums, no Parquet
+# statistics of the body (Delta statistics go in the add action), and no `.crc` side files on local disks
+# (without Hadoop's native library, the local filesystem forks `chmod` for every file it creates: one per
+# file instead of two).
+WRITE_CONF = {"spark.sql.parquet.outputTimestampType": "TIMESTAMP_MICROS"}
+WRITE_OPTIONS = {
+    "compression": "lz4_raw",
+    "maxRecordsPerFile": str(FILE_ROWS),
+    "parquet.enable.dictionary": "false",
+    "parquet.page.write-checksum.enabled": "false",
+    "parquet.column.statistics.enabled#body": "false",
+    "fs.file.impl": "org.apache.hadoop.fs.RawLocalFileSystem",
+    "fs.file.impl.disable.cache": "true",
+}
+
+
+@dataclass(frozen=True)
+class Written:
+    """What one attempt's write left in its staging directory, per queue partition."""
+
+    adds: list[AddFile]
+    counts: dict[int, int]  # rows per partition
+    last: dict[int, int]  # the last counter numbered per partition
+
+
+def numbered_rows(prepared: DataFrame, plan: SendPlan, inputs: int, now: datetime) -> DataFrame:
+    """Entity rows (file columns, engine types) of rows `send.prepare(owned=True, block=FILE_ROWS)` placed.
+
+    `inputs`: the prepared DataFrame's partition count (each owns queue partitions; see the module doc).
+    """
+    count = len(plan.available)
+    task = sf.shiftright(sf.col("_ord"), ORD_ROW_MASK.bit_length())
+    i = sf.col("_ord").bitwiseAND(sf.lit(ORD_ROW_MASK))
+    owned = sf.floor((sf.lit(count + inputs - 1) - task) / inputs)  # queue partitions this task owns
+    block = sf.floor(i / FILE_ROWS)
+    counter = sf.floor(block / owned) * FILE_ROWS + sf.pmod(i, sf.lit(FILE_ROWS)) + 1
+    bases = sf.array(*[sf.lit(plan.bases[p] or 0).cast("long") for p in range(plan.partition_count)])
+    qp = sf.col("_qp")
+    seq = sf.shiftleft(qp.cast("long"), SEQUENCE_BITS).bitwiseOR(sf.element_at(bases, qp + 1) + counter.cast("long"))
+    now_ts = sf.lit(now).cast("timestamp")
+    sched = sf.col("scheduled_enqueue_time_utc")
+    visible = sf.when(sched > now_ts, sched).otherwise(now_ts)
+    ttl = sf.col("time_to_live_ms")
+    default = plan.settings.default_message_time_to_live
+    if default is not None:
+        ttl = sf.least(ttl, sf.lit(int(default.total_seconds() * 1000)).cast("long"))
+    expires = sf.timestamp_micros(sf.unix_micros(visible) + ttl * 1000)
+    null_ts, null_str = sf.lit(None).cast("timestamp"), sf.lit(None).cast("string")
+    values: dict[str, Column] = {
+        "sequence_number": seq,
+        "available_at_utc": visible,
+        "sub_queue": sf.lit(SUB_QUEUE_MAIN),
+        "subscription": null_str,
+        "state": sf.lit(STATE_ACTIVE),
+        "kind": sf.lit(KIND_MESSAGE),
+        "enqueued_time_utc": now_ts,
+        "expires_at_utc": expires,
+        "scheduled_enqueue_time_utc": sched,
+        "locked_until_utc": null_ts,
+        "lock_token": null_str,
+        "delivery_count": sf.lit(0).cast("int"),
+        "time_to_live_ms": ttl.cast("long"),
+        "size_in_bytes": sf.col("size_in_bytes").cast("int"),
+        "transfer_hop_count": sf.lit(0).cast("int"),
+        "dead_letter_reason": null_str,
+        "dead_letter_error_description": null_str,
+        "dead_letter_source": null_str,
+    }
+    return prepared.select(
+        *[values.get(name, sf.col(name)).alias(name) for name in FILE_SCHEMA.names], qp.alias(PARTITION_COLUMN)
+    )
+
+
+def write_attempt(
+    table: EntityTable, prepared: DataFrame, plan: SendPlan, inputs: int, deadline: Deadline
+) -> tuple[int, list[int]]:
+    """One attempt: Spark writes the rows numbered from `plan.bases`, the driver commits them once; (accepted, partitions).
+
+    A concurrent sender that moved some fences gets those partitions renumbered (commit_renumbering).
+    Raises CommitConflict when the commit cannot land otherwise (the files are deleted), and the
+    send's error when a row is bad or a partition's quota would be passed (nothing committed).
+    Files committed where Spark wrote them (object stores) keep their staging directory, and
+    Spark's `_SUCCESS` marker with them, which vacuum removes as an orphan.
+    """
+    spark = prepared.sparkSession
+    rows = numbered_rows(prepared, plan, inputs, utcnow())
+    sizes = Observation(f"sparkqueue-send-{uuid.uuid4().hex[:8]}")
+    qp = sf.col(PARTITION_COLUMN)
+    rows = rows.observe(
+        sizes, *[sf.coalesce(sf.sum(sf.when(qp == p, sf.col("size_in_bytes"))), sf.lit(0)).alias(f"b{p}") for p in plan.available]
+    )
+    staging = f"{STAGING_PREFIX}/{uuid.uuid4().hex}"
+    try:
+        with spark_errors(), _conf(spark, WRITE_CONF):
+            rows.drop(PARTITION_COLUMN).write.options(**WRITE_OPTIONS).parquet(spark_path(f"{table.uri}/{staging}"))
+        written = collect(table, staging, plan)
+        check_quota(table, plan, written, {p: int(sizes.get[f"b{p}"] or 0) for p in plan.available})
+        adds = place(table, staging, written.adds)
+    except BaseException:
+        remove_staging(table, staging)
+        raise
+    if all(not a.path.startswith(f"{staging}/") for a in adds):
+        remove_staging(table, staging)  # every file moved out: what is left is Spark's markers
+    if adds:
+        commit_renumbering(table, adds, written, dict(zip(range(plan.partition_count), plan.bases, strict=True)), deadline)
+    return sum(written.counts.values()), sorted(p for p, c in written.counts.items() if c)
+
+
+def commit_renumbering(
+    table: EntityTable, adds: list[AddFile], written: Written, bases: dict[int, int | None], deadline: Deadline
+) -> None:
+    """Commit the files once, moving the fences from `bases`; when a concurrent sender moved some, renumber only those.
+
+    A conflict whose cause is a moved fence rewrites just the files of the partitions whose fence
+    moved (their rows shifted after the new fence, with pyarrow: no Spark job) and commits again;
+    the other partitions' files are committed as Spark wrote them. Any other conflict, or one past
+    the deadline, deletes every file and raises (the caller runs the whole send again or gives up).
+    """
+    adds = list(adds)
+    last = dict(written.last)
+    while True:
+        fences = [Fence(fence_app_id(p), c) for p, c in sorted(last.items())]
+        seen = {fence_app_id(p): bases[p] for p in last}
+        try:
+            with table.existing():
+                table.log.commit(table.snapshot(), adds, [], fences, seen, "WRITE")
+            return
+        except CommitConflict:
+            fresh = fence_bases_of(table, sorted(last))
+            moved = {p: (fresh[p] or 0) - (bases[p] or 0) for p in last if fresh[p] != bases[p]}
+            if not moved or deadline.expired() or any(d < 0 for d in moved.values()):
+                table.data.delete([a.path for a in adds])
+                raise
+            log.info("a concurrent sender moved the fences of partitions %s: renumbering their files only", sorted(moved))
+            adds = renumber(table, adds, moved)
+            for p, d in moved.items():
+                last[p] += d
+                bases[p] = fresh[p]
+        except BaseException:
+            table.data.delete([a.path for a in adds])
+            raise
+
+
+def fence_bases_of(table: EntityTable, partitions: list[int]) -> dict[int, int | None]:
+    """The current fence versions of some partitions, from a fresh snapshot."""
+    with table.existing():
+        snap = table.snapshot()
+    return {p: snap.transaction_version(fence_app_id(p)) for p in partitions}
+
+
+def renumber(table: EntityTable, adds: list[AddFile], moved: dict[int, int]) -> list[AddFile]:
+    """The files of the moved partitions rewritten with their sequence numbers shifted (engine's writer); the rest kept."""
+    out = []
+    for a in adds:
+        p = int(a.partition_values[PARTITION_COLUMN])
+        shift = moved.get(p)
+        if shift is None:
+            out.append(a)
+            continue
+        rows = table.data.read(a.path)
+        seqs = pc.add(rows.column("sequence_number"), pa.scalar(shift, pa.int64()))
+        rows = rows.set_column(rows.schema.get_field_index("sequence_number"), "sequence_number", seqs)
+        try:
+            out.append(table.data.write(p, rows))
+        except BaseException:
+            table.data.delete([x.path for x in out if x not in adds])
+            raise
+        table.data.delete([a.path])
+    return out
+
+
+@contextlib.contextmanager
+def _conf(spark: SparkSession, conf: dict[str, str]) -> Iterator[None]:
+    """Session settings for the duration of one write, restored afterwards."""
+    old = {k: spark.conf.get(k, None) for k in conf}
+    for k, v in conf.items():
+        spark.conf.set(k, v)
+    try:
+        yield
+    finally:
+        for k, before in old.items():
+            if before is None:
+                spark.conf.unset(k)
+            else:
+                spark.conf.set(k, before)
+
+
+def collect(table: EntityTable, staging: str, plan: SendPlan) -> Written:
+    """The add actions of the files Spark wrote (statistics from their footers) and the rows per partition.
+
+    Every file must hold one partition's rows numbered without gaps after that partition's base,
+    which the block layout guarantees; anything else (a file spanning two partitions) is refused.
+    """
+    fs, root = filesystem(table.uri)
+    infos = [
+        i
+        for i in fs.get_file_info(pafs.FileSelector(f"{root}/{staging}", allow_not_found=True))
+        if i.is_file and i.base_name.endswith(".parquet") and not i.base_name.startswith(("_", "."))
+    ]
+    # Read in this thread: footer-reading threads would leave their allocator heaps behind, and the driver's
+    # memory would grow with the files of a send (about 50 MB per 1,000) instead of staying flat.
+    described = [describe(fs, i.path, f"{staging}/{i.base_name}", i.size) for i in infos]
+    counts: dict[int, int] = {}
+    last: dict[int, int] = {}
+    adds = []
+    for add, p, rows, top in described:
+        if rows == 0:
+            continue
+        adds.append(add)
+        counts[p] = counts.get(p, 0) + rows
+        last[p] = max(last.get(p, 0), top)
+    for p, n in counts.items():
+        if last[p] - (plan.bases[p] or 0) != n:
+            raise StorageError(f"partition {p} of {table.uri}: the send's files are not numbered densely; nothing was sent")
+    return Written(adds, counts, last)
+
+
+def describe(fs: pafs.FileSystem, path: str, rel: str, size: int) -> tuple[AddFile, int, int, int]:
+    """A written file as (add action with Delta statistics, partition, rows, last counter), from its Parquet footer."""
+    with fs.open_input_file(path) as f:
+        meta = pq.ParquetFile(f).metadata
+    schema = meta.schema.to_arrow_schema()
+    index = {name: schema.get_field_index(name) for name in STATS_COLUMNS}
+    mins: dict[str, object] = {}
+    maxs: dict[str, object] = {}
+    nulls = dict.fromkeys(STATS_COLUMNS, 0)
+    bounds: dict[str, list[object]] = {}
+    for g in range(meta.num_row_groups):
+        group = meta.row_group(g)
+        for name, c in index.items():
+            st = group.column(c).statistics
+            if st is None:
+                nulls.pop(name, None)  # unknown: leave the column's statistics out (readers then open the file)
+                bounds[name] = [None]
+                continue
+            if name in nulls:
+                nulls[name] += st.null_count
+            if st.has_min_max:
+                bounds.setdefault(name, []).extend([st.min, st.max])
+            elif st.null_count != group.num_rows:
+                bounds[name] = [None]
+    for name, vals in bounds.items():
+        if not vals or any(v is None for v in vals):
+            continue
+        lo, hi = min(vals), max(vals)  # type: ignore[type-var]
+        if isinstance(lo, datetime) and isinstance(hi, datetime):
+            lo, hi = _iso_ms(lo, up=False), _iso_ms(hi, up=True)
+        mins[name], maxs[name] = lo, hi
+    lo_seq, hi_seq = mins.get("sequence_number"), maxs.get("sequence_number")
+    if not isinstance(lo_seq, int) or not isinstance(hi_seq, int) or partition_of(lo_seq) != partition_of(hi_seq):
+        raise StorageError(f"{rel}: a DataFrame send's file must hold one partition's rows; nothing was sent")
+    p = partition_of(lo_seq)
+    stats = {"numRecords": meta.num_rows, "minValues": mins, "maxValues": maxs, "nullCount": nulls}
+    add = AddFile(rel, {PARTITION_COLUMN: str(p)}, size, json.dumps(stats, separators=(",", ":"), default=str))
+    return add, p, meta.num_rows, hi_seq & SEQUENCE_MASK
+
+
+def check_quota(table: EntityTable, plan: SendPlan, written: Written, added: dict[int, int]) -> None:
+    """QuotaExceededError when a partition's live bytes plus the message bytes written for it pass its quota."""
+    if table.max_partition_bytes is None:
+        return
+    with table.existing():
+        snap = table.snapshot()
+    for p in sorted(written.counts):
+        used = table.partition_bytes(snap, p)
+        if used + added.get(p, 0) > table.max_partition_bytes:
+            raise QuotaExceededError(
+                f"partition {p} holds {used} bytes; adding {added.get(p, 0)} would pass its "
+                f"{table.max_partition_bytes // 2**20} MB limit (max_size_in_megabytes). Receive or purge messages, "
+                "or raise the limit; nothing was stored"
+            )
+
+
+def place(table: EntityTable, staging: str, adds: list[AddFile]) -> list[AddFile]:
+    """Local files moved into their `partition_id=<p>/` directory (a rename), so the table keeps the engine's layout.
+
+    On object stores, where a rename is a copy, the files are committed where Spark wrote them
+    (Delta readers take a file's partition from its add action, not from its path).
+    """
+    out = []
+    made: set[str] = set()
+    for a in adds:
+        src = table.store.local_path(a.path)
+        if src is None:
+            out.append(a)
+            continue
+        rel = f"{PARTITION_COLUMN}={a.partition_values[PARTITION_COLUMN]}/{a.path.rsplit('/', 1)[-1]}"
+        dst = table.store.local_path(rel)
+        assert dst is not None
+        parent = os.path.dirname(dst)
+        if parent not in made:
+            os.makedirs(parent, exist_ok=True)
+            made.add(parent)
+        os.rename(src, dst)
+        out.append(AddFile(rel, a.partition_values, a.size, a.stats))
+    return out
+
+
+def remove_staging(table: EntityTable, staging: str) -> None:
+    """Delete an attempt's staging directory and whatever is left in it (Spark's checksums, markers, unplaced files)."""
+    fs, root = filesystem(table.uri)
+    with contextlib.suppress(OSError):
+        fs.delete_dir(f"{root}/{staging}")
+
+
+def _iso_ms(ts: datetime, *, up: bool) -> str:
+    """A timestamp as Delta statistics hold it: milliseconds, the min rounded down and the max up (as storage/files.py)."""
+    floor = ts.replace(microsecond=ts.microsecond // 1000 * 1000)
+    if up and floor != ts:
+        floor += timedelta(milliseconds=1)
+    return floor.strftime("%Y-%m-%dT%H:%M:%S.") + f"{floor.microsecond // 1000:03d}Z"

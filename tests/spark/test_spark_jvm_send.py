@@ -1,0 +1,120 @@
+"""DataFrame sends written by Spark's own Parquet writer (spark/jvm_send.py): stored as the engine stores, one commit."""
+
+from __future__ import annotations
+
+import json
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+
+import pyarrow.parquet as pq
+import pytest
+from deltalake import DeltaTable
+
+from sparkqueue import Message
+from sparkqueue.errors import QuotaExceededError
+from sparkqueue.storage.files import FILE_SCHEMA
+from sparkqueue.storage.table import SEQUENCE_MASK, partition_of
+
+pytestmark = pytest.mark.spark
+
+# Columns that differ between two sends of one message by design: when, which sequence number, which id.
+VARYING = {"sequence_number", "available_at_utc", "enqueued_time_utc", "expires_at_utc", "message_id", "partition_id"}
+
+
+def stored_rows(table_dir: str) -> list[dict]:
+    return DeltaTable(table_dir).to_pyarrow_table().sort_by("sequence_number").to_pylist()
+
+
+def test_a_message_sent_through_spark_is_stored_as_send_messages_stores_it(spark, ns):
+    ns.create_queue("spark", enable_partitioning=False, default_message_time_to_live=timedelta(hours=1))
+    ns.create_queue("core", enable_partitioning=False, default_message_time_to_live=timedelta(hours=1))
+    at = datetime.now(UTC) + timedelta(minutes=5)
+    fields = {
+        "correlation_id": "c1",
+        "subject": "s",
+        "to": "t",
+        "reply_to": "r",
+        "reply_to_session_id": "rs",
+        "content_type": "text/plain",
+        "time_to_live": timedelta(minutes=30),
+        "scheduled_enqueue_time_utc": at,
+    }
+    props = {"a": "x", "n": 3}
+    df = spark.createDataFrame(
+        [(b"hello", "id-1", json.dumps(props), 1800.0, at, *[fields[k] for k in list(fields)[:6]])],
+        "body binary, message_id string, application_properties string, time_to_live double, "
+        "scheduled_enqueue_time_utc timestamp, correlation_id string, subject string, to string, reply_to string, "
+        "reply_to_session_id string, content_type string",
+    )
+    with ns.get_queue_sender("spark") as s:
+        assert s.send_dataframe(df) == 1
+    with ns.get_queue_sender("core") as s:
+        s.send_messages(Message(b"hello", message_id="id-2", application_properties=props, **fields))
+    (a,), (b,) = stored_rows(ns._entity("queue", "spark").table.uri), stored_rows(ns._entity("queue", "core").table.uri)
+    assert {k: v for k, v in a.items() if k not in VARYING} == {k: v for k, v in b.items() if k not in VARYING}
+    assert a["expires_at_utc"] - a["available_at_utc"] == b["expires_at_utc"] - b["available_at_utc"]
+    assert a["available_at_utc"] == at.replace(microsecond=at.microsecond) == b["available_at_utc"]
+    # Same file layout: the engine's columns and types, LZ4, and Delta statistics for the same columns.
+    table_dir = ns._entity("queue", "spark").table.uri
+    (path,) = DeltaTable(table_dir).file_uris()
+    assert "/partition_id=0/" in path
+    meta = pq.read_metadata(path)
+    assert meta.schema.to_arrow_schema().remove_metadata().names == FILE_SCHEMA.names
+    assert pq.read_table(path).schema.field("enqueued_time_utc").type == FILE_SCHEMA.field("enqueued_time_utc").type
+    assert meta.row_group(0).column(0).compression.upper().startswith("LZ4")
+    spark_stats, core_stats = add_stats(table_dir), add_stats(ns._entity("queue", "core").table.uri)
+    assert spark_stats["numRecords"] == 1
+    for key in ("minValues", "maxValues", "nullCount"):
+        assert set(spark_stats[key]) == set(core_stats[key])
+    for key in ("minValues", "maxValues"):  # the same bounds, timestamps in ms, but for what differs by design
+        assert {k: v for k, v in spark_stats[key].items() if k not in VARYING} == {
+            k: v for k, v in core_stats[key].items() if k not in VARYING
+        }
+    assert spark_stats["nullCount"] == core_stats["nullCount"]
+
+
+def add_stats(table_dir: str) -> dict:
+    """The Delta statistics of the table's one add action."""
+    (stats,) = [
+        json.loads(json.loads(line)["add"]["stats"])
+        for f in sorted(Path(table_dir, "_delta_log").glob("*.json"))
+        for line in f.read_text().splitlines()
+        if '"add"' in line
+    ]
+    return stats
+
+
+def test_a_large_send_is_numbered_densely_in_files_of_one_partition(spark, ns, numbered):
+    ns.create_queue("q")
+    n = 25_000
+    with ns.get_queue_sender("q") as s:
+        assert s.send_dataframe(numbered(n, partitions=3, body_bytes=64)) == n
+    table_dir = ns._entity("queue", "q").table.uri
+    rows = DeltaTable(table_dir).to_pyarrow_table(columns=["partition_id", "sequence_number", "message_id"]).to_pylist()
+    assert sorted(r["message_id"] for r in rows) == sorted(f"m-{i}" for i in range(n))
+    by_partition: dict[int, list[tuple[int, int]]] = {}
+    for r in rows:
+        assert partition_of(r["sequence_number"]) == r["partition_id"]
+        by_partition.setdefault(r["partition_id"], []).append((r["sequence_number"] & SEQUENCE_MASK, int(r["message_id"][2:])))
+    assert len(by_partition) == 16
+    for got in by_partition.values():
+        got.sort()
+        assert [c for c, _ in got] == list(range(1, len(got) + 1))
+        ids = [i for _, i in got]
+        assert ids == sorted(ids)  # one input partition owns the queue partition and keeps its order
+    files = list(Path(table_dir).glob("partition_id=*/*.parquet"))
+    assert all(pq.read_metadata(f).num_rows <= 1000 for f in files)
+    assert not list(Path(table_dir).glob("spark-send/*"))  # staging directories are gone
+    with ns.get_queue_receiver("q") as r:
+        assert len(r.receive_messages(10)) > 0
+
+
+def test_a_send_past_the_quota_fails_and_stores_nothing(spark, ns, numbered):
+    ns.create_queue("q", enable_partitioning=False)
+    with ns.get_queue_sender("q") as s:
+        ns._entity("queue", "q").table.max_partition_bytes = 1 << 20  # the smallest setting is 1 GB: too much for a test
+        with pytest.raises(QuotaExceededError, match="nothing was stored"):
+            s.send_dataframe(numbered(2000, body_bytes=1024))
+    table_dir = ns._entity("queue", "q").table.uri
+    assert DeltaTable(table_dir).to_pyarrow_table().num_rows == 0
+    assert not [p for p in Path(table_dir).rglob("*.parquet") if "_delta_log" not in p.parts]
