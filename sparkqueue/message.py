@@ -19,6 +19,7 @@ from sparkqueue.storage.schema import (
     ENTITY_SCHEMA,
     KIND_MESSAGE,
     STATE_ACTIVE,
+    STRING_PROPERTY_COLUMNS,
     SUB_QUEUE_MAIN,
     TIMESTAMP,
 )
@@ -357,23 +358,14 @@ def received_messages(rows: pa.Table, now: datetime) -> list[ReceivedMessage]:
 _DEAD_LETTER_COLUMNS = ("dead_letter_reason", "dead_letter_error_description")
 # Received-message fields copied as stored (the others are computed in received_messages).
 _RECEIVED_COLUMNS = (
-    "message_id",
+    *STRING_PROPERTY_COLUMNS,
     "sequence_number",
     "enqueued_time_utc",
     "lock_token",
     "locked_until_utc",
     "expires_at_utc",
-    "session_id",
-    "partition_key",
-    "content_type",
-    "correlation_id",
-    "subject",
-    "to",
-    "reply_to",
-    "reply_to_session_id",
     "scheduled_enqueue_time_utc",
-    "dead_letter_reason",
-    "dead_letter_error_description",
+    *_DEAD_LETTER_COLUMNS,
     "dead_letter_source",
     "size_in_bytes",
 )
@@ -470,7 +462,9 @@ def to_rows(messages: Iterable[Message], settings: SendSettings, now: datetime) 
 
 
 # The string properties read through plain attributes (the others are validated properties with private fields).
-_PLAIN_STRING_COLUMNS = ("content_type", "subject", "to", "reply_to", "reply_to_session_id")
+_PLAIN_STRING_COLUMNS = tuple(
+    c for c in STRING_PROPERTY_COLUMNS if c not in ("message_id", "session_id", "partition_key", "correlation_id")
+)
 
 
 def _constant(value: object, type_: pa.DataType, n: int) -> pa.Array:
