@@ -268,9 +268,10 @@ def collect(table: EntityTable, staging: str, plan: SendPlan) -> Written:
     counts: dict[int, int] = {}
     last: dict[int, int] = {}
     adds = []
-    for add, p, rows, top in described:
-        if rows == 0:
+    for found in described:
+        if found is None:  # Spark writes an empty file for a task without rows: nothing to commit
             continue
+        add, p, rows, top = found
         adds.append(add)
         counts[p] = counts.get(p, 0) + rows
         last[p] = max(last.get(p, 0), top)
@@ -280,10 +281,15 @@ def collect(table: EntityTable, staging: str, plan: SendPlan) -> Written:
     return Written(adds, counts, last)
 
 
-def describe(fs: pafs.FileSystem, path: str, rel: str, size: int) -> tuple[AddFile, int, int, int]:
-    """A written file as (add action with Delta statistics, partition, rows, last counter), from its Parquet footer."""
+def describe(fs: pafs.FileSystem, path: str, rel: str, size: int) -> tuple[AddFile, int, int, int] | None:
+    """A written file as (add action with Delta statistics, partition, rows, last counter), from its Parquet footer.
+
+    None for a file without rows.
+    """
     with fs.open_input_file(path) as f:
         meta = pq.ParquetFile(f).metadata
+    if meta.num_rows == 0:
+        return None
     schema = meta.schema.to_arrow_schema()
     index = {name: schema.get_field_index(name) for name in STATS_COLUMNS}
     mins: dict[str, object] = {}

@@ -6,6 +6,7 @@ import json
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
+import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 from deltalake import DeltaTable
@@ -107,6 +108,19 @@ def test_a_large_send_is_numbered_densely_in_files_of_one_partition(spark, ns, n
     assert not list(Path(table_dir).glob("spark-send/*"))  # staging directories are gone
     with ns.get_queue_receiver("q") as r:
         assert len(r.receive_messages(10)) > 0
+
+
+def test_input_partitions_without_rows_add_no_files(spark, ns):
+    """Spark writes an empty file for a task without rows; the send commits only the files that hold rows."""
+    ns.create_queue("q")
+    df = spark.range(0, 40, 1, 4).where("id < 3").selectExpr("cast(id as string) as body")
+    with ns.get_queue_sender("q") as s:
+        assert s.send_dataframe(df) == 3
+    table_dir = ns._entity("queue", "q").table.uri
+    adds = pa.table(DeltaTable(table_dir).get_add_actions(flatten=True)).to_pylist()
+    assert sum(a["num_records"] for a in adds) == 3 and all(a["num_records"] > 0 for a in adds)
+    assert sorted(r["body"] for r in stored_rows(table_dir)) == [b"0", b"1", b"2"]
+    assert not list(Path(table_dir).glob("spark-send/*"))
 
 
 def test_a_send_past_the_quota_fails_and_stores_nothing(spark, ns, numbered):
