@@ -142,9 +142,7 @@ def core_round_trip(ns: Namespace, args: argparse.Namespace, console: Console) -
         console.print(f"the dead-letter queue held {dead_before} from earlier runs; it holds {dead_now} now")
     with ns.get_queue_receiver(QUEUE, sub_queue=SubQueue.DEAD_LETTER) as dlq:
         for m in dlq.peek_messages(3):
-            console.print(
-                f"dead letter {m.message_id}: {m.dead_letter_reason} ({m.dead_letter_error_description})", markup=False
-            )
+            console.print(f"dead letter {m.message_id}: {m.dead_letter_reason} ({m.dead_letter_error_description})", markup=False)
     if dead_now:
         console.print(f"move them back with: sparkqueue --root {ns.root} resubmit {QUEUE}")
 

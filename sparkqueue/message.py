@@ -490,9 +490,7 @@ def _check_sizes(sizes: pa.Array, mids: list[str], tier: str) -> None:
     raise MessageSizeExceededError(f"message {mids[i]!r} is {sizes[i].as_py()} bytes; the {tier} tier allows {max_bytes}")
 
 
-def _partition_keys(
-    sessions: list[str | None], pkeys: list[str | None], mids: list[str], dedupe: bool
-) -> list[str | None]:
+def _partition_keys(sessions: list[str | None], pkeys: list[str | None], mids: list[str], dedupe: bool) -> list[str | None]:
     """Each message's partition key (docs/semantics.md §3); all None, cheaply, for unkeyed sends."""
     if not dedupe and all(s is None for s in sessions) and all(k is None for k in pkeys):
         return [None] * len(mids)

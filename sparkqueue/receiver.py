@@ -184,8 +184,10 @@ class Receiver:
         while self._cache and len(out) < n:
             m = self._cache.popleft()
             # A session's cached messages hold the session lock (checked above), not a lock of their own.
-            if self.receive_mode == ReceiveMode.RECEIVE_AND_DELETE or self.session is not None or (
-                m.locked_until_utc and m.locked_until_utc > now
+            if (
+                self.receive_mode == ReceiveMode.RECEIVE_AND_DELETE
+                or self.session is not None
+                or (m.locked_until_utc and m.locked_until_utc > now)
             ):
                 out.append(m)
         if len(out) >= n or (out and self.session is not None):

@@ -36,7 +36,6 @@ _active_lock = threading.Lock()
 _parked = threading.Event()  # never set: parked threads wait here until the process ends
 
 
-
 _parked_threads: set[int] = set()
 
 

@@ -20,8 +20,7 @@ def _rows(n: int) -> pa.Table:
     """n varied message rows in the file schema."""
     now = datetime(2026, 1, 2, 3, 4, 5, 678901, tzinfo=UTC)
     msgs = [
-        Message(f"b{i}".encode(), subject=f"s{i}" if i % 2 else None, time_to_live=timedelta(seconds=i + 1))
-        for i in range(n)
+        Message(f"b{i}".encode(), subject=f"s{i}" if i % 2 else None, time_to_live=timedelta(seconds=i + 1)) for i in range(n)
     ]
     rows, _ = to_rows(msgs, SendSettings("standard", False, False, None), now)
     seqs = pa.array(range(10, 10 + n), pa.int64())

@@ -38,7 +38,7 @@ def _record(path: str, obj: Any) -> None:
 def _lines(path: str | Path) -> list[Any]:
     p = Path(path)
     out = []
-    for line in (p.read_text(encoding="utf-8").split("\n") if p.exists() else []):
+    for line in p.read_text(encoding="utf-8").split("\n") if p.exists() else []:
         try:
             out.append(json.loads(line))
         except ValueError:

@@ -147,7 +147,6 @@ def handle_errors(fn: Callable[P, R]) -> Callable[P, R]:
     return wrapper
 
 
-
 def state(ctx: typer.Context) -> State:
     """The global options of this invocation."""
     obj = ctx.find_object(State)
@@ -701,7 +700,7 @@ def rule_create(
         typer.Option("--property", "-p", help="Correlation filter: application property NAME=VALUE (repeatable)."),
     ] = None,
     action: Annotated[
-        str | None, typer.Option("--action", help="SQL action applied to matching copies, e.g. \"SET x = 1\".")
+        str | None, typer.Option("--action", help='SQL action applied to matching copies, e.g. "SET x = 1".')
     ] = None,
 ) -> None:
     """Add a rule to a subscription: a SQL filter (--sql) or a correlation filter (the field options and --property).
@@ -728,8 +727,10 @@ def rule_create(
         flt = SqlRuleFilter(sql)
     elif fields or props:
         flt = CorrelationRuleFilter(**fields, properties=props or None)
-    rule = state(ctx).namespace().create_rule(
-        topic, subscription, name, filter=flt, action=SqlRuleAction(action) if action is not None else None
+    rule = (
+        state(ctx)
+        .namespace()
+        .create_rule(topic, subscription, name, filter=flt, action=SqlRuleAction(action) if action is not None else None)
     )
     done(f"Created rule {name!r} on {topic}/{subscription}: {render.filter_text(rule.filter)}.")
 
