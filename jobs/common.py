@@ -7,7 +7,7 @@ import copy
 import logging
 import os
 import tomllib
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from datetime import timedelta
 from pathlib import Path
@@ -22,6 +22,7 @@ if TYPE_CHECKING:  # pyspark is imported only by the jobs that start Spark (main
 log = logging.getLogger(__name__)
 
 DEFAULT_CONFIG = Path(__file__).resolve().parent.parent / "conf" / "sparkqueue.toml"
+LOG4J_CONF = DEFAULT_CONFIG.with_name("log4j2.properties")  # Spark's JVM log for the jobs (see quiet_spark_log)
 
 DEFAULTS: dict[str, Any] = {
     "namespace": {"root": "./sparkqueue-data", "tier": "standard", "operation_timeout": 60},
@@ -127,6 +128,21 @@ def under_spark_submit() -> bool:
     return "PYSPARK_GATEWAY_PORT" in os.environ
 
 
+def quiet_spark_log(conf: Mapping[str, str], verbose: bool) -> dict[str, str]:
+    """`conf` plus the driver option that points Spark's JVM log at conf/log4j2.properties (WARN, no start-up chatter).
+
+    Takes effect where this process starts the JVM; under spark-submit, pass the file with
+    --driver-java-options (jobs/cron.example). `verbose` leaves Spark's own log settings alone.
+    """
+    out = dict(conf)
+    if verbose or not LOG4J_CONF.is_file():
+        return out
+    option = f"-Dlog4j2.configurationFile={LOG4J_CONF.as_uri()}"
+    key = "spark.driver.extraJavaOptions"
+    out[key] = f"{out[key]} {option}" if out.get(key) else option
+    return out
+
+
 def session(cfg: dict[str, Any], *, verbose: bool = False) -> SparkSession:
     """The job's SparkSession: sparkqueue defaults, then the configured Spark settings; Spark logs at WARN unless verbose.
 
@@ -137,7 +153,7 @@ def session(cfg: dict[str, Any], *, verbose: bool = False) -> SparkSession:
     spark_cfg = cfg["spark"]
     conf = {str(k): str(v) for k, v in spark_cfg.get("conf", {}).items()}
     master = None if under_spark_submit() else spark_cfg["master"]
-    spark = spark_session(master, spark_cfg["app_name"], conf)
+    spark = spark_session(master, spark_cfg["app_name"], quiet_spark_log(conf, verbose))
     spark.sparkContext.setLogLevel("INFO" if verbose else "WARN")
     return spark
 

@@ -154,7 +154,7 @@ def dataframe_round_trip(ns: Namespace, n: int, console: Console, *, verbose: bo
     from sparkqueue.spark import release, spark_session
 
     with console.status("starting Spark (local[2])"):
-        spark = spark_session("local[2]", "sparkqueue-demo", conf={"spark.ui.enabled": "false"})
+        spark = spark_session("local[2]", "sparkqueue-demo", conf=common.quiet_spark_log({"spark.ui.enabled": "false"}, verbose))
         spark.sparkContext.setLogLevel("INFO" if verbose else "WARN")
     with contextlib.suppress(EntityAlreadyExistsError):
         ns.create_queue(SPARK_QUEUE)

@@ -76,8 +76,13 @@ READ_COLUMNS = list(dict.fromkeys([*ROW_COLUMNS, "kind", "subscription"]))
 
 
 def register(spark: SparkSession) -> None:
-    """Register the `sparkqueue` data source on a session."""
-    spark.dataSource.register(SparkQueueDataSource)
+    """Register the `sparkqueue` data source on a session, unless Spark found it installed (`pyspark_sparkqueue`)."""
+    try:
+        found = bool(spark._jsparkSession.sessionState().dataSourceManager().dataSourceExists(SparkQueueDataSource.name()))
+    except Exception:  # Spark Connect, or a JVM API that moved: registering again is harmless
+        found = False
+    if not found:
+        spark.dataSource.register(SparkQueueDataSource)
 
 
 def resolve(
