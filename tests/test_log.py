@@ -18,7 +18,7 @@ from sparkqueue.errors import StorageCorruptedError, StorageError
 from sparkqueue.storage.index import FileIndex
 from sparkqueue.storage.log import CommitConflict, DeltaLog, Fence
 from sparkqueue.storage.schema import ENTITY_SCHEMA, PARTITION_COLUMN
-from sparkqueue.storage.store import LocalStore, resolve_root
+from sparkqueue.storage.store import Entry, LocalStore, resolve_root
 from sparkqueue.storage.table import EntityTable
 
 
@@ -174,6 +174,29 @@ def test_a_missing_entry_in_the_middle_is_reported(table: EntityTable) -> None:
     os.unlink(Path(table.uri, "_delta_log", f"{snap.version - 1:020d}.json"))
     with pytest.raises(StorageCorruptedError, match="missing"):
         _second_handle(table).load()
+
+
+class _ListingRacingACommit(LocalStore):
+    """A directory whose first listing of the log misses one entry, as a listing taken while it was committed can."""
+
+    def __init__(self, root: str, hidden: str) -> None:
+        super().__init__(root)
+        self.hidden: str | None = hidden
+
+    def list(self, prefix: str = "") -> list[Entry]:
+        out = [e for e in super().list(prefix) if e.path.rpartition("/")[2] != self.hidden]
+        self.hidden = None
+        return out
+
+
+def test_an_entry_a_listing_missed_while_it_was_committed_is_found_by_listing_again(table: EntityTable) -> None:
+    snap = table.snapshot()
+    for p in range(3):
+        table.log.commit(snap, [table.data.write(p, _rows(p, 1, 1))], [], [Fence(f"sparkqueue.seq.{p}", 1)])
+    store = _ListingRacingACommit(table.uri, f"{snap.version - 1:020d}.json")
+    loaded = DeltaLog(store, FileIndex).load()
+    assert store.hidden is None  # the first listing did miss it
+    assert loaded.version == snap.version
 
 
 def test_tables_with_features_sparkqueue_cannot_write_are_refused(tmp_path: Path) -> None:

@@ -70,6 +70,14 @@ class _Trimmed(Exception):  # noqa: N818
     """A listed log entry vanished while loading: a trimmer removed it after a newer checkpoint."""
 
 
+class _Gap(Exception):  # noqa: N818
+    """The listing skipped entries below its newest one: missing, or committed while the directory was read.
+
+    A directory listing need not show the files created while it runs (a local disk lists in hash
+    order), so v+1 can be listed without v; only a gap that a fresh listing still shows is damage.
+    """
+
+
 @dataclass(frozen=True)
 class Fence:
     """A Delta `txn` action: application id and version (a partition's sequence counter, an idempotence key)."""
@@ -213,14 +221,18 @@ class DeltaLog:
 
         Raises FileNotFoundError when there is no log at all, StorageCorruptedError when entries
         are missing between the checkpoint and the newest entry or an entry cannot be read.
-        A listed entry that a concurrent trimmer deleted (a newer checkpoint exists) means listing again.
+        A listed entry that a concurrent trimmer deleted (a newer checkpoint exists), or a gap in one
+        listing, means listing again.
         """
         for _ in range(LOAD_ATTEMPTS - 1):
             try:
                 return self._load()
-            except _Trimmed:
+            except (_Trimmed, _Gap):
                 continue
-        return self._load()
+        try:
+            return self._load()
+        except _Gap as gap:
+            raise StorageCorruptedError(str(gap)) from None
 
     def _load(self) -> Snapshot:
         started = time.monotonic()
@@ -248,7 +260,7 @@ class DeltaLog:
         base = max((v for v in complete if v <= newest), default=-1)
         missing = [v for v in range(base + 1, newest + 1) if v not in jsons]
         if missing:
-            raise StorageCorruptedError(
+            raise _Gap(
                 f"table {self.store.uri}: log entries {_ranges(missing)} are missing "
                 f"(checkpoint {base if base >= 0 else 'none'}, newest entry {newest})"
             )

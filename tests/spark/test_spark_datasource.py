@@ -144,10 +144,12 @@ else:  # the workers run a Python without sparkqueue's dependencies (PYSPARK_PYT
     from sparkqueue import Namespace
     from sparkqueue.errors import InvalidOperationError
     with Namespace(root) as ns:
+        # Spark's own writer stores a DataFrame send, so it needs no Python worker; a DataFrame receive does.
+        out["sent"] = ns.get_queue_sender("q").send_dataframe(spark.createDataFrame([("x",)], "body string"))
         try:
-            ns.get_queue_sender("q").send_dataframe(spark.createDataFrame([("x",)], "body string"))
+            ns.get_queue_receiver("q").receive_dataframe(10, spark).count()
         except InvalidOperationError as exc:
-            out["send_error"] = str(exc)
+            out["receive_error"] = str(exc)
 spark.stop()
 print("RESULT " + json.dumps(out))
 """
@@ -185,6 +187,8 @@ def test_workers_on_a_python_without_sparkqueue_get_an_error_naming_the_fix(ns, 
         pytest.skip("needs a system python3 without pyarrow")
     ns.create_queue("q")
     out = run_plain_session(tmp_path, ns.root, "errors", PYSPARK_PYTHON=bare)
-    for key in ("read_error", "send_error"):
+    for key in ("read_error", "receive_error"):
         assert key in out and "PYSPARK_PYTHON" in out[key] and "spark.pyspark.python" in out[key], out
-    assert ns.get_queue_runtime_properties("q").total_message_count == 0
+    assert out["sent"] == 1
+    props = ns.get_queue_runtime_properties("q")  # the failed receive locked nothing
+    assert (props.total_message_count, props.active_message_count) == (1, 1)
