@@ -96,6 +96,7 @@ KNOWN: set[str] = {
     "sparkqueue.shutdown: <object>._current_frames",
     "sparkqueue.spark.datasource: <object>._entry",
     "sparkqueue.spark.datasource: <object>._getframe",
+    "sparkqueue.spark.datasource: <object>._jsparkSession",  # PySpark has no public check for a registered source
     "sparkqueue.spark.receive: <object>._active_transaction",
     "sparkqueue.spark.receive: <object>._check_open",
     "sparkqueue.spark.receive: <object>._deleting",
