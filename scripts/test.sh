@@ -11,7 +11,7 @@ python3 -m venv .venv
 set +e
 # Tests run in parallel workers (pytest-xdist); every Spark test runs in one of them, on one shared SparkSession.
 # Most tests wait on processes, locks and I/O, so 3 workers fit 2 cores. `-n 0` runs them in this process.
-.venv/bin/python -m pytest -n "${SPARKQUEUE_TEST_WORKERS:-3}" --dist loadgroup "$@"
+.venv/bin/python -m pytest -n "${SPARKQUEUE_TEST_WORKERS:-3}" --dist loadgroup --durations=20 "$@"
 rc=$?
 set -e
 # pytest exits 5 when it collected no test: that is a failure here, never a pass.

@@ -29,6 +29,7 @@ from sparkqueue.model.sessions import SessionLock, Sessions
 from sparkqueue.sender import check_status
 from sparkqueue.storage.schema import KIND_MESSAGE, STATE_DEFERRED, SUB_QUEUE_DEAD_LETTER, SUB_QUEUE_MAIN
 from sparkqueue.storage.table import SEQUENCE_MASK, partition_of
+from sparkqueue.storage.table import sequence_number as compose_sequence
 
 if TYPE_CHECKING:
     from pyspark.sql import DataFrame, SparkSession
@@ -278,7 +279,7 @@ class Receiver:
         if self.session is not None:  # a session receiver browses its own session only
             lock = self.session._lock
             if sequence_number is not None:
-                self._peek_cursors = {lock.partition: (lock.partition << 48) | (sequence_number & SEQUENCE_MASK)}
+                self._peek_cursors = {lock.partition: compose_sequence(lock.partition, sequence_number & SEQUENCE_MASK)}
             rows = self.session._sessions.peek(lock, self._peek_cursors.get(lock.partition), n)
             if rows.num_rows:
                 self._peek_cursors[lock.partition] = rows.column("sequence_number")[-1].as_py() + 1
@@ -288,7 +289,7 @@ class Receiver:
             return peeked
         if sequence_number is not None:
             counter = sequence_number & SEQUENCE_MASK
-            self._peek_cursors = {p: (p << 48) | counter for p in range(entity.partition_count)}
+            self._peek_cursors = {p: compose_sequence(p, counter) for p in range(entity.partition_count)}
         rows = entity.peek(self._sub_queue, self._peek_cursors, n)
         peeked = received_messages(rows, utcnow())
         for m in peeked:

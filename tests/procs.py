@@ -24,7 +24,7 @@ PARTITIONS = 16
 
 
 def partition_for(key: str, n: int = PARTITIONS) -> int:
-    """The partition the contract (SPEC §3) assigns to a key."""
+    """The partition the contract (docs/semantics.md §3) assigns to a key."""
     return mmh3.hash(key.encode("utf-8"), 0, signed=False) % n
 
 

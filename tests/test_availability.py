@@ -1,4 +1,4 @@
-"""Partition availability (SPEC §1, §3, §10): a partition made unavailable by an injected storage fault.
+"""Partition availability (docs/semantics.md §1, §3, §10): a partition made unavailable by an injected storage fault.
 
 Keyed sends to it fail and store nothing, unkeyed sends fail over, receives skip it, settlements
 and management on it fail without changing anything, runtime properties report "Limited", and

@@ -1,6 +1,6 @@
 """Several real processes ("spawn") on one namespace: competing receivers, concurrent senders,
 concurrent duplicate sends, racing creators, and a sender/receiver killed with SIGKILL
-(SPEC §1, §2, §4, §5, §10)."""
+(docs/semantics.md §1, §2, §4, §5, §10)."""
 
 from __future__ import annotations
 

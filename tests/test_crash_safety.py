@@ -1,4 +1,4 @@
-"""Crash safety (SPEC §10): a process SIGKILLed at any point loses no accepted message, leaves no half-applied
+"""Crash safety (docs/semantics.md §10): a process SIGKILLed at any point loses no accepted message, leaves no half-applied
 batch, and its locks lapse at expiry.
 
 Each iteration starts a child process that loops over random operations on a partitioned queue "q" and a

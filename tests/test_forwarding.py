@@ -1,4 +1,4 @@
-"""Auto-forwarding (SPEC §9): chains, hop limit, partition keys, subscriptions and topics, dead letters, failures."""
+"""Auto-forwarding (docs/semantics.md §9): chains, hop limit, partition keys, subscriptions and topics, dead letters, failures."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Auto-forwarding survives SIGKILL (SPEC §9, §10): every acknowledged message ends up exactly once, none doubled.
+"""Auto-forwarding survives SIGKILL (docs/semantics.md §9, §10): every acknowledged message ends up exactly once, none doubled.
 
 Child processes send batches to a queue that forwards (src -> mid -> dst), so each send also forwards
 in the child. They are killed with SIGKILL at random moments, also between a destination append and

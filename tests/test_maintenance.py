@@ -1,7 +1,7 @@
 """Maintenance (compaction, cleanup, checkpoint, vacuum): it keeps every message and its state, never loses or
-doubles work done concurrently by other processes, and keeps tables small (ENGINE-NOTES; SPEC §4, §5, §10).
+doubles work done concurrently by other processes, and keeps tables small (docs/storage.md; docs/semantics.md §4, §5, §10).
 
-Entity tables are plain Delta tables (SPEC §12): file counts, checkpoints and orphaned rows are read with deltalake.
+Entity tables are plain Delta tables (docs/semantics.md §12): file counts, checkpoints and orphaned rows are read with deltalake.
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """Queue management: create, get, update, delete, list, runtime properties, availability, the
-namespace's lifecycle and tiers (SPEC §1, §10, §11)."""
+namespace's lifecycle and tiers (docs/semantics.md §1, §10, §11)."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """Receiving from queues: modes, gathering across partitions, waiting, prefetch, ordering, locks,
-peeking and iteration (SPEC §5, §10, §11)."""
+peeking and iteration (docs/semantics.md §5, §10, §11)."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """Sending to queues: message contents, ids, sizes, partition placement, sequence numbers, batches,
-duplicate detection, scheduling and time-to-live (SPEC §2, §3, §4, §5, §10)."""
+duplicate detection, scheduling and time-to-live (docs/semantics.md §2, §3, §4, §5, §10)."""
 
 from __future__ import annotations
 

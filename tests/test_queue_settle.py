@@ -1,5 +1,5 @@
 """Settling messages: complete, abandon, defer, dead-letter, renew, lost locks, delivery limits and
-the dead-letter sub-queue (SPEC §5)."""
+the dead-letter sub-queue (docs/semantics.md §5)."""
 
 from __future__ import annotations
 

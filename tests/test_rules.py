@@ -1,4 +1,4 @@
-"""Subscription rules end to end through topics (SPEC §7, §8): management, every filter construct, actions."""
+"""Subscription rules end to end through topics (docs/semantics.md §7, §8): management, every filter construct, actions."""
 
 from __future__ import annotations
 

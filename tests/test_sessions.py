@@ -1,4 +1,4 @@
-"""Sessions (SPEC §6, with §5 and §11): session-id sends, named and next-available session receivers,
+"""Sessions (docs/semantics.md §6, with §5 and §11): session-id sends, named and next-available session receivers,
 the exclusive and expiring session lock, strict per-session FIFO, session state, listing, and
 session-enabled subscriptions. Single-process rules; multi-process ones are in
 test_sessions_concurrency.py."""

@@ -1,4 +1,4 @@
-"""Sessions and transactions across real processes (SPEC §6, §7, §10): the session lock is exclusive
+"""Sessions and transactions across real processes (docs/semantics.md §6, §7, §10): the session lock is exclusive
 between processes, per-session FIFO and exactly-once completion hold while receivers race over
 many sessions, and a process killed inside or while committing a transaction leaves no partial batch.
 

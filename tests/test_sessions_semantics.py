@@ -1,4 +1,4 @@
-"""Service Bus session semantics across real processes (SPEC §6, issue #15).
+"""Service Bus session semantics across real processes (docs/semantics.md §6, issue #15).
 
 Each rule is exercised with the session holder in a child process ("spawn") and the checks made
 by the parent or another child: receiving ahead of settlement in order, abandon returning first,

@@ -1,4 +1,4 @@
-"""Topics and subscriptions (SPEC §8, §11): management, fan-out, duplicate detection, subscriptions as queues."""
+"""Topics and subscriptions (docs/semantics.md §8, §11): management, fan-out, duplicate detection, subscriptions as queues."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Transactions (SPEC §7): sends and settlements on one entity and one partition key take effect
+"""Transactions (docs/semantics.md §7): sends and settlements on one entity and one partition key take effect
 together at the end of `with ns.transaction():`, or not at all. Killed-process atomicity is in
 test_sessions_concurrency.py."""
 
@@ -20,7 +20,7 @@ PARTITIONS = 16
 
 
 def _peek_ids(ns: Namespace, queue: str = "q", sub_queue: SubQueue | None = None) -> list[str]:
-    """Ids of every stored message (browsing loops until a peek returns none, as SPEC §5 asks)."""
+    """Ids of every stored message (browsing loops until a peek returns none, as docs/semantics.md §5 asks)."""
     with ns.get_queue_receiver(queue, sub_queue=sub_queue) as r:
         out = r.peek_messages(100, sequence_number=0)
         while True:

@@ -1,5 +1,5 @@
 """Argument validation: every bad argument raises the documented error and nothing is stored or created
-(SPEC §1, §2, §5, §11)."""
+(docs/semantics.md §1, §2, §5, §11)."""
 
 from __future__ import annotations
 

@@ -48,7 +48,7 @@ from sparkqueue.storage.schema import (
     SUB_QUEUE_MAIN,
     TIMESTAMP,
 )
-from sparkqueue.storage.table import MUTABLE_COLUMNS, OP_DELETE, OP_SET, OP_SET_BODY, empty_changes
+from sparkqueue.storage.table import MUTABLE_COLUMNS, OP_DELETE, OP_SET, OP_SET_BODY, empty_changes, partition_of
 
 log = logging.getLogger(__name__)
 
@@ -316,7 +316,7 @@ class Sessions:
 
     def receive_deferred(self, lock: SessionLock, seqs: list[int], *, delete: bool) -> pa.Table:
         """The held session's deferred messages with these sequence numbers; other sessions' are never returned."""
-        mine = [s for s in seqs if s >> 48 == lock.partition]
+        mine = [s for s in seqs if partition_of(s) == lock.partition]
 
         def attempt() -> pa.Table:
             dt = self.table.snapshot()

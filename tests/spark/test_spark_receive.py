@@ -1,4 +1,4 @@
-"""DataFrame receive and settle (SPEC §12 with §5): locked once, read many times, settled with per-row statuses."""
+"""DataFrame receive and settle (docs/semantics.md §12 with §5): locked once, read many times, settled with per-row statuses."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""DataFrame send (SPEC §12 with the rules of §2-4): placement, duplicate detection, validation, all-or-nothing commit."""
+"""DataFrame send (docs/semantics.md §12, §2-4): placement, duplicate detection, validation, all-or-nothing commit."""
 
 from __future__ import annotations
 
