@@ -24,6 +24,7 @@ def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("filterwarnings", "ignore:PySpark does not yet fully support pandas:FutureWarning")
 
 
+@pytest.hookimpl(tryfirst=True)  # before xdist's own hook, which turns the marker into the node id's @group
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """Under pytest-xdist (`--dist loadgroup`), every Spark test runs in one worker: one JVM, one shared session."""
     for item in items:
