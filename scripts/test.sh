@@ -7,7 +7,7 @@ python3 -m venv .venv
 .venv/bin/python -m pip install -q -e ".[test]"
 .venv/bin/ruff check sparkqueue jobs tests bench scripts
 .venv/bin/python scripts/check_layers.py
-.venv/bin/mypy sparkqueue/storage sparkqueue/model sparkqueue/management.py sparkqueue/message.py
+.venv/bin/mypy sparkqueue
 set +e
 # Tests run in parallel workers (pytest-xdist); every Spark test runs in one of them, on one shared SparkSession.
 # Most tests wait on processes, locks and I/O, so 3 workers fit 2 cores. `-n 0` runs them in this process.

@@ -41,7 +41,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, replace
 from datetime import timedelta
 from functools import partial
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import pyarrow as pa
@@ -50,7 +50,7 @@ from pyspark.accumulators import Accumulator, AccumulatorParam
 from pyspark.sql import Column, DataFrame, Row, SparkSession
 from pyspark.sql import functions as sf
 from pyspark.sql import types as st
-from pyspark.sql.functions import arrow_udf
+from pyspark.sql.functions import arrow_udf  # type: ignore[attr-defined]  # PySpark 4.1+, not yet in its stubs
 
 from sparkqueue.errors import InvalidOperationError, MessageSizeExceededError, PartitionUnavailableError, StorageError
 from sparkqueue.message import SendSettings
@@ -249,7 +249,7 @@ def commit_send(table: EntityTable, results: list[Row], bases: tuple[int | None,
     return sum(r.accepted for r in results), sorted(touched)
 
 
-class _PathList(AccumulatorParam):
+class _PathList(AccumulatorParam[list[str]]):
     """Accumulates lists of file paths."""
 
     def zero(self, value: list[str]) -> list[str]:
@@ -260,7 +260,7 @@ class _PathList(AccumulatorParam):
         return value1
 
 
-def _paths_accumulator(spark: SparkSession) -> Accumulator | None:
+def _paths_accumulator(spark: SparkSession) -> Accumulator[list[str]] | None:
     """An accumulator of the files finished tasks wrote; None without a SparkContext (Spark Connect)."""
     try:
         return spark.sparkContext.accumulator([], _PathList())
@@ -378,10 +378,11 @@ def _properties_json(types: dict[str, st.DataType]) -> Column:
         raise InvalidOperationError(
             f"application_properties must be a map, a struct or a JSON object string, got {dtype.simpleString()}"
         )
-    return properties_udf(sf.col("application_properties"))
+    column: Column = properties_udf(sf.col("application_properties"))
+    return column
 
 
-@arrow_udf(st.StringType())  # type: ignore[call-overload]
+@arrow_udf(st.StringType())  # type: ignore[untyped-decorator]
 def properties_udf(values: pa.Array) -> pa.Array:
     """Per row: the properties as json.dumps writes them (what the core stores and counts), None when empty."""
     out: list[str | None] = []
@@ -395,7 +396,7 @@ def properties_udf(values: pa.Array) -> pa.Array:
     return pa.array(out, pa.string())
 
 
-def _as_dict(value: object) -> dict | None:
+def _as_dict(value: object) -> dict[str, Any] | None:
     """A map (list of pairs), struct (dict) or JSON text as a dict."""
     if value is None or isinstance(value, dict):
         return value
@@ -548,18 +549,21 @@ def _partition(plan: SendPlan, round_robin: Column, keyed: bool = True) -> Colum
 def mmh3_udf(partition_count: int) -> Callable[[Column], Column]:
     """An Arrow UDF: the partition of each key, exactly as model.partitioning.partition_for_key computes it."""
 
-    @arrow_udf(st.IntegerType())  # type: ignore[call-overload]
+    @arrow_udf(st.IntegerType())  # type: ignore[untyped-decorator]
     def partition_of(keys: pa.Array) -> pa.Array:
         return pa.array([None if k is None else partition_for_key(k, partition_count) for k in keys.to_pylist()], pa.int32())
 
-    return partition_of
+    udf: Callable[[Column], Column] = partition_of
+    return udf
 
 
 # ---- reduce stage: rows numbered and written per partition, committed by the driver -----------------
 
 
 @marking_errors
-def write_task(plan: SendPlan, written: Accumulator | None, batches: Iterator[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
+def write_task(
+    plan: SendPlan, written: Accumulator[list[str]] | None, batches: Iterator[pa.RecordBatch]
+) -> Iterator[pa.RecordBatch]:
     """Stage this task's rows in their queue partition(s) STAGE_ROWS at a time; yields per partition counts and files.
 
     Nothing is committed here. If the task fails, it deletes the files it wrote; once it has
@@ -637,8 +641,9 @@ class PartitionStager:
         """Rows staged at a time: the row cap, lowered so a chunk's message bytes stay under the byte cap."""
         if rows.num_rows == 0:
             return self.plan.stage_rows
-        mean = max(1, (pc.sum(rows.column("size_in_bytes")).as_py() or 0) // rows.num_rows)
-        return max(1, min(self.plan.stage_rows, self.plan.stage_bytes // mean))
+        mean = max(1, int(pc.sum(rows.column("size_in_bytes")).as_py() or 0) // rows.num_rows)
+        limit: int = max(1, min(self.plan.stage_rows, self.plan.stage_bytes // mean))
+        return limit
 
     @property
     def entity(self) -> Entity:

@@ -67,7 +67,7 @@ def open_namespace(root: str, storage_options: Mapping[str, str] | None = None) 
     from sparkqueue.namespace import Namespace
 
     if storage_options:
-        return Namespace(root, storage_options=dict(storage_options))  # type: ignore[call-arg]
+        return Namespace(root, storage_options=dict(storage_options))
     return Namespace(root)
 
 

@@ -132,7 +132,8 @@ class QueueStreamWriter(DataSourceStreamArrowWriter):
         ns = address.namespace()
         try:
             app_id = APP_ID_PREFIX + (self.config.txn_app_id or query_id(self.config.checkpoint or ""))
-            tables = [Staging(m.staging).read_file(name) for m in staged for name in Staging(m.staging).names()]
+            dirs = [Staging(m.staging) for m in staged if m.staging]
+            tables = [d.read_file(name) for d in dirs for name in d.names()]
             if tables:
                 rows = pa.concat_tables(tables)
                 keys = rows.column(KEY_COLUMN).to_pylist()
@@ -248,7 +249,8 @@ def _properties(column: pa.Array) -> list[dict[str, Any] | None]:
 def _ttls(column: pa.Array) -> list[timedelta | None]:
     """Time to live from seconds (a number) or an interval."""
     if pa.types.is_duration(column.type):
-        return column.to_pylist()
+        ttls: list[timedelta | None] = column.to_pylist()
+        return ttls
     if pa.types.is_integer(column.type) or pa.types.is_floating(column.type) or pa.types.is_decimal(column.type):
         return [None if v is None else timedelta(seconds=float(v)) for v in column.to_pylist()]
     raise InvalidOperationError(f"time_to_live must be seconds (a number) or an interval, got {column.type}")

@@ -37,7 +37,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 from functools import partial
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import pyarrow as pa
 import pyarrow.compute as pc
@@ -132,7 +132,7 @@ class QueueStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
 
     # ---- offsets -----------------------------------------------------------------------------
 
-    def initialOffset(self) -> dict:  # noqa: N802 - pyspark's name
+    def initialOffset(self) -> dict[str, Any]:  # noqa: N802 - pyspark's name
         """A new stream: a fresh id, before batch 0."""
         if self._stream_id is None:
             self._stream_id = uuid.uuid4().hex
@@ -146,7 +146,7 @@ class QueueStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
         """Trigger.AvailableNow: the run stops after as many messages as the sub-queue holds now (or when it is empty)."""
         self._available_now = True
 
-    def latestOffset(self, start: dict, limit: ReadLimit) -> dict:  # noqa: N802 - pyspark's name
+    def latestOffset(self, start: dict[str, Any], limit: ReadLimit) -> dict[str, Any]:  # noqa: N802 - pyspark's name
         """Complete the batches Spark committed, then lock and record the next batch; `start` when nothing arrived."""
         state = self._state_for(start)
         done = int(start["batch"])
@@ -161,12 +161,12 @@ class QueueStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
         got = state.receive(done + 1, want)
         return {"stream": state.stream_id, "batch": done + 1} if got else start
 
-    def partitions(self, start: dict, end: dict) -> Sequence[InputPartition]:
+    def partitions(self, start: dict[str, Any], end: dict[str, Any]) -> Sequence[InputPartition]:
         """The recorded batches in (start, end], one input partition per queue partition they hold."""
         state = self._state_for(end)
         return state.partitions(int(start["batch"]) + 1, int(end["batch"]))
 
-    def commit(self, end: dict) -> None:
+    def commit(self, end: dict[str, Any]) -> None:
         """Spark committed every batch up to `end`: complete their messages."""
         self._state_for(end).complete_through(int(end["batch"]))
 
@@ -193,7 +193,7 @@ class QueueStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
 
     # ---- state ---------------------------------------------------------------------------------
 
-    def _state_for(self, offset: dict) -> StreamState:
+    def _state_for(self, offset: dict[str, Any]) -> StreamState:
         stream_id = str(offset["stream"])
         if self._state is None or self._state.stream_id != stream_id:
             if self._state is not None:
@@ -267,12 +267,13 @@ class StreamState:
                     continue
         return sorted(out)
 
-    def manifest(self, n: int) -> dict | None:
+    def manifest(self, n: int) -> dict[str, Any] | None:
         """Batch n's manifest, or None when the batch was never fully recorded."""
         path = f"{self.path}/batch-{n:012d}/{MANIFEST}"
         try:
             with self.fs.open_input_stream(path) as f:
-                return json.loads(f.read())
+                manifest: dict[str, Any] = json.loads(f.read())
+                return manifest
         except (FileNotFoundError, OSError):
             return None
 
@@ -524,7 +525,7 @@ class StreamState:
         try:
             while True:
                 entity = self.config.address.entity(ns)
-                interval = max(0.5, entity.props.lock_duration.total_seconds() / 3)
+                interval = max(0.5, entity.policy.lock_duration.total_seconds() / 3)
                 if self._stopping.wait(interval):
                     return
                 with self.lock:
