@@ -7,6 +7,8 @@ python3 -m venv .venv
 .venv/bin/python -m pip install -q -e ".[test]"
 .venv/bin/ruff check sparkqueue jobs tests bench scripts
 .venv/bin/python scripts/check_layers.py
+# The import layers (pyproject.toml [tool.importlinter]): the report is shown only when a layer is broken.
+layers=$(.venv/bin/lint-imports --no-cache 2>&1) || { echo "$layers"; exit 1; }
 .venv/bin/mypy sparkqueue
 set +e
 # Tests run in parallel workers (pytest-xdist); every Spark test runs in one of them, on one shared SparkSession.

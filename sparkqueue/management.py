@@ -16,6 +16,7 @@ from collections.abc import Callable, Mapping
 from datetime import UTC, datetime, timedelta
 from typing import TYPE_CHECKING, Any
 
+from sparkqueue.broker import PROPERTY_TYPES, rule_from_entry, split_subscription_path, sub_entity_name
 from sparkqueue.constants import EntityStatus
 from sparkqueue.errors import (
     EntityAlreadyExistsError,
@@ -34,11 +35,8 @@ from sparkqueue.model.filters import (
     SqlRuleAction,
     SqlRuleFilter,
     TrueRuleFilter,
-    action_from_dict,
-    filter_from_dict,
 )
 from sparkqueue.model.properties import (
-    AnyEntityProperties,
     EntityProperties,
     QueueProperties,
     RuleProperties,
@@ -65,19 +63,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-PROPERTY_TYPES: dict[str, type[AnyEntityProperties]] = {
-    QUEUE: QueueProperties,
-    TOPIC: TopicProperties,
-    SUBSCRIPTION: SubscriptionProperties,
-}
 DEFAULT_RULE = "$Default"
-
-
-def sub_entity_name(topic_name: str, subscription_name: str) -> str:
-    """Catalog name of a subscription: topic and subscription joined by '|' (neither may contain it)."""
-    limits.check_name_type(topic_name, "topic")
-    limits.check_name_type(subscription_name, "subscription")
-    return Address.subscription_of(topic_name, subscription_name).name
 
 
 def rule_entity_name(topic_name: str, subscription_name: str, rule: str) -> str:
@@ -106,12 +92,6 @@ def _as_properties(cls: type[EntityProperties], value: object, overrides: dict[s
             raise InvalidOperationError(f"unknown {cls.entity_type} setting {k!r}")
         setattr(props, k, v)
     return props
-
-
-def split_subscription_path(table_path: str) -> tuple[str, str]:
-    """A subscription's catalog table path is '<topic table>#<subscription key>'."""
-    path, _, key = table_path.rpartition("#")
-    return path, key
 
 
 class Management:
@@ -559,14 +539,6 @@ def _check_rule(flt: Any, action: Any) -> None:
 def _rule_json(flt: Any, action: Any) -> str:
     """A rule's catalog JSON."""
     return json.dumps({"filter": flt.to_dict(), "action": action.to_dict() if action is not None else None})
-
-
-def rule_from_entry(entry: CatalogEntry) -> RuleProperties:
-    """A rule rebuilt from its catalog row."""
-    raw = json.loads(entry.properties)
-    name = Address.parse(entry.name).leaf
-    action = action_from_dict(raw["action"]) if raw.get("action") else None
-    return RuleProperties(name, filter_from_dict(raw["filter"]), action, entry.created_at_utc)
 
 
 def _with_timeout(method: Callable[..., Any]) -> Callable[..., Any]:

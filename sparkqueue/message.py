@@ -404,6 +404,16 @@ class SendSettings:
     default_message_time_to_live: timedelta | None
 
 
+def send_settings(tier: str, props: object) -> SendSettings:
+    """The entity settings that govern a send."""
+    return SendSettings(
+        tier=tier,
+        requires_duplicate_detection=getattr(props, "requires_duplicate_detection", False),
+        requires_session=getattr(props, "requires_session", False),
+        default_message_time_to_live=getattr(props, "default_message_time_to_live", None),
+    )
+
+
 def to_rows(messages: Iterable[Message], settings: SendSettings, now: datetime) -> tuple[pa.Table, list[str | None]]:
     """Validate messages and turn them into rows (no partition or sequence yet) plus each one's partition key.
 

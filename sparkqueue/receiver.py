@@ -44,13 +44,6 @@ MAX_RECEIVE_BATCH = 2**31 - 1
 SESSION_ACCEPT_PREFETCH = 100  # rows one receive gathers at most, whatever count was asked (counts are int64)
 
 
-def wait_seconds(value: float | timedelta | None, field: str) -> float:
-    """max_wait_time as seconds: None means do not wait; 0, negative, NaN or infinite raise ValueError as in the SDK."""
-    if value is None:
-        return 0.0
-    return limits.check_seconds(value, field)
-
-
 class Receiver:
     """Receives from one queue or subscription (or its dead-letter sub-queue); a context manager and an iterator."""
 
@@ -82,7 +75,7 @@ class Receiver:
             except ValueError:
                 raise InvalidOperationError(f"sub_queue must be SubQueue.DEAD_LETTER or None, got {sub_queue!r}") from None
         self.prefetch_count = limits.check_int(prefetch_count, "prefetch_count", minimum=0)
-        self.max_wait_time = wait_seconds(max_wait_time, "max_wait_time")
+        self.max_wait_time = limits.wait_seconds(max_wait_time, "max_wait_time")
         self._ns = namespace
         self.entity_type = entity_type
         self.entity_name = name
@@ -156,7 +149,7 @@ class Receiver:
     ) -> list[ReceivedMessage]:
         """Up to max_message_count messages from all partitions, waiting up to max_wait_time for the first."""
         n = limits.check_int(1 if max_message_count is None else max_message_count, "max_message_count")
-        wait = wait_seconds(max_wait_time, "max_wait_time") if max_wait_time is not None else self.max_wait_time
+        wait = limits.wait_seconds(max_wait_time, "max_wait_time") if max_wait_time is not None else self.max_wait_time
         bound = check_timeout(timeout)
         if bound is not None:
             wait = min(wait, bound)

@@ -16,7 +16,7 @@ from sparkqueue.errors import (
     MessageSizeExceededError,
     MessagingEntityDisabledError,
 )
-from sparkqueue.message import Message, MessageBatch, ReceivedMessage, SendSettings, as_message, as_utc, to_rows
+from sparkqueue.message import Message, MessageBatch, ReceivedMessage, as_message, as_utc, send_settings, to_rows
 from sparkqueue.model import limits
 from sparkqueue.model.deadlines import call_timeout
 from sparkqueue.model.entity import utcnow
@@ -166,13 +166,3 @@ class Sender:
         seqs: list[int] = stored.column("sequence_number").to_pylist()
         self._ns._after_send(self.entity_type, self.entity_name, sorted({partition_of(s) for s in seqs}))
         return seqs
-
-
-def send_settings(tier: str, props: object) -> SendSettings:
-    """The entity settings that govern a send."""
-    return SendSettings(
-        tier=tier,
-        requires_duplicate_detection=getattr(props, "requires_duplicate_detection", False),
-        requires_session=getattr(props, "requires_session", False),
-        default_message_time_to_live=getattr(props, "default_message_time_to_live", None),
-    )

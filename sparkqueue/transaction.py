@@ -10,12 +10,12 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from sparkqueue.errors import InvalidOperationError
-from sparkqueue.message import Message, ReceivedMessage, to_rows
+from sparkqueue.message import Message, ReceivedMessage, send_settings, to_rows
 from sparkqueue.model import limits
 from sparkqueue.model.entity import Entity, Guard, PendingSettle, utcnow
 from sparkqueue.model.partitioning import partition_for_key
 from sparkqueue.model.topics import ACCEPTED_MARKER
-from sparkqueue.sender import Sender, send_settings
+from sparkqueue.sender import Sender
 from sparkqueue.storage.table import partition_of
 
 if TYPE_CHECKING:

@@ -263,3 +263,10 @@ def check_application_properties(props: object) -> dict[str, Any] | None:
             raise InvalidOperationError(f"application property {k!r} is outside the int64 range")
         out[k] = v
     return out
+
+
+def wait_seconds(value: float | timedelta | None, field: str) -> float:
+    """max_wait_time as seconds: None means do not wait; 0, negative, NaN or infinite raise ValueError as in the SDK."""
+    if value is None:
+        return 0.0
+    return check_seconds(value, field)

@@ -21,12 +21,18 @@ from __future__ import annotations
 
 from pyspark.sql import DataFrame
 
-from sparkqueue.spark.datasource import SparkQueueDataSource, register, row_filter, table_path
 from sparkqueue.spark.schema import RECEIVED_SCHEMA, STATUS_LOCK_LOST, STATUS_OK
-from sparkqueue.spark.session import DEFAULT_CONF, spark_session
 from sparkqueue.spark.staging import STAGING_ATTRIBUTE, STAGING_DIR, STAGING_RETENTION, cleanup_staging, local_uri, remove_dirs
 
-_STREAMING = {
+# Spark's entry points, imported on first use: they sit above the public API (README "Architecture"), which
+# imports this package's DataFrame operations; and the streaming classes need PySpark 4.2+, the rest 4.0+.
+_ENTRY_POINTS = {
+    "DEFAULT_CONF": "sparkqueue.spark.builder",
+    "spark_session": "sparkqueue.spark.builder",
+    "SparkQueueDataSource": "sparkqueue.spark.datasource",
+    "register": "sparkqueue.spark.datasource",
+    "row_filter": "sparkqueue.spark.datasource",
+    "table_path": "sparkqueue.spark.datasource",
     "QueueStreamReader": "sparkqueue.spark.streaming_source",
     "STREAMS_DIR": "sparkqueue.spark.streaming_source",
     "QueueStreamWriter": "sparkqueue.spark.streaming_sink",
@@ -34,11 +40,11 @@ _STREAMING = {
 
 
 def __getattr__(name: str) -> object:
-    """The streaming classes, imported on first use: they need PySpark 4.2+, the rest of the package 4.0+."""
-    if name in _STREAMING:
+    """An entry point, imported on first use."""
+    if name in _ENTRY_POINTS:
         import importlib
 
-        return getattr(importlib.import_module(_STREAMING[name]), name)
+        return getattr(importlib.import_module(_ENTRY_POINTS[name]), name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 

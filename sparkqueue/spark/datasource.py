@@ -44,8 +44,8 @@ from pyspark.sql.datasource import (
 )
 from pyspark.sql.types import StructType
 
+from sparkqueue.broker import split_subscription_path, sub_entity_name
 from sparkqueue.errors import EntityNotFoundError, InvalidOperationError
-from sparkqueue.management import split_subscription_path, sub_entity_name
 from sparkqueue.model.addresses import QUEUE, SUBSCRIPTION, TOPIC
 from sparkqueue.model.entity import ROW_COLUMNS, utcnow
 from sparkqueue.spark import streaming

@@ -87,7 +87,7 @@ def receive_dataframe(
     chunk: int = RECEIVE_CHUNK,
 ) -> DataFrame:
     """Lock up to max_message_count messages in Spark tasks and return them as a DataFrame (ReceivedMessage columns)."""
-    from sparkqueue.receiver import wait_seconds
+    from sparkqueue.model.limits import wait_seconds
 
     want = limits.check_int(max_message_count, "max_message_count")
     check_dataframe_receiver(receiver)
@@ -96,7 +96,7 @@ def receive_dataframe(
     ns = receiver._ns
     cleanup_staging(ns.root)
     job = ReceiveJob(
-        EntityRef.of(ns, receiver.entity_type, receiver.entity_name),
+        EntityRef.of(ns.broker, receiver.entity_type, receiver.entity_name),
         receiver._sub_queue,
         receiver._deleting,
         Staging.create(ns.root, "receive"),

@@ -130,10 +130,10 @@ def send_dataframe(
     available = tuple(p for p in range(entity.partition_count) if entity.available(p))
     if not available:
         raise PartitionUnavailableError(f"no partition of {entity.name!r} is available; nothing was sent")
-    from sparkqueue.sender import send_settings
+    from sparkqueue.message import send_settings
 
     plan = SendPlan(
-        EntityRef.of(ns, sender.entity_type, sender.entity_name),
+        EntityRef.of(ns.broker, sender.entity_type, sender.entity_name),
         send_settings(ns.tier, entity.props),
         entity.partition_count,
         available,
@@ -650,7 +650,7 @@ class PartitionStager:
         """The entity (resolved on first use: a task without rows never opens the namespace)."""
         if self._entity is None:
             self._entity = self.plan.ref.entity()
-            self.expand = self.plan.ref.namespace()._expander(self.plan.ref.entity_type, self.plan.ref.name)
+            self.expand = self.plan.ref.broker().expander(self.plan.ref.entity_type, self.plan.ref.name)
         return self._entity
 
     def _stage(self, p: int, chunk: pa.Table) -> None:

@@ -1,4 +1,4 @@
-"""SparkSession helpers: the session to use, a local session configured for sparkqueue, and error translation.
+"""SparkSession helpers for the DataFrame operations: the session to use, task layout, and error translation.
 
 Errors raised inside Spark tasks reach the driver as Spark exceptions. Tasks mark sparkqueue
 errors as ``[sparkqueue:<ErrorClass>] <message>`` (raise_error in SQL, or a re-raise in Python);
@@ -8,11 +8,10 @@ errors as ``[sparkqueue:<ErrorClass>] <message>`` (raise_error in SQL, or a re-r
 from __future__ import annotations
 
 import logging
-import os
 import re
 import struct
 import sys
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator
 from contextlib import contextmanager
 from functools import cache
 
@@ -30,39 +29,6 @@ log = logging.getLogger(__name__)
 MARKER = re.compile(r"\[sparkqueue:(\w+)\] (.*?)(?: SQLSTATE: \w+)?$", re.MULTILINE)
 # A Python worker that cannot import what sparkqueue's tasks need runs another interpreter than the driver.
 MISSING_MODULE = re.compile(r"No module named '((?:sparkqueue|pyspark_sparkqueue|pyarrow|deltalake|mmh3|numpy)\b[\w.]*)'")
-
-# Settings every sparkqueue session needs (workers run this interpreter, so sparkqueue imports there).
-DEFAULT_CONF: dict[str, str] = {
-    "spark.pyspark.python": sys.executable,
-    "spark.pyspark.driver.python": sys.executable,
-    "spark.sql.session.timeZone": "UTC",
-    "spark.sql.python.filterPushdown.enabled": "true",
-    "spark.sql.execution.arrow.pyspark.enabled": "true",
-    "spark.python.worker.reuse": "true",
-    "spark.python.daemon.module": "sparkqueue.spark.daemon",  # workers fork with sparkqueue already imported
-    "spark.ui.showConsoleProgress": "false",
-}
-
-
-def spark_session(
-    master: str | None = "local[2]", app_name: str = "sparkqueue", conf: Mapping[str, str] | None = None
-) -> SparkSession:
-    """A SparkSession configured for sparkqueue (workers on this interpreter, UTC, pushdown on), data source registered.
-
-    master=None leaves the master to the launcher (spark-submit --master).
-    """
-    os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
-    os.environ.setdefault("PYSPARK_DRIVER_PYTHON", sys.executable)
-    builder = SparkSession.builder.appName(app_name)
-    if master:
-        builder = builder.master(master)
-    for key, value in {**DEFAULT_CONF, **(conf or {})}.items():
-        builder = builder.config(key, value)
-    spark = builder.getOrCreate()
-    from sparkqueue.spark.datasource import register
-
-    register(spark)
-    return spark
 
 
 def active_session(spark: SparkSession | None = None) -> SparkSession:

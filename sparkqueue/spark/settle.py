@@ -85,7 +85,7 @@ def settle_dataframe(
     entity = receiver._entity()
     cleanup_staging(ns.root)
     job = SettleJob(
-        EntityRef.of(ns, receiver.entity_type, receiver.entity_name),
+        EntityRef.of(ns.broker, receiver.entity_type, receiver.entity_name),
         op,
         entity.partition_count,
         Staging.create(ns.root, "settle"),
@@ -137,7 +137,7 @@ def settle_task(job: SettleJob, batches: Iterator[pa.RecordBatch]) -> Iterator[p
     status, parts = settle_tokens(entity, job, tokens, texts("reason"), texts("description"))
     job.staging.write(f"part-{uuid.uuid4().hex}.parquet", pa.table([tokens, status], schema=SETTLE_RESULT_SCHEMA))
     if job.op == lifecycle.DEAD_LETTER and parts:
-        job.ref.namespace()._pump(entity, parts)
+        job.ref.broker().pump(entity, parts)
     ok = pc.sum(pc.equal(status, STATUS_OK)).as_py() or 0
     yield pa.RecordBatch.from_pydict(
         {

@@ -24,8 +24,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from sparkqueue.broker import sub_entity_name
 from sparkqueue.errors import InvalidOperationError
-from sparkqueue.management import sub_entity_name
 from sparkqueue.model.addresses import QUEUE, SUBSCRIPTION, TOPIC
 from sparkqueue.storage.log import Fence
 

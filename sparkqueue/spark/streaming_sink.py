@@ -104,7 +104,7 @@ class QueueStreamWriter(DataSourceStreamArrowWriter):
 
     def write(self, iterator: Iterator[pa.RecordBatch]) -> StagedBatch:
         """Validate this task's rows with the core's rules and stage them as entity rows (nothing is sent yet)."""
-        from sparkqueue.sender import send_settings
+        from sparkqueue.message import send_settings
 
         try:
             ns = _worker_namespace(self.config.address)

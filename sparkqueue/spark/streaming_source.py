@@ -333,7 +333,7 @@ class StreamState:
         """Lock up to `want` messages spread over the partitions (as receive_dataframe does); returns how many."""
         entity = self.entity()
         job = ReceiveJob(
-            EntityRef.of(self.ns, self.config.address.entity_type, self.config.address.name),
+            EntityRef.of(self.ns.broker, self.config.address.entity_type, self.config.address.name),
             self.config.sub_queue,
             False,
             staging,

@@ -1,7 +1,7 @@
 """What a Spark task needs to reach an entity: a small picklable reference, resolved once per worker process.
 
-Tasks run in Python workers (reused between tasks), so each worker opens a namespace once and
-keeps it, with its table handles and snapshots, for later tasks of any job.
+Tasks run in Python workers (reused between tasks), so each worker opens the namespace's broker
+core once and keeps it, with its table handles and snapshots, for later tasks of any job.
 """
 
 from __future__ import annotations
@@ -13,17 +13,17 @@ from dataclasses import dataclass
 from functools import wraps
 from typing import TYPE_CHECKING, TypeVar
 
+from sparkqueue.broker import Broker
 from sparkqueue.errors import SparkQueueError
 from sparkqueue.spark.session import task_error
 
 if TYPE_CHECKING:
     from sparkqueue.model.entity import Entity
-    from sparkqueue.namespace import Namespace
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 
-_namespaces: dict[tuple[str, str, float, tuple[tuple[str, str], ...]], Namespace] = {}
+_brokers: dict[tuple[str, str, float, tuple[tuple[str, str], ...]], Broker] = {}
 _lock = threading.Lock()
 
 
@@ -39,28 +39,26 @@ class EntityRef:
     storage_options: tuple[tuple[str, str], ...] = ()
 
     @classmethod
-    def of(cls, ns: Namespace, entity_type: str, name: str) -> EntityRef:
-        """The reference of an entity of a driver-side namespace."""
-        options = tuple(sorted(ns.storage_options.items()))
-        return cls(ns.root, ns.tier, ns.operation_timeout, entity_type, name, options)
+    def of(cls, broker: Broker, entity_type: str, name: str) -> EntityRef:
+        """The reference of an entity of a driver-side broker (a namespace's `broker`)."""
+        options = tuple(sorted(broker.storage_options.items()))
+        return cls(broker.root, broker.tier, broker.operation_timeout, entity_type, name, options)
 
-    def namespace(self) -> Namespace:
-        """This process's namespace handle for the root (opened on first use)."""
-        from sparkqueue.namespace import Namespace
-
+    def broker(self) -> Broker:
+        """This process's broker for the root (opened on first use)."""
         key = (self.root, self.tier, self.operation_timeout, self.storage_options)
         with _lock:
-            ns = _namespaces.get(key)
-            if ns is None:
-                ns = Namespace(
+            broker = _brokers.get(key)
+            if broker is None:
+                broker = Broker(
                     self.root, self.tier, operation_timeout=self.operation_timeout, storage_options=dict(self.storage_options)
                 )
-                _namespaces[key] = ns
-            return ns
+                _brokers[key] = broker
+            return broker
 
     def entity(self) -> Entity:
         """The entity, with settings at most a second old."""
-        return self.namespace()._entity(self.entity_type, self.name)
+        return self.broker().entity(self.entity_type, self.name)
 
 
 def marking_errors(fn: Callable[..., Iterator[T]]) -> Callable[..., Iterator[T]]:

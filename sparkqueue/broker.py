@@ -1,0 +1,308 @@
+"""The broker core: one namespace's catalog, entity handles and caches, topic fan-out and auto-forwarding.
+
+Everything that touches entities goes through a Broker: the public API (`Namespace`, senders,
+receivers, transactions, the management client) holds one, and Spark tasks open their own from
+an entity reference. It sits under the public API and over the model and storage layers
+(README "Architecture"), so nothing here imports the API or Spark.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import threading
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from sparkqueue.errors import EntityNotFoundError, InvalidOperationError, SparkQueueError
+from sparkqueue.model import limits
+from sparkqueue.model.addresses import QUEUE, RULE, SUBSCRIPTION, TOPIC, Address
+from sparkqueue.model.deadlines import effective
+from sparkqueue.model.entity import Entity
+from sparkqueue.model.filters import action_from_dict, filter_from_dict
+from sparkqueue.model.forwarding import MAX_HOPS, forward, routes
+from sparkqueue.model.properties import (
+    AnyEntityProperties,
+    QueueProperties,
+    RuleProperties,
+    SubscriptionProperties,
+    TopicProperties,
+)
+from sparkqueue.model.topics import Rule, Subscriber, fan_out
+from sparkqueue.storage.catalog import Catalog, CatalogEntry
+from sparkqueue.storage.faults import FaultInjector
+from sparkqueue.storage.retry import Deadline
+from sparkqueue.storage.schema import ANY_SUBSCRIPTION
+from sparkqueue.storage.store import Store, check_storage_options, open_store, resolve_root
+from sparkqueue.storage.table import EntityTable, Expand
+
+log = logging.getLogger(__name__)
+
+PROPERTIES_TTL_S = 1.0  # how long a process trusts cached settings and rules before re-reading the catalog
+
+PROPERTY_TYPES: dict[str, type[AnyEntityProperties]] = {
+    QUEUE: QueueProperties,
+    TOPIC: TopicProperties,
+    SUBSCRIPTION: SubscriptionProperties,
+}
+
+
+def sub_entity_name(topic_name: str, subscription_name: str) -> str:
+    """Catalog name of a subscription: topic and subscription joined by '|' (neither may contain it)."""
+    limits.check_name_type(topic_name, "topic")
+    limits.check_name_type(subscription_name, "subscription")
+    return Address.subscription_of(topic_name, subscription_name).name
+
+
+def split_subscription_path(table_path: str) -> tuple[str, str]:
+    """A subscription's catalog table path is '<topic table>#<subscription key>'."""
+    path, _, key = table_path.rpartition("#")
+    return path, key
+
+
+def rule_from_entry(entry: CatalogEntry) -> RuleProperties:
+    """A rule rebuilt from its catalog row."""
+    raw = json.loads(entry.properties)
+    name = Address.parse(entry.name).leaf
+    action = action_from_dict(raw["action"]) if raw.get("action") else None
+    return RuleProperties(name, filter_from_dict(raw["filter"]), action, entry.created_at_utc)
+
+
+@dataclass
+class _Cached:
+    entity: Entity
+    table_path: str
+    loaded_at: float
+
+
+@dataclass
+class _CachedRules:
+    subscribers: list[Subscriber]
+    record_ids: bool
+    loaded_at: float
+    forwarding: list[str]  # names of the subscriptions that forward (forward_to or dead letters)
+
+
+class Broker:
+    """One namespace root's catalog and entities, as this process sees them (settings cached for PROPERTIES_TTL_S)."""
+
+    def __init__(
+        self,
+        root: str | os.PathLike[str],
+        tier: str = limits.STANDARD,
+        *,
+        operation_timeout: float = 60.0,
+        storage_options: Mapping[str, str] | None = None,
+    ) -> None:
+        self.root = resolve_root(root)
+        self.tier = limits.check_tier(tier)
+        self.operation_timeout = limits.check_seconds(operation_timeout, "operation_timeout")  # finite: NaN never expires
+        self.storage_options = check_storage_options(storage_options)
+        self.store: Store = open_store(self.root, self.storage_options)
+        self.catalog = Catalog(self.store, self.storage_options)
+        self.catalog.open()
+        self.cache: dict[str, _Cached] = {}
+        self.tables: dict[str, EntityTable] = {}
+        self.rules: dict[str, _CachedRules] = {}
+        self.faults: dict[str, FaultInjector] = {}
+        self.lock = threading.RLock()
+
+    def close(self) -> None:
+        """Drop cached handles and settings; the broker may be used again afterwards."""
+        with self.lock:
+            self.cache.clear()
+            self.tables.clear()
+            self.rules.clear()
+
+    def __repr__(self) -> str:
+        return f"Broker({self.root!r}, tier={self.tier!r})"
+
+    # ---- faults (tests and drills) ---------------------------------------------------------------
+
+    def fault_injector(self, entity_name: str, entity_type: str = QUEUE) -> FaultInjector:
+        """This process's fault hook on a queue's or topic's table (a topic's covers its subscriptions)."""
+        if entity_type not in (QUEUE, TOPIC):
+            raise InvalidOperationError("faults are injected on a queue's or a topic's table")
+        with self.lock:
+            return self.faults.setdefault(Address.of(entity_type, entity_name).key, FaultInjector())
+
+    # ---- entity resolution ---------------------------------------------------------------------
+
+    def deadline(self) -> Deadline:
+        return Deadline(effective(self.operation_timeout))
+
+    def entry(self, entity_type: str, name: str) -> CatalogEntry:
+        entry = self.catalog.get(Address.of(entity_type, name).key)
+        if entry is None:
+            shown = name.replace("|", "/")
+            raise EntityNotFoundError(f"{entity_type} {shown!r} does not exist in namespace {self.root!r}")
+        return entry
+
+    def forget(self, key: str) -> None:
+        """Drop cached settings of an entity (after an update or delete)."""
+        with self.lock:
+            self.cache.pop(key, None)
+            self.rules.pop(key, None)
+
+    def entity(self, entity_type: str, name: str) -> Entity:
+        """The entity with settings at most PROPERTIES_TTL_S old; raises EntityNotFoundError."""
+        key = Address.of(entity_type, name).key
+        with self.lock:
+            cached = self.cache.get(key)
+            if cached is not None and time.monotonic() - cached.loaded_at < PROPERTIES_TTL_S:
+                return cached.entity
+        entry = self.entry(entity_type, name)
+        props = PROPERTY_TYPES[entity_type].from_json(entry.properties)
+        with self.lock:
+            cached = self.cache.get(key)
+            if cached is not None and cached.table_path == entry.table_path:
+                cached.entity.props = props
+                cached.loaded_at = time.monotonic()
+                return cached.entity
+            sub_key: str | None
+            if entity_type == SUBSCRIPTION:
+                path, sub_key = split_subscription_path(entry.table_path)
+                owner = Address.of(SUBSCRIPTION, name).owner().key
+            else:
+                path, sub_key = entry.table_path, ANY_SUBSCRIPTION if entity_type == TOPIC else None
+                owner = key
+            entity = Entity(props, self.table(path, props.partition_count, owner), self.operation_timeout, sub_key)
+            self.cache[key] = _Cached(entity, entry.table_path, time.monotonic())
+            return entity
+
+    def table_uri(self, table_path: str) -> str:
+        """Where a catalog table path lives: paths are recorded relative to the root (so a copied namespace is its own)."""
+        return table_path if "://" in table_path or table_path.startswith("/") else f"{self.root}/{table_path}"
+
+    def table(self, path: str, partition_count: int, owner: str) -> EntityTable:
+        """One table handle per Delta table, shared by a topic and its subscriptions."""
+        with self.lock:
+            table = self.tables.get(path)
+            if table is None:
+                faults = self.faults.setdefault(owner, FaultInjector())
+                table = EntityTable(self.table_uri(path), partition_count, faults, self.storage_options)
+                self.tables[path] = table
+            return table
+
+    def props(self, entity_type: str, name: str) -> Any:
+        return self.entity(entity_type, name).props
+
+    def expander(self, entity_type: str, name: str) -> Expand | None:
+        """How a send to the entity turns messages into rows: topic fan-out, or as-is for a queue."""
+        if entity_type != TOPIC:
+            return None
+        cached = self.topic_rules(name)
+        subscribers, record_ids = cached.subscribers, cached.record_ids
+        cap = limits.MAX_MESSAGE_BYTES[self.tier]
+        return lambda rows: fan_out(rows, subscribers, record_ids, cap)
+
+    def topic_rules(self, name: str) -> _CachedRules:
+        """A topic's subscribers with their rules, and which of them forward; cached for PROPERTIES_TTL_S."""
+        key = Address.of(TOPIC, name).key
+        with self.lock:
+            cached = self.rules.get(key)
+        if cached is None or time.monotonic() - cached.loaded_at >= PROPERTIES_TTL_S:
+            entries = self.catalog.entries()  # one read for the topic, its subscriptions and rules
+            topic = next((e for e in entries if e.name == key), None)
+            if topic is None:
+                raise EntityNotFoundError(f"topic {name!r} does not exist in namespace {self.root!r}")
+            record_ids = TopicProperties.from_json(topic.properties).requires_duplicate_detection
+            forwarding = []
+            for e in entries:
+                address = Address.parse(e.name)
+                if e.entity_type != SUBSCRIPTION or address.topic != name:
+                    continue
+                sub = address.leaf
+                props = SubscriptionProperties.from_json(e.properties)
+                if props.forward_to or props.forward_dead_lettered_messages_to:
+                    forwarding.append(sub)
+            cached = _CachedRules(self.subscribers(name, entries), record_ids, time.monotonic(), forwarding)
+            with self.lock:
+                self.rules[key] = cached
+        return cached
+
+    def subscribers(self, topic_name: str, entries: list[CatalogEntry] | None = None) -> list[Subscriber]:
+        """The topic's subscriptions with their rules, read from the catalog in one pass."""
+        entries = self.catalog.entries() if entries is None else entries
+        rules: dict[str, list[Rule]] = {}
+        for e in entries:
+            address = Address.parse(e.name)
+            if e.entity_type == RULE and address.topic == topic_name and address.subscription is not None:
+                sub = address.subscription
+                rp = rule_from_entry(e)
+                rules.setdefault(sub, []).append(Rule(rp.name, rp.filter, rp.action))
+        out = []
+        for e in entries:
+            address = Address.parse(e.name)
+            if e.entity_type == SUBSCRIPTION and address.topic == topic_name:
+                sub = address.leaf
+                props = SubscriptionProperties.from_json(e.properties)
+                key, ttl = split_subscription_path(e.table_path)[1], props.default_message_time_to_live
+                out.append(Subscriber(key, tuple(rules.get(sub, ())), ttl, bool(props.requires_session)))
+        return out
+
+    # ---- auto-forwarding ------------------------------------------------------------------------
+
+    def resolve(self, name: str) -> tuple[Entity, Expand | None]:
+        """A forwarding destination by name: a queue, else a topic (with its fan-out)."""
+        try:
+            return self.entity(QUEUE, name), None
+        except EntityNotFoundError:
+            return self.entity(TOPIC, name), self.expander(TOPIC, name)
+
+    def pump(self, entity: Entity, partitions: list[int] | None = None) -> None:
+        """Forward what waits on the entity, then on every forwarding entity it reached (chains end at the hop limit)."""
+        todo: list[tuple[Entity, list[int] | None]] = [(entity, partitions)]
+        for _ in range(2 * (MAX_HOPS + 1)):
+            if not todo:
+                return
+            source, parts = todo.pop(0)
+            if not routes(source):
+                continue
+            for dest in forward(source, self.resolve, parts):
+                todo.extend((e, None) for e in self.forwarding_entities(dest))
+
+    def forwarding_entities(self, name: str) -> list[Entity]:
+        """The entities under a destination name that forward further: the queue, or the topic's subscriptions."""
+        try:
+            return [self.entity(QUEUE, name)]
+        except EntityNotFoundError:
+            return self.forwarding_subscriptions(name)
+
+    def forwarding_subscriptions(self, topic_name: str) -> list[Entity]:
+        """The topic's subscriptions that forward (none when the topic is gone)."""
+        try:
+            names = self.topic_rules(topic_name).forwarding
+        except EntityNotFoundError:
+            return []
+        out = []
+        for sub in names:
+            try:
+                entity = self.entity(SUBSCRIPTION, sub_entity_name(topic_name, sub))
+            except EntityNotFoundError:  # deleted since the rules were cached
+                continue
+            if routes(entity):
+                out.append(entity)
+        return out
+
+    def forward_pending_messages(self) -> None:
+        """Finish every pending auto-forward in the namespace (after a crash, or when forward_to was set later)."""
+        for entry in self.catalog.entries():
+            if entry.entity_type in (QUEUE, SUBSCRIPTION):
+                try:
+                    entity = self.entity(entry.entity_type, Address.parse(entry.name).name)
+                    if routes(entity):
+                        self.pump(entity)
+                except SparkQueueError as exc:  # one faulty entity never blocks the others
+                    log.error("forwarding from %s skipped: %s", entry.name, exc)
+
+    def after_send(self, entity_type: str, name: str, stored_partitions: list[int]) -> None:
+        """Forward what a send just stored, when the queue or any of the topic's subscriptions forwards."""
+        if entity_type == QUEUE:
+            self.pump(self.entity(QUEUE, name), stored_partitions)
+        else:
+            for e in self.forwarding_subscriptions(name):
+                self.pump(e, stored_partitions)

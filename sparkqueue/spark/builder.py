@@ -1,0 +1,42 @@
+"""A local SparkSession configured for sparkqueue, with its data source registered (an entry point, like the data source)."""
+
+from __future__ import annotations
+
+import os
+import sys
+from collections.abc import Mapping
+
+from pyspark.sql import SparkSession
+
+from sparkqueue.spark.datasource import register
+
+# Settings every sparkqueue session needs (workers run this interpreter, so sparkqueue imports there).
+DEFAULT_CONF: dict[str, str] = {
+    "spark.pyspark.python": sys.executable,
+    "spark.pyspark.driver.python": sys.executable,
+    "spark.sql.session.timeZone": "UTC",
+    "spark.sql.python.filterPushdown.enabled": "true",
+    "spark.sql.execution.arrow.pyspark.enabled": "true",
+    "spark.python.worker.reuse": "true",
+    "spark.python.daemon.module": "sparkqueue.spark.daemon",  # workers fork with sparkqueue already imported
+    "spark.ui.showConsoleProgress": "false",
+}
+
+
+def spark_session(
+    master: str | None = "local[2]", app_name: str = "sparkqueue", conf: Mapping[str, str] | None = None
+) -> SparkSession:
+    """A SparkSession configured for sparkqueue (workers on this interpreter, UTC, pushdown on), data source registered.
+
+    master=None leaves the master to the launcher (spark-submit --master).
+    """
+    os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
+    os.environ.setdefault("PYSPARK_DRIVER_PYTHON", sys.executable)
+    builder = SparkSession.builder.appName(app_name)
+    if master:
+        builder = builder.master(master)
+    for key, value in {**DEFAULT_CONF, **(conf or {})}.items():
+        builder = builder.config(key, value)
+    spark = builder.getOrCreate()
+    register(spark)
+    return spark
