@@ -13,9 +13,11 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
+
+import pyarrow as pa
 
 from sparkqueue.errors import EntityNotFoundError, InvalidOperationError, SparkQueueError
 from sparkqueue.model import limits
@@ -31,13 +33,14 @@ from sparkqueue.model.properties import (
     SubscriptionProperties,
     TopicProperties,
 )
-from sparkqueue.model.topics import Rule, Subscriber, fan_out
+from sparkqueue.model.topics import Rule, Subscriber, fan_out, without_markers
 from sparkqueue.storage.catalog import Catalog, CatalogEntry
 from sparkqueue.storage.faults import FaultInjector
+from sparkqueue.storage.log import Fence
 from sparkqueue.storage.retry import Deadline
 from sparkqueue.storage.schema import ANY_SUBSCRIPTION
 from sparkqueue.storage.store import Store, check_storage_options, open_store, resolve_root
-from sparkqueue.storage.table import EntityTable, Expand
+from sparkqueue.storage.table import EntityTable, Expand, partition_of
 
 log = logging.getLogger(__name__)
 
@@ -298,6 +301,20 @@ class Broker:
                         self.pump(entity)
                 except SparkQueueError as exc:  # one faulty entity never blocks the others
                     log.error("forwarding from %s skipped: %s", entry.name, exc)
+
+    def send(
+        self, entity_type: str, name: str, rows: pa.Table, keys: Sequence[str | None], once: Fence | None = None
+    ) -> pa.Table:
+        """The one send path: store rows (a topic's fanned out to its subscriptions) in one commit, then forward.
+
+        Returns the stored messages (a topic's id records left out), with their sequence numbers.
+        `once` makes the append idempotent (see EntityTable.append).
+        """
+        entity = self.entity(entity_type, name)
+        stored = without_markers(entity.send(rows, keys, self.expander(entity_type, name), once))
+        if stored.num_rows:
+            self.after_send(entity_type, name, sorted({partition_of(s) for s in stored.column("sequence_number").to_pylist()}))
+        return stored
 
     def after_send(self, entity_type: str, name: str, stored_partitions: list[int]) -> None:
         """Forward what a send just stored, when the queue or any of the topic's subscriptions forwards."""

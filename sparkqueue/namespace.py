@@ -21,7 +21,6 @@ from sparkqueue.sender import Sender
 from sparkqueue.storage.catalog import CatalogEntry
 from sparkqueue.storage.faults import FaultInjector
 from sparkqueue.storage.retry import Deadline
-from sparkqueue.storage.table import Expand
 from sparkqueue.transaction import Transaction
 
 log = logging.getLogger(__name__)
@@ -89,18 +88,6 @@ class Namespace(Management):
 
     def _entity(self, entity_type: str, name: str) -> Entity:
         return self.broker.entity(entity_type, name)
-
-    def _props(self, entity_type: str, name: str) -> Any:
-        return self.broker.props(entity_type, name)
-
-    def _expander(self, entity_type: str, name: str) -> Expand | None:
-        return self.broker.expander(entity_type, name)
-
-    def _pump(self, entity: Entity, partitions: list[int] | None = None) -> None:
-        self.broker.pump(entity, partitions)
-
-    def _after_send(self, entity_type: str, name: str, stored_partitions: list[int]) -> None:
-        self.broker.after_send(entity_type, name, stored_partitions)
 
     # ---- senders and receivers -----------------------------------------------------------------
 

@@ -373,7 +373,7 @@ class Receiver:
         else:
             res = self._entity().settle(items, op, reason, description)
         if op == lifecycle.DEAD_LETTER:
-            self._ns._pump(self._entity(), sorted({m.partition_id for m in messages}))  # forward the dead letters
+            self._ns.broker.pump(self._entity(), sorted({m.partition_id for m in messages}))  # forward the dead letters
         lost = [m for m, ok in zip(messages, res.ok, strict=True) if not ok]
         if op != lifecycle.RENEW:
             for m, ok in zip(messages, res.ok, strict=True):

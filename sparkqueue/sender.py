@@ -7,8 +7,6 @@ from collections.abc import Mapping, Sequence
 from datetime import datetime
 from typing import TYPE_CHECKING
 
-import pyarrow.compute as pc
-
 from sparkqueue.constants import EntityStatus
 from sparkqueue.errors import (
     InvalidArgumentTypeError,
@@ -20,8 +18,6 @@ from sparkqueue.message import Message, MessageBatch, ReceivedMessage, as_messag
 from sparkqueue.model import limits
 from sparkqueue.model.deadlines import call_timeout
 from sparkqueue.model.entity import utcnow
-from sparkqueue.model.topics import ACCEPTED_MARKER
-from sparkqueue.storage.table import partition_of
 
 if TYPE_CHECKING:
     from pyspark.sql import DataFrame, SparkSession
@@ -73,7 +69,7 @@ class Sender:
         self.entity_type = entity_type
         self.entity_name = limits.check_name_type(name, entity_type)
         self._closed = False
-        namespace._props(entity_type, name)  # fail fast on an unknown entity
+        namespace.broker.entity(entity_type, name)  # fail fast on an unknown entity
 
     def __enter__(self) -> Sender:
         self._check_open()
@@ -161,8 +157,7 @@ class Sender:
         entity = self._ns._entity(self.entity_type, self.entity_name)
         check_status(entity.props, "send", entity.name)
         rows, keys = to_rows(msgs, send_settings(self._ns.tier, entity.props), utcnow())
-        stored = entity.send(rows, keys, self._ns._expander(self.entity_type, self.entity_name))
-        stored = stored.filter(pc.invert(pc.fill_null(pc.equal(stored.column("subscription"), ACCEPTED_MARKER), False)))
-        seqs: list[int] = stored.column("sequence_number").to_pylist()
-        self._ns._after_send(self.entity_type, self.entity_name, sorted({partition_of(s) for s in seqs}))
+        seqs: list[int] = (
+            self._ns.broker.send(self.entity_type, self.entity_name, rows, keys).column("sequence_number").to_pylist()
+        )
         return seqs

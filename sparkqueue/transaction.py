@@ -7,14 +7,13 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import pyarrow as pa
-import pyarrow.compute as pc
 
 from sparkqueue.errors import InvalidOperationError
 from sparkqueue.message import Message, ReceivedMessage, send_settings, to_rows
 from sparkqueue.model import limits
 from sparkqueue.model.entity import Entity, Guard, PendingSettle, utcnow
 from sparkqueue.model.partitioning import partition_for_key
-from sparkqueue.model.topics import ACCEPTED_MARKER
+from sparkqueue.model.topics import without_markers
 from sparkqueue.sender import Sender
 from sparkqueue.storage.table import partition_of
 
@@ -132,13 +131,13 @@ class Transaction:
         partition = self._partition(entity)
         rows = pa.concat_tables(self._rows) if self._rows else None
         entity_type, name = self._entity_key or ("", "")
-        expand = self.namespace._expander(entity_type, name) if rows is not None else None  # topic fan-out
+        expand = self.namespace.broker.expander(entity_type, name) if rows is not None else None  # topic fan-out
         stored = entity.transact(partition, rows, self._settles, expand)
         if stored is None:
             return []
-        stored = stored.filter(pc.invert(pc.fill_null(pc.equal(stored.column("subscription"), ACCEPTED_MARKER), False)))
+        stored = without_markers(stored)
         if stored.num_rows and entity_type in ("queue", "topic"):
-            self.namespace._after_send(entity_type, name, [partition])  # auto-forward what arrived
+            self.namespace.broker.after_send(entity_type, name, [partition])  # auto-forward what arrived
         seqs: list[int] = stored.column("sequence_number").to_pylist()
         return seqs
 

@@ -201,6 +201,12 @@ def _cap_ttl(rows: pa.Table, sub: Subscriber) -> pa.Table:
     )
 
 
+def without_markers(stored: pa.Table) -> pa.Table:
+    """The stored rows that are messages: a topic send also stores its id records (ACCEPTED_MARKER)."""
+    marker = pc.fill_null(pc.equal(stored.column("subscription"), ACCEPTED_MARKER), False)
+    return stored.filter(pc.invert(marker))
+
+
 def _markers(rows: pa.Table) -> pa.Table:
     """Completed, body-less rows that keep each accepted message id for duplicate detection."""
     out = _tag(rows, ACCEPTED_MARKER)

@@ -147,7 +147,7 @@ def send_dataframe(
     if not preserve_order and inputs is not None and jvm_writable(df, plan, sender.entity_type):
         accepted, touched = send_in_jvm(table, df, plan, inputs, entity.deadline())
         if touched:
-            ns._after_send(sender.entity_type, sender.entity_name, touched)
+            ns.broker.after_send(sender.entity_type, sender.entity_name, touched)
         log.info("sent %d messages to %s over %d partitions in one commit (Spark's writer)", accepted, entity.name, len(touched))
         return accepted
     check: DataFrame | None = None
@@ -165,7 +165,7 @@ def send_dataframe(
 
     accepted, touched = retry_commit(attempt, entity.deadline(), f"DataFrame send to {entity.name}")
     if touched:
-        ns._after_send(sender.entity_type, sender.entity_name, touched)
+        ns.broker.after_send(sender.entity_type, sender.entity_name, touched)
     log.info("sent %d messages to %s over %d partitions in one commit", accepted, entity.name, len(touched))
     return accepted
 

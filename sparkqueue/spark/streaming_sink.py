@@ -32,14 +32,12 @@ from datetime import timedelta
 from typing import Any
 
 import pyarrow as pa
-import pyarrow.compute as pc
 from pyspark.sql.datasource import DataSourceStreamArrowWriter, WriterCommitMessage
 from pyspark.sql.types import StructType
 
 from sparkqueue.errors import InvalidOperationError, SparkQueueError
 from sparkqueue.message import Message, to_rows
 from sparkqueue.model.entity import utcnow
-from sparkqueue.model.topics import ACCEPTED_MARKER
 from sparkqueue.spark.session import task_error
 from sparkqueue.spark.staging import Staging, cleanup_staging, filesystem, remove_dirs
 from sparkqueue.spark.streaming import EntityAddress, address_of, idempotence_key
@@ -143,15 +141,8 @@ class QueueStreamWriter(DataSourceStreamArrowWriter):
                 # this batch's version is recorded already.
                 i = rows.schema.get_field_index("sequence_number")
                 rows = rows.set_column(i, rows.schema.field(i), pa.array([batchId] * rows.num_rows, pa.int64()))
-                entity = address.entity(ns)
-                stored = entity.send(
-                    rows, keys, ns._expander(address.entity_type, address.name), idempotence_key(app_id, batchId)
-                )
-                marker = pc.fill_null(pc.equal(stored.column("subscription"), ACCEPTED_MARKER), False)
-                stored = stored.filter(pc.invert(marker))
-                parts = sorted(set(pc.shift_right(stored.column("sequence_number"), 48).to_pylist()))
-                if parts:
-                    ns._after_send(address.entity_type, address.name, parts)
+                once = idempotence_key(app_id, batchId)
+                stored = ns.broker.send(address.entity_type, address.name, rows, keys, once)
                 log.info(
                     "streaming batch %d: %d rows staged, %d stored in %s (%s)",
                     batchId,
