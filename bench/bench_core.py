@@ -542,7 +542,7 @@ def bench_competing(ctx: Context) -> dict[str, Any]:
 def _file_layout(ns: Namespace, queue: str) -> dict[str, Any]:
     """Files and rows per file of a non-partitioned queue (diagnostic, reads library internals; {} if they moved)."""
     try:
-        table = ns._entity("queue", queue).table
+        table = ns.broker.entity("queue", queue).table
         files = table.files(table.snapshot(), 0)
         rows = [f.num_records for f in files]
         return {"files": len(files), "max_rows_per_file": max(rows, default=0), "head_file_rows": rows[0] if rows else 0}

@@ -160,8 +160,8 @@ class Namespace(Management):
 
     def list_queue_sessions(self, queue_name: str) -> list[SessionInfo]:
         """Sessions of a session-enabled queue, with their state, lock expiry and message counts."""
-        return Sessions(self._entity(QUEUE, queue_name)).list()
+        return Sessions(self.broker.entity(QUEUE, queue_name)).list()
 
     def list_subscription_sessions(self, topic_name: str, subscription_name: str) -> list[SessionInfo]:
         """Sessions of a session-enabled subscription."""
-        return Sessions(self._entity(SUBSCRIPTION, sub_entity_name(topic_name, subscription_name))).list()
+        return Sessions(self.broker.entity(SUBSCRIPTION, sub_entity_name(topic_name, subscription_name))).list()

@@ -108,7 +108,7 @@ class Receiver:
                 auto_lock_renewer.register(self, self.session)
 
     def _entity(self) -> Entity:
-        return self._ns._entity(self.entity_type, self.entity_name)
+        return self._ns.broker.entity(self.entity_type, self.entity_name)
 
     # ---- lifecycle ---------------------------------------------------------------------------
 

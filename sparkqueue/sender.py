@@ -133,7 +133,7 @@ class Sender:
         for s in seqs:
             limits.check_sequence_number(s)
         with call_timeout(timeout):
-            self._ns._entity(self.entity_type, self.entity_name).cancel_scheduled(seqs)
+            self._ns.broker.entity(self.entity_type, self.entity_name).cancel_scheduled(seqs)
 
     def send_dataframe(self, df: DataFrame, spark: SparkSession | None = None, *, preserve_order: bool | None = None) -> int:
         """Send each row of a DataFrame as a message, in Spark tasks per partition; returns how many were accepted.
@@ -154,7 +154,7 @@ class Sender:
         if tx is not None:
             tx.add_send(self, msgs)
             return []
-        entity = self._ns._entity(self.entity_type, self.entity_name)
+        entity = self._ns.broker.entity(self.entity_type, self.entity_name)
         check_status(entity.props, "send", entity.name)
         rows, keys = to_rows(msgs, send_settings(self._ns.tier, entity.props), utcnow())
         seqs: list[int] = (

@@ -66,7 +66,7 @@ class Transaction:
         key = (entity_type, name)
         if self._entity_key is None:
             self._entity_key = key
-            self._entity = self.namespace._entity(entity_type, name)
+            self._entity = self.namespace.broker.entity(entity_type, name)
         elif self._entity_key != key:
             raise InvalidOperationError(
                 f"a transaction acts on one entity; it already holds {self._entity_key[1]!r}, not {name!r}"

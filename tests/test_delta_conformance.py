@@ -80,7 +80,7 @@ def test_delta_rs_reads_exactly_what_sparkqueue_wrote_after_random_concurrent_wo
         assert p.exitcode == 0
 
     with store.open() as ns:
-        table = ns._entity("queue", "q").table
+        table = ns.broker.entity("queue", "q").table
         ours = DeltaLog(table.store, FileIndex).load()
         theirs = DeltaTable(uri, storage_options=store.storage_options)
         assert theirs.version() == ours.version

@@ -142,7 +142,7 @@ def test_a_data_file_written_without_its_commit_is_invisible_and_vacuumed(store:
     with store.open() as ns:
         ns.create_queue("q")
         ns.get_queue_sender("q").send_messages(Message("kept"))
-        entity = ns._entity("queue", "q")
+        entity = ns.broker.entity("queue", "q")
         orphan = "partition_id=3/part-orphan.parquet"
         entity.table.store.put(orphan, encode_parquet(entity.table.data.read(next(iter(entity.table.snapshot().files)).path)))
         assert ns.get_queue_runtime_properties("q").total_message_count == 1

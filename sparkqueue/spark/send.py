@@ -126,7 +126,7 @@ def send_dataframe(
     ns = sender._ns
     if ns._active_transaction is not None:
         raise InvalidOperationError("a DataFrame send cannot join a transaction; send it outside the `with` block")
-    entity = ns._entity(sender.entity_type, sender.entity_name)
+    entity = ns.broker.entity(sender.entity_type, sender.entity_name)
     available = tuple(p for p in range(entity.partition_count) if entity.available(p))
     if not available:
         raise PartitionUnavailableError(f"no partition of {entity.name!r} is available; nothing was sent")

@@ -86,7 +86,7 @@ class EntityAddress:
 
     def entity(self, ns: Namespace) -> Entity:
         """The entity on a namespace handle (settings at most a second old)."""
-        return ns._entity(self.entity_type, self.name)
+        return ns.broker.entity(self.entity_type, self.name)
 
     @property
     def display(self) -> str:

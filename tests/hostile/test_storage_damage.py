@@ -21,7 +21,7 @@ from sparkqueue.errors import StorageCorruptedError
 
 
 def _queue_table(ns: Namespace, name: str = "q") -> object:
-    return ns._entity("queue", name).table
+    return ns.broker.entity("queue", name).table
 
 
 def _newest_entry(table: object) -> str:

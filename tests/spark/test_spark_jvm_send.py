@@ -51,19 +51,20 @@ def test_a_message_sent_through_spark_is_stored_as_send_messages_stores_it(spark
         assert s.send_dataframe(df) == 1
     with ns.get_queue_sender("core") as s:
         s.send_messages(Message(b"hello", message_id="id-2", application_properties=props, **fields))
-    (a,), (b,) = stored_rows(ns._entity("queue", "spark").table.uri), stored_rows(ns._entity("queue", "core").table.uri)
+    (a,) = stored_rows(ns.broker.entity("queue", "spark").table.uri)
+    (b,) = stored_rows(ns.broker.entity("queue", "core").table.uri)
     assert {k: v for k, v in a.items() if k not in VARYING} == {k: v for k, v in b.items() if k not in VARYING}
     assert a["expires_at_utc"] - a["available_at_utc"] == b["expires_at_utc"] - b["available_at_utc"]
     assert a["available_at_utc"] == at.replace(microsecond=at.microsecond) == b["available_at_utc"]
     # Same file layout: the engine's columns and types, LZ4, and Delta statistics for the same columns.
-    table_dir = ns._entity("queue", "spark").table.uri
+    table_dir = ns.broker.entity("queue", "spark").table.uri
     (path,) = DeltaTable(table_dir).file_uris()
     assert "/partition_id=0/" in path
     meta = pq.read_metadata(path)
     assert meta.schema.to_arrow_schema().remove_metadata().names == FILE_SCHEMA.names
     assert pq.read_table(path).schema.field("enqueued_time_utc").type == FILE_SCHEMA.field("enqueued_time_utc").type
     assert meta.row_group(0).column(0).compression.upper().startswith("LZ4")
-    spark_stats, core_stats = add_stats(table_dir), add_stats(ns._entity("queue", "core").table.uri)
+    spark_stats, core_stats = add_stats(table_dir), add_stats(ns.broker.entity("queue", "core").table.uri)
     assert spark_stats["numRecords"] == 1
     for key in ("minValues", "maxValues", "nullCount"):
         assert set(spark_stats[key]) == set(core_stats[key])
@@ -90,7 +91,7 @@ def test_a_large_send_is_numbered_densely_in_files_of_one_partition(spark, ns, n
     n = 25_000
     with ns.get_queue_sender("q") as s:
         assert s.send_dataframe(numbered(n, partitions=3, body_bytes=64)) == n
-    table_dir = ns._entity("queue", "q").table.uri
+    table_dir = ns.broker.entity("queue", "q").table.uri
     rows = DeltaTable(table_dir).to_pyarrow_table(columns=["partition_id", "sequence_number", "message_id"]).to_pylist()
     assert sorted(r["message_id"] for r in rows) == sorted(f"m-{i}" for i in range(n))
     by_partition: dict[int, list[tuple[int, int]]] = {}
@@ -116,7 +117,7 @@ def test_input_partitions_without_rows_add_no_files(spark, ns):
     df = spark.range(0, 40, 1, 4).where("id < 3").selectExpr("cast(id as string) as body")
     with ns.get_queue_sender("q") as s:
         assert s.send_dataframe(df) == 3
-    table_dir = ns._entity("queue", "q").table.uri
+    table_dir = ns.broker.entity("queue", "q").table.uri
     adds = pa.table(DeltaTable(table_dir).get_add_actions(flatten=True)).to_pylist()
     assert sum(a["num_records"] for a in adds) == 3 and all(a["num_records"] > 0 for a in adds)
     assert sorted(r["body"] for r in stored_rows(table_dir)) == [b"0", b"1", b"2"]
@@ -126,9 +127,9 @@ def test_input_partitions_without_rows_add_no_files(spark, ns):
 def test_a_send_past_the_quota_fails_and_stores_nothing(spark, ns, numbered):
     ns.create_queue("q", enable_partitioning=False)
     with ns.get_queue_sender("q") as s:
-        ns._entity("queue", "q").table.max_partition_bytes = 1 << 20  # the smallest setting is 1 GB: too much for a test
+        ns.broker.entity("queue", "q").table.max_partition_bytes = 1 << 20  # the smallest setting is 1 GB: too much for a test
         with pytest.raises(QuotaExceededError, match="nothing was stored"):
             s.send_dataframe(numbered(2000, body_bytes=1024))
-    table_dir = ns._entity("queue", "q").table.uri
+    table_dir = ns.broker.entity("queue", "q").table.uri
     assert DeltaTable(table_dir).to_pyarrow_table().num_rows == 0
     assert not [p for p in Path(table_dir).rglob("*.parquet") if "_delta_log" not in p.parts]

@@ -250,7 +250,7 @@ def _waiting(check, what):
 def test_a_task_failing_after_others_wrote_their_files_sends_nothing(spark, ns, numbered, tmp_path):
     """The last input partition's task raises (in the write pass) once other tasks have written files: nothing is sent."""
     ns.create_queue("q")
-    table_dir = ns._entity("queue", "q").table.uri
+    table_dir = ns.broker.entity("queue", "q").table.uri
     fail_id = 3999  # in the last of 16 input partitions: local[2] runs it after most of the others
     # Inlined (not data_files): the UDF runs in Spark's workers, which cannot import this test module.
     files_written = _waiting(
@@ -365,7 +365,7 @@ def test_a_concurrent_core_sender_moves_the_fences_and_the_dataframe_send_lands_
         else:
             assert frame_ids == sorted(frame_ids)  # one input partition owns the queue partition
     assert sum(1 for msgs in by_partition.values() if any(m.message_id.startswith("c-") for m in msgs)) == 16
-    table_dir = ns._entity("queue", "q").table.uri
+    table_dir = ns.broker.entity("queue", "q").table.uri
     on_disk = {f.name for f in Path(table_dir).glob("partition_id=*/*.parquet")}
     live = {u.rsplit("/", 1)[-1] for u in DeltaTable(table_dir).file_uris()}
     assert on_disk == live  # the conflicting attempt's files were deleted
@@ -407,7 +407,7 @@ def test_conflicts_past_the_operation_timeout_raise_and_send_nothing(spark, root
             stop.touch()
             assert child.wait(timeout=120) == 0
         core = int(sent.read_text())
-        assert DeltaTable(ns._entity("queue", "q").table.uri).to_pyarrow_table().num_rows == core
+        assert DeltaTable(ns.broker.entity("queue", "q").table.uri).to_pyarrow_table().num_rows == core
         assert {m.message_id for m in peek_all(ns, "q")} == {f"c-{i}" for i in range(core)}
 
 
