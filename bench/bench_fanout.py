@@ -110,7 +110,7 @@ def run(messages: int, batch: int, root: str, verify: bool, seed: int) -> dict[s
         build_topic(ns)
         sender = ns.get_topic_sender(TOPIC)
         sender.send_messages([Message(b"warm-up", application_properties={"priority": "n/a"})])  # caches; matches no rule
-        subscribers = ns._subscribers(TOPIC)  # the same rules the sender uses, for the in-memory fan-out timing
+        subscribers = ns.broker.subscribers(TOPIC)  # the same rules the sender uses, for the in-memory fan-out timing
         for b in range(n_batches):
             n = min(batch, messages - b * batch)
             meta = make_properties(rnd, n)

@@ -15,7 +15,6 @@ import threading
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
 
 import pyarrow as pa
 
@@ -189,9 +188,6 @@ class Broker:
                 table = EntityTable(self.table_uri(path), partition_count, faults, self.storage_options)
                 self.tables[path] = table
             return table
-
-    def props(self, entity_type: str, name: str) -> Any:
-        return self.entity(entity_type, name).props
 
     def expander(self, entity_type: str, name: str) -> Expand | None:
         """How a send to the entity turns messages into rows: topic fan-out, or as-is for a queue."""
