@@ -21,6 +21,7 @@ from sparkqueue.errors import (
     InvalidArgumentTypeError,
     InvalidOperationError,
 )
+from sparkqueue.message import is_settled, lock_expired
 from sparkqueue.model import limits
 
 if TYPE_CHECKING:
@@ -118,11 +119,11 @@ class AutoLockRenewer:
     # ---- the renewal loop ------------------------------------------------------------------------
 
     def _renewable(self, receiver: Receiver, renewable: Any) -> bool:
-        if self._shutdown.is_set() or receiver._closed:
+        if self._shutdown.is_set() or receiver.closed:
             return False
-        if getattr(renewable, "_settled", False):
+        if is_settled(renewable):
             return False
-        return not renewable._lock_expired
+        return not lock_expired(renewable.locked_until_utc)
 
     def _run(
         self, receiver: Receiver, renewable: Any, start: datetime, duration: float, callback: LockRenewFailureCallback | None
@@ -139,11 +140,11 @@ class AutoLockRenewer:
                     else:
                         receiver.renew_message_lock(renewable)
                 self._shutdown.wait(SLEEP_S)
-            clean = not renewable._lock_expired or getattr(renewable, "_settled", False) or self._shutdown.is_set()
+            clean = not lock_expired(renewable.locked_until_utc) or is_settled(renewable) or self._shutdown.is_set()
         except AutoLockRenewTimeout as exc:
             error = exc
             renewable.auto_renew_error = exc
-            clean = not renewable._lock_expired
+            clean = not lock_expired(renewable.locked_until_utc)
         except Exception as exc:  # a lost lock, a closed receiver, an unavailable partition: report it
             log.debug("auto lock renewal failed: %r", exc)
             error = AutoLockRenewFailed("failed to auto-renew the lock", error=exc)

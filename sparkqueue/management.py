@@ -16,7 +16,7 @@ from collections.abc import Callable, Mapping
 from datetime import UTC, datetime, timedelta
 from typing import TYPE_CHECKING, Any
 
-from sparkqueue.broker import PROPERTY_TYPES, rule_from_entry, split_subscription_path, sub_entity_name
+from sparkqueue.broker import PROPERTY_TYPES, Broker, open_transaction, rule_from_entry, split_subscription_path, sub_entity_name
 from sparkqueue.constants import EntityStatus
 from sparkqueue.errors import (
     EntityAlreadyExistsError,
@@ -53,13 +53,7 @@ from sparkqueue.storage.check import Finding, check_table
 from sparkqueue.storage.table import EntityTable
 
 if TYPE_CHECKING:
-    import threading
-
     from sparkqueue.model.entity import Entity
-    from sparkqueue.storage.catalog import Catalog
-    from sparkqueue.storage.faults import FaultInjector
-    from sparkqueue.storage.retry import Deadline
-    from sparkqueue.storage.store import Store
 
 log = logging.getLogger(__name__)
 
@@ -95,44 +89,15 @@ def _as_properties(cls: type[EntityProperties], value: object, overrides: dict[s
 
 
 class Management:
-    """Create, read, update, delete and list entities; mixed into Namespace.
+    """Create, read, update, delete and list entities: the administration client, built on a broker core.
 
-    What it needs from the namespace it is mixed into is declared here, so this module depends
-    on no module above it (the namespace imports it, never the other way).
+    It holds a `Broker` (composition) and calls only its public methods; `Namespace` extends it
+    with the messaging client over the same broker, and `Management(Broker(root))` administers a
+    namespace on its own.
     """
 
-    root: str
-    tier: str
-    storage_options: dict[str, str]
-    store: Store
-    _catalog: Catalog
-    _tables: dict[str, EntityTable]
-    _lock: threading.RLock
-
-    def _entity(self, entity_type: str, name: str) -> Entity:
-        raise NotImplementedError
-
-    def _entry(self, entity_type: str, name: str) -> CatalogEntry:
-        raise NotImplementedError
-
-    def _forget(self, key: str) -> None:
-        raise NotImplementedError
-
-    def _deadline(self) -> Deadline:
-        raise NotImplementedError
-
-    def table_uri(self, table_path: str) -> str:
-        raise NotImplementedError
-
-    def fault_injector(self, entity_name: str, entity_type: str = QUEUE) -> FaultInjector:
-        raise NotImplementedError
-
-    def forward_pending_messages(self) -> None:
-        raise NotImplementedError
-
-    @property
-    def _active_transaction(self) -> object | None:
-        raise NotImplementedError
+    def __init__(self, broker: Broker) -> None:
+        self.broker = broker
 
     # ---- generic ---------------------------------------------------------------------------------
 
@@ -147,18 +112,18 @@ class Management:
         """Insert the catalog entry (and extras, e.g. a default rule) in one commit; EntityAlreadyExistsError if taken."""
         now = datetime.now(UTC)
         entry = CatalogEntry(Address.of(entity_type, name).key, entity_type, table_path, props.to_json(), now, now)
-        if not self._catalog.insert([entry, *extra], self._deadline()):
+        if not self.broker.catalog.insert([entry, *extra], self.broker.deadline()):
             shown = name.replace("|", "/")
-            raise EntityAlreadyExistsError(f"{entity_type} {shown!r} already exists in namespace {self.root!r}")
+            raise EntityAlreadyExistsError(f"{entity_type} {shown!r} already exists in namespace {self.broker.root!r}")
         log.info("created %s %s", entity_type, name)
 
     def _create_with_table(self, entity_type: str, name: str, settings: dict[str, Any]) -> EntityProperties:
         """Create a queue or topic: its own Delta table, then its catalog entry."""
-        props = build_properties(PROPERTY_TYPES[entity_type], name, self.tier, settings)
+        props = build_properties(PROPERTY_TYPES[entity_type], name, self.broker.tier, settings)
         self._check_entity_quota(props)
         table_path = f"entities/{entity_type}-{uuid.uuid4().hex}"  # relative: the namespace can move
         try:
-            EntityTable.create(self.table_uri(table_path), self.storage_options)
+            EntityTable.create(self.broker.table_uri(table_path), self.broker.storage_options)
             self._create_entry(entity_type, name, props, table_path)
         except BaseException:
             self._remove_table(table_path)
@@ -170,7 +135,7 @@ class Management:
         if "://" in table_path or table_path.startswith("/"):
             log.warning("leaving %s in place: it was recorded outside the namespace root", table_path)
             return
-        store = self.store.child(table_path)
+        store = self.broker.store.child(table_path)
         entries = store.list()
         for e in sorted(entries, key=lambda e: e.path.startswith("_delta_log/")):
             store.delete(e.path)
@@ -180,7 +145,7 @@ class Management:
 
     def _check_entity_quota(self, props: EntityProperties) -> None:
         """At most 10,000 entities, and at most 100 partitioned queues and topics, per namespace."""
-        entries = [e for e in self._catalog.entries() if e.entity_type != RULE]
+        entries = [e for e in self.broker.catalog.entries() if e.entity_type != RULE]
         if len(entries) >= limits.MAX_ENTITIES:
             raise QuotaExceededError(f"the namespace already holds {limits.MAX_ENTITIES} entities; delete one first")
         if props.partition_count > 1 and props.entity_type in (QUEUE, TOPIC):
@@ -202,39 +167,39 @@ class Management:
             )
 
     def _get(self, entity_type: str, name: str) -> EntityProperties:
-        return PROPERTY_TYPES[entity_type].from_json(self._entry(entity_type, name).properties)
+        return PROPERTY_TYPES[entity_type].from_json(self.broker.entry(entity_type, name).properties)
 
     def _update(self, entity_type: str, name: str, props: EntityProperties) -> None:
         """Replace an entity's settings, refusing changes to settings fixed at creation."""
         cls = PROPERTY_TYPES[entity_type]
         if not isinstance(props, cls):
             raise InvalidArgumentTypeError(f"update_{entity_type} needs {cls.__name__}, got {type(props).__name__}")
-        entity = self._entity(entity_type, name)
-        check_update(self._get(entity_type, name), props, self.tier)
+        entity = self.broker.entity(entity_type, name)
+        check_update(self._get(entity_type, name), props, self.broker.tier)
         self._require_all_partitions(entity, f"update {entity_type} {name!r}")
-        if not self._catalog.update(Address.of(entity_type, name).key, props.to_json(), self._deadline()):
+        if not self.broker.catalog.update(Address.of(entity_type, name).key, props.to_json(), self.broker.deadline()):
             raise EntityNotFoundError(f"{entity_type} {name!r} does not exist")
-        self._forget(Address.of(entity_type, name).key)
+        self.broker.forget(Address.of(entity_type, name).key)
 
     def _delete_entries(self, entity_type: str, name: str) -> CatalogEntry:
         """Delete an entity's catalog entry and its children's (subscriptions, rules) in one commit."""
-        entity = self._entity(entity_type, name)
+        entity = self.broker.entity(entity_type, name)
         self._require_all_partitions(entity, f"delete {entity_type} {name!r}")
-        entry = self._entry(entity_type, name)
+        entry = self.broker.entry(entity_type, name)
         me = Address.of(entity_type, name)
         keys = [entry.name]
         if entity_type != QUEUE:
-            keys += [e.name for e in self._catalog.entries() if Address.parse(e.name).is_child_of(me)]
-        if self._catalog.delete(keys, self._deadline()) == 0:
+            keys += [e.name for e in self.broker.catalog.entries() if Address.parse(e.name).is_child_of(me)]
+        if self.broker.catalog.delete(keys, self.broker.deadline()) == 0:
             raise EntityNotFoundError(f"{entity_type} {name!r} does not exist")
         for k in keys:
-            self._forget(k)
+            self.broker.forget(k)
         log.info("deleted %s %s", entity_type, name)
         return entry
 
     def _runtime(self, entity_type: str, name: str) -> RuntimeProperties:
-        entry = self._entry(entity_type, name)
-        entity = self._entity(entity_type, name)
+        entry = self.broker.entry(entity_type, name)
+        entity = self.broker.entity(entity_type, name)
         rp = entity.runtime_properties()
         rp.name, rp.created_at_utc, rp.updated_at_utc = name, entry.created_at_utc, entry.updated_at_utc
         rp.accessed_at_utc = entry.updated_at_utc
@@ -265,7 +230,7 @@ class Management:
 
     def list_queues(self) -> list[QueueProperties]:
         """All queues, by name."""
-        return [QueueProperties.from_json(e.properties) for e in self._catalog.entries(QUEUE)]
+        return [QueueProperties.from_json(e.properties) for e in self.broker.catalog.entries(QUEUE)]
 
     def get_queue_runtime_properties(self, queue_name: str) -> RuntimeProperties:
         """Message counts and size, aggregated over partitions, with the per-partition breakdown."""
@@ -297,7 +262,7 @@ class Management:
 
     def list_topics(self) -> list[TopicProperties]:
         """All topics, by name."""
-        return [TopicProperties.from_json(e.properties) for e in self._catalog.entries(TOPIC)]
+        return [TopicProperties.from_json(e.properties) for e in self.broker.catalog.entries(TOPIC)]
 
     def get_topic_runtime_properties(self, topic_name: str) -> RuntimeProperties:
         """Counts over all the topic's subscriptions, and its subscription count."""
@@ -318,14 +283,14 @@ class Management:
             raise InvalidOperationError(f"subscription names cannot start with '$': {subscription_name!r}")
         self._check_destinations(settings)
         topic = self.get_topic(topic_name)
-        topic_entry = self._entry(TOPIC, topic_name)
+        topic_entry = self.broker.entry(TOPIC, topic_name)
         settings = {
             **settings,
             "topic_name": topic_name,
             "enable_partitioning": topic.enable_partitioning,
             "max_size_in_megabytes": topic.max_size_in_megabytes,
         }
-        props = build_properties(SubscriptionProperties, subscription_name, self.tier, settings)
+        props = build_properties(SubscriptionProperties, subscription_name, self.broker.tier, settings)
         self._check_entity_quota(props)
         key = f"{subscription_name}.{uuid.uuid4().hex[:12]}"
         name = sub_entity_name(topic_name, subscription_name)
@@ -339,7 +304,7 @@ class Management:
             now,
         )
         self._create_entry(SUBSCRIPTION, name, props, f"{topic_entry.table_path}#{key}", (default,))
-        self._forget(Address.of(TOPIC, topic_name).key)
+        self.broker.forget(Address.of(TOPIC, topic_name).key)
         return props  # type: ignore[return-value]
 
     def get_subscription(self, topic_name: str, subscription_name: str) -> SubscriptionProperties:
@@ -353,20 +318,20 @@ class Management:
         props = _as_properties(SubscriptionProperties, subscription, settings)
         self._check_destinations(props.settings())
         self._update(SUBSCRIPTION, sub_entity_name(topic_name, props.name), props)
-        self._forget(Address.of(TOPIC, topic_name).key)  # fan-out caches the subscriptions' TTL and forwarding
+        self.broker.forget(Address.of(TOPIC, topic_name).key)  # fan-out caches the subscriptions' TTL and forwarding
 
     def delete_subscription(self, topic_name: str, subscription_name: str) -> None:
         """Delete the subscription and its rules; its messages disappear with it (maintenance reclaims the space)."""
         name = sub_entity_name(topic_name, subscription_name)
         self._delete_entries(SUBSCRIPTION, name)
-        self._forget(Address.of(TOPIC, topic_name).key)
+        self.broker.forget(Address.of(TOPIC, topic_name).key)
 
     def list_subscriptions(self, topic_name: str) -> list[SubscriptionProperties]:
         """The topic's subscriptions, by name."""
-        self._entry(TOPIC, limits.check_name_type(topic_name, "topic"))
+        self.broker.entry(TOPIC, limits.check_name_type(topic_name, "topic"))
         return [
             SubscriptionProperties.from_json(e.properties)
-            for e in self._catalog.entries(SUBSCRIPTION)
+            for e in self.broker.catalog.entries(SUBSCRIPTION)
             if Address.parse(e.name).topic == topic_name
         ]
 
@@ -388,19 +353,20 @@ class Management:
         """Add a rule (a filter, default true, and an optional SqlRuleAction) to a subscription."""
         self._no_rule_changes_in_transaction()
         limits.check_child_name(rule_name, "rule")
-        self._entry(SUBSCRIPTION, sub_entity_name(topic_name, subscription_name))
+        self.broker.entry(SUBSCRIPTION, sub_entity_name(topic_name, subscription_name))
         flt = filter if filter is not None else TrueRuleFilter()
         _check_rule(flt, action)
         now = datetime.now(UTC)
         key = Address.of(RULE, rule_entity_name(topic_name, subscription_name, rule_name)).key
-        if not self._catalog.insert([CatalogEntry(key, RULE, "", _rule_json(flt, action), now, now)], self._deadline()):
+        entry = CatalogEntry(key, RULE, "", _rule_json(flt, action), now, now)
+        if not self.broker.catalog.insert([entry], self.broker.deadline()):
             raise EntityAlreadyExistsError(f"rule {rule_name!r} already exists on {topic_name}/{subscription_name}")
-        self._forget(Address.of(TOPIC, topic_name).key)
+        self.broker.forget(Address.of(TOPIC, topic_name).key)
         return RuleProperties(rule_name, flt, action)
 
     def get_rule(self, topic_name: str, subscription_name: str, rule_name: str) -> RuleProperties:
         """A rule of a subscription."""
-        entry = self._entry(RULE, rule_entity_name(topic_name, subscription_name, rule_name))
+        entry = self.broker.entry(RULE, rule_entity_name(topic_name, subscription_name, rule_name))
         return rule_from_entry(entry)
 
     def update_rule(
@@ -420,24 +386,24 @@ class Management:
         flt = flt if flt is not None else TrueRuleFilter()
         _check_rule(flt, action)
         key = Address.of(RULE, rule_entity_name(topic_name, subscription_name, rule.name)).key
-        self._entry(RULE, rule_entity_name(topic_name, subscription_name, rule.name))
-        if not self._catalog.update(key, _rule_json(flt, action), self._deadline()):
+        self.broker.entry(RULE, rule_entity_name(topic_name, subscription_name, rule.name))
+        if not self.broker.catalog.update(key, _rule_json(flt, action), self.broker.deadline()):
             raise EntityNotFoundError(f"rule {rule.name!r} does not exist on {topic_name}/{subscription_name}")
-        self._forget(Address.of(TOPIC, topic_name).key)
+        self.broker.forget(Address.of(TOPIC, topic_name).key)
 
     def delete_rule(self, topic_name: str, subscription_name: str, rule_name: str) -> None:
         """Remove a rule from a subscription."""
         self._no_rule_changes_in_transaction()
         key = Address.of(RULE, rule_entity_name(topic_name, subscription_name, rule_name)).key
-        if self._catalog.delete([key], self._deadline()) == 0:
+        if self.broker.catalog.delete([key], self.broker.deadline()) == 0:
             raise EntityNotFoundError(f"rule {rule_name!r} does not exist on {topic_name}/{subscription_name}")
-        self._forget(Address.of(TOPIC, topic_name).key)
+        self.broker.forget(Address.of(TOPIC, topic_name).key)
 
     def list_rules(self, topic_name: str, subscription_name: str) -> list[RuleProperties]:
         """The rules of a subscription, by name."""
-        self._entry(SUBSCRIPTION, sub_entity_name(topic_name, subscription_name))
+        self.broker.entry(SUBSCRIPTION, sub_entity_name(topic_name, subscription_name))
         sub = Address.subscription_of(topic_name, subscription_name)
-        return [rule_from_entry(e) for e in self._catalog.entries(RULE) if Address.parse(e.name).is_child_of(sub)]
+        return [rule_from_entry(e) for e in self.broker.catalog.entries(RULE) if Address.parse(e.name).is_child_of(sub)]
 
     # ---- maintenance -----------------------------------------------------------------------------
 
@@ -449,9 +415,9 @@ class Management:
         Safe beside live senders and receivers: compaction only replaces files nobody changed
         meanwhile. Tombstones are kept for the entity's duplicate-detection window.
         """
-        self.forward_pending_messages()
+        self.broker.forward_pending_messages()
         reports: dict[str, maintenance.MaintenanceReport] = {}
-        entries = self._catalog.entries()
+        entries = self.broker.catalog.entries()
         for e in entries:
             if e.entity_type not in (QUEUE, TOPIC):
                 continue
@@ -477,7 +443,7 @@ class Management:
         self, entity_type: str, name: str, entries: list[CatalogEntry], vacuum_retention: timedelta | None
     ) -> maintenance.MaintenanceReport:
         """Compact, checkpoint and (when a retention is given) vacuum one queue's or topic's table."""
-        entity = self._entity(entity_type, name)
+        entity = self.broker.entity(entity_type, name)
         window = getattr(entity.props, "duplicate_detection_history_time_window", None) or timedelta(0)
         live = None
         if entity_type == TOPIC:
@@ -498,11 +464,12 @@ class Management:
         An empty list means nothing was found. See docs/storage.md for what is checked and repaired.
         """
         findings: list[Finding] = []
-        for e in self._catalog.entries():
+        for e in self.broker.catalog.entries():
             if e.entity_type not in (QUEUE, TOPIC):
                 continue
             name = Address.parse(e.name).name
-            table = EntityTable(self.table_uri(e.table_path), 1, self.fault_injector(name, e.entity_type), self.storage_options)
+            b = self.broker
+            table = EntityTable(b.table_uri(e.table_path), 1, b.fault_injector(name, e.entity_type), b.storage_options)
             try:
                 found = check_table(table, repair=repair)
             except SparkQueueError as exc:
@@ -511,12 +478,12 @@ class Management:
                 f.table = f"{e.entity_type} {name} ({f.table})"
             findings += found
         if repair:
-            with self._lock:
-                self._tables.clear()  # handles re-read the repaired log
+            with self.broker.lock:
+                self.broker.tables.clear()  # handles re-read the repaired log
         return findings
 
     def _no_rule_changes_in_transaction(self) -> None:
-        if self._active_transaction is not None:
+        if open_transaction(self.broker) is not None:
             raise InvalidOperationError("subscription rules cannot be added or removed inside a transaction")
 
     def _check_destinations(self, settings: dict[str, Any]) -> None:

@@ -281,10 +281,21 @@ class ReceivedMessage:
     def __str__(self) -> str:
         return self.body.decode("utf-8", errors="replace")
 
-    @property
-    def _lock_expired(self) -> bool:
-        """True once the message's lock has passed its expiry (or it holds none)."""
-        return self.locked_until_utc is None or self.locked_until_utc <= datetime.now(UTC)
+
+
+def is_settled(message: object) -> bool:
+    """Whether a receiver settled this received message (its lock then needs no renewal, and a second settle is refused)."""
+    return bool(getattr(message, "_settled", False))
+
+
+def mark_settled(message: ReceivedMessage) -> None:
+    """Record that the message was settled (by the receiver holding it)."""
+    message._settled = True
+
+
+def lock_expired(locked_until_utc: datetime | None) -> bool:
+    """True once a lock (a message's or a session's) has passed its expiry, or when there is none."""
+    return locked_until_utc is None or locked_until_utc <= datetime.now(UTC)
 
 
 _EPOCH = datetime(1970, 1, 1, tzinfo=UTC)

@@ -4,24 +4,19 @@ from __future__ import annotations
 
 import logging
 import os
-import threading
 from collections.abc import Mapping
 from datetime import timedelta
 from typing import Any
 
-from sparkqueue.broker import Broker, sub_entity_name
+from sparkqueue.broker import Broker, Transaction, sub_entity_name
 from sparkqueue.constants import ReceiveMode, SubQueue
 from sparkqueue.management import Management
 from sparkqueue.model import limits
 from sparkqueue.model.addresses import QUEUE, SUBSCRIPTION, TOPIC
-from sparkqueue.model.entity import Entity
 from sparkqueue.model.sessions import SessionInfo, Sessions
 from sparkqueue.receiver import Receiver
 from sparkqueue.sender import Sender
-from sparkqueue.storage.catalog import CatalogEntry
 from sparkqueue.storage.faults import FaultInjector
-from sparkqueue.storage.retry import Deadline
-from sparkqueue.transaction import Transaction
 
 log = logging.getLogger(__name__)
 
@@ -37,16 +32,12 @@ class Namespace(Management):
         operation_timeout: float = 60.0,
         storage_options: Mapping[str, str] | None = None,
     ) -> None:
-        self.broker = Broker(root, tier, operation_timeout=operation_timeout, storage_options=storage_options)
+        super().__init__(Broker(root, tier, operation_timeout=operation_timeout, storage_options=storage_options))
         self.root = self.broker.root
         self.tier = self.broker.tier
         self.operation_timeout = self.broker.operation_timeout
         self.storage_options = self.broker.storage_options
         self.store = self.broker.store
-        self._catalog = self.broker.catalog
-        self._tables = self.broker.tables
-        self._lock = self.broker.lock
-        self._local = threading.local()
 
     def __enter__(self) -> Namespace:
         return self
@@ -74,20 +65,6 @@ class Namespace(Management):
     def forward_pending_messages(self) -> None:
         """Finish every pending auto-forward in the namespace (after a crash, or when forward_to was set later)."""
         self.broker.forward_pending_messages()
-
-    # The API modules' shorthands for the broker's methods.
-
-    def _deadline(self) -> Deadline:
-        return self.broker.deadline()
-
-    def _entry(self, entity_type: str, name: str) -> CatalogEntry:
-        return self.broker.entry(entity_type, name)
-
-    def _forget(self, key: str) -> None:
-        self.broker.forget(key)
-
-    def _entity(self, entity_type: str, name: str) -> Entity:
-        return self.broker.entity(entity_type, name)
 
     # ---- senders and receivers -----------------------------------------------------------------
 
@@ -150,13 +127,9 @@ class Namespace(Management):
 
     # ---- transactions and sessions ------------------------------------------------------------
 
-    @property
-    def _active_transaction(self) -> Transaction | None:
-        return getattr(self._local, "transaction", None)
-
     def transaction(self) -> Transaction:
         """`with ns.transaction() as tx:` groups sends and settlements on one entity into one atomic commit."""
-        return Transaction(self)
+        return self.broker.transaction()
 
     def list_queue_sessions(self, queue_name: str) -> list[SessionInfo]:
         """Sessions of a session-enabled queue, with their state, lock expiry and message counts."""

@@ -21,10 +21,10 @@ from sparkqueue.errors import (
     MessageNotFoundError,
     MessageSizeExceededError,
 )
-from sparkqueue.message import ReceivedMessage, received_messages
+from sparkqueue.message import ReceivedMessage, is_settled, lock_expired, mark_settled, received_messages
 from sparkqueue.model import lifecycle, limits
 from sparkqueue.model.deadlines import call_timeout, check_timeout
-from sparkqueue.model.entity import ROW_COLUMNS, Entity, Guard, utcnow
+from sparkqueue.model.entity import ROW_COLUMNS, Entity, utcnow
 from sparkqueue.model.sessions import SessionLock, Sessions
 from sparkqueue.sender import check_status
 from sparkqueue.storage.schema import KIND_MESSAGE, STATE_DEFERRED, SUB_QUEUE_DEAD_LETTER, SUB_QUEUE_MAIN
@@ -112,6 +112,11 @@ class Receiver:
 
     # ---- lifecycle ---------------------------------------------------------------------------
 
+    @property
+    def closed(self) -> bool:
+        """True once the receiver is closed (it then refuses every call)."""
+        return self._closed
+
     def __enter__(self) -> Receiver:
         self._check_open()
         return self
@@ -167,7 +172,7 @@ class Receiver:
     def _receive(self, n: int, wait: float) -> list[ReceivedMessage]:
         out: list[ReceivedMessage] = []
         now = utcnow()
-        if self.session is not None and self._cache and self.session._lock_expired:
+        if self.session is not None and self._cache and lock_expired(self.session.locked_until_utc):
             self._cache.clear()  # the session lock is gone: the next holder gets them; the receive below raises
         if self.session is not None and self.session._rewind:
             # A message was abandoned: it comes back before the later messages waiting in the cache.
@@ -242,7 +247,7 @@ class Receiver:
             rows = entity.table.rows_by_sequence(dt, p, group, ROW_COLUMNS)
             mask = pc.and_(
                 pc.and_(pc.equal(rows.column("state"), STATE_DEFERRED), pc.equal(rows.column("sub_queue"), self._sub_queue)),
-                pc.and_(pc.equal(rows.column("kind"), KIND_MESSAGE), entity._mine(rows)),
+                pc.and_(pc.equal(rows.column("kind"), KIND_MESSAGE), entity.owns(rows)),
             )
             if self.session is not None:
                 mask = pc.and_(mask, pc.fill_null(pc.equal(rows.column("session_id"), self.session.session_id), False))
@@ -354,30 +359,22 @@ class Receiver:
                 raise InvalidOperationError("messages received in RECEIVE_AND_DELETE mode are already settled")
             if message.lock_token is None:
                 raise InvalidOperationError("the message has no lock token: peeked messages cannot be settled")
-            if message._settled:
+            if is_settled(message):
                 raise MessageAlreadySettled(f"message {message.sequence_number} was already settled; nothing was changed")
         if not messages:
             return []
-        tx = self._ns._active_transaction
-        if tx is not None:
-            if op == lifecycle.RENEW:
-                raise InvalidOperationError("locks cannot be renewed inside a transaction")
-            guard = self.session._guard() if self.session is not None else None  # the session lock is checked at commit
-            tx.add_settle(self, messages, op, reason, description, guard)
+        items = [(m.sequence_number, m.lock_token or "") for m in messages]
+        lock = self.session._lock if self.session is not None else None  # a session's messages settle under its lock
+        res = self._ns.broker.settle(self.entity_type, self.entity_name, items, op, reason, description, session=lock)
+        if res is None:  # recorded by the open transaction, applied at its commit
             return [None] * len(messages)
         if self.session is not None and op == lifecycle.ABANDON:
             self.session._rewind = True
-        items = [(m.sequence_number, m.lock_token or "") for m in messages]
-        if self.session is not None:  # the session's own files only, under its lock (model/sessions.py)
-            res = self.session._sessions.settle(self.session._lock, items, op, reason, description)
-        else:
-            res = self._entity().settle(items, op, reason, description)
-        if op == lifecycle.DEAD_LETTER:
-            self._ns.broker.pump(self._entity(), sorted({m.partition_id for m in messages}))  # forward the dead letters
         lost = [m for m, ok in zip(messages, res.ok, strict=True) if not ok]
         if op != lifecycle.RENEW:
             for m, ok in zip(messages, res.ok, strict=True):
-                m._settled = m._settled or ok
+                if ok:
+                    mark_settled(m)
         if lost:
             names = ", ".join(f"{m.sequence_number} ({m.message_id!r})" for m in lost[:5])
             more = f" and {len(lost) - 5} more" if len(lost) > 5 else ""
@@ -393,7 +390,17 @@ class Receiver:
         """Lock up to max_message_count messages in Spark tasks, one per partition (docs/semantics.md §12)."""
         from sparkqueue.spark.receive import receive_dataframe
 
-        return receive_dataframe(self, max_message_count, spark)
+        self._check_dataframe()
+        return receive_dataframe(
+            self._ns.broker,
+            self.entity_type,
+            self.entity_name,
+            max_message_count,
+            spark,
+            sub_queue=self._sub_queue,
+            delete=self._deleting,
+            wait_s=self.max_wait_time,
+        )
 
     def complete_dataframe(self, df: DataFrame) -> DataFrame:
         """Complete the messages of df's `lock_token` column; a DataFrame of (lock_token, status "ok"/"lock_lost")."""
@@ -416,7 +423,18 @@ class Receiver:
     ) -> DataFrame:
         from sparkqueue.spark.settle import settle_dataframe
 
-        return settle_dataframe(self, df, op, reason, error_description)
+        self._check_dataframe()
+        if self.receive_mode == ReceiveMode.RECEIVE_AND_DELETE:
+            raise InvalidOperationError("messages received in RECEIVE_AND_DELETE mode are already settled")
+        return settle_dataframe(self._ns.broker, self.entity_type, self.entity_name, df, op, reason, error_description)
+
+    def _check_dataframe(self) -> None:
+        """DataFrame calls need an open receiver without a session (sessions use the message API)."""
+        self._check_open()
+        if self.session is not None:
+            raise InvalidOperationError(
+                "session receivers receive and settle with the message API; DataFrames cover sessionless entities"
+            )
 
     # ---- helpers -------------------------------------------------------------------------------
 
@@ -455,10 +473,6 @@ class ReceiverSession:
         """When the session lock expires unless renewed."""
         return self._lock.locked_until
 
-    @property
-    def _lock_expired(self) -> bool:
-        """True once the session lock has passed its expiry."""
-        return self._lock.locked_until <= utcnow()
 
     def get_state(self, *, timeout: float | None = None) -> bytes | None:
         """The session state (None when never set or cleared)."""
@@ -490,14 +504,11 @@ class ReceiverSession:
 
     def _track(self, messages: list[ReceivedMessage]) -> None:
         """Remember handed-out messages, so their locked_until_utc follows the session lock."""
-        self._delivered = [r for r in self._delivered if r() is not None and not r()._settled]  # type: ignore[union-attr]
+        self._delivered = [r for r in self._delivered if r() is not None and not is_settled(r())]
         for m in messages:
             if m.lock_token is not None:
                 m.locked_until_utc = self._lock.locked_until
                 self._delivered.append(weakref.ref(m))
-
-    def _guard(self) -> Guard:
-        return self._sessions.guard(self._lock)
 
     def _release(self, undelivered: Sequence[int] = ()) -> None:
         self._sessions.release(self._lock, undelivered)

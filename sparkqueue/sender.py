@@ -145,14 +145,12 @@ class Sender:
         """
         from sparkqueue.spark.send import send_dataframe
 
-        return send_dataframe(self, df, preserve_order=preserve_order)
+        self._check_open()
+        return send_dataframe(self._ns.broker, self.entity_type, self.entity_name, df, preserve_order=preserve_order)
 
     def _send(self, msgs: list[Message]) -> list[int]:
+        """Store the messages through the broker's one send path (inside a transaction: recorded, no numbers yet)."""
         if not msgs:
-            return []
-        tx = self._ns._active_transaction
-        if tx is not None:
-            tx.add_send(self, msgs)
             return []
         entity = self._ns.broker.entity(self.entity_type, self.entity_name)
         check_status(entity.props, "send", entity.name)

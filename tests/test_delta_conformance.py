@@ -69,7 +69,7 @@ def random_worker(root: str, seed: int, barrier: Any, results: Any) -> None:
 def test_delta_rs_reads_exactly_what_sparkqueue_wrote_after_random_concurrent_work(store: Store) -> None:
     with store.open() as ns:
         ns.create_queue("q", lock_duration=timedelta(seconds=5))
-        uri = ns.table_uri(ns._entry("queue", "q").table_path)
+        uri = ns.table_uri(ns.broker.entry("queue", "q").table_path)
     barrier, results = CTX.Barrier(3), CTX.Queue()
     procs = [CTX.Process(target=random_worker, args=(store.root, seed, barrier, results)) for seed in range(3)]
     for p in procs:

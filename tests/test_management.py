@@ -401,3 +401,17 @@ def test_runtime_properties_repr_is_short(ns: Namespace) -> None:
     rp = ns.get_queue_runtime_properties("q")
     assert len(repr(rp)) < 1000 and "active_message_count=0" in repr(rp)
     assert len(rp.partitions) == 16
+
+
+def test_the_administration_client_stands_on_a_broker_of_its_own(ns: Namespace) -> None:
+    """Management holds a broker core (composition): built on a bare Broker it administers the same namespace."""
+    from sparkqueue.broker import Broker
+    from sparkqueue.management import Management
+
+    admin = Management(Broker(ns.root))
+    admin.create_queue("made-by-admin", max_delivery_count=3)
+    assert ns.get_queue("made-by-admin").max_delivery_count == 3
+    ns.create_topic("t")
+    assert [t.name for t in admin.list_topics()] == ["t"]
+    admin.delete_queue("made-by-admin")
+    assert [q.name for q in ns.list_queues()] == []

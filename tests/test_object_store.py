@@ -28,7 +28,7 @@ CTX = mp.get_context("spawn")
 
 
 def _table(ns: Namespace, name: str = "q") -> str:
-    return ns.table_uri(ns._entry("queue", name).table_path)
+    return ns.table_uri(ns.broker.entry("queue", name).table_path)
 
 
 def test_send_receive_settle_and_delta_rs_reads_the_same_table(store: Store) -> None:

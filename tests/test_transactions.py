@@ -439,3 +439,49 @@ def test_session_transaction_with_lost_session_lock_applies_nothing(ns: Namespac
             _sleep_past(r.session.locked_until_utc)
     assert [x.session_id for x in ns.list_queue_sessions("sq")] == ["s1"]
     assert ns.list_queue_sessions("sq")[0].active_message_count == 1
+
+
+# ---- where the open transaction lives (a ContextVar: docs/semantics.md §7) ------------------------------
+
+
+def test_a_transaction_does_not_capture_another_threads_sends(q: Namespace) -> None:
+    """While a transaction is open in one thread, a send from another thread is applied at once."""
+    import threading
+
+    ns = q
+    seen: list[list[str]] = []
+    with ns.get_queue_sender("q") as s, ns.transaction():
+        s.send_messages(Message("in", message_id="in", partition_key="k"))
+        worker = threading.Thread(target=lambda: s.send_messages(Message("other", message_id="other")))
+        worker.start()
+        worker.join()
+        seen.append(_peek_ids(ns))
+    assert seen == [["m0", "other"]]  # the other thread's send was visible before the commit; "in" was not
+    assert _peek_ids(ns) == ["in", "m0", "other"]
+
+
+def test_a_transaction_does_not_capture_another_namespaces_sends(q: Namespace) -> None:
+    """A transaction belongs to its namespace: a second namespace on the same root sends directly inside the block."""
+    ns = q
+    other = Namespace(ns.root)
+    with ns.transaction(), ns.get_queue_sender("q") as s, other.get_queue_sender("q") as s2:
+        s.send_messages(Message("in", message_id="in", partition_key="k"))
+        assert len(s2.send_messages(Message("direct", message_id="direct"))) == 1
+        assert _peek_ids(ns) == ["direct", "m0"]
+    assert _peek_ids(ns) == ["direct", "in", "m0"]
+
+
+def test_a_dead_letter_in_a_transaction_is_forwarded_at_commit(ns: Namespace) -> None:
+    """forward_dead_lettered_messages_to applies to a transaction's dead letters as soon as it commits."""
+    ns.create_queue("dlq-target")
+    ns.create_queue("q", forward_dead_lettered_messages_to="dlq-target")
+    with ns.get_queue_sender("q") as s:
+        s.send_messages(Message("x", message_id="x", partition_key="k"))
+    with ns.get_queue_receiver("q") as r:
+        (m,) = _take(r, 1)
+        with ns.transaction():
+            r.dead_letter_message(m, reason="bad", error_description="why")
+    assert _peek_ids(ns, "q", SubQueue.DEAD_LETTER) == []
+    with ns.get_queue_receiver("dlq-target") as r:
+        (got,) = _take(r, 1)
+    assert (got.message_id, got.dead_letter_reason) == ("x", "bad")

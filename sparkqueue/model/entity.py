@@ -66,8 +66,8 @@ class PendingSettle:
 
     op: str
     items: list[tuple[int, str]]
-    reason: str | None = None
-    description: str | None = None
+    reason: lifecycle.Texts = None
+    description: lifecycle.Texts = None
     guard: Guard | None = None  # a session receiver's lock check (and session-row touch), run inside the commit
 
 
@@ -258,7 +258,7 @@ class Entity:
                 )
                 mask = pc.and_(
                     pc.and_(pc.equal(rows.column("state"), STATE_DEFERRED), pc.equal(rows.column("sub_queue"), sub_queue)),
-                    pc.and_(lock_free, self._mine(rows)),
+                    pc.and_(lock_free, self.owns(rows)),
                 )
                 rows = rows.filter(mask)
                 if rows.num_rows == 0:
@@ -276,12 +276,13 @@ class Entity:
         self,
         items: Sequence[tuple[int, str]],
         op: str,
-        reason: str | None = None,
-        description: str | None = None,
+        reason: lifecycle.Texts = None,
+        description: lifecycle.Texts = None,
         guard: Guard | None = None,
     ) -> SettleResult:
         """Settle (sequence_number, lock_token) pairs; an item whose lock is not current is reported, not applied.
 
+        A dead letter's reason and description are one text, or a list with one per item.
         `guard(dt, partition, now)` runs inside each commit attempt: it may raise (a lost session
         lock) or return extra change rows to commit with the settlement.
         """
@@ -299,7 +300,11 @@ class Entity:
                 now = utcnow()
                 extra = guard(dt, p, now) if guard is not None else None
                 good, valid = self.locked_rows(dt, p, [items[i] for i in idx], now)
-                parts = [lifecycle.settle(good, op, now, self.policy, reason, description)] if good.num_rows else []
+                held = [i for i, v in zip(idx, valid, strict=True) if v]  # the items of `good`, in its order
+                parts = []
+                if good.num_rows:
+                    texts = lifecycle.texts_of(reason, held), lifecycle.texts_of(description, held)
+                    parts.append(lifecycle.settle(good, op, now, self.policy, *texts))
                 if extra is not None and extra.num_rows:
                     parts.append(extra)
                 if parts:
@@ -315,7 +320,7 @@ class Entity:
     def locked_rows(self, dt: Snapshot, p: int, items: Sequence[tuple[int, str]], now: datetime) -> tuple[pa.Table, list[bool]]:
         """Rows of one partition whose lock the (sequence_number, token) items hold now, and a per-item verdict."""
         rows = self.table.rows_by_sequence(dt, p, [seq for seq, _ in items], STATE_COLUMNS)
-        rows = rows.filter(self._mine(rows))
+        rows = rows.filter(self.owns(rows))
         by_seq = {s: j for j, s in enumerate(rows.column("sequence_number").to_pylist())}
         present = [k for k, (seq, _) in enumerate(items) if seq in by_seq]
         cur = rows.take(pa.array([by_seq[items[k][0]] for k in present], pa.int64()))
@@ -325,7 +330,7 @@ class Entity:
             valid[k] = v
         return cur.filter(pa.array(held, pa.bool_())), valid
 
-    def _mine(self, rows: pa.Table) -> pa.ChunkedArray:
+    def owns(self, rows: pa.Table) -> pa.ChunkedArray:
         """Mask of the rows that belong to this entity (its subscription, in a topic's table)."""
         sub = rows.column("subscription")
         if self.subscription == ANY_SUBSCRIPTION:
@@ -363,7 +368,9 @@ class Entity:
                     raise MessageLockLostError(
                         "a message settled in the transaction lost its lock (expired or superseded); nothing was applied"
                     )
-                parts.append(lifecycle.settle(good, st.op, now, self.policy, st.reason, st.description))
+                every = range(len(st.items))  # all held, so `good` holds every item, in order
+                texts = lifecycle.texts_of(st.reason, every), lifecycle.texts_of(st.description, every)
+                parts.append(lifecycle.settle(good, st.op, now, self.policy, *texts))
             changes = pa.concat_tables(parts) if parts else empty_changes()
             return self.table.apply(dt, partition, changes, new_rows, self.dedupe_since(), expand)
 
@@ -378,7 +385,7 @@ class Entity:
                 dt = self.table.snapshot()
                 now = pa.scalar(utcnow(), TIMESTAMP)
                 rows = self.table.rows_by_sequence(dt, p, group, STATE_COLUMNS)
-                rows = rows.filter(self._mine(rows))
+                rows = rows.filter(self.owns(rows))
                 mask = pc.and_(
                     pc.equal(rows.column("state"), STATE_ACTIVE),
                     pc.fill_null(pc.greater(rows.column("scheduled_enqueue_time_utc"), now), False),

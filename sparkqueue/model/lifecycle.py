@@ -7,6 +7,7 @@ concurrent change to any of the rows makes the commit fail rather than be overwr
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Any
@@ -27,6 +28,9 @@ DEFER = "defer"
 DEAD_LETTER = "dead_letter"
 RENEW = "renew"
 SETTLE_OPS = (COMPLETE, ABANDON, DEFER, DEAD_LETTER, RENEW)
+
+# A dead-letter reason or description: one text for every settled item, or one per item (Spark's per-row columns).
+Texts = str | None | Sequence[str | None]
 
 
 @dataclass(frozen=True)
@@ -63,7 +67,16 @@ def removal(policy: Policy) -> str:
     return OP_TOMBSTONE if policy.keep_tombstones else OP_DELETE
 
 
-def _dead_letter_values(reason: str | None, description: str | None, now: datetime, source: str) -> dict[str, Any]:
+def texts_of(value: Texts, positions: Sequence[int]) -> str | pa.Array | None:
+    """The texts of the items at `positions` (the rows being settled, in order): the one text, or theirs."""
+    if value is None or isinstance(value, str):
+        return value
+    return pa.array([value[i] for i in positions], pa.string())
+
+
+def _dead_letter_values(
+    reason: str | pa.Array | None, description: str | pa.Array | None, now: datetime, source: str
+) -> dict[str, Any]:
     return {
         "sub_queue": SUB_QUEUE_DEAD_LETTER,
         "available_at_utc": now,
@@ -153,9 +166,17 @@ def lock_valid(rows: pa.Table, tokens: list[str], now: datetime) -> list[bool]:
 
 
 def settle(
-    rows: pa.Table, op: str, now: datetime, policy: Policy, reason: str | None = None, description: str | None = None
+    rows: pa.Table,
+    op: str,
+    now: datetime,
+    policy: Policy,
+    reason: str | pa.Array | None = None,
+    description: str | pa.Array | None = None,
 ) -> pa.Table:
-    """Change rows for settling locked rows with `op` (complete, abandon, defer, dead_letter, renew)."""
+    """Change rows for settling locked rows with `op` (complete, abandon, defer, dead_letter, renew).
+
+    A dead letter's reason and description are one text for all rows, or an array with one per row.
+    """
     released = {"lock_token": None, "locked_until_utc": None}
     deferred = pc.equal(rows.column("state"), STATE_DEFERRED)
     if op == COMPLETE:

@@ -271,8 +271,8 @@ class Sessions:
         lock: SessionLock,
         items: Sequence[tuple[int, str]],
         op: str,
-        reason: str | None = None,
-        description: str | None = None,
+        reason: lifecycle.Texts = None,
+        description: lifecycle.Texts = None,
     ) -> SettleResult:
         """Settle the held session's (sequence_number, lock_token) items in one commit, with the session lock check.
 
@@ -305,7 +305,9 @@ class Sessions:
                 # the touch (or the row's removal): a takeover racing this commit makes it conflict
                 parts, new_row = self._touch(row, lock, now, OP_DELETE if ends else OP_SET)
                 if good.num_rows:
-                    parts = pa.concat_tables([parts, lifecycle.settle(good, op, now, self.entity.policy, reason, description)])
+                    kept = [k for k, h in zip(present, held, strict=True) if h]  # the items of `good`, in its order
+                    texts = lifecycle.texts_of(reason, kept), lifecycle.texts_of(description, kept)
+                    parts = pa.concat_tables([parts, lifecycle.settle(good, op, now, self.entity.policy, *texts)])
                 self._apply(dt, lock.partition, lock.session_id, parts, new_row)
                 lock.ended = ends
             for k, v in zip(present, held, strict=True):
@@ -331,7 +333,7 @@ class Sessions:
             in_session = pc.fill_null(pc.equal(rows.column("session_id"), lock.session_id), False)
             ours = pc.and_(pc.equal(rows.column("kind"), KIND_MESSAGE), in_session)
             deferred = pc.and_(pc.equal(rows.column("state"), STATE_DEFERRED), pc.equal(rows.column("sub_queue"), SUB_QUEUE_MAIN))
-            rows = rows.filter(pc.and_(pc.and_(deferred, lock_free), pc.and_(ours, self.entity._mine(rows))))
+            rows = rows.filter(pc.and_(pc.and_(deferred, lock_free), pc.and_(ours, self.entity.owns(rows))))
             if rows.num_rows == 0:
                 return empty_rows()
             d = lifecycle.deliver(rows, now, self.entity.policy, delete=delete)

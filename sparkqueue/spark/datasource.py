@@ -101,13 +101,13 @@ def resolve(
     if entity_type == SUBSCRIPTION or (entity_type is None and sep):
         if not sep:
             raise InvalidOperationError(f"name a subscription as '<topic>/Subscriptions/<subscription>', got {name!r}")
-        entry = ns._entry(SUBSCRIPTION, sub_entity_name(topic, sub))
+        entry = ns.broker.entry(SUBSCRIPTION, sub_entity_name(topic, sub))
         path, key = split_subscription_path(entry.table_path)
         return ns.table_uri(path), SUBSCRIPTION, key
     try:
-        return ns.table_uri(ns._entry(QUEUE, name).table_path), QUEUE, None
+        return ns.table_uri(ns.broker.entry(QUEUE, name).table_path), QUEUE, None
     except EntityNotFoundError:
-        ns._entry(TOPIC, name)  # a clearer error for topics: their messages live in subscriptions
+        ns.broker.entry(TOPIC, name)  # a clearer error for topics: their messages live in subscriptions
         raise InvalidOperationError(
             f"{name!r} is a topic; read one of its subscriptions ('{name}/Subscriptions/<name>')"
         ) from None

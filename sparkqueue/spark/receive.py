@@ -33,18 +33,18 @@ import pyarrow.compute as pc
 from pyspark.sql import DataFrame, SparkSession
 from pyspark.sql import functions as sf
 
-from sparkqueue.errors import InvalidOperationError, PartitionUnavailableError
+from sparkqueue.errors import PartitionUnavailableError
 from sparkqueue.model import limits
 from sparkqueue.model.entity import Entity, utcnow
 from sparkqueue.spark.schema import ENTITY_FILE_SPARK, received_from_entity_rows
 from sparkqueue.spark.session import active_session, spark_errors, task_count
 from sparkqueue.spark.staging import STAGING_ATTRIBUTE, Staging, cleanup_staging
-from sparkqueue.spark.worker import EntityRef, marking_errors
+from sparkqueue.spark.worker import EntityRef, marking_errors, refuse_in_transaction
 from sparkqueue.storage.files import FILE_SCHEMA
-from sparkqueue.storage.schema import KIND_MESSAGE
+from sparkqueue.storage.schema import KIND_MESSAGE, SUB_QUEUE_MAIN
 
 if TYPE_CHECKING:
-    from sparkqueue.receiver import Receiver
+    from sparkqueue.broker import Broker
 
 log = logging.getLogger(__name__)
 
@@ -67,47 +67,41 @@ class ReceiveJob:
     chunk: int = RECEIVE_CHUNK
 
 
-def check_dataframe_receiver(receiver: Receiver) -> None:
-    """DataFrame calls need an open, non-session receiver outside a transaction."""
-    receiver._check_open()
-    if receiver.session is not None:
-        raise InvalidOperationError(
-            "session receivers receive and settle with the message API; DataFrames cover sessionless entities"
-        )
-    if receiver._ns._active_transaction is not None:
-        raise InvalidOperationError("DataFrame receives and settlements cannot join a transaction")
-
-
 def receive_dataframe(
-    receiver: Receiver,
+    broker: Broker,
+    entity_type: str,
+    name: str,
     max_message_count: int,
     spark: SparkSession | None = None,
     *,
-    max_wait_time: float | timedelta | None = None,
+    sub_queue: str = SUB_QUEUE_MAIN,
+    delete: bool = False,
+    wait_s: float = 0.0,
     chunk: int = RECEIVE_CHUNK,
 ) -> DataFrame:
-    """Lock up to max_message_count messages in Spark tasks and return them as a DataFrame (ReceivedMessage columns)."""
-    from sparkqueue.model.limits import wait_seconds
+    """Lock (`delete`: remove) up to max_message_count messages in Spark tasks; a DataFrame of ReceivedMessage columns.
 
+    Waits up to `wait_s` for the first messages. The caller (Receiver.receive_dataframe) has
+    checked that the receiver is open and holds no session.
+    """
     want = limits.check_int(max_message_count, "max_message_count")
-    check_dataframe_receiver(receiver)
+    refuse_in_transaction(broker)
     session = active_session(spark)
-    wait = receiver.max_wait_time if max_wait_time is None else wait_seconds(max_wait_time, "max_wait_time")
-    ns = receiver._ns
-    cleanup_staging(ns.root)
+    entity = broker.entity(entity_type, name)
+    cleanup_staging(broker.root)
     job = ReceiveJob(
-        EntityRef.of(ns.broker, receiver.entity_type, receiver.entity_name),
-        receiver._sub_queue,
-        receiver._deleting,
-        Staging.create(ns.root, "receive"),
+        EntityRef.of(broker, entity_type, name),
+        sub_queue,
+        delete,
+        Staging.create(broker.root, "receive"),
         utcnow(),
         limits.check_int(chunk, "chunk"),
     )
-    give_up = time.monotonic() + wait
+    give_up = time.monotonic() + wait_s
     poll = POLL_MIN_S
     rounds = 0
     while True:
-        got, rounds = gather(session, job, receiver._entity(), want, rounds)
+        got, rounds = gather(session, job, entity, want, rounds)
         if got or time.monotonic() >= give_up:
             break
         time.sleep(min(poll, max(0.0, give_up - time.monotonic())))

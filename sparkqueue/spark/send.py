@@ -59,15 +59,15 @@ from sparkqueue.model.addresses import QUEUE
 from sparkqueue.model.entity import utcnow
 from sparkqueue.model.partitioning import partition_for_key
 from sparkqueue.spark.session import bucket_key, input_partitions, marked, spark_errors, task_count, task_error
-from sparkqueue.spark.worker import EntityRef, marking_errors
+from sparkqueue.spark.worker import EntityRef, marking_errors, refuse_in_transaction
 from sparkqueue.storage.log import AddFile, Fence
 from sparkqueue.storage.retry import retry_commit
 from sparkqueue.storage.schema import ENTITY_SCHEMA, KIND_MESSAGE, PARTITION_COLUMN, STATE_ACTIVE, SUB_QUEUE_MAIN, TIMESTAMP
 from sparkqueue.storage.table import fence_app_id
 
 if TYPE_CHECKING:
+    from sparkqueue.broker import Broker
     from sparkqueue.model.entity import Entity
-    from sparkqueue.sender import Sender
     from sparkqueue.storage.log import Snapshot
     from sparkqueue.storage.retry import Deadline
     from sparkqueue.storage.table import EntityTable, Expand
@@ -109,7 +109,9 @@ class SendPlan:
 
 
 def send_dataframe(
-    sender: Sender,
+    broker: Broker,
+    entity_type: str,
+    name: str,
     df: DataFrame,
     *,
     preserve_order: bool | None = None,
@@ -123,18 +125,16 @@ def send_dataframe(
     messages whose order a broker keeps; unkeyed rows are then written in place by the tasks
     holding them, each queue partition in the order of the one input partition that owns it.
     """
-    ns = sender._ns
-    if ns._active_transaction is not None:
-        raise InvalidOperationError("a DataFrame send cannot join a transaction; send it outside the `with` block")
-    entity = ns.broker.entity(sender.entity_type, sender.entity_name)
+    refuse_in_transaction(broker)
+    entity = broker.entity(entity_type, name)
     available = tuple(p for p in range(entity.partition_count) if entity.available(p))
     if not available:
         raise PartitionUnavailableError(f"no partition of {entity.name!r} is available; nothing was sent")
     from sparkqueue.message import send_settings
 
     plan = SendPlan(
-        EntityRef.of(ns.broker, sender.entity_type, sender.entity_name),
-        send_settings(ns.tier, entity.props),
+        EntityRef.of(broker, entity_type, name),
+        send_settings(broker.tier, entity.props),
         entity.partition_count,
         available,
         limits.check_int(stage_rows, "stage_rows"),
@@ -144,10 +144,10 @@ def send_dataframe(
         preserve_order = bool(_key_columns(df))
     inputs = input_partitions(df)
     table = entity.table
-    if not preserve_order and inputs is not None and jvm_writable(df, plan, sender.entity_type):
+    if not preserve_order and inputs is not None and jvm_writable(df, plan, entity_type):
         accepted, touched = send_in_jvm(table, df, plan, inputs, entity.deadline())
         if touched:
-            ns.broker.after_send(sender.entity_type, sender.entity_name, touched)
+            broker.after_send(entity_type, name, touched)
         log.info("sent %d messages to %s over %d partitions in one commit (Spark's writer)", accepted, entity.name, len(touched))
         return accepted
     check: DataFrame | None = None
@@ -165,7 +165,7 @@ def send_dataframe(
 
     accepted, touched = retry_commit(attempt, entity.deadline(), f"DataFrame send to {entity.name}")
     if touched:
-        ns.broker.after_send(sender.entity_type, sender.entity_name, touched)
+        broker.after_send(entity_type, name, touched)
     log.info("sent %d messages to %s over %d partitions in one commit", accepted, entity.name, len(touched))
     return accepted
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import logging
 import uuid
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 from dataclasses import dataclass
 from functools import partial
 from typing import TYPE_CHECKING
@@ -24,21 +24,17 @@ from pyspark.sql import Column, DataFrame, SparkSession
 from pyspark.sql import functions as sf
 from pyspark.sql import types as st
 
-from sparkqueue.constants import ReceiveMode
 from sparkqueue.errors import InvalidOperationError
 from sparkqueue.model import lifecycle
-from sparkqueue.model.entity import Entity, utcnow
 from sparkqueue.model.ids import sequences_of_tokens
-from sparkqueue.spark.receive import check_dataframe_receiver
 from sparkqueue.spark.schema import SETTLE_RESULT_SCHEMA, SETTLE_RESULT_SPARK, STATUS_LOCK_LOST, STATUS_OK
 from sparkqueue.spark.session import active_session, bucket_key, spark_errors, task_count
 from sparkqueue.spark.staging import Staging, cleanup_staging
-from sparkqueue.spark.worker import EntityRef, marking_errors
-from sparkqueue.storage.retry import retry_commit
+from sparkqueue.spark.worker import EntityRef, marking_errors, refuse_in_transaction
 from sparkqueue.storage.table import SEQUENCE_BITS
 
 if TYPE_CHECKING:
-    from sparkqueue.receiver import Receiver
+    from sparkqueue.broker import Broker
 
 log = logging.getLogger(__name__)
 
@@ -61,35 +57,33 @@ class SettleJob:
 
 
 def settle_dataframe(
-    receiver: Receiver,
+    broker: Broker,
+    entity_type: str,
+    name: str,
     df: DataFrame,
     op: str,
     reason: str | None = None,
     error_description: str | None = None,
     spark: SparkSession | None = None,
 ) -> DataFrame:
-    """Settle the messages whose lock tokens `df` holds; returns a DataFrame of (lock_token, status)."""
+    """Settle the messages whose lock tokens `df` holds; returns a DataFrame of (lock_token, status).
+
+    The caller (Receiver's *_dataframe methods) has checked that the receiver is open, holds no
+    session and received in peek-lock mode.
+    """
     if op not in OPS:
         raise InvalidOperationError(f"op must be one of {OPS}, got {op!r}")
-    check_dataframe_receiver(receiver)
-    if receiver.receive_mode == ReceiveMode.RECEIVE_AND_DELETE:
-        raise InvalidOperationError("messages received in RECEIVE_AND_DELETE mode are already settled")
-    for value, name in ((reason, "reason"), (error_description, "error_description")):
+    refuse_in_transaction(broker)
+    for value, field in ((reason, "reason"), (error_description, "error_description")):
         if value is not None and not isinstance(value, str):
-            raise InvalidOperationError(f"{name} must be a str, got {type(value).__name__}")
+            raise InvalidOperationError(f"{field} must be a str, got {type(value).__name__}")
     token_type = next((f.dataType for f in df.schema.fields if f.name == "lock_token"), None)
     if not isinstance(token_type, st.StringType):
         raise InvalidOperationError("the DataFrame needs a string `lock_token` column (as receive_dataframe returns)")
-    ns = receiver._ns
     session = active_session(spark or df.sparkSession)
-    entity = receiver._entity()
-    cleanup_staging(ns.root)
-    job = SettleJob(
-        EntityRef.of(ns.broker, receiver.entity_type, receiver.entity_name),
-        op,
-        entity.partition_count,
-        Staging.create(ns.root, "settle"),
-    )
+    entity = broker.entity(entity_type, name)
+    cleanup_staging(broker.root)
+    job = SettleJob(EntityRef.of(broker, entity_type, name), op, entity.partition_count, Staging.create(broker.root, "settle"))
     tasks = task_count(session, job.partition_count)
     routed = route_tokens(token_columns(df, op, reason, error_description), job.partition_count, tasks)
     with spark_errors():
@@ -133,11 +127,8 @@ def settle_task(job: SettleJob, batches: Iterator[pa.RecordBatch]) -> Iterator[p
     def texts(name: str) -> pa.Array:
         return table.column(name).combine_chunks() if name in table.column_names else pa.nulls(n, pa.string())
 
-    entity = job.ref.entity()
-    status, parts = settle_tokens(entity, job, tokens, texts("reason"), texts("description"))
+    status, parts = settle_tokens(job, tokens, texts("reason"), texts("description"))
     job.staging.write(f"part-{uuid.uuid4().hex}.parquet", pa.table([tokens, status], schema=SETTLE_RESULT_SCHEMA))
-    if job.op == lifecycle.DEAD_LETTER and parts:
-        job.ref.broker().pump(entity, parts)
     ok = pc.sum(pc.equal(status, STATUS_OK)).as_py() or 0
     yield pa.RecordBatch.from_pydict(
         {
@@ -148,14 +139,14 @@ def settle_task(job: SettleJob, batches: Iterator[pa.RecordBatch]) -> Iterator[p
     )
 
 
-def settle_tokens(
-    entity: Entity, job: SettleJob, tokens: pa.Array, reasons: pa.Array, descriptions: pa.Array
-) -> tuple[pa.Array, list[int]]:
+def settle_tokens(job: SettleJob, tokens: pa.Array, reasons: pa.Array, descriptions: pa.Array) -> tuple[pa.Array, list[int]]:
     """Status per token, and the partitions settled: distinct valid tokens go by partition in sequence order.
 
-    A repeated token shares its first occurrence's status; a token that is no sparkqueue token of
-    this entity's partitions is `lock_lost`.
+    Each chunk goes through the broker's one settle path (which forwards dead letters). A repeated
+    token shares its first occurrence's status; a token that is no sparkqueue token of this
+    entity's partitions is `lock_lost`.
     """
+    broker, ref = job.ref.broker(), job.ref
     n = len(tokens)
     seqs = sequences_of_tokens(tokens)
     seq_np = seqs.fill_null(-1).to_numpy()
@@ -170,43 +161,11 @@ def settle_tokens(
         for start in range(0, len(positions), job.chunk):
             chunk = pa.array(positions[start : start + job.chunk])
             items = list(zip(seqs.take(chunk).to_pylist(), tokens.take(chunk).to_pylist(), strict=True))
-            ok = settle_chunk(entity, p, items, job.op, reasons.take(chunk).to_pylist(), descriptions.take(chunk).to_pylist())
-            held[positions[start : start + job.chunk]] = ok
+            per_row = job.op == lifecycle.DEAD_LETTER
+            reason = reasons.take(chunk).to_pylist() if per_row else None
+            description = descriptions.take(chunk).to_pylist() if per_row else None
+            result = broker.settle(ref.entity_type, ref.name, items, job.op, reason, description)
+            assert result is not None  # a task runs outside any transaction
+            held[positions[start : start + job.chunk]] = result.ok
     status = np.where(held[first], STATUS_OK, STATUS_LOCK_LOST)
     return pa.array(status, pa.string()), parts
-
-
-def settle_chunk(
-    entity: Entity, p: int, items: list[tuple[int, str]], op: str, reasons: list[str | None], descriptions: list[str | None]
-) -> list[bool]:
-    """Settle items of one partition in one commit; per item, whether its lock held."""
-    if op != lifecycle.DEAD_LETTER or (len(set(reasons)) <= 1 and len(set(descriptions)) <= 1):
-        reason = reasons[0] if reasons else None
-        description = descriptions[0] if descriptions else None
-        return entity.settle(items, op, reason, description).ok
-    return dead_letter_each(entity, p, items, reasons, descriptions)
-
-
-def dead_letter_each(
-    entity: Entity, p: int, items: Sequence[tuple[int, str]], reasons: list[str | None], descriptions: list[str | None]
-) -> list[bool]:
-    """Dead-letter items of one partition in one commit, each with its own reason and description."""
-    verdict: list[bool] = []
-    by_seq = {seq: (r, d) for (seq, _), r, d in zip(items, reasons, descriptions, strict=True)}
-
-    def attempt() -> None:
-        dt = entity.table.snapshot()
-        now = utcnow()
-        good, valid = entity.locked_rows(dt, p, items, now)
-        if good.num_rows:
-            changes = lifecycle.settle(good, lifecycle.DEAD_LETTER, now, entity.policy)
-            held = changes.column("sequence_number").to_pylist()
-            for pos, name in ((0, "dead_letter_reason"), (1, "dead_letter_error_description")):
-                i = changes.schema.get_field_index(name)
-                values = pa.array([by_seq[s][pos] for s in held], pa.string())
-                changes = changes.set_column(i, changes.schema.field(i), values)
-            entity.table.apply(dt, p, changes)
-        verdict[:] = valid
-
-    retry_commit(attempt, entity.deadline(), f"dead-letter on {entity.name}")
-    return verdict

@@ -128,13 +128,13 @@ def _resolve(ns: Namespace, root: str, storage: dict[str, str], name: str, sink:
     if sep:
         if sink:
             raise InvalidOperationError(f"the sink sends to a queue or topic, not to a subscription ({name!r})")
-        ns._entry(SUBSCRIPTION, sub_entity_name(topic, sub))  # EntityNotFoundError when absent
+        ns.broker.entry(SUBSCRIPTION, sub_entity_name(topic, sub))  # EntityNotFoundError when absent
         return EntityAddress(ns.root, frozen, SUBSCRIPTION, sub_entity_name(topic, sub))
     try:
-        ns._entry(QUEUE, name)
+        ns.broker.entry(QUEUE, name)
         return EntityAddress(ns.root, frozen, QUEUE, name)
     except EntityNotFoundError:
-        ns._entry(TOPIC, name)  # EntityNotFoundError when neither exists
+        ns.broker.entry(TOPIC, name)  # EntityNotFoundError when neither exists
         if not sink:
             raise InvalidOperationError(
                 f"{name!r} is a topic; stream one of its subscriptions ('{name}/Subscriptions/<name>')"

@@ -415,9 +415,8 @@ def test_small_stages_keep_duplicate_detection_and_dense_numbering(spark, ns, nu
     """A task stages its rows in many chunks: a repeat in a later chunk is still a duplicate, numbers stay dense."""
     ns.create_queue("q", requires_duplicate_detection=True)
     df = numbered(500)
-    with ns.get_queue_sender("q") as s:
-        assert send_dataframe(s, df.union(df.limit(100)), stage_rows=8) == 500
-        assert send_dataframe(s, numbered(600), stage_rows=8) == 100
+    assert send_dataframe(ns.broker, "queue", "q", df.union(df.limit(100)), stage_rows=8) == 500
+    assert send_dataframe(ns.broker, "queue", "q", numbered(600), stage_rows=8) == 100
     got = peek_all(ns, "q")
     assert sorted(m.message_id for m in got) == sorted(f"m-{i}" for i in range(600))
     by_partition = Counter(m.partition_id for m in got)

@@ -1,63 +1,84 @@
-"""Transactions (docs/semantics.md §7): sends and settlements on one entity and one partition key, in one Delta commit."""
+"""Transactions (docs/semantics.md §7): sends and settlements on one entity and one partition key, in one Delta commit.
+
+The open transaction travels in a ContextVar: while `with ns.transaction():` is open in a thread
+(or an asyncio task), the broker's `send` and `settle` record into it instead of applying, so no
+API object has to carry it. A new thread starts outside any transaction.
+"""
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
+from contextvars import ContextVar, Token
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import pyarrow as pa
 
 from sparkqueue.errors import InvalidOperationError
-from sparkqueue.message import Message, ReceivedMessage, send_settings, to_rows
-from sparkqueue.model import limits
-from sparkqueue.model.entity import Entity, Guard, PendingSettle, utcnow
+from sparkqueue.model import lifecycle, limits
+from sparkqueue.model.addresses import QUEUE, TOPIC
+from sparkqueue.model.entity import Entity, Guard, PendingSettle
 from sparkqueue.model.partitioning import partition_for_key
 from sparkqueue.model.topics import without_markers
-from sparkqueue.sender import Sender
 from sparkqueue.storage.table import partition_of
 
 if TYPE_CHECKING:
-    from sparkqueue.namespace import Namespace
-    from sparkqueue.receiver import Receiver
+    from sparkqueue.broker.core import Broker
 
 log = logging.getLogger(__name__)
+
+_OPEN: ContextVar[Transaction | None] = ContextVar("sparkqueue_transaction", default=None)
+
+
+def open_transaction(broker: Broker) -> Transaction | None:
+    """The transaction open in this context on `broker` (a transaction of another namespace does not capture it)."""
+    tx = _OPEN.get()
+    return tx if tx is not None and tx.broker is broker else None
+
+
+def in_transaction() -> bool:
+    """Whether any transaction is open in this context (DataFrame operations refuse to run inside one)."""
+    return _OPEN.get() is not None
 
 
 @dataclass
 class Transaction:
     """Collects sends and settlements; `commit` applies them all in one commit, or none of them.
 
-    Used as `with ns.transaction() as tx:` — inside the block, senders and receivers of the
-    namespace (in this thread) record their operations here instead of applying them.
+    Used as `with ns.transaction() as tx:` — inside the block, the namespace's senders and
+    receivers (in this context) record their operations here instead of applying them.
     """
 
-    namespace: Namespace
+    broker: Broker
     _entity: Entity | None = None
     _entity_key: tuple[str, str] | None = None
-    _messages: list[Message] = field(default_factory=list)
     _rows: list[pa.Table] = field(default_factory=list)
+    _sent: int = 0
     _key: str | None = None
     _session: str | None = None
     _settles: list[PendingSettle] = field(default_factory=list)
     _settle_partition: int | None = None
     _done: bool = False
+    _token: Token[Transaction | None] | None = None
 
     def __enter__(self) -> Transaction:
-        if self.namespace._active_transaction is not None:
+        if _OPEN.get() is not None:
             raise InvalidOperationError("a transaction is already open in this thread; transactions do not nest")
-        self.namespace._local.transaction = self
+        self._token = _OPEN.set(self)
         return self
 
     def __exit__(self, exc_type: object, exc: object, tb: object) -> None:
-        self.namespace._local.transaction = None
+        if self._token is not None:
+            _OPEN.reset(self._token)
+            self._token = None
         if exc_type is None:
             self.commit()
         else:
             log.debug("transaction discarded after %s", exc_type)
         self._done = True
 
-    # ---- recording -------------------------------------------------------------------------------
+    # ---- recording (called by Broker.send and Broker.settle) ---------------------------------------
 
     def _bind(self, entity_type: str, name: str) -> Entity:
         """The one entity of the transaction; a second entity is an error."""
@@ -66,7 +87,7 @@ class Transaction:
         key = (entity_type, name)
         if self._entity_key is None:
             self._entity_key = key
-            self._entity = self.namespace.broker.entity(entity_type, name)
+            self._entity = self.broker.entity(entity_type, name)
         elif self._entity_key != key:
             raise InvalidOperationError(
                 f"a transaction acts on one entity; it already holds {self._entity_key[1]!r}, not {name!r}"
@@ -74,11 +95,11 @@ class Transaction:
         assert self._entity is not None
         return self._entity
 
-    def add_send(self, sender: Sender, messages: list[Message]) -> None:
-        """Record messages to send; each needs the transaction's one partition key (and session)."""
-        entity = self._bind(sender.entity_type, sender.entity_name)
-        rows, keys = to_rows(messages, send_settings(self.namespace.tier, entity.props), utcnow())
-        for m, key in zip(messages, keys, strict=True):
+    def add_send(self, entity_type: str, name: str, rows: pa.Table, keys: Sequence[str | None]) -> None:
+        """Record message rows to send; each needs the transaction's one partition key (and session)."""
+        self._bind(entity_type, name)
+        sessions = rows.column("session_id").to_pylist()
+        for key, session in zip(keys, sessions, strict=True):
             if key is None:
                 raise InvalidOperationError(
                     "every message sent in a transaction needs a partition key: set session_id or partition_key "
@@ -88,36 +109,36 @@ class Transaction:
                 raise InvalidOperationError(
                     f"all messages of a transaction must share one partition key; got {key!r} after {self._key!r}"
                 )
-            if self._messages and m.session_id != self._session:
+            if self._sent and session != self._session:
                 raise InvalidOperationError("the messages of a transaction may not belong to different sessions")
-            self._key, self._session = key, m.session_id
-            self._messages.append(m)
+            self._key, self._session = key, session
+            self._sent += 1
         self._check_size()
         self._rows.append(rows)
 
     def add_settle(
         self,
-        receiver: Receiver,
-        messages: list[ReceivedMessage],
+        entity_type: str,
+        name: str,
+        items: Sequence[tuple[int, str]],
         op: str,
-        reason: str | None,
-        description: str | None,
+        reason: lifecycle.Texts,
+        description: lifecycle.Texts,
         guard: Guard | None = None,
     ) -> None:
-        """Record a settlement; all settled messages must be in the transaction's partition."""
-        self._bind(receiver.entity_type, receiver.entity_name)
-        parts = {partition_of(m.sequence_number) for m in messages}
+        """Record a settlement of (sequence_number, lock_token) items; all must be in the transaction's partition."""
+        self._bind(entity_type, name)
+        parts = {partition_of(seq) for seq, _ in items}
         if self._settle_partition is not None:
             parts.add(self._settle_partition)
         if len(parts) > 1:
             raise InvalidOperationError("the messages settled in a transaction must all be in one partition")
         self._settle_partition = parts.pop() if parts else None
-        items = [(m.sequence_number, m.lock_token or "") for m in messages]
-        self._settles.append(PendingSettle(op, items, reason, description, guard))
+        self._settles.append(PendingSettle(op, list(items), reason, description, guard))
         self._check_size()
 
     def _check_size(self) -> None:
-        ops = len(self._messages) + sum(len(s.items) for s in self._settles)
+        ops = self._sent + sum(len(s.items) for s in self._settles)
         if ops > limits.MAX_TRANSACTION_MESSAGES:
             raise InvalidOperationError(f"a transaction holds at most {limits.MAX_TRANSACTION_MESSAGES} messages")
 
@@ -131,13 +152,15 @@ class Transaction:
         partition = self._partition(entity)
         rows = pa.concat_tables(self._rows) if self._rows else None
         entity_type, name = self._entity_key or ("", "")
-        expand = self.namespace.broker.expander(entity_type, name) if rows is not None else None  # topic fan-out
+        expand = self.broker.expander(entity_type, name) if rows is not None else None  # topic fan-out
         stored = entity.transact(partition, rows, self._settles, expand)
+        if any(st.op == lifecycle.DEAD_LETTER for st in self._settles):
+            self.broker.pump(entity, [partition])  # forward the dead letters, as Broker.settle does
         if stored is None:
             return []
         stored = without_markers(stored)
-        if stored.num_rows and entity_type in ("queue", "topic"):
-            self.namespace.broker.after_send(entity_type, name, [partition])  # auto-forward what arrived
+        if stored.num_rows and entity_type in (QUEUE, TOPIC):
+            self.broker.after_send(entity_type, name, [partition])  # auto-forward what arrived
         seqs: list[int] = stored.column("sequence_number").to_pylist()
         return seqs
 

@@ -1,9 +1,9 @@
-"""The broker core: one namespace's catalog, entity handles and caches, topic fan-out and auto-forwarding.
+"""The broker core: one namespace's catalog, entity handles and caches, the send and settle paths, fan-out and forwarding.
 
 Everything that touches entities goes through a Broker: the public API (`Namespace`, senders,
-receivers, transactions, the management client) holds one, and Spark tasks open their own from
-an entity reference. It sits under the public API and over the model and storage layers
-(README "Architecture"), so nothing here imports the API or Spark.
+receivers, the management client) holds one, and Spark tasks open their own from an entity
+reference. It sits under the public API and over the model and storage layers (README
+"Architecture"), so nothing here imports the API or Spark.
 """
 
 from __future__ import annotations
@@ -18,11 +18,12 @@ from dataclasses import dataclass
 
 import pyarrow as pa
 
+from sparkqueue.broker.transaction import Transaction, open_transaction
 from sparkqueue.errors import EntityNotFoundError, InvalidOperationError, SparkQueueError
-from sparkqueue.model import limits
+from sparkqueue.model import lifecycle, limits
 from sparkqueue.model.addresses import QUEUE, RULE, SUBSCRIPTION, TOPIC, Address
 from sparkqueue.model.deadlines import effective
-from sparkqueue.model.entity import Entity
+from sparkqueue.model.entity import Entity, SettleResult
 from sparkqueue.model.filters import action_from_dict, filter_from_dict
 from sparkqueue.model.forwarding import MAX_HOPS, forward, routes
 from sparkqueue.model.properties import (
@@ -32,6 +33,7 @@ from sparkqueue.model.properties import (
     SubscriptionProperties,
     TopicProperties,
 )
+from sparkqueue.model.sessions import SessionLock, Sessions
 from sparkqueue.model.topics import Rule, Subscriber, fan_out, without_markers
 from sparkqueue.storage.catalog import Catalog, CatalogEntry
 from sparkqueue.storage.faults import FaultInjector
@@ -304,8 +306,15 @@ class Broker:
         """The one send path: store rows (a topic's fanned out to its subscriptions) in one commit, then forward.
 
         Returns the stored messages (a topic's id records left out), with their sequence numbers.
-        `once` makes the append idempotent (see EntityTable.append).
+        `once` makes the append idempotent (see EntityTable.append). Inside an open transaction
+        the rows are recorded for its commit instead, and nothing is returned yet.
         """
+        tx = open_transaction(self)
+        if tx is not None:
+            if once is not None:
+                raise InvalidOperationError("an idempotent send cannot join a transaction")
+            tx.add_send(entity_type, name, rows, keys)
+            return rows.slice(0, 0)
         entity = self.entity(entity_type, name)
         stored = without_markers(entity.send(rows, keys, self.expander(entity_type, name), once))
         if stored.num_rows:
@@ -319,3 +328,46 @@ class Broker:
         else:
             for e in self.forwarding_subscriptions(name):
                 self.pump(e, stored_partitions)
+
+    # ---- settle ---------------------------------------------------------------------------------
+
+    def settle(
+        self,
+        entity_type: str,
+        name: str,
+        items: Sequence[tuple[int, str]],
+        op: str,
+        reason: lifecycle.Texts = None,
+        description: lifecycle.Texts = None,
+        *,
+        session: SessionLock | None = None,
+    ) -> SettleResult | None:
+        """The one settle path: apply `op` to (sequence_number, lock_token) items, then forward what was dead-lettered.
+
+        A held session's items settle under its lock, in its own files (model/sessions.py). A dead
+        letter's reason and description are one text, or a list with one per item. Inside an open
+        transaction the settlement is recorded for its commit instead, and None is returned.
+        """
+        entity = self.entity(entity_type, name)
+        tx = open_transaction(self)
+        if tx is not None:
+            if op == lifecycle.RENEW:
+                raise InvalidOperationError("locks cannot be renewed inside a transaction")
+            guard = Sessions(entity).guard(session) if session is not None else None  # checked at commit
+            tx.add_settle(entity_type, name, items, op, reason, description, guard)
+            return None
+        if session is not None:
+            result = Sessions(entity).settle(session, items, op, reason, description)
+        else:
+            result = entity.settle(items, op, reason, description)
+        if op == lifecycle.DEAD_LETTER:
+            held = sorted({partition_of(seq) for (seq, _), ok in zip(items, result.ok, strict=True) if ok})
+            if held:
+                self.pump(entity, held)  # forward the dead letters (forward_dead_lettered_messages_to)
+        return result
+
+    # ---- transactions ---------------------------------------------------------------------------
+
+    def transaction(self) -> Transaction:
+        """A transaction on this broker: `with broker.transaction():` records sends and settlements for one commit."""
+        return Transaction(self)
