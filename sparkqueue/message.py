@@ -435,7 +435,6 @@ def to_rows(messages: Iterable[Message], settings: SendSettings, now: datetime) 
     for m in msgs:
         if not isinstance(m, Message):
             raise InvalidArgumentTypeError(f"expected Message, got {type(m).__name__}")
-    n = len(msgs)
     sessions = [m._session_id for m in msgs]
     if settings.requires_session and None in sessions:
         raise InvalidOperationError("the entity requires sessions: every message needs a session_id")
@@ -453,33 +452,84 @@ def to_rows(messages: Iterable[Message], settings: SendSettings, now: datetime) 
     sizes = _sizes(bodies, [pa.array(given, pa.string()), *(pa.array(v, pa.string()) for v in strings.values())], props)
     _check_sizes(sizes, mids, settings.tier)
     keys = _partition_keys(strings["session_id"], strings["partition_key"], mids, settings.requires_duplicate_detection)
-    visible, expires, ttls = _times(msgs, settings.default_message_time_to_live, now)
+    ttls = [limits.ttl_ms(m.time_to_live) for m in msgs]
+    scheduled = [m.scheduled_enqueue_time_utc for m in msgs]
+    columns = {
+        "message_id": pa.array(mids, pa.string()),
+        "body": bodies,
+        **{name: pa.array(values, pa.string()) for name, values in strings.items()},
+        "application_properties": pa.array(props, pa.string()),
+        "size_in_bytes": sizes,
+        "time_to_live_ms": _optional(ttls, pa.int64()),
+        "scheduled_enqueue_time_utc": _optional(scheduled, TIMESTAMP),
+    }
+    return message_rows(pa.table(columns), settings.default_message_time_to_live, now), keys
+
+
+def message_rows(
+    columns: pa.Table, default_ttl: timedelta | None, now: datetime, partition: pa.Array | pa.ChunkedArray | None = None
+) -> pa.Table:
+    """Entity rows (ENTITY_SCHEMA) of validated message columns, enqueued `now`: the one row conversion of every send.
+
+    `columns` holds message columns named as in ENTITY_SCHEMA (message_id filled in, body, the
+    string properties, application_properties as JSON, size_in_bytes, time_to_live_ms,
+    scheduled_enqueue_time_utc); absent ones are null. Both `to_rows` and Spark's send tasks
+    call it, so a message is stored the same whichever path sent it. A scheduled message is
+    enqueued when it becomes visible (as in Service Bus), so expires_at_utc == enqueued_time_utc +
+    time to live holds for it too (docs/semantics.md §5); the entity's default TTL caps the message's.
+    """
+    n = columns.num_rows
+    ttl = _column(columns, "time_to_live_ms", pa.int64())
+    if default_ttl is not None:
+        ttl = pc.min_element_wise(ttl, pa.scalar(limits.ttl_ms(default_ttl), pa.int64()))
+    scheduled = _column(columns, "scheduled_enqueue_time_utc", TIMESTAMP)
+    if ttl.null_count == n and scheduled.null_count == n:  # the common case: constant columns
+        visible, expires = _constant(now, TIMESTAMP, n), pa.nulls(n, TIMESTAMP)
+    else:
+        now_s = pa.scalar(now, TIMESTAMP)
+        visible = pc.if_else(pc.fill_null(pc.greater(scheduled, now_s), False), scheduled, now_s)
+        expires = _expiries(visible, ttl)
     cols: dict[str, Any] = {
-        "partition_id": _constant(0, pa.int32(), n),
+        "partition_id": _constant(0, pa.int32(), n) if partition is None else partition,
         "sequence_number": _constant(0, pa.int64(), n),
         "available_at_utc": visible,
         "sub_queue": _constant(SUB_QUEUE_MAIN, pa.string(), n),
         "state": _constant(STATE_ACTIVE, pa.string(), n),
         "kind": _constant(KIND_MESSAGE, pa.string(), n),
-        # A scheduled message is enqueued when it becomes visible (as in Service Bus), so that
-        # expires_at_utc == enqueued_time_utc + ttl holds for it too (docs/semantics.md §5).
         "enqueued_time_utc": visible,
         "expires_at_utc": expires,
-        "scheduled_enqueue_time_utc": [m.scheduled_enqueue_time_utc for m in msgs],
+        "scheduled_enqueue_time_utc": scheduled,
         "delivery_count": _constant(0, pa.int32(), n),
-        "message_id": mids,
-        "time_to_live_ms": ttls,
-        "size_in_bytes": sizes,
+        "time_to_live_ms": ttl,
         "transfer_hop_count": _constant(0, pa.int32(), n),
-        "application_properties": props,
-        "body": bodies,
-        **strings,
     }
-    arrays = [cols[f.name] if f.name in cols else pa.nulls(n, f.type) for f in _ROW_SCHEMA]
-    return pa.Table.from_arrays(
-        [a.cast(f.type) if isinstance(a, pa.Array) else pa.array(a, f.type) for a, f in zip(arrays, _ROW_SCHEMA, strict=True)],
-        schema=_ROW_SCHEMA,
-    ), keys
+    arrays = [cols[f.name] if f.name in cols else _column(columns, f.name, f.type) for f in _ROW_SCHEMA]
+    return pa.Table.from_arrays([a.cast(f.type) for a, f in zip(arrays, _ROW_SCHEMA, strict=True)], schema=_ROW_SCHEMA)
+
+
+def _column(columns: pa.Table, name: str, type_: pa.DataType) -> pa.Array:
+    """One column as a single array of `type_`; nulls when the table lacks it."""
+    if name not in columns.column_names:
+        return pa.nulls(columns.num_rows, type_)
+    return columns.column(name).combine_chunks().cast(type_)
+
+
+def _optional(values: list[Any], type_: pa.DataType) -> pa.Array:
+    """A column of optional per-message values; all-null cheaply when no message sets one."""
+    return pa.nulls(len(values), type_) if all(v is None for v in values) else pa.array(values, type_)
+
+
+# The latest storable instant in microseconds since the epoch: an expiry beyond it is stored as none.
+LATEST_US = int(limits.LATEST_TIME.timestamp()) * 1_000_000 + limits.LATEST_TIME.microsecond
+
+
+def _expiries(visible: pa.Array, ttl_ms: pa.Array) -> pa.Array:
+    """visible + TTL; null where there is no TTL or the sum lies past the latest storable instant (as limits.expiry)."""
+    at_us = visible.cast(pa.int64())
+    room_ms = pc.divide(pc.subtract(pa.scalar(LATEST_US, pa.int64()), at_us), 1000)
+    fits = pc.fill_null(pc.less_equal(ttl_ms, room_ms), False)
+    total = pc.add(at_us, pc.multiply(ttl_ms, 1000))  # wraps where it does not fit: masked out below
+    return pc.if_else(fits, total, pa.scalar(None, pa.int64())).cast(TIMESTAMP)
 
 
 # The string properties read through plain attributes (the others are validated properties with private fields).
@@ -516,21 +566,6 @@ def _partition_keys(sessions: list[str | None], pkeys: list[str | None], mids: l
     if not dedupe and all(s is None for s in sessions) and all(k is None for k in pkeys):
         return [None] * len(mids)
     return [partition_key(s, k, mid, dedupe) for s, k, mid in zip(sessions, pkeys, mids, strict=True)]
-
-
-def _times(msgs: list[Message], default_ttl: timedelta | None, now: datetime) -> tuple[Any, Any, Any]:
-    """Each message's available_at (= enqueued) time, expiry and TTL in ms; constant columns when none is scheduled or expires."""
-    n = len(msgs)
-    if default_ttl is None and all(m.time_to_live is None and m.scheduled_enqueue_time_utc is None for m in msgs):
-        return _constant(now, TIMESTAMP, n), pa.nulls(n, TIMESTAMP), pa.nulls(n, pa.int64())
-    visible, expires, ttls = [], [], []
-    for m in msgs:
-        ttl = min((t for t in (m.time_to_live, default_ttl) if t is not None), default=None)
-        at = max(now, m.scheduled_enqueue_time_utc) if m.scheduled_enqueue_time_utc else now
-        visible.append(at)
-        expires.append(limits.expiry(at, ttl))
-        ttls.append(limits.ttl_ms(ttl))
-    return visible, expires, ttls
 
 
 class MessageBatch:

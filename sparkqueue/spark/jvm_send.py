@@ -43,6 +43,8 @@ from pyspark.sql import Column, DataFrame, Observation, SparkSession
 from pyspark.sql import functions as sf
 
 from sparkqueue.errors import QuotaExceededError, StorageError
+from sparkqueue.message import LATEST_US
+from sparkqueue.model import limits
 from sparkqueue.model.entity import utcnow
 from sparkqueue.spark.send import ORD_ROW_MASK
 from sparkqueue.spark.session import spark_errors
@@ -108,8 +110,10 @@ def numbered_rows(prepared: DataFrame, plan: SendPlan, inputs: int, now: datetim
     ttl = sf.col("time_to_live_ms")
     default = plan.settings.default_message_time_to_live
     if default is not None:
-        ttl = sf.least(ttl, sf.lit(int(default.total_seconds() * 1000)).cast("long"))
-    expires = sf.timestamp_micros(sf.unix_micros(visible) + ttl * 1000)
+        ttl = sf.least(ttl, sf.lit(limits.ttl_ms(default)).cast("long"))
+    # As message.message_rows: no expiry where the sum would lie past the latest storable instant.
+    room_ms = (sf.lit(LATEST_US).cast("long") - sf.unix_micros(visible)) / 1000
+    expires = sf.when(ttl <= room_ms, sf.timestamp_micros(sf.unix_micros(visible) + ttl * 1000))
     null_ts, null_str = sf.lit(None).cast("timestamp"), sf.lit(None).cast("string")
     values: dict[str, Column] = {
         "sequence_number": seq,
@@ -118,7 +122,7 @@ def numbered_rows(prepared: DataFrame, plan: SendPlan, inputs: int, now: datetim
         "subscription": null_str,
         "state": sf.lit(STATE_ACTIVE),
         "kind": sf.lit(KIND_MESSAGE),
-        "enqueued_time_utc": now_ts,
+        "enqueued_time_utc": visible,  # a scheduled message is enqueued when it becomes visible (message_rows)
         "expires_at_utc": expires,
         "scheduled_enqueue_time_utc": sched,
         "locked_until_utc": null_ts,

@@ -39,7 +39,6 @@ import logging
 import random
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, replace
-from datetime import timedelta
 from functools import partial
 from typing import TYPE_CHECKING, Any
 
@@ -53,7 +52,7 @@ from pyspark.sql import types as st
 from pyspark.sql.functions import arrow_udf  # type: ignore[attr-defined]  # PySpark 4.1+, not yet in its stubs
 
 from sparkqueue.errors import InvalidOperationError, MessageSizeExceededError, PartitionUnavailableError, StorageError
-from sparkqueue.message import SendSettings
+from sparkqueue.message import SendSettings, message_rows
 from sparkqueue.model import limits
 from sparkqueue.model.addresses import QUEUE
 from sparkqueue.model.entity import utcnow
@@ -62,7 +61,7 @@ from sparkqueue.spark.session import bucket_key, input_partitions, marked, spark
 from sparkqueue.spark.worker import EntityRef, marking_errors, refuse_in_transaction
 from sparkqueue.storage.log import AddFile, Fence
 from sparkqueue.storage.retry import retry_commit
-from sparkqueue.storage.schema import ENTITY_SCHEMA, KIND_MESSAGE, PARTITION_COLUMN, STATE_ACTIVE, SUB_QUEUE_MAIN, TIMESTAMP
+from sparkqueue.storage.schema import TIMESTAMP
 from sparkqueue.storage.table import fence_app_id
 
 if TYPE_CHECKING:
@@ -709,38 +708,13 @@ def partition_runs(rows: pa.Table) -> Iterator[tuple[int, pa.Table]]:
 
 
 def entity_rows(chunk: pa.Table, settings: SendSettings) -> pa.Table:
-    """Prepared message columns as entity rows (ENTITY_SCHEMA), enqueued now; the vectorized `message.to_rows`."""
-    now = utcnow()
-    n = chunk.num_rows
-    now_s = pa.scalar(now, TIMESTAMP)
-    sched = _as_utc(chunk.column("scheduled_enqueue_time_utc"))
-    visible = pc.if_else(pc.fill_null(pc.greater(sched, now_s), False), sched, now_s)
-    ttl = chunk.column("time_to_live_ms")
-    default = settings.default_message_time_to_live
-    if default is not None:
-        ttl = pc.min_element_wise(ttl, pa.scalar(_ms(default), pa.int64()))
-    expires = pc.add(visible, pc.multiply(ttl, 1000).cast(pa.duration("us")))
-    cols: dict[str, pa.Array | pa.ChunkedArray] = {
-        PARTITION_COLUMN: chunk.column("_qp"),
-        "sequence_number": pa.repeat(pa.scalar(0, pa.int64()), n),
-        "available_at_utc": visible,
-        "sub_queue": pa.repeat(pa.scalar(SUB_QUEUE_MAIN), n),
-        "state": pa.repeat(pa.scalar(STATE_ACTIVE), n),
-        "kind": pa.repeat(pa.scalar(KIND_MESSAGE), n),
-        "enqueued_time_utc": pa.repeat(now_s, n),
-        "expires_at_utc": expires,
-        "scheduled_enqueue_time_utc": sched,
-        "delivery_count": pa.repeat(pa.scalar(0, pa.int32()), n),
-        "time_to_live_ms": ttl,
-        "transfer_hop_count": pa.repeat(pa.scalar(0, pa.int32()), n),
-    }
-    arrays = []
-    for f in ENTITY_SCHEMA:
-        a = cols.get(f.name)
-        if a is None:
-            a = chunk.column(f.name) if f.name in chunk.column_names else pa.nulls(n, f.type)
-        arrays.append(a.cast(f.type))
-    return pa.Table.from_arrays([pa.chunked_array([a]) if isinstance(a, pa.Array) else a for a in arrays], schema=ENTITY_SCHEMA)
+    """Prepared message columns as entity rows in their queue partitions (`_qp`), through the core's one row conversion."""
+    columns = chunk.set_column(
+        chunk.schema.get_field_index("scheduled_enqueue_time_utc"),
+        "scheduled_enqueue_time_utc",
+        _as_utc(chunk.column("scheduled_enqueue_time_utc")),
+    )
+    return message_rows(columns, settings.default_message_time_to_live, utcnow(), chunk.column("_qp"))
 
 
 def _as_utc(ts: pa.ChunkedArray) -> pa.ChunkedArray:
@@ -748,7 +722,3 @@ def _as_utc(ts: pa.ChunkedArray) -> pa.ChunkedArray:
     if isinstance(ts.type, pa.TimestampType) and ts.type.tz is None:
         return ts.cast(pa.timestamp("us")).cast(pa.int64()).cast(TIMESTAMP)
     return ts.cast(TIMESTAMP)
-
-
-def _ms(d: timedelta) -> int:
-    return int(d.total_seconds() * 1000)

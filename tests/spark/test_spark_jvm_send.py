@@ -18,15 +18,16 @@ from sparkqueue.storage.table import SEQUENCE_MASK, partition_of
 
 pytestmark = pytest.mark.spark
 
-# Columns that differ between two sends of one message by design: when, which sequence number, which id.
-VARYING = {"sequence_number", "available_at_utc", "enqueued_time_utc", "expires_at_utc", "message_id", "partition_id"}
+# Columns that differ between two sends of one message by design: which sequence number, which id.
+VARYING = {"sequence_number", "message_id"}  # a scheduled message's times are its schedule's: the same on both paths
 
 
 def stored_rows(table_dir: str) -> list[dict]:
     return DeltaTable(table_dir).to_pyarrow_table().sort_by("sequence_number").to_pylist()
 
 
-def test_a_message_sent_through_spark_is_stored_as_send_messages_stores_it(spark, ns):
+@pytest.mark.parametrize("preserve_order", [None, True], ids=["spark-writer", "python-tasks"])
+def test_a_message_sent_through_spark_is_stored_as_send_messages_stores_it(spark, ns, preserve_order):
     ns.create_queue("spark", enable_partitioning=False, default_message_time_to_live=timedelta(hours=1))
     ns.create_queue("core", enable_partitioning=False, default_message_time_to_live=timedelta(hours=1))
     at = datetime.now(UTC) + timedelta(minutes=5)
@@ -48,7 +49,7 @@ def test_a_message_sent_through_spark_is_stored_as_send_messages_stores_it(spark
         "reply_to_session_id string, content_type string",
     )
     with ns.get_queue_sender("spark") as s:
-        assert s.send_dataframe(df) == 1
+        assert s.send_dataframe(df, preserve_order=preserve_order) == 1
     with ns.get_queue_sender("core") as s:
         s.send_messages(Message(b"hello", message_id="id-2", application_properties=props, **fields))
     (a,) = stored_rows(ns.broker.entity("queue", "spark").table.uri)
@@ -133,3 +134,19 @@ def test_a_send_past_the_quota_fails_and_stores_nothing(spark, ns, numbered):
     table_dir = ns.broker.entity("queue", "q").table.uri
     assert DeltaTable(table_dir).to_pyarrow_table().num_rows == 0
     assert not [p for p in Path(table_dir).rglob("*.parquet") if "_delta_log" not in p.parts]
+
+
+@pytest.mark.parametrize("preserve_order", [None, True], ids=["spark-writer", "python-tasks"])
+def test_a_time_to_live_past_the_latest_instant_never_expires_on_every_path(spark, ns, preserve_order):
+    """A TTL whose expiry would lie past year 9999 is stored as no expiry, by Spark as by send_messages."""
+    ns.create_queue("q", enable_partitioning=False)
+    ttl = timedelta(days=3_000_000)  # about 8,200 years
+    df = spark.createDataFrame([(b"x", ttl.total_seconds())], "body binary, time_to_live double")
+    with ns.get_queue_sender("q") as s:
+        assert s.send_dataframe(df, preserve_order=preserve_order) == 1
+        s.send_messages(Message(b"y", time_to_live=ttl))
+    rows = stored_rows(ns.broker.entity("queue", "q").table.uri)
+    assert [(r["body"], r["expires_at_utc"], r["time_to_live_ms"]) for r in rows] == [
+        (b"x", None, ttl // timedelta(milliseconds=1)),
+        (b"y", None, ttl // timedelta(milliseconds=1)),
+    ]
