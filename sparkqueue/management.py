@@ -113,7 +113,7 @@ class Management:
         now = datetime.now(UTC)
         entry = CatalogEntry(Address.of(entity_type, name).key, entity_type, table_path, props.to_json(), now, now)
         if not self.broker.catalog.insert([entry, *extra], self.broker.deadline()):
-            shown = name.replace("|", "/")
+            shown = Address.of(entity_type, name).path
             raise EntityAlreadyExistsError(f"{entity_type} {shown!r} already exists in namespace {self.broker.root!r}")
         log.info("created %s %s", entity_type, name)
 

@@ -34,3 +34,14 @@ def test_children_are_found_by_parts_not_by_string_prefix() -> None:
     assert not Address.subscription_of("orders", "audit2").is_child_of(Address.subscription_of("orders", "audit"))
     assert not topic.is_child_of(topic)
     assert Address.of(SUBSCRIPTION, "orders|audit") == Address.subscription_of("orders", "audit")
+
+
+def test_service_bus_paths_are_written_and_read_in_one_place() -> None:
+    """Users name entities by Service Bus paths; Address writes them and splits a user's path."""
+    assert Address.of(QUEUE, "orders").path == "orders"
+    assert Address.subscription_of("orders", "audit").path == "orders/Subscriptions/audit"
+    assert Address.rule_of("orders", "audit", "$Default").path == "orders/Subscriptions/audit/Rules/$Default"
+    assert Address.split_path("orders/Subscriptions/audit") == ("orders", "audit")
+    assert Address.split_path("orders") == ("orders", None)
+    sub = Address.subscription_of("orders", "audit")
+    assert Address.split_path(sub.path) == (sub.topic, sub.subscription)

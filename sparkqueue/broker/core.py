@@ -141,7 +141,7 @@ class Broker:
     def entry(self, entity_type: str, name: str) -> CatalogEntry:
         entry = self.catalog.get(Address.of(entity_type, name).key)
         if entry is None:
-            shown = name.replace("|", "/")
+            shown = Address.of(entity_type, name).path
             raise EntityNotFoundError(f"{entity_type} {shown!r} does not exist in namespace {self.root!r}")
         return entry
 

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 QUEUE, TOPIC, SUBSCRIPTION, RULE = "queue", "topic", "subscription", "rule"
 KINDS = (QUEUE, TOPIC, SUBSCRIPTION, RULE)
 SEPARATOR = "|"
+SUBSCRIPTIONS, RULES = "/Subscriptions/", "/Rules/"  # Service Bus path segments ("orders/Subscriptions/audit")
 
 
 @dataclass(frozen=True)
@@ -47,6 +48,17 @@ class Address:
     def name(self) -> str:
         """The name as the catalog stores it after the kind ("t|s" for a subscription)."""
         return SEPARATOR.join(self.parts)
+
+    @classmethod
+    def split_path(cls, path: str) -> tuple[str, str | None]:
+        """A user's entity path as (queue or topic name, subscription or None): "t/Subscriptions/s" names a subscription."""
+        topic, sep, sub = path.partition(SUBSCRIPTIONS)
+        return (topic, sub) if sep else (path, None)
+
+    @property
+    def path(self) -> str:
+        """The name as users write it, in Service Bus path form ("t/Subscriptions/s", "t/Subscriptions/s/Rules/r")."""
+        return "".join(sep + part for sep, part in zip(("", SUBSCRIPTIONS, RULES), self.parts, strict=False))
 
     @property
     def key(self) -> str:

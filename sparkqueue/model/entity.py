@@ -19,6 +19,7 @@ import pyarrow.compute as pc
 
 from sparkqueue.errors import MessageLockLostError, PartitionUnavailableError
 from sparkqueue.model import lifecycle
+from sparkqueue.model.addresses import Address
 from sparkqueue.model.deadlines import effective
 from sparkqueue.model.partitioning import RoundRobin, partition_for_key
 from sparkqueue.model.properties import (
@@ -105,9 +106,9 @@ class Entity:
 
     @property
     def name(self) -> str:
-        """The entity's name (topic/subscription for subscriptions)."""
+        """The entity's name as users write it ("topic/Subscriptions/subscription" for a subscription)."""
         topic = getattr(self.props, "topic_name", "")
-        return f"{topic}/Subscriptions/{self.props.name}" if topic else self.props.name
+        return Address.subscription_of(topic, self.props.name).path if topic else self.props.name
 
     @property
     def policy(self) -> lifecycle.Policy:

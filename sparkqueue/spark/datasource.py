@@ -46,7 +46,7 @@ from pyspark.sql.types import StructType
 
 from sparkqueue.broker import split_subscription_path, sub_entity_name
 from sparkqueue.errors import EntityNotFoundError, InvalidOperationError
-from sparkqueue.model.addresses import QUEUE, SUBSCRIPTION, TOPIC
+from sparkqueue.model.addresses import QUEUE, SUBSCRIPTION, TOPIC, Address
 from sparkqueue.model.entity import ROW_COLUMNS, utcnow
 from sparkqueue.spark import streaming
 from sparkqueue.spark.schema import RECEIVED_SCHEMA, received_arrow, staged_rows
@@ -97,9 +97,9 @@ def resolve(
     ns = namespace if isinstance(namespace, Namespace) else Namespace(str(namespace), storage_options=storage_options)
     if entity_type not in (None, QUEUE, SUBSCRIPTION):
         raise InvalidOperationError(f"entity_type must be 'queue' or 'subscription', got {entity_type!r}")
-    topic, sep, sub = name.partition("/Subscriptions/")
-    if entity_type == SUBSCRIPTION or (entity_type is None and sep):
-        if not sep:
+    topic, sub = Address.split_path(name)
+    if entity_type == SUBSCRIPTION or (entity_type is None and sub is not None):
+        if sub is None:
             raise InvalidOperationError(f"name a subscription as '<topic>/Subscriptions/<subscription>', got {name!r}")
         entry = ns.broker.entry(SUBSCRIPTION, sub_entity_name(topic, sub))
         path, key = split_subscription_path(entry.table_path)

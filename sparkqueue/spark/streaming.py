@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING
 
 from sparkqueue.broker import sub_entity_name
 from sparkqueue.errors import InvalidOperationError
-from sparkqueue.model.addresses import QUEUE, SUBSCRIPTION, TOPIC
+from sparkqueue.model.addresses import QUEUE, SUBSCRIPTION, TOPIC, Address
 from sparkqueue.storage.log import Fence
 
 if TYPE_CHECKING:
@@ -91,8 +91,7 @@ class EntityAddress:
     @property
     def display(self) -> str:
         """The name as users write it."""
-        topic, sep, sub = self.name.partition("|")
-        return f"{topic}/Subscriptions/{sub}" if sep else self.name
+        return Address.of(self.entity_type, self.name).path
 
 
 def address_of(options: Mapping[str, str], *, sink: bool) -> EntityAddress:
@@ -106,7 +105,7 @@ def address_of(options: Mapping[str, str], *, sink: bool) -> EntityAddress:
     name = options.get("entity") or options.get("path")
     topic, subscription = options.get("topic"), options.get("subscription")
     if not name and topic and subscription and not sink:
-        name = f"{topic}/Subscriptions/{subscription}"
+        name = Address.subscription_of(topic, subscription).path
     elif not name and topic and sink:
         name = topic
     if not name:
@@ -124,8 +123,8 @@ def _resolve(ns: Namespace, root: str, storage: dict[str, str], name: str, sink:
     from sparkqueue.errors import EntityNotFoundError
 
     frozen = tuple(sorted(storage.items()))
-    topic, sep, sub = name.partition("/Subscriptions/")
-    if sep:
+    topic, sub = Address.split_path(name)
+    if sub is not None:
         if sink:
             raise InvalidOperationError(f"the sink sends to a queue or topic, not to a subscription ({name!r})")
         ns.broker.entry(SUBSCRIPTION, sub_entity_name(topic, sub))  # EntityNotFoundError when absent
