@@ -1,7 +1,8 @@
 """Administration of queues, topics, subscriptions and rules (SDK: ServiceBusAdministrationClient).
 
-A mixin of `Namespace`: every method here changes or reads the catalog, and management of an
-entity with an unavailable partition fails without changing anything (docs/semantics.md §1).
+The client holds a broker core (composition) and calls only its public methods; `Namespace`
+extends it. Every method here changes or reads the catalog, and management of an entity with
+an unavailable partition fails without changing anything (docs/semantics.md §1).
 """
 
 from __future__ import annotations

@@ -504,14 +504,19 @@ def message_rows(
         "transfer_hop_count": _constant(0, pa.int32(), n),
     }
     arrays = [cols[f.name] if f.name in cols else _column(columns, f.name, f.type) for f in _ROW_SCHEMA]
-    return pa.Table.from_arrays([a.cast(f.type) for a, f in zip(arrays, _ROW_SCHEMA, strict=True)], schema=_ROW_SCHEMA)
+    return pa.Table.from_arrays([_typed(a, f.type) for a, f in zip(arrays, _ROW_SCHEMA, strict=True)], schema=_ROW_SCHEMA)
 
 
-def _column(columns: pa.Table, name: str, type_: pa.DataType) -> pa.Array:
-    """One column as a single array of `type_`; nulls when the table lacks it."""
+def _column(columns: pa.Table, name: str, type_: pa.DataType) -> pa.Array | pa.ChunkedArray:
+    """One column as `type_` (chunks kept: no copy); nulls when the table lacks it."""
     if name not in columns.column_names:
         return pa.nulls(columns.num_rows, type_)
-    return columns.column(name).combine_chunks().cast(type_)
+    return _typed(columns.column(name), type_)
+
+
+def _typed(values: Any, type_: pa.DataType) -> Any:
+    """`values` as `type_` (a cast only when the type differs: casts cost a compute call each)."""
+    return values if values.type == type_ else values.cast(type_)
 
 
 def _optional(values: list[Any], type_: pa.DataType) -> pa.Array:
@@ -519,14 +524,10 @@ def _optional(values: list[Any], type_: pa.DataType) -> pa.Array:
     return pa.nulls(len(values), type_) if all(v is None for v in values) else pa.array(values, type_)
 
 
-# The latest storable instant in microseconds since the epoch: an expiry beyond it is stored as none.
-LATEST_US = int(limits.LATEST_TIME.timestamp()) * 1_000_000 + limits.LATEST_TIME.microsecond
-
-
 def _expiries(visible: pa.Array, ttl_ms: pa.Array) -> pa.Array:
-    """visible + TTL; null where there is no TTL or the sum lies past the latest storable instant (as limits.expiry)."""
+    """visible + TTL; null where there is no TTL or the sum lies past the latest storable instant (limits.LATEST_US)."""
     at_us = visible.cast(pa.int64())
-    room_ms = pc.divide(pc.subtract(pa.scalar(LATEST_US, pa.int64()), at_us), 1000)
+    room_ms = pc.divide(pc.subtract(pa.scalar(limits.LATEST_US, pa.int64()), at_us), 1000)
     fits = pc.fill_null(pc.less_equal(ttl_ms, room_ms), False)
     total = pc.add(at_us, pc.multiply(ttl_ms, 1000))  # wraps where it does not fit: masked out below
     return pc.if_else(fits, total, pa.scalar(None, pa.int64())).cast(TIMESTAMP)

@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING
 import pyarrow.compute as pc
 
 from sparkqueue.auto_lock_renewer import AutoLockRenewer
+from sparkqueue.broker import open_transaction
 from sparkqueue.constants import NEXT_AVAILABLE_SESSION, ReceiveMode, SubQueue
 from sparkqueue.errors import (
     InvalidArgumentTypeError,
@@ -132,6 +133,7 @@ class Receiver:
             self.session._release([m.sequence_number for m in self._cache])
         elif self._cache and self.receive_mode == ReceiveMode.PEEK_LOCK:
             cached = list(self._cache)
+            # A release of prefetched messages, not a settlement: applied at once, never joining an open transaction.
             self._entity().settle([(m.sequence_number, m.lock_token or "") for m in cached], lifecycle.ABANDON)
         self._cache.clear()
         self._closed = True
@@ -365,11 +367,11 @@ class Receiver:
             return []
         items = [(m.sequence_number, m.lock_token or "") for m in messages]
         lock = self.session._lock if self.session is not None else None  # a session's messages settle under its lock
+        if self.session is not None and op == lifecycle.ABANDON and open_transaction(self._ns.broker) is None:
+            self.session._rewind = True  # set first: an abandon whose call failed after landing still comes back first
         res = self._ns.broker.settle(self.entity_type, self.entity_name, items, op, reason, description, session=lock)
         if res is None:  # recorded by the open transaction, applied at its commit
             return [None] * len(messages)
-        if self.session is not None and op == lifecycle.ABANDON:
-            self.session._rewind = True
         lost = [m for m, ok in zip(messages, res.ok, strict=True) if not ok]
         if op != lifecycle.RENEW:
             for m, ok in zip(messages, res.ok, strict=True):

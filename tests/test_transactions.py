@@ -485,3 +485,19 @@ def test_a_dead_letter_in_a_transaction_is_forwarded_at_commit(ns: Namespace) ->
     with ns.get_queue_receiver("dlq-target") as r:
         (got,) = _take(r, 1)
     assert (got.message_id, got.dead_letter_reason) == ("x", "bad")
+
+
+def test_transactions_of_two_namespaces_are_open_together_and_commit_apart(q: Namespace, tmp_path) -> None:
+    """Nesting is refused per namespace: a transaction on another namespace may be open at the same time."""
+    ns = q
+    other = Namespace(tmp_path / "other")
+    other.create_queue("q")
+    with ns.get_queue_sender("q") as s, other.get_queue_sender("q") as s2:
+        with ns.transaction():
+            s.send_messages(Message("a", message_id="a", partition_key="k"))
+            with other.transaction():
+                s2.send_messages(Message("b", message_id="b", partition_key="k"))
+                assert _peek_ids(other) == []
+            assert _peek_ids(other) == ["b"]  # the inner one committed at its own exit
+            assert _peek_ids(ns) == ["m0"]
+    assert _peek_ids(ns) == ["a", "m0"]

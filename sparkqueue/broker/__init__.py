@@ -12,13 +12,12 @@ from sparkqueue.broker.core import (
     split_subscription_path,
     sub_entity_name,
 )
-from sparkqueue.broker.transaction import Transaction, in_transaction, open_transaction
+from sparkqueue.broker.transaction import Transaction, open_transaction
 
 __all__ = [
     "PROPERTY_TYPES",
     "Broker",
     "Transaction",
-    "in_transaction",
     "open_transaction",
     "rule_from_entry",
     "split_subscription_path",

@@ -1,8 +1,9 @@
 """Transactions (docs/semantics.md §7): sends and settlements on one entity and one partition key, in one Delta commit.
 
-The open transaction travels in a ContextVar: while `with ns.transaction():` is open in a thread
-(or an asyncio task), the broker's `send` and `settle` record into it instead of applying, so no
-API object has to carry it. A new thread starts outside any transaction.
+The open transactions travel in a ContextVar: while `with ns.transaction():` is open in a thread
+(or an asyncio task), that broker's `send` and `settle` record into it instead of applying, so no
+API object has to carry it. A thread started with `threading.Thread` starts with an empty
+context, outside any transaction; code run in a copy of the context (`asyncio.to_thread`) joins it.
 """
 
 from __future__ import annotations
@@ -28,18 +29,12 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-_OPEN: ContextVar[Transaction | None] = ContextVar("sparkqueue_transaction", default=None)
+_OPEN: ContextVar[tuple[Transaction, ...]] = ContextVar("sparkqueue_transactions", default=())
 
 
 def open_transaction(broker: Broker) -> Transaction | None:
     """The transaction open in this context on `broker` (a transaction of another namespace does not capture it)."""
-    tx = _OPEN.get()
-    return tx if tx is not None and tx.broker is broker else None
-
-
-def in_transaction() -> bool:
-    """Whether any transaction is open in this context (DataFrame operations refuse to run inside one)."""
-    return _OPEN.get() is not None
+    return next((tx for tx in _OPEN.get() if tx.broker is broker), None)
 
 
 @dataclass
@@ -60,12 +55,12 @@ class Transaction:
     _settles: list[PendingSettle] = field(default_factory=list)
     _settle_partition: int | None = None
     _done: bool = False
-    _token: Token[Transaction | None] | None = None
+    _token: Token[tuple[Transaction, ...]] | None = None
 
     def __enter__(self) -> Transaction:
-        if _OPEN.get() is not None:
-            raise InvalidOperationError("a transaction is already open in this thread; transactions do not nest")
-        self._token = _OPEN.set(self)
+        if open_transaction(self.broker) is not None:
+            raise InvalidOperationError("a transaction of this namespace is already open here; transactions do not nest")
+        self._token = _OPEN.set((*_OPEN.get(), self))
         return self
 
     def __exit__(self, exc_type: object, exc: object, tb: object) -> None:

@@ -279,13 +279,10 @@ class Entity:
         op: str,
         reason: lifecycle.Texts = None,
         description: lifecycle.Texts = None,
-        guard: Guard | None = None,
     ) -> SettleResult:
         """Settle (sequence_number, lock_token) pairs; an item whose lock is not current is reported, not applied.
 
         A dead letter's reason and description are one text, or a list with one per item.
-        `guard(dt, partition, now)` runs inside each commit attempt: it may raise (a lost session
-        lock) or return extra change rows to commit with the settlement.
         """
         ok = [False] * len(items)
         until: list[datetime | None] = [None] * len(items)
@@ -299,17 +296,11 @@ class Entity:
             def attempt(p: int = p, idx: list[int] = idx) -> None:
                 dt = self.table.snapshot()
                 now = utcnow()
-                extra = guard(dt, p, now) if guard is not None else None
                 good, valid = self.locked_rows(dt, p, [items[i] for i in idx], now)
                 held = [i for i, v in zip(idx, valid, strict=True) if v]  # the items of `good`, in its order
-                parts = []
                 if good.num_rows:
                     texts = lifecycle.texts_of(reason, held), lifecycle.texts_of(description, held)
-                    parts.append(lifecycle.settle(good, op, now, self.policy, *texts))
-                if extra is not None and extra.num_rows:
-                    parts.append(extra)
-                if parts:
-                    self.table.apply(dt, p, pa.concat_tables(parts))
+                    self.table.apply(dt, p, lifecycle.settle(good, op, now, self.policy, *texts))
                 new_until = now + self.policy.lock_duration
                 for i, v in zip(idx, valid, strict=True):
                     ok[i] = v

@@ -39,6 +39,7 @@ TTL_NEVER = timedelta(days=10_675_199)
 # The latest instant stored and computed: the end of the year 9999 at millisecond precision (table
 # statistics hold milliseconds and round up); later scheduled times are read as this one.
 LATEST_TIME = datetime(9999, 12, 31, 23, 59, 59, 999000, tzinfo=UTC)
+LATEST_US = (LATEST_TIME - datetime(1970, 1, 1, tzinfo=UTC)) // timedelta(microseconds=1)  # the same, as epoch microseconds
 
 # \Z, not $: "$" also matches before a final newline, which would let "abc\n" through.
 _ENTITY_NAME = re.compile(r"\A[A-Za-z0-9](?:[A-Za-z0-9._/-]{0,258}[A-Za-z0-9])?\Z")
@@ -161,13 +162,6 @@ def check_ttl(value: object, field: str) -> timedelta | None:
     if ttl is not None and ttl >= TTL_NEVER:
         return None
     return ttl
-
-
-def expiry(at: datetime, ttl: timedelta | None) -> datetime | None:
-    """`at + ttl`, or None (never) when there is no TTL or the sum lies past the latest storable instant."""
-    if ttl is None or ttl > LATEST_TIME - at:
-        return None
-    return at + ttl
 
 
 def ttl_ms(ttl: timedelta | None) -> int | None:

@@ -186,12 +186,12 @@ def _cap_ttl(rows: pa.Table, sub: Subscriber) -> pa.Table:
     ttl = sub.default_message_time_to_live
     if ttl is None:
         return rows
-    cap_ms = int(ttl.total_seconds() * 1000)
+    cap_ms = ttl // timedelta(milliseconds=1)  # whole milliseconds, as every send stores a TTL (limits.ttl_ms)
     current = rows.column("time_to_live_ms")
     shorter = pc.fill_null(pc.less(pa.scalar(cap_ms, pa.int64()), current.cast(pa.int64())), True)
     ttl_i = rows.schema.get_field_index("time_to_live_ms")
     exp_i = rows.schema.get_field_index("expires_at_utc")
-    capped_expiry = pc.add(rows.column("available_at_utc"), pa.scalar(ttl, pa.duration("us"))).cast(TIMESTAMP)
+    capped_expiry = pc.add(rows.column("available_at_utc"), pa.scalar(cap_ms * 1000, pa.duration("us"))).cast(TIMESTAMP)
     too_late = pc.fill_null(pc.greater(capped_expiry, pa.scalar(limits.LATEST_TIME, TIMESTAMP)), False)
     capped_expiry = pc.if_else(too_late, pa.scalar(None, TIMESTAMP), capped_expiry)
     capped_ttl = pc.if_else(shorter, pa.scalar(cap_ms, pa.int64()), current.cast(pa.int64())).cast(current.type)

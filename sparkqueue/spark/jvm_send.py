@@ -43,7 +43,6 @@ from pyspark.sql import Column, DataFrame, Observation, SparkSession
 from pyspark.sql import functions as sf
 
 from sparkqueue.errors import QuotaExceededError, StorageError
-from sparkqueue.message import LATEST_US
 from sparkqueue.model import limits
 from sparkqueue.model.entity import utcnow
 from sparkqueue.spark.send import ORD_ROW_MASK
@@ -112,7 +111,7 @@ def numbered_rows(prepared: DataFrame, plan: SendPlan, inputs: int, now: datetim
     if default is not None:
         ttl = sf.least(ttl, sf.lit(limits.ttl_ms(default)).cast("long"))
     # As message.message_rows: no expiry where the sum would lie past the latest storable instant.
-    room_ms = (sf.lit(LATEST_US).cast("long") - sf.unix_micros(visible)) / 1000
+    room_ms = (sf.lit(limits.LATEST_US).cast("long") - sf.unix_micros(visible)) / 1000
     expires = sf.when(ttl <= room_ms, sf.timestamp_micros(sf.unix_micros(visible) + ttl * 1000))
     null_ts, null_str = sf.lit(None).cast("timestamp"), sf.lit(None).cast("string")
     values: dict[str, Column] = {

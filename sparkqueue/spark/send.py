@@ -52,7 +52,7 @@ from pyspark.sql import types as st
 from pyspark.sql.functions import arrow_udf  # type: ignore[attr-defined]  # PySpark 4.1+, not yet in its stubs
 
 from sparkqueue.errors import InvalidOperationError, MessageSizeExceededError, PartitionUnavailableError, StorageError
-from sparkqueue.message import SendSettings, message_rows
+from sparkqueue.message import SendSettings, message_rows, send_settings
 from sparkqueue.model import limits
 from sparkqueue.model.addresses import QUEUE
 from sparkqueue.model.entity import utcnow
@@ -129,8 +129,6 @@ def send_dataframe(
     available = tuple(p for p in range(entity.partition_count) if entity.available(p))
     if not available:
         raise PartitionUnavailableError(f"no partition of {entity.name!r} is available; nothing was sent")
-    from sparkqueue.message import send_settings
-
     plan = SendPlan(
         EntityRef.of(broker, entity_type, name),
         send_settings(broker.tier, entity.props),

@@ -48,7 +48,7 @@ from pyspark.sql.streaming.datasource import ReadAllAvailable, ReadLimit, ReadMa
 
 from sparkqueue.errors import InvalidOperationError, SparkQueueError
 from sparkqueue.model import lifecycle
-from sparkqueue.model.entity import Entity, utcnow
+from sparkqueue.model.entity import Entity, SettleResult, utcnow
 from sparkqueue.spark.datasource import sub_queue_of
 from sparkqueue.spark.receive import RECEIVE_CHUNK, ReceiveJob, candidate_partitions, shares, stage_chunk
 from sparkqueue.spark.schema import received_arrow, staged_rows
@@ -354,7 +354,7 @@ class StreamState:
             # each thread on a namespace handle of its own.
             locked = self.pool.map(partial(self._lock_partition, job, round_no), plan)
             for (p, share), (got, pairs) in zip(plan, locked, strict=True):
-                items += self._drop_committed(entity, pairs)
+                items += self._drop_committed(pairs)
                 total += got
                 estimate[p] = max(0, estimate[p] - got)
                 if got >= share and estimate[p] > 0:
@@ -365,13 +365,24 @@ class StreamState:
                 break
         return total
 
-    def _thread_entity(self) -> Entity:
-        """The entity on the calling thread's own namespace handle."""
+    def _thread_namespace(self) -> Namespace:
+        """The calling thread's own namespace handle."""
         ns = getattr(self._local, "ns", None)
         if ns is None:
             ns = self._local.ns = self.config.address.namespace()
             self._thread_namespaces.append(ns)
-        return self.config.address.entity(ns)
+        return ns
+
+    def _thread_entity(self) -> Entity:
+        """The entity on the calling thread's own namespace handle."""
+        return self.config.address.entity(self._thread_namespace())
+
+    def _settle_on(self, ns: Namespace, items: list[Item], op: str) -> SettleResult:
+        """Settle through the broker's one settle path (a stream's threads hold no transaction)."""
+        address = self.config.address
+        result = ns.broker.settle(address.entity_type, address.name, items, op)
+        assert result is not None
+        return result
 
     def _lock_partition(self, job: ReceiveJob, round_no: int, plan: tuple[int, int]) -> tuple[int, list[Item]]:
         """Lock up to `share` messages of partition p into the batch's directory; (locked, their (sequence, token) pairs)."""
@@ -400,20 +411,20 @@ class StreamState:
             groups[partition_of(s)].append(i)
         ok = [False] * len(items)
         idx = list(groups.values())
-        results = self.pool.map(lambda ii: self._thread_entity().settle([items[i] for i in ii], op).ok, idx)
+        results = self.pool.map(lambda ii: self._settle_on(self._thread_namespace(), [items[i] for i in ii], op).ok, idx)
         for ii, res in zip(idx, results, strict=True):
             for i, v in zip(ii, res, strict=True):
                 ok[i] = v
         return ok
 
-    def _drop_committed(self, entity: Entity, pairs: list[Item]) -> list[Item]:
+    def _drop_committed(self, pairs: list[Item]) -> list[Item]:
         """Complete at once the messages whose output an earlier batch committed (their first completion lost the lock)."""
         if not self.skip:
             return pairs
         again = [(s, t) for s, t in pairs if str(s) in self.skip]
         if not again:
             return pairs
-        result = entity.settle(again, lifecycle.COMPLETE)
+        result = self._settle_on(self.ns, again, lifecycle.COMPLETE)
         for (s, _), ok in zip(again, result.ok, strict=True):
             if ok:
                 self.skip.pop(str(s), None)
@@ -489,7 +500,7 @@ class StreamState:
             items = self._items(b)
             if items:
                 try:
-                    self.entity().settle(items, lifecycle.ABANDON)
+                    self._settle_on(self.ns, items, lifecycle.ABANDON)
                 except SparkQueueError as exc:
                     log.info("stream %s: abandoning unlogged batch %d failed (%s); its locks lapse", self.stream_id, b, exc)
             self._remove_batch(b)
@@ -533,7 +544,7 @@ class StreamState:
                 if not items:
                     continue
                 try:
-                    result = entity.settle(items, lifecycle.RENEW)
+                    result = self._settle_on(ns, items, lifecycle.RENEW)
                 except SparkQueueError as exc:
                     log.warning("stream %s: lock renewal failed (%s); retrying", self.stream_id, exc)
                     continue
