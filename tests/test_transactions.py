@@ -492,12 +492,11 @@ def test_transactions_of_two_namespaces_are_open_together_and_commit_apart(q: Na
     ns = q
     other = Namespace(tmp_path / "other")
     other.create_queue("q")
-    with ns.get_queue_sender("q") as s, other.get_queue_sender("q") as s2:
-        with ns.transaction():
-            s.send_messages(Message("a", message_id="a", partition_key="k"))
-            with other.transaction():
-                s2.send_messages(Message("b", message_id="b", partition_key="k"))
-                assert _peek_ids(other) == []
-            assert _peek_ids(other) == ["b"]  # the inner one committed at its own exit
-            assert _peek_ids(ns) == ["m0"]
+    with ns.get_queue_sender("q") as s, other.get_queue_sender("q") as s2, ns.transaction():
+        s.send_messages(Message("a", message_id="a", partition_key="k"))
+        with other.transaction():
+            s2.send_messages(Message("b", message_id="b", partition_key="k"))
+            assert _peek_ids(other) == []
+        assert _peek_ids(other) == ["b"]  # the inner one committed at its own exit
+        assert _peek_ids(ns) == ["m0"]
     assert _peek_ids(ns) == ["a", "m0"]
