@@ -463,26 +463,29 @@ def to_rows(messages: Iterable[Message], settings: SendSettings, now: datetime) 
         "time_to_live_ms": _optional(ttls, pa.int64()),
         "scheduled_enqueue_time_utc": _optional(scheduled, TIMESTAMP),
     }
-    return message_rows(pa.table(columns), settings.default_message_time_to_live, now), keys
+    return message_rows(columns, len(msgs), settings.default_message_time_to_live, now), keys
 
 
 def message_rows(
-    columns: pa.Table, default_ttl: timedelta | None, now: datetime, partition: pa.Array | pa.ChunkedArray | None = None
+    columns: Mapping[str, pa.Array | pa.ChunkedArray],
+    n: int,
+    default_ttl: timedelta | None,
+    now: datetime,
+    partition: pa.Array | pa.ChunkedArray | None = None,
 ) -> pa.Table:
     """Entity rows (ENTITY_SCHEMA) of validated message columns, enqueued `now`: the one row conversion of every send.
 
-    `columns` holds message columns named as in ENTITY_SCHEMA (message_id filled in, body, the
+    `columns` holds `n` rows of message columns named as in ENTITY_SCHEMA (message_id filled in, body, the
     string properties, application_properties as JSON, size_in_bytes, time_to_live_ms,
     scheduled_enqueue_time_utc); absent ones are null. Both `to_rows` and Spark's send tasks
     call it, so a message is stored the same whichever path sent it. A scheduled message is
     enqueued when it becomes visible (as in Service Bus), so expires_at_utc == enqueued_time_utc +
     time to live holds for it too (docs/semantics.md §5); the entity's default TTL caps the message's.
     """
-    n = columns.num_rows
-    ttl = _column(columns, "time_to_live_ms", pa.int64())
+    ttl = _column(columns, n, "time_to_live_ms", pa.int64())
     if default_ttl is not None:
         ttl = pc.min_element_wise(ttl, pa.scalar(limits.ttl_ms(default_ttl), pa.int64()))
-    scheduled = _column(columns, "scheduled_enqueue_time_utc", TIMESTAMP)
+    scheduled = _column(columns, n, "scheduled_enqueue_time_utc", TIMESTAMP)
     if ttl.null_count == n and scheduled.null_count == n:  # the common case: constant columns
         visible, expires = _constant(now, TIMESTAMP, n), pa.nulls(n, TIMESTAMP)
     else:
@@ -503,15 +506,14 @@ def message_rows(
         "time_to_live_ms": ttl,
         "transfer_hop_count": _constant(0, pa.int32(), n),
     }
-    arrays = [cols[f.name] if f.name in cols else _column(columns, f.name, f.type) for f in _ROW_SCHEMA]
+    arrays = [cols[f.name] if f.name in cols else _column(columns, n, f.name, f.type) for f in _ROW_SCHEMA]
     return pa.Table.from_arrays([_typed(a, f.type) for a, f in zip(arrays, _ROW_SCHEMA, strict=True)], schema=_ROW_SCHEMA)
 
 
-def _column(columns: pa.Table, name: str, type_: pa.DataType) -> pa.Array | pa.ChunkedArray:
-    """One column as `type_` (chunks kept: no copy); nulls when the table lacks it."""
-    if name not in columns.column_names:
-        return pa.nulls(columns.num_rows, type_)
-    return _typed(columns.column(name), type_)
+def _column(columns: Mapping[str, Any], n: int, name: str, type_: pa.DataType) -> pa.Array | pa.ChunkedArray:
+    """One column as `type_` (chunks kept: no copy); n nulls when there is none."""
+    values = columns.get(name)
+    return pa.nulls(n, type_) if values is None else _typed(values, type_)
 
 
 def _typed(values: Any, type_: pa.DataType) -> Any:

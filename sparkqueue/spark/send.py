@@ -707,12 +707,9 @@ def partition_runs(rows: pa.Table) -> Iterator[tuple[int, pa.Table]]:
 
 def entity_rows(chunk: pa.Table, settings: SendSettings) -> pa.Table:
     """Prepared message columns as entity rows in their queue partitions (`_qp`), through the core's one row conversion."""
-    columns = chunk.set_column(
-        chunk.schema.get_field_index("scheduled_enqueue_time_utc"),
-        "scheduled_enqueue_time_utc",
-        _as_utc(chunk.column("scheduled_enqueue_time_utc")),
-    )
-    return message_rows(columns, settings.default_message_time_to_live, utcnow(), chunk.column("_qp"))
+    columns = dict(zip(chunk.column_names, chunk.columns, strict=True))
+    columns["scheduled_enqueue_time_utc"] = _as_utc(columns["scheduled_enqueue_time_utc"])
+    return message_rows(columns, chunk.num_rows, settings.default_message_time_to_live, utcnow(), columns["_qp"])
 
 
 def _as_utc(ts: pa.ChunkedArray) -> pa.ChunkedArray:
