@@ -367,16 +367,16 @@ class Receiver:
             return []
         items = [(m.sequence_number, m.lock_token or "") for m in messages]
         lock = self.session._lock if self.session is not None else None  # a session's messages settle under its lock
-        if self.session is not None and op == lifecycle.ABANDON and open_transaction(self._ns.broker) is None:
-            self.session._rewind = True  # set first: an abandon whose call failed after landing still comes back first
+        tx = open_transaction(self._ns.broker)
+        if tx is None:
+            self._settled(messages, op, None)  # before the call: an abandon that failed after landing still rewinds
         res = self._ns.broker.settle(self.entity_type, self.entity_name, items, op, reason, description, session=lock)
-        if res is None:  # recorded by the open transaction, applied at its commit
+        if res is None:  # recorded by the open transaction: applied, all of it, when it commits
+            assert tx is not None
+            tx.on_commit(lambda: self._settled(messages, op, [True] * len(messages)))
             return [None] * len(messages)
+        self._settled(messages, op, res.ok)
         lost = [m for m, ok in zip(messages, res.ok, strict=True) if not ok]
-        if op != lifecycle.RENEW:
-            for m, ok in zip(messages, res.ok, strict=True):
-                if ok:
-                    mark_settled(m)
         if lost:
             names = ", ".join(f"{m.sequence_number} ({m.message_id!r})" for m in lost[:5])
             more = f" and {len(lost) - 5} more" if len(lost) > 5 else ""
@@ -385,6 +385,15 @@ class Receiver:
                 "the settlement was not applied to them. Receive them again"
             )
         return res.locked_until
+
+    def _settled(self, messages: list[ReceivedMessage], op: str, ok: list[bool] | None) -> None:
+        """Client-side effects of a settlement: an abandon in a session rewinds the cache; `ok` ones are marked settled."""
+        if self.session is not None and op == lifecycle.ABANDON:
+            self.session._rewind = True
+        if ok is not None and op != lifecycle.RENEW:
+            for m, held in zip(messages, ok, strict=True):
+                if held:
+                    mark_settled(m)
 
     # ---- DataFrames (sparkqueue.spark, imported lazily: pyspark is optional) -------------------
 

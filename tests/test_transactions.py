@@ -500,3 +500,34 @@ def test_transactions_of_two_namespaces_are_open_together_and_commit_apart(q: Na
         assert _peek_ids(other) == ["b"]  # the inner one committed at its own exit
         assert _peek_ids(ns) == ["m0"]
     assert _peek_ids(ns) == ["a", "m0"]
+
+
+def test_messages_settled_by_a_commit_count_as_settled_and_a_discarded_one_does_not(q: Namespace) -> None:
+    """After the commit, settling the message again raises MessageAlreadySettled, as after a direct settle."""
+    from sparkqueue.errors import MessageAlreadySettled
+
+    ns = q
+    with ns.get_queue_receiver("q") as r:
+        (m0,) = _take(r, 1)
+        with pytest.raises(RuntimeError), ns.transaction():
+            r.complete_message(m0)
+            raise RuntimeError("discard")
+        with ns.transaction():
+            r.complete_message(m0)  # the discarded transaction left it unsettled
+        with pytest.raises(MessageAlreadySettled):
+            r.complete_message(m0)
+    assert _peek_ids(ns) == []
+
+
+def test_a_session_message_abandoned_in_a_transaction_comes_back_before_later_ones(ns: Namespace) -> None:
+    """An abandon applied by a commit rewinds the session receiver: the message is its next one again."""
+    ns.create_queue("sq", requires_session=True)
+    with ns.get_queue_sender("sq") as s:
+        s.send_messages([Message(f"m{i}", session_id="s1", message_id=f"m{i}") for i in range(3)])
+    with ns.get_queue_receiver("sq", session_id="s1") as r:
+        (m0,) = r.receive_messages(1)
+        with ns.transaction():
+            r.abandon_message(m0)
+        got = r.receive_messages(3)
+        assert [m.message_id for m in got] == ["m0", "m1", "m2"]
+        r.complete_messages(got)

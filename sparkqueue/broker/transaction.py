@@ -9,7 +9,7 @@ context, outside any transaction; code run in a copy of the context (`asyncio.to
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from contextvars import ContextVar, Token
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -55,6 +55,7 @@ class Transaction:
     _settles: list[PendingSettle] = field(default_factory=list)
     _settle_partition: int | None = None
     _done: bool = False
+    _committed: list[Callable[[], None]] = field(default_factory=list)
     _token: Token[tuple[Transaction, ...]] | None = None
 
     def __enter__(self) -> Transaction:
@@ -132,6 +133,10 @@ class Transaction:
         self._settles.append(PendingSettle(op, list(items), reason, description, guard))
         self._check_size()
 
+    def on_commit(self, callback: Callable[[], None]) -> None:
+        """Run `callback` once the commit has applied everything (a receiver then marks its messages settled)."""
+        self._committed.append(callback)
+
     def _check_size(self) -> None:
         ops = self._sent + sum(len(s.items) for s in self._settles)
         if ops > limits.MAX_TRANSACTION_MESSAGES:
@@ -149,6 +154,8 @@ class Transaction:
         entity_type, name = self._entity_key or ("", "")
         expand = self.broker.expander(entity_type, name) if rows is not None else None  # topic fan-out
         stored = entity.transact(partition, rows, self._settles, expand)
+        for callback in self._committed:
+            callback()
         if any(st.op == lifecycle.DEAD_LETTER for st in self._settles):
             self.broker.pump(entity, [partition])  # forward the dead letters, as Broker.settle does
         if stored is None:
