@@ -282,7 +282,6 @@ class ReceivedMessage:
         return self.body.decode("utf-8", errors="replace")
 
 
-
 def is_settled(message: object) -> bool:
     """Whether a receiver settled this received message (its lock then needs no renewal, and a second settle is refused)."""
     return bool(getattr(message, "_settled", False))
@@ -491,7 +490,7 @@ def message_rows(
     else:
         now_s = pa.scalar(now, TIMESTAMP)
         visible = pc.if_else(pc.fill_null(pc.greater(scheduled, now_s), False), scheduled, now_s)
-        expires = _expiries(visible, ttl)
+        expires = limits.expiries(visible, ttl)
     cols: dict[str, Any] = {
         "partition_id": _constant(0, pa.int32(), n) if partition is None else partition,
         "sequence_number": _constant(0, pa.int64(), n),
@@ -524,15 +523,6 @@ def _typed(values: Any, type_: pa.DataType) -> Any:
 def _optional(values: list[Any], type_: pa.DataType) -> pa.Array:
     """A column of optional per-message values; all-null cheaply when no message sets one."""
     return pa.nulls(len(values), type_) if all(v is None for v in values) else pa.array(values, type_)
-
-
-def _expiries(visible: pa.Array, ttl_ms: pa.Array) -> pa.Array:
-    """visible + TTL; null where there is no TTL or the sum lies past the latest storable instant (limits.LATEST_US)."""
-    at_us = visible.cast(pa.int64())
-    room_ms = pc.divide(pc.subtract(pa.scalar(limits.LATEST_US, pa.int64()), at_us), 1000)
-    fits = pc.fill_null(pc.less_equal(ttl_ms, room_ms), False)
-    total = pc.add(at_us, pc.multiply(ttl_ms, 1000))  # wraps where it does not fit: masked out below
-    return pc.if_else(fits, total, pa.scalar(None, pa.int64())).cast(TIMESTAMP)
 
 
 # The string properties read through plain attributes (the others are validated properties with private fields).

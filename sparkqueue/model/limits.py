@@ -13,7 +13,11 @@ import uuid
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
+import pyarrow as pa
+import pyarrow.compute as pc
+
 from sparkqueue.errors import InvalidArgumentTypeError, InvalidOperationError
+from sparkqueue.storage.schema import TIMESTAMP
 
 STANDARD = "standard"
 PREMIUM = "premium"
@@ -162,6 +166,18 @@ def check_ttl(value: object, field: str) -> timedelta | None:
     if ttl is not None and ttl >= TTL_NEVER:
         return None
     return ttl
+
+
+def expiries(at: Any, ttl_ms: Any) -> Any:
+    """`at` + TTL (timestamps, milliseconds: arrays or a scalar TTL); null without a TTL or past the latest storable instant.
+
+    The one expiry rule of every send, topic copy and rule action (message.message_rows, model/topics.py).
+    """
+    at_us = at.cast(pa.int64())
+    room_ms = pc.divide(pc.subtract(pa.scalar(LATEST_US, pa.int64()), at_us), 1000)
+    fits = pc.fill_null(pc.less_equal(ttl_ms, room_ms), False)
+    total = pc.add(at_us, pc.multiply(ttl_ms, 1000))  # wraps where it does not fit: masked out below
+    return pc.if_else(fits, total, pa.scalar(None, pa.int64())).cast(TIMESTAMP)
 
 
 def ttl_ms(ttl: timedelta | None) -> int | None:

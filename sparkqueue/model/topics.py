@@ -128,11 +128,7 @@ def _recompute_expiry(rows: pa.Table) -> pa.Table:
     never = pc.fill_null(pc.greater_equal(ttl, limits.TTL_NEVER // timedelta(milliseconds=1)), False)
     ttl = pc.if_else(never, pa.scalar(None, pa.int64()), ttl)
     positive = pc.if_else(pc.greater(ttl, 0), ttl, pa.scalar(None, pa.int64()))
-    us = pc.multiply(positive, 1000).cast(pa.duration("us"))
-    expires = pc.add(rows.column("enqueued_time_utc"), us).cast(TIMESTAMP)
-    late = pc.fill_null(pc.greater(expires, pa.scalar(limits.LATEST_TIME, TIMESTAMP)), False)
-    expires = pc.if_else(late, pa.scalar(None, TIMESTAMP), expires)
-    return _set(rows, time_to_live_ms=ttl, expires_at_utc=expires)
+    return _set(rows, time_to_live_ms=ttl, expires_at_utc=limits.expiries(rows.column("enqueued_time_utc"), positive))
 
 
 def _recompute_size(rows: pa.Table) -> pa.Table:
@@ -191,9 +187,7 @@ def _cap_ttl(rows: pa.Table, sub: Subscriber) -> pa.Table:
     shorter = pc.fill_null(pc.less(pa.scalar(cap_ms, pa.int64()), current.cast(pa.int64())), True)
     ttl_i = rows.schema.get_field_index("time_to_live_ms")
     exp_i = rows.schema.get_field_index("expires_at_utc")
-    capped_expiry = pc.add(rows.column("available_at_utc"), pa.scalar(cap_ms * 1000, pa.duration("us"))).cast(TIMESTAMP)
-    too_late = pc.fill_null(pc.greater(capped_expiry, pa.scalar(limits.LATEST_TIME, TIMESTAMP)), False)
-    capped_expiry = pc.if_else(too_late, pa.scalar(None, TIMESTAMP), capped_expiry)
+    capped_expiry = limits.expiries(rows.column("available_at_utc"), pa.scalar(cap_ms, pa.int64()))
     capped_ttl = pc.if_else(shorter, pa.scalar(cap_ms, pa.int64()), current.cast(pa.int64())).cast(current.type)
     rows = rows.set_column(ttl_i, rows.schema.field(ttl_i), capped_ttl)
     return rows.set_column(
