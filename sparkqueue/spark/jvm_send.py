@@ -110,7 +110,7 @@ def numbered_rows(prepared: DataFrame, plan: SendPlan, inputs: int, now: datetim
     default = plan.settings.default_message_time_to_live
     if default is not None:
         ttl = sf.least(ttl, sf.lit(limits.ttl_ms(default)).cast("long"))
-    # As message.message_rows: no expiry where the sum would lie past the latest storable instant.
+    # As limits.expiries (the core's rule): no expiry where the sum would lie past the latest storable instant.
     room_ms = (sf.lit(limits.LATEST_US).cast("long") - sf.unix_micros(visible)) / 1000
     expires = sf.when(ttl <= room_ms, sf.timestamp_micros(sf.unix_micros(visible) + ttl * 1000))
     null_ts, null_str = sf.lit(None).cast("timestamp"), sf.lit(None).cast("string")
