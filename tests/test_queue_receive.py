@@ -3,11 +3,13 @@ peeking and iteration (docs/semantics.md §5, §10, §11)."""
 
 from __future__ import annotations
 
+import glob
 import threading
 import time
 from datetime import UTC, datetime, timedelta
 
 import pytest
+from deltalake import DeltaTable
 from procs import drain, drain_all, key_for_partition, peek_all, sleep_past
 
 from sparkqueue import Message, Namespace, ReceiveMode
@@ -67,6 +69,38 @@ def test_max_message_count_caps_a_receive(ns: Namespace) -> None:
         assert len(r.receive_messages(max_message_count=4, max_wait_time=2)) == 4
         rest = drain_all(r)
     assert len(rest) == 7
+
+
+def _live_files(root: str) -> set[str]:
+    """The live data files of the namespace's one queue, as delta-rs reads them from the log."""
+    (path,) = glob.glob(f"{root}/entities/queue-*")
+    return set(DeltaTable(path).file_uris())
+
+
+def test_a_bulk_receive_leaves_a_file_it_would_split_for_the_next_receive(ns: Namespace, root: str) -> None:
+    """Once a receive holds half its count, it stops before a file whose rows would not all fit (docs/storage.md).
+
+    Locking part of a file rewrites the rest of it; leaving the file whole keeps a receive's
+    cost to the messages it takes. The skipped file is untouched, and the next receive takes it
+    whole. A receive that holds less than half its count still splits a file, to fill itself.
+    """
+    ns.create_queue("q", enable_partitioning=False)
+    _send(ns, [Message(f"a{i}") for i in range(70)])
+    before = _live_files(root)
+    _send(ns, [Message(f"b{i}") for i in range(100)])
+    (second,) = _live_files(root) - before
+    with ns.get_queue_receiver("q") as r:
+        first = r.receive_messages(max_message_count=100)
+        assert [m.body for m in first] == [f"a{i}".encode() for i in range(70)]
+        assert second in _live_files(root)  # not rewritten
+        r.complete_messages(first)
+        nxt = r.receive_messages(max_message_count=100)
+        assert [m.body for m in nxt] == [f"b{i}".encode() for i in range(100)]
+        r.complete_messages(nxt)
+        _send(ns, [Message(f"c{i}") for i in range(30)])
+        _send(ns, [Message(f"d{i}") for i in range(100)])
+        split = r.receive_messages(max_message_count=100)  # 30 is less than half of 100: fill from the next file
+        assert [m.body for m in split] == [f"c{i}".encode() for i in range(30)] + [f"d{i}".encode() for i in range(70)]
 
 
 def test_max_wait_time_returns_empty_list_when_nothing_arrives(ns: Namespace) -> None:

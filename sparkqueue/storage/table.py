@@ -349,6 +349,11 @@ class EntityTable:
         Files whose min(available_at_utc) is after `now`, or whose statistics show no row of the
         sub-queue or subscription, are skipped unopened, so in-flight and scheduled backlogs cost
         nothing to step over.
+
+        Whole files where it can (docs/storage.md, "Receives take whole files"): once it holds at
+        least half of `limit`, it stops before a file whose rows would not all fit, returning
+        fewer than `limit` rather than splitting that file, whose untouched rows the lock would
+        have to rewrite. A bulk receive then leaves the next file whole for the next receive.
         """
         picked: list[pa.Table] = []
         count = 0
@@ -356,6 +361,8 @@ class EntityTable:
         for f in self.files(dt, partition):
             if count >= limit and max_picked is not None and f.min_seq > max_picked:
                 break
+            if 2 * count >= limit and count + f.num_records > limit and max_picked is not None and f.min_seq > max_picked:
+                break  # taking part of this file would rewrite the rest of it: leave it whole for the next receive
             if f.min_available_at is None or f.min_available_at > now or not f.may_hold(KIND_MESSAGE, sub_queue, subscription):
                 continue
             t = self.data.read(f.path, columns)
