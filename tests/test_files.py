@@ -10,7 +10,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from sparkqueue.errors import StorageError
+from sparkqueue.errors import StorageCorruptedError, StorageError
 from sparkqueue.message import Message, SendSettings, to_rows
 from sparkqueue.storage.files import FILE_SCHEMA, DataFiles, _stats
 from sparkqueue.storage.store import LocalStore
@@ -64,3 +64,18 @@ def test_write_all_writes_every_piece_in_order_and_cleans_up_on_failure(tmp_path
     after = {str(p.relative_to(tmp_path)) for p in tmp_path.rglob("*.parquet")}
     assert after == before
     assert os.path.isfile(blocker)
+
+
+@pytest.mark.parametrize("damage", ["missing column", "not parquet"])
+def test_a_damaged_data_file_is_reported_never_read_short(tmp_path: Path, damage: str) -> None:
+    """A data file that lacks a column, or is not Parquet, raises StorageCorruptedError naming it."""
+    files = DataFiles(LocalStore(str(tmp_path)), cache_bytes=0)
+    rows = _rows(3).cast(FILE_SCHEMA)
+    path = tmp_path / "partition_id=0" / "part-x.lz4.parquet"
+    path.parent.mkdir()
+    if damage == "missing column":
+        pq.write_table(rows.drop_columns(["subject"]), path)
+    else:
+        path.write_bytes(b"not a parquet file" * 10)
+    with pytest.raises(StorageCorruptedError, match="part-x"):
+        files.read("partition_id=0/part-x.lz4.parquet", ["sequence_number", "subject"])

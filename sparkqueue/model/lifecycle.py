@@ -16,7 +16,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from sparkqueue.model.ids import lock_tokens
-from sparkqueue.storage.schema import STATE_ACTIVE, STATE_DEFERRED, SUB_QUEUE_DEAD_LETTER, SUB_QUEUE_MAIN, TIMESTAMP
+from sparkqueue.storage.schema import STATE_ACTIVE, STATE_DEFERRED, SUB_QUEUE_DEAD_LETTER, SUB_QUEUE_MAIN, TIMESTAMP, conform
 from sparkqueue.storage.table import CHANGE_SCHEMA, MUTABLE_COLUMNS, OP_DELETE, OP_SET, OP_TOMBSTONE
 
 MAX_DELIVERY_REASON = "MaxDeliveryCountExceeded"
@@ -59,7 +59,7 @@ def changes(rows: pa.Table, op: str, **values: Any) -> pa.Table:
             cols[c] = rows.column(c)
         else:
             cols[c] = pa.nulls(rows.num_rows, field.type)
-    return pa.table({k: cols[k] for k in CHANGE_SCHEMA.names}).cast(CHANGE_SCHEMA)
+    return conform(pa.table({k: cols[k] for k in CHANGE_SCHEMA.names}), CHANGE_SCHEMA)
 
 
 def removal(policy: Policy) -> str:

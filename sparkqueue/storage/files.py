@@ -23,7 +23,7 @@ import pyarrow.parquet as pq
 
 from sparkqueue.errors import StorageCorruptedError
 from sparkqueue.storage.log import AddFile, RemoveFile
-from sparkqueue.storage.schema import ENTITY_SCHEMA, PARTITION_COLUMN
+from sparkqueue.storage.schema import ENTITY_SCHEMA, PARTITION_COLUMN, conform
 from sparkqueue.storage.store import Store
 
 log = logging.getLogger(__name__)
@@ -79,7 +79,7 @@ class DataFiles:
         except FileNotFoundError as exc:
             raise self._damage(path, f"live data file {path} of table {self.store.uri} is missing") from exc
         try:
-            t = pq.read_table(pa.BufferReader(data), columns=wanted).cast(_schema_of(wanted))
+            t = _decode(data, wanted)
         except (pa.ArrowInvalid, OSError) as exc:
             raise self._damage(path, f"data file {path} of table {self.store.uri} is damaged ({exc})") from exc
         self._remember(path, t)
@@ -111,7 +111,7 @@ class DataFiles:
     def write(self, partition: int, rows: pa.Table) -> AddFile:
         """Write one partition's rows (file schema, no partition column) and describe the file as an add action."""
         rel = f"{PARTITION_COLUMN}={partition}/part-{uuid.uuid4().hex}.lz4.parquet"
-        rows = rows.select(FILE_SCHEMA.names).cast(FILE_SCHEMA)
+        rows = conform(rows.select(FILE_SCHEMA.names), FILE_SCHEMA)
         data = _encode(rows)
         self.store.put_new(rel, memoryview(data))
         self._remember(rel, rows)
@@ -206,6 +206,20 @@ def _encode(rows: pa.Table) -> pa.Buffer:
     pq.write_table(rows, sink, compression="lz4", use_dictionary=plain, write_statistics=plain)
     data: pa.Buffer = sink.getvalue()
     return data
+
+
+def _decode(data: bytes, columns: list[str]) -> pa.Table:
+    """The named columns of one Parquet file's bytes, typed as the file schema declares.
+
+    `ParquetFile.read` takes half the time of `pq.read_table` on the small files a lock or a
+    session writes (0.4 ms against 1 ms: no dataset discovery), but passes over a column the
+    file lacks: a file without one of them is damaged.
+    """
+    t = pq.ParquetFile(pa.BufferReader(data)).read(columns=columns)
+    if t.column_names != columns:
+        missing = sorted(set(columns) - set(t.column_names))
+        raise pa.ArrowInvalid(f"columns {missing} are missing")
+    return conform(t, _schema_of(columns))
 
 
 def remove_action(path: str, partition: int, size: int) -> RemoveFile:

@@ -38,6 +38,7 @@ from sparkqueue.storage.schema import (
     STATE_COLUMNS,
     STATE_COMPLETED,
     TIMESTAMP,
+    conform,
 )
 from sparkqueue.storage.store import Store, open_store
 
@@ -497,7 +498,7 @@ class EntityTable:
         numbered_rows: pa.Table | None = None,
     ) -> pa.Table | None:
         self.faults.check(partition, "write")
-        changes = changes.cast(CHANGE_SCHEMA)
+        changes = conform(changes, CHANGE_SCHEMA)
         removed: list[FileInfo] = []
         changed: list[pa.Table] = []
         kept: list[pa.Table] = []
@@ -525,13 +526,13 @@ class EntityTable:
         # group_by, every row of a group (changed, untouched or new) goes to one file of its own.
         staged = self._stage(dt, partition, new_rows, dedupe_since, expand) if new_rows is not None else None
         new_pieces = staged.pieces if staged is not None else []
-        numbered = [numbered_rows.select(FILE_SCHEMA.names).cast(FILE_SCHEMA)] if numbered_rows is not None else []
+        numbered = [conform(numbered_rows.select(FILE_SCHEMA.names), FILE_SCHEMA)] if numbered_rows is not None else []
         if group_by is None:
             new_pieces = new_pieces + [(partition, t, MAX_FILE_ROWS) for t in numbered if t.num_rows]
             changed_pieces = [(partition, pa.concat_tables(changed), changed_file_rows)] if changed else []
             kept_pieces = [(partition, k, MAX_FILE_ROWS) for k in kept]
         else:
-            fresh = [staged.rows.select(FILE_SCHEMA.names).cast(FILE_SCHEMA)] if staged is not None else []
+            fresh = [conform(staged.rows.select(FILE_SCHEMA.names), FILE_SCHEMA)] if staged is not None else []
             changed_pieces = [(partition, g, MAX_FILE_ROWS) for g in _groups(changed + kept + fresh + numbered, group_by)]
             kept_pieces, new_pieces = [], []
         files = self.data.write_all(changed_pieces + kept_pieces + new_pieces)
