@@ -371,26 +371,29 @@ class DeltaLog:
         expected = dict(seen) if seen is not None else {f.app_id: snap.txns.get(f.app_id) for f in fences}
         removed = [r.path for r in removes]
         base_meta = snap.metadata_version
-        for _ in range(MAX_REBASES):
-            if time.monotonic() - snap.verified_at > self.safe_gap_s(snap):
-                raise CommitConflict("the snapshot is older than the log's safe window; recompute on a fresh one")
-            if snap.metadata_version != base_meta:
-                raise CommitConflict("the table's metadata or protocol changed")
-            if any(p not in snap.files for p in removed):
-                raise CommitConflict("a file this commit removes was removed by another commit")
-            if any(snap.txns.get(app) != v for app, v in expected.items()):
-                raise CommitConflict("a fence this commit read was moved by another commit")
-            version = snap.version + 1
-            now_ms = int(time.time() * 1000)
-            actions = _actions(adds, removes, fences, operation, now_ms)
-            body = "\n".join(json.dumps(a, separators=(",", ":")) for a in actions).encode() + b"\n"
-            if self.store.put_if_absent(f"{LOG_DIR}/{version:020d}.json", body):
-                snap.apply(version, actions)
-                if self.after_commit is not None:
-                    self.after_commit(snap)
-                return version
-            log.debug("version %d of %s was taken; rebasing", version, self.store.uri)
-            self.update(snap)
+        # The entry names no version, so one entry serves every attempt: a lost race costs no new write.
+        actions = _actions(adds, removes, fences, operation, int(time.time() * 1000))
+        body = "\n".join(json.dumps(a, separators=(",", ":")) for a in actions).encode() + b"\n"
+        with self.store.staged(body) as put:
+            for _ in range(MAX_REBASES):
+                if time.monotonic() - snap.verified_at > self.safe_gap_s(snap):
+                    raise CommitConflict("the snapshot is older than the log's safe window; recompute on a fresh one")
+                # Catch up first (one failed read when nothing is new): the commits that landed while this
+                # one was being computed are rebased over here, not found by losing a put.
+                self.update(snap)
+                if snap.metadata_version != base_meta:
+                    raise CommitConflict("the table's metadata or protocol changed")
+                if any(p not in snap.files for p in removed):
+                    raise CommitConflict("a file this commit removes was removed by another commit")
+                if any(snap.txns.get(app) != v for app, v in expected.items()):
+                    raise CommitConflict("a fence this commit read was moved by another commit")
+                version = snap.version + 1
+                if put(f"{LOG_DIR}/{version:020d}.json"):
+                    snap.apply(version, actions)
+                    if self.after_commit is not None:
+                        self.after_commit(snap)
+                    return version
+                log.debug("version %d of %s was taken; rebasing", version, self.store.uri)
         raise CommitConflict(f"the commit lost {MAX_REBASES} races in a row")
 
 

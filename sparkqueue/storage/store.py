@@ -15,7 +15,7 @@ import contextlib
 import os
 import uuid
 from abc import ABC, abstractmethod
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -64,6 +64,15 @@ class Store(ABC):
     @abstractmethod
     def put_if_absent(self, path: str, data: bytes) -> bool:
         """Write an object durably unless the name exists; False when it did (nothing written)."""
+
+    @contextlib.contextmanager
+    def staged(self, data: bytes) -> Iterator[Callable[[str], bool]]:
+        """Put-if-absent of the same bytes under names tried one after another (all in one folder).
+
+        Yields `put(path) -> bool`, as `put_if_absent`. A commit that loses a race tries the next
+        version's name with the same entry: a local store writes and fsyncs the bytes once for all tries.
+        """
+        yield lambda path: self.put_if_absent(path, data)
 
     @abstractmethod
     def list(self, prefix: str = "") -> list[Entry]:
@@ -122,18 +131,36 @@ class LocalStore(Store):
             _fsync_dir(folder)
 
     def put_if_absent(self, path: str, data: bytes) -> bool:
-        """Write a fresh name, fsync it, then hard-link it to the target: the link is atomic and refused when the name exists."""
-        target = self._path(path)
-        with _translate(self.uri, path):
-            tmp = self._write_temp(target, data)
-            try:
-                os.link(tmp, target)
-            except FileExistsError:
-                return False
-            finally:
-                os.unlink(tmp)
-            _fsync_dir(os.path.dirname(target))
-            return True
+        with self.staged(data) as put:
+            return put(path)
+
+    @contextlib.contextmanager
+    def staged(self, data: bytes) -> Iterator[Callable[[str], bool]]:
+        """Write the bytes to a fresh name once, fsynced; each put hard-links it to a target.
+
+        The link is atomic and refused when the name exists; the fresh name is removed at the end.
+        """
+        tmp: str | None = None
+
+        def put(path: str) -> bool:
+            nonlocal tmp
+            target = self._path(path)
+            with _translate(self.uri, path):
+                if tmp is None:
+                    tmp = self._write_temp(target, data)
+                try:
+                    os.link(tmp, target)
+                except FileExistsError:
+                    return False
+                _fsync_dir(os.path.dirname(target))
+                return True
+
+        try:
+            yield put
+        finally:
+            if tmp is not None:
+                with _translate(self.uri, tmp), contextlib.suppress(FileNotFoundError):
+                    os.unlink(tmp)
 
     def _write_temp(self, target: str, data: bytes) -> str:
         """Write data to a hidden sibling of `target`, fsynced; returns its path."""
