@@ -111,6 +111,36 @@ def test_removing_a_file_another_commit_removed_is_a_conflict(table: EntityTable
         other.commit(theirs, [table.data.write(0, _rows(0, 1, 3))], remove)
 
 
+def test_a_change_computed_from_a_stale_snapshot_conflicts_and_leaves_no_file(table: EntityTable) -> None:
+    """A change whose file another handle removed meanwhile conflicts, and no data file of it remains."""
+    from sparkqueue.model.lifecycle import changes
+    from sparkqueue.storage.table import OP_SET
+
+    snap = table.snapshot()
+    table.log.commit(snap, [table.data.write(0, _rows(0, 1, 3))], [])
+    stale = table.snapshot()
+    (info,) = stale.files.partition(0)
+    other = EntityTable(table.uri, 16)  # another process's handle removes the file
+    other.log.commit(other.snapshot(), [], [_remove(info)])
+    on_disk = set(Path(table.uri).rglob("*.parquet"))
+    with pytest.raises(CommitConflict):
+        table.apply(stale, 0, changes(table.data.read(info.path), OP_SET))
+    assert set(Path(table.uri).rglob("*.parquet")) == on_disk
+
+
+def test_a_commit_that_loses_races_lands_once_and_leaves_no_temporary_entry(table: EntityTable) -> None:
+    """A commit rebased over versions taken meanwhile lands on the next free one; no temporary file stays in the log."""
+    other = _second_handle(table)
+    theirs = other.load()
+    mine = table.snapshot()
+    for p in range(3):
+        table.log.commit(mine, [table.data.write(p, _rows(p, 1, 1))], [], [Fence(f"sparkqueue.seq.{p}", 1)])
+    v = other.commit(theirs, [table.data.write(9, _rows(9, 1, 1))], [], [Fence("sparkqueue.seq.9", 1)])
+    assert v == mine.version + 1
+    assert DeltaTable(table.uri).to_pyarrow_table().num_rows == 4
+    assert [n for n in os.listdir(Path(table.uri) / "_delta_log") if n.startswith(".")] == []
+
+
 def _remove(info: object) -> object:
     from sparkqueue.storage.files import remove_action
 

@@ -352,6 +352,19 @@ class DeltaLog:
                 f"table {self.store.uri} uses Delta features sparkqueue cannot write correctly: {'; '.join(problems)}"
             )
 
+    def precheck(self, snap: Snapshot, removed: Sequence[str], seen: Mapping[str, int | None]) -> None:
+        """Catch `snap` up and raise CommitConflict now if a commit computed from it could not land.
+
+        Called before a commit's data files are written: a file it removes is gone, a fence it read
+        has moved, or the metadata changed. A conflict found here costs no write (the commit checks
+        again, over what lands meanwhile).
+        """
+        base_meta = snap.metadata_version
+        self.update(snap)
+        if snap.metadata_version != base_meta:
+            raise CommitConflict("the table's metadata or protocol changed")
+        _check_unmoved(snap, removed, seen)
+
     def commit(
         self,
         snap: Snapshot,
@@ -383,10 +396,7 @@ class DeltaLog:
                 self.update(snap)
                 if snap.metadata_version != base_meta:
                     raise CommitConflict("the table's metadata or protocol changed")
-                if any(p not in snap.files for p in removed):
-                    raise CommitConflict("a file this commit removes was removed by another commit")
-                if any(snap.txns.get(app) != v for app, v in expected.items()):
-                    raise CommitConflict("a fence this commit read was moved by another commit")
+                _check_unmoved(snap, removed, expected)
                 version = snap.version + 1
                 if put(f"{LOG_DIR}/{version:020d}.json"):
                     snap.apply(version, actions)
@@ -395,6 +405,14 @@ class DeltaLog:
                     return version
                 log.debug("version %d of %s was taken; rebasing", version, self.store.uri)
         raise CommitConflict(f"the commit lost {MAX_REBASES} races in a row")
+
+
+def _check_unmoved(snap: Snapshot, removed: Sequence[str], expected: Mapping[str, int | None]) -> None:
+    """CommitConflict when a file a commit removes is gone from `snap`, or a fence it read has moved."""
+    if any(p not in snap.files for p in removed):
+        raise CommitConflict("a file this commit removes was removed by another commit")
+    if any(snap.txns.get(app) != v for app, v in expected.items()):
+        raise CommitConflict("a fence this commit read was moved by another commit")
 
 
 def _actions(

@@ -230,12 +230,13 @@ class EntityTable:
         stored = [st.rows for st in staged if st.rows.num_rows]
         if not stored:
             return rows.schema.empty_table()
-        adds = [a for piece in self.data.write_all([x for st in staged for x in st.pieces]) for a in piece]
         fences = [st.fence for st in staged if st.fence is not None]
         seen = {st.app: st.seen for st in staged}
         if once is not None:
             fences.append(once)
             seen[once.app_id] = dt.transaction_version(once.app_id)
+        self.log.precheck(dt, [], seen)  # a concurrent send that moved a fence: found before writing any file
+        adds = [a for piece in self.data.write_all([x for st in staged for x in st.pieces]) for a in piece]
         self.commit(dt, adds, [], fences, seen, "WRITE")
         return pa.concat_tables(stored)
 
@@ -535,16 +536,18 @@ class EntityTable:
             fresh = [conform(staged.rows.select(FILE_SCHEMA.names), FILE_SCHEMA)] if staged is not None else []
             changed_pieces = [(partition, g, MAX_FILE_ROWS) for g in _groups(changed + kept + fresh + numbered, group_by)]
             kept_pieces, new_pieces = [], []
-        files = self.data.write_all(changed_pieces + kept_pieces + new_pieces)
-        changed_adds = [a for piece in files[: len(changed_pieces)] for a in piece]
-        adds = [a for piece in files for a in piece]
         fences: list[Fence] = []
         seen: dict[str, int | None] = {}
         if staged is not None and staged.fence is not None:
             fences.append(staged.fence)
             seen[staged.app] = staged.seen
-        if not adds and not removed:
+        pieces = changed_pieces + kept_pieces + new_pieces
+        if not any(rows.num_rows for _, rows, _ in pieces) and not removed:
             return staged.rows if staged else None
+        self.log.precheck(dt, [f.path for f in removed], seen)  # a racing commit took the files: found before writing
+        files = self.data.write_all(pieces)
+        changed_adds = [a for piece in files[: len(changed_pieces)] for a in piece]
+        adds = [a for piece in files for a in piece]
         removes = [remove_action(f.path, f.partition, f.size_bytes) for f in removed]
         self.commit(dt, adds, removes, fences, seen, "UPDATE")
         if written is not None:
