@@ -13,7 +13,8 @@ from deltalake import DeltaTable
 
 from sparkqueue import Message
 from sparkqueue.errors import QuotaExceededError
-from sparkqueue.storage.files import FILE_SCHEMA
+from sparkqueue.spark.jvm_send import FILE_ROWS
+from sparkqueue.storage.files import FILE_SCHEMA, MAX_FILE_ROWS
 from sparkqueue.storage.table import SEQUENCE_MASK, partition_of
 
 pytestmark = pytest.mark.spark
@@ -89,9 +90,9 @@ def add_stats(table_dir: str) -> dict:
 
 def test_a_large_send_is_numbered_densely_in_files_of_one_partition(spark, ns, numbered):
     ns.create_queue("q")
-    n = 25_000
+    n = 3 * 6 * FILE_ROWS  # 3 input partitions, each owning 5 or 6 queue partitions, fill a block in each
     with ns.get_queue_sender("q") as s:
-        assert s.send_dataframe(numbered(n, partitions=3, body_bytes=64)) == n
+        assert s.send_dataframe(numbered(n, partitions=3, body_bytes=16)) == n
     table_dir = ns.broker.entity("queue", "q").table.uri
     rows = DeltaTable(table_dir).to_pyarrow_table(columns=["partition_id", "sequence_number", "message_id"]).to_pylist()
     assert sorted(r["message_id"] for r in rows) == sorted(f"m-{i}" for i in range(n))
@@ -106,10 +107,28 @@ def test_a_large_send_is_numbered_densely_in_files_of_one_partition(spark, ns, n
         ids = [i for _, i in got]
         assert ids == sorted(ids)  # one input partition owns the queue partition and keeps its order
     files = list(Path(table_dir).glob("partition_id=*/*.parquet"))
-    assert all(pq.read_metadata(f).num_rows <= 1000 for f in files)
+    assert all(pq.read_metadata(f).num_rows <= FILE_ROWS for f in files)
     assert not list(Path(table_dir).glob("spark-send/*"))  # staging directories are gone
     with ns.get_queue_receiver("q") as r:
         assert len(r.receive_messages(10)) > 0
+
+
+def test_files_of_a_send_hold_up_to_4000_rows_and_the_first_lock_splits_one(spark, ns, numbered):
+    """Spark's writer starts a file per 4,000 rows; a lock in one rewrites it as files of at most 1,000 rows."""
+    ns.create_queue("q", enable_partitioning=False)
+    with ns.get_queue_sender("q") as s:
+        assert s.send_dataframe(numbered(5000, partitions=1, body_bytes=16)) == 5000
+    table_dir = ns.broker.entity("queue", "q").table.uri
+
+    def sizes() -> list[int]:
+        return sorted(a["num_records"] for a in pa.table(DeltaTable(table_dir).get_add_actions(flatten=True)).to_pylist())
+
+    assert FILE_ROWS == 4000 and sizes() == [1000, 4000]
+    with ns.get_queue_receiver("q") as r:
+        got = r.receive_messages(10)
+        assert [m.message_id for m in got] == [f"m-{i}" for i in range(10)]
+        assert max(sizes()) <= MAX_FILE_ROWS and sum(sizes()) == 5000
+        r.complete_messages(got)
 
 
 def test_input_partitions_without_rows_add_no_files(spark, ns):

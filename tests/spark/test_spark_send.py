@@ -18,6 +18,7 @@ from pyspark.sql import functions as sf
 from sparkqueue import Namespace
 from sparkqueue.errors import InvalidOperationError, MessageSizeExceededError, OperationTimeoutError, PartitionUnavailableError
 from sparkqueue.model.partitioning import partition_for_key
+from sparkqueue.spark.jvm_send import FILE_ROWS
 from sparkqueue.spark.send import send_dataframe
 from sparkqueue.storage.table import SEQUENCE_MASK
 
@@ -74,9 +75,10 @@ def test_unkeyed_rows_go_round_robin_in_blocks(spark, ns, numbered):
         assert s.send_dataframe(numbered(100, partitions=2).drop("message_id")) == 100
         small = [p.active_message_count for p in ns.get_queue_runtime_properties("q").partitions]
         assert sum(1 for d in small if d) <= 2  # a block per input partition: few commits for a small DataFrame
-        assert s.send_dataframe(numbered(40_000, partitions=4).drop("message_id")) == 40_000
+        large = 4 * 4 * FILE_ROWS  # 4 input partitions, each owning 4 queue partitions, fill a block in each
+        assert s.send_dataframe(numbered(large, partitions=4).drop("message_id")) == large
     depth = [p.active_message_count for p in ns.get_queue_runtime_properties("q").partitions]
-    assert len(depth) == 16 and min(depth) > 0 and sum(depth) == 40_100, depth
+    assert len(depth) == 16 and min(depth) > 0 and sum(depth) == large + 100, depth
 
 
 def test_duplicate_detection_counts_only_new_messages_and_places_by_message_id(spark, ns, numbered):
