@@ -61,14 +61,19 @@ def test_one_receive_gathers_from_several_partitions(ns: Namespace) -> None:
 
 
 def test_max_message_count_caps_a_receive(ns: Namespace) -> None:
-    """A receive returns at most max_message_count messages; the default is one."""
+    """A receive returns at most max_message_count messages, and at least half of them when that many wait; the default is one.
+
+    Between the two it stops where one more message would split a data file (docs/semantics.md §5).
+    """
     ns.create_queue("q")
     _send(ns, [Message(f"m{i}", partition_key=f"k{i % 4}") for i in range(12)])
     with ns.get_queue_receiver("q") as r:
         assert len(r.receive_messages(max_wait_time=2)) == 1
-        assert len(r.receive_messages(max_message_count=4, max_wait_time=2)) == 4
+        got = r.receive_messages(max_message_count=4, max_wait_time=2)
+        assert 2 <= len(got) <= 4
         rest = drain_all(r)
-    assert len(rest) == 7
+    assert len(rest) == 11 - len(got)
+    assert len({m.body for m in [*got, *rest]}) == 11
 
 
 def _live_files(root: str) -> set[str]:
@@ -101,6 +106,18 @@ def test_a_bulk_receive_leaves_a_file_it_would_split_for_the_next_receive(ns: Na
         _send(ns, [Message(f"d{i}") for i in range(100)])
         split = r.receive_messages(max_message_count=100)  # 30 is less than half of 100: fill from the next file
         assert [m.body for m in split] == [f"c{i}".encode() for i in range(30)] + [f"d{i}".encode() for i in range(70)]
+
+
+def test_once_half_is_held_a_receive_takes_no_part_of_a_file_in_another_partition(ns: Namespace) -> None:
+    """A receive holding half its count skips a partition whose next file would not fit whole (one commit, no split)."""
+    ns.create_queue("q")
+    _send(ns, [Message(f"a{i}", partition_key=key_for_partition(3, "a")) for i in range(60)])
+    _send(ns, [Message(f"b{i}", partition_key=key_for_partition(9, "b")) for i in range(60)])
+    with ns.get_queue_receiver("q") as r:
+        got = r.receive_messages(max_message_count=100)
+        assert len(got) == 60 and len({m.partition_id for m in got}) == 1  # one whole file: 60 of 100
+        nxt = r.receive_messages(max_message_count=100)
+        assert len(nxt) == 60 and {m.partition_id for m in nxt} != {got[0].partition_id}
 
 
 def test_max_wait_time_returns_empty_list_when_nothing_arrives(ns: Namespace) -> None:

@@ -197,7 +197,11 @@ class Entity:
             p = (start + i) % self.partition_count
             if not self.available(p):
                 continue
-            got = self.receive_partition(dt, p, sub_queue, remaining, delete)
+            # Once half the count is in hand, files are taken whole or not at all (docs/storage.md, "Receives
+            # take whole files"): a split would rewrite the file's other rows, and a commit on another
+            # partition for a few messages costs as much as the first.
+            whole_after = max(0, (max_count + 1) // 2 - (max_count - remaining))
+            got = self.receive_partition(dt, p, sub_queue, remaining, delete, whole_after=whole_after)
             if got.num_rows:
                 out.append(got)
                 remaining -= got.num_rows
@@ -206,13 +210,23 @@ class Entity:
         return pa.concat_tables(out) if out else empty_rows()
 
     def receive_partition(
-        self, dt: Snapshot, p: int, sub_queue: str, limit: int, delete: bool, written: list[str] | None = None
+        self,
+        dt: Snapshot,
+        p: int,
+        sub_queue: str,
+        limit: int,
+        delete: bool,
+        written: list[str] | None = None,
+        *,
+        whole_after: int | None = None,
     ) -> pa.Table:
         """Lock (or delete) up to `limit` messages of one partition; moves on after repeated conflicts.
 
         Starts from the caller's snapshot and refreshes only after a conflict or its own commit
         (a commit does not advance the handle's version). The messages a commit locks go to one
         data file of their own (up to `limit` rows); `written` collects those files' paths.
+        `whole_after` as in EntityTable.candidates: fewer than `limit` then does not mean the
+        partition has no more.
         """
         out: list[pa.Table] = []
         attempt = 0
@@ -223,7 +237,7 @@ class Entity:
             fresh = False
             now = utcnow()
             try:
-                cands = self.table.candidates(dt, p, sub_queue, now, limit, ROW_COLUMNS, self.subscription)
+                cands = self.table.candidates(dt, p, sub_queue, now, limit, ROW_COLUMNS, self.subscription, whole_after)
             except PartitionUnavailableError:
                 break
             if cands.num_rows == 0:
@@ -240,6 +254,7 @@ class Entity:
             if d.delivered.num_rows:
                 out.append(d.delivered)
                 limit -= d.delivered.num_rows
+                whole_after = None if whole_after is None else max(0, whole_after - d.delivered.num_rows)
             if d.delivered.num_rows == cands.num_rows:
                 break  # nothing was expired or dead-lettered, so the partition had no more than this
         return pa.concat_tables(out) if out else empty_rows()

@@ -345,6 +345,7 @@ class EntityTable:
         limit: int,
         columns: Sequence[str] = STATE_COLUMNS,
         subscription: str | None = None,
+        whole_after: int | None = None,
     ) -> pa.Table:
         """The oldest message rows of a sub-queue that a receive may take now (by sequence number).
 
@@ -352,18 +353,19 @@ class EntityTable:
         sub-queue or subscription, are skipped unopened, so in-flight and scheduled backlogs cost
         nothing to step over.
 
-        Whole files where it can (docs/storage.md, "Receives take whole files"): once it holds at
-        least half of `limit`, it stops before a file whose rows would not all fit, returning
-        fewer than `limit` rather than splitting that file, whose untouched rows the lock would
-        have to rewrite. A bulk receive then leaves the next file whole for the next receive.
+        With `whole_after`, whole files where it can (docs/storage.md, "Receives take whole files"):
+        once it holds that many rows (0: from the start), it stops before a file whose rows would
+        not all fit, returning fewer than `limit` rather than splitting that file, whose untouched
+        rows a lock would have to rewrite. The file stays whole for the next receive.
         """
         picked: list[pa.Table] = []
         count = 0
         max_picked: int | None = None
         for f in self.files(dt, partition):
-            if count >= limit and max_picked is not None and f.min_seq > max_picked:
+            after_picked = max_picked is None or f.min_seq > max_picked  # nothing picked lies in or after this file
+            if count >= limit and after_picked:
                 break
-            if 2 * count >= limit and count + f.num_records > limit and max_picked is not None and f.min_seq > max_picked:
+            if whole_after is not None and count >= whole_after and count + f.num_records > limit and after_picked:
                 break  # taking part of this file would rewrite the rest of it: leave it whole for the next receive
             if f.min_available_at is None or f.min_available_at > now or not f.may_hold(KIND_MESSAGE, sub_queue, subscription):
                 continue
