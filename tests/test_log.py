@@ -6,8 +6,11 @@ code, and read back by delta-rs as the independent reader.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pyarrow as pa
@@ -111,8 +114,10 @@ def test_removing_a_file_another_commit_removed_is_a_conflict(table: EntityTable
         other.commit(theirs, [table.data.write(0, _rows(0, 1, 3))], remove)
 
 
-def test_a_change_computed_from_a_stale_snapshot_conflicts_and_leaves_no_file(table: EntityTable) -> None:
-    """A change whose file another handle removed meanwhile conflicts, and no data file of it remains."""
+def test_a_change_computed_from_a_stale_snapshot_conflicts_before_writing_any_file(
+    table: EntityTable, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A change whose file another handle removed meanwhile conflicts before it writes a data file (DeltaLog.precheck)."""
     from sparkqueue.model.lifecycle import changes
     from sparkqueue.storage.table import OP_SET
 
@@ -122,23 +127,71 @@ def test_a_change_computed_from_a_stale_snapshot_conflicts_and_leaves_no_file(ta
     (info,) = stale.files.partition(0)
     other = EntityTable(table.uri, 16)  # another process's handle removes the file
     other.log.commit(other.snapshot(), [], [_remove(info)])
-    on_disk = set(Path(table.uri).rglob("*.parquet"))
+    rows = table.data.read(info.path)
+
+    def no_writes(pieces: object) -> None:
+        raise AssertionError("a change bound to conflict wrote data files")
+
+    monkeypatch.setattr(table.data, "write_all", no_writes)
     with pytest.raises(CommitConflict):
-        table.apply(stale, 0, changes(table.data.read(info.path), OP_SET))
-    assert set(Path(table.uri).rglob("*.parquet")) == on_disk
+        table.apply(stale, 0, changes(rows, OP_SET))
 
 
-def test_a_commit_that_loses_races_lands_once_and_leaves_no_temporary_entry(table: EntityTable) -> None:
-    """A commit rebased over versions taken meanwhile lands on the next free one; no temporary file stays in the log."""
-    other = _second_handle(table)
-    theirs = other.load()
+class _LosesFirstRace(LocalStore):
+    """A local store on which `competitor` commits (as another writer) just before this store's first log put."""
+
+    def __init__(self, root: str, competitor: Callable[[], None]) -> None:
+        super().__init__(root)
+        self.competitor: Callable[[], None] | None = competitor
+        self.retried_at = 0.0  # when the second put began, a while after the entry was written
+
+    @contextlib.contextmanager
+    def staged(self, data: bytes) -> Iterator[Callable[[str], bool]]:
+        with super().staged(data) as put:
+
+            def racing(path: str) -> bool:
+                if self.competitor is not None:
+                    self.competitor()
+                    self.competitor = None
+                elif not self.retried_at:
+                    time.sleep(0.05)
+                    self.retried_at = time.time()
+                return put(path)
+
+            yield racing
+
+
+def test_a_commit_that_loses_a_put_rebases_and_lands_with_no_temporary_entry_left(table: EntityTable) -> None:
+    """A commit whose version is taken between its checks and its put lands on the next one, stamped when it lands."""
     mine = table.snapshot()
-    for p in range(3):
-        table.log.commit(mine, [table.data.write(p, _rows(p, 1, 1))], [], [Fence(f"sparkqueue.seq.{p}", 1)])
+    landed: list[int] = []
+
+    def competitor() -> None:
+        landed.append(table.log.commit(mine, [table.data.write(1, _rows(1, 1, 1))], [], [Fence("sparkqueue.seq.1", 1)]))
+
+    store = _LosesFirstRace(table.uri, competitor)
+    other = DeltaLog(store, FileIndex)
+    theirs = other.load()
     v = other.commit(theirs, [table.data.write(9, _rows(9, 1, 1))], [], [Fence("sparkqueue.seq.9", 1)])
-    assert v == mine.version + 1
-    assert DeltaTable(table.uri).to_pyarrow_table().num_rows == 4
-    assert [n for n in os.listdir(Path(table.uri) / "_delta_log") if n.startswith(".")] == []
+    assert landed and v == landed[0] + 1 == theirs.version
+    dt = DeltaTable(table.uri)
+    assert dt.version() == v and dt.to_pyarrow_table().num_rows == 2
+    log_dir = Path(table.uri) / "_delta_log"
+    assert [n for n in os.listdir(log_dir) if n.startswith(".")] == []
+    assert (log_dir / f"{v:020d}.json").stat().st_mtime >= store.retried_at - 0.01  # stamped when it landed
+
+
+def test_a_commit_that_landed_is_not_failed_by_its_housekeeping(table: EntityTable) -> None:
+    """A checkpoint or log trim failing after the entry landed is logged; the commit returns and its files stay."""
+
+    def broken(snap: object) -> None:
+        raise StorageError("the store refused the checkpoint")
+
+    log = DeltaLog(LocalStore(table.uri), FileIndex, after_commit=broken)
+    add = table.data.write(2, _rows(2, 1, 2))
+    v = log.commit(log.load(), [add], [], [Fence("sparkqueue.seq.2", 2)])
+    dt = DeltaTable(table.uri)
+    assert dt.version() == v and dt.to_pyarrow_table().num_rows == 2
 
 
 def _remove(info: object) -> object:

@@ -237,7 +237,9 @@ class Entity:
             fresh = False
             now = utcnow()
             try:
-                cands = self.table.candidates(dt, p, sub_queue, now, limit, ROW_COLUMNS, self.subscription, whole_after)
+                cands = self.table.candidates(
+                    dt, p, sub_queue, now, limit, ROW_COLUMNS, self.subscription, whole_after=whole_after
+                )
             except PartitionUnavailableError:
                 break
             if cands.num_rows == 0:
@@ -256,7 +258,7 @@ class Entity:
                 limit -= d.delivered.num_rows
                 whole_after = None if whole_after is None else max(0, whole_after - d.delivered.num_rows)
             if d.delivered.num_rows == cands.num_rows:
-                break  # nothing was expired or dead-lettered, so the partition had no more than this
+                break  # nothing was expired or dead-lettered: the candidates were all it would give now
         return pa.concat_tables(out) if out else empty_rows()
 
     def receive_deferred(self, sub_queue: str, seqs: Sequence[int], *, delete: bool) -> pa.Table:

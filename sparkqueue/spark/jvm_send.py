@@ -49,7 +49,7 @@ from sparkqueue.model.entity import utcnow
 from sparkqueue.spark.send import ORD_ROW_MASK
 from sparkqueue.spark.session import spark_errors
 from sparkqueue.spark.staging import filesystem, spark_path
-from sparkqueue.storage.files import FILE_SCHEMA, MAX_FILE_ROWS, STATS_COLUMNS
+from sparkqueue.storage.files import FILE_SCHEMA, MAX_FILE_BYTES, MAX_FILE_ROWS, STATS_COLUMNS
 from sparkqueue.storage.log import AddFile, CommitConflict, Fence
 from sparkqueue.storage.schema import KIND_MESSAGE, PARTITION_COLUMN, STATE_ACTIVE, SUB_QUEUE_MAIN
 from sparkqueue.storage.table import SEQUENCE_BITS, SEQUENCE_MASK, fence_app_id, partition_of
@@ -64,8 +64,11 @@ log = logging.getLogger(__name__)
 # Rows per block and per file. Spark's writer pays 4-6 ms for every file it starts (on 2 cores): at the
 # engine's 1,000 rows a file, that tripled a send of 1 KB messages; at 4,000 it costs a third more than
 # one file per task. A lock in such a file splits it into files of at most MAX_FILE_ROWS (the locked rows
-# apart), so the bound a lock works under comes back after the first touch (docs/storage.md, "Bounded files").
+# apart), so the bound a lock works under comes back after the first touch (docs/storage.md, "Entity tables").
 FILE_ROWS = 4 * MAX_FILE_ROWS
+# Spark's writer rolls files by rows only: a file of large bodies past this size is cut by the engine's
+# byte-aware writer on the driver before the commit (`split_oversized`), as the engine bounds its own files.
+SPLIT_BYTES = 4 * MAX_FILE_BYTES
 STAGING_PREFIX = "spark-send"  # <table>/spark-send/<id>/: where Spark's writer leaves an attempt's files
 # Spark writes what the engine writes: microsecond UTC timestamps (not INT96) and LZ4_RAW. The rest cuts the
 # per-file cost of Spark's writer, which dominates with files of 1,000 rows: no dictionaries (Spark builds
@@ -168,7 +171,7 @@ def write_attempt(
             rows.drop(PARTITION_COLUMN).write.options(**WRITE_OPTIONS).parquet(spark_path(f"{table.uri}/{staging}"))
         written = collect(table, staging, plan)
         check_quota(table, plan, written, {p: int(sizes.get[f"b{p}"] or 0) for p in plan.available})
-        adds = place(table, staging, written.adds)
+        adds = split_oversized(table, place(table, staging, written.adds))
     except BaseException:
         remove_staging(table, staging)
         raise
@@ -188,6 +191,7 @@ def commit_renumbering(
     moved (their rows shifted after the new fence, with pyarrow: no Spark job) and commits again;
     the other partitions' files are committed as Spark wrote them. Any other conflict, or one past
     the deadline, deletes every file and raises (the caller runs the whole send again or gives up).
+    After an error other than a conflict the commit may have landed (DeltaLog.commit): the files stay.
     """
     adds = list(adds)
     last = dict(written.last)
@@ -209,9 +213,6 @@ def commit_renumbering(
             for p, d in moved.items():
                 last[p] += d
                 bases[p] = fresh[p]
-        except BaseException:
-            table.data.delete([a.path for a in adds])
-            raise
 
 
 def fence_bases_of(table: EntityTable, partitions: list[int]) -> dict[int, int | None]:
@@ -372,6 +373,22 @@ def place(table: EntityTable, staging: str, adds: list[AddFile]) -> list[AddFile
             made.add(parent)
         os.rename(src, dst)
         out.append(AddFile(rel, a.partition_values, a.size, a.stats))
+    return out
+
+
+def split_oversized(table: EntityTable, adds: list[AddFile]) -> list[AddFile]:
+    """Files larger than SPLIT_BYTES rewritten as the engine's files (at most MAX_FILE_ROWS rows and about 8 MB each).
+
+    Only large bodies make such files (4,000 rows of 1 KB are 4 MB). Rows and numbering are
+    kept; the first lock of a file this size would otherwise read and rewrite all of it.
+    """
+    out: list[AddFile] = []
+    for a in adds:
+        if a.size <= SPLIT_BYTES:
+            out.append(a)
+            continue
+        out += table.data.write_chunks(int(a.partition_values[PARTITION_COLUMN]), table.data.read(a.path))
+        table.data.delete([a.path])
     return out
 
 

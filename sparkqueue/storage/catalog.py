@@ -27,7 +27,7 @@ import pyarrow.parquet as pq
 from sparkqueue.errors import StorageCorruptedError
 from sparkqueue.storage.checkpoint import write_checkpoint
 from sparkqueue.storage.files import encode_parquet
-from sparkqueue.storage.log import AddFile, DeltaLog, Fence, RemoveFile, Snapshot, checkpoint_interval
+from sparkqueue.storage.log import AddFile, CommitConflict, DeltaLog, Fence, RemoveFile, Snapshot, checkpoint_interval
 from sparkqueue.storage.retry import Deadline, retry_commit
 from sparkqueue.storage.schema import CATALOG_SCHEMA
 from sparkqueue.storage.store import Store
@@ -221,7 +221,7 @@ class Catalog:
             fence = Fence(CATALOG_FENCE, (snap.transaction_version(CATALOG_FENCE) or 0) + 1)
             try:
                 self.log.commit(snap, [AddFile(path, {}, len(data), _stats(rows))], old, [fence], operation="WRITE")
-            except BaseException:
+            except CommitConflict:  # after any other error the commit may have landed: the file stays
                 self.store.delete(path)
                 raise
             return result

@@ -111,7 +111,7 @@ class DataFiles:
     def write(self, partition: int, rows: pa.Table) -> AddFile:
         """Write one partition's rows (file schema, no partition column) and describe the file as an add action."""
         rel = f"{PARTITION_COLUMN}={partition}/part-{uuid.uuid4().hex}.lz4.parquet"
-        rows = conform(rows.select(FILE_SCHEMA.names), FILE_SCHEMA)
+        rows = file_rows(rows)
         data = _encode(rows)
         self.store.put_new(rel, memoryview(data))
         self._remember(rel, rows)
@@ -181,6 +181,11 @@ def _writers() -> ThreadPoolExecutor:
         if _POOL is None or _POOL[0] != os.getpid():
             _POOL = (os.getpid(), ThreadPoolExecutor(WRITERS, thread_name_prefix="sparkqueue-write"))
         return _POOL[1]
+
+
+def file_rows(rows: pa.Table) -> pa.Table:
+    """Entity rows as a data file holds them: the file columns (no partition column), in the file schema."""
+    return conform(rows.select(FILE_SCHEMA.names), FILE_SCHEMA)
 
 
 def encode_parquet(rows: pa.Table) -> bytes:

@@ -352,6 +352,20 @@ class DeltaLog:
                 f"table {self.store.uri} uses Delta features sparkqueue cannot write correctly: {'; '.join(problems)}"
             )
 
+    def _check_fresh(self, snap: Snapshot) -> None:
+        """CommitConflict when `snap` is older than the log's safe window (docs/storage.md, "The safe window")."""
+        if time.monotonic() - snap.verified_at > self.safe_gap_s(snap):
+            raise CommitConflict("the snapshot is older than the log's safe window; recompute on a fresh one")
+
+    def _after(self, snap: Snapshot) -> None:
+        """Housekeeping after a commit landed (checkpoints); its failure is logged, never the commit's."""
+        if self.after_commit is None:
+            return
+        try:
+            self.after_commit(snap)
+        except Exception as exc:
+            log.warning("housekeeping after version %d of %s failed: %s", snap.version, self.store.uri, exc)
+
     def precheck(self, snap: Snapshot, removed: Sequence[str], seen: Mapping[str, int | None]) -> None:
         """Catch `snap` up and raise CommitConflict now if a commit computed from it could not land.
 
@@ -360,10 +374,9 @@ class DeltaLog:
         again, over what lands meanwhile).
         """
         base_meta = snap.metadata_version
+        self._check_fresh(snap)
         self.update(snap)
-        if snap.metadata_version != base_meta:
-            raise CommitConflict("the table's metadata or protocol changed")
-        _check_unmoved(snap, removed, seen)
+        _check_unmoved(snap, base_meta, removed, seen)
 
     def commit(
         self,
@@ -377,8 +390,10 @@ class DeltaLog:
         """Commit actions computed from `snap`; `snap` moves to the new version. Returns it.
 
         `seen` holds the fence versions the actions were computed from (default: those in `snap`
-        now). Raises CommitConflict when a concurrent commit removed a file this one removes,
-        moved one of those fences, or changed metadata or protocol.
+        now). Raises CommitConflict, and then only, when the commit did not land: a concurrent
+        commit removed a file this one removes, moved one of those fences, or changed metadata or
+        protocol. Any other error leaves the outcome unknown, so the caller must not delete the
+        commit's files (vacuum removes them if it did not land).
         """
         self.check_writable(snap)
         expected = dict(seen) if seen is not None else {f.app_id: snap.txns.get(f.app_id) for f in fences}
@@ -389,26 +404,22 @@ class DeltaLog:
         body = "\n".join(json.dumps(a, separators=(",", ":")) for a in actions).encode() + b"\n"
         with self.store.staged(body) as put:
             for _ in range(MAX_REBASES):
-                if time.monotonic() - snap.verified_at > self.safe_gap_s(snap):
-                    raise CommitConflict("the snapshot is older than the log's safe window; recompute on a fresh one")
-                # Catch up first (one failed read when nothing is new): the commits that landed while this
-                # one was being computed are rebased over here, not found by losing a put.
-                self.update(snap)
-                if snap.metadata_version != base_meta:
-                    raise CommitConflict("the table's metadata or protocol changed")
-                _check_unmoved(snap, removed, expected)
+                self._check_fresh(snap)
+                _check_unmoved(snap, base_meta, removed, expected)
                 version = snap.version + 1
                 if put(f"{LOG_DIR}/{version:020d}.json"):
                     snap.apply(version, actions)
-                    if self.after_commit is not None:
-                        self.after_commit(snap)
+                    self._after(snap)
                     return version
                 log.debug("version %d of %s was taken; rebasing", version, self.store.uri)
+                self.update(snap)
         raise CommitConflict(f"the commit lost {MAX_REBASES} races in a row")
 
 
-def _check_unmoved(snap: Snapshot, removed: Sequence[str], expected: Mapping[str, int | None]) -> None:
-    """CommitConflict when a file a commit removes is gone from `snap`, or a fence it read has moved."""
+def _check_unmoved(snap: Snapshot, base_meta: int, removed: Sequence[str], expected: Mapping[str, int | None]) -> None:
+    """CommitConflict when the metadata changed since `base_meta`, a file a commit removes is gone, or a fence it read moved."""
+    if snap.metadata_version != base_meta:
+        raise CommitConflict("the table's metadata or protocol changed")
     if any(p not in snap.files for p in removed):
         raise CommitConflict("a file this commit removes was removed by another commit")
     if any(snap.txns.get(app) != v for app, v in expected.items()):

@@ -118,4 +118,4 @@ def conform(rows: pa.Table, schema: pa.Schema) -> pa.Table:
     `Table.cast` casts column by column even when nothing changes (36-85 us on the entity
     schemas, several times per commit); comparing the schemas first costs nothing.
     """
-    return rows if rows.schema.equals(schema) else rows.cast(schema)
+    return rows if rows.schema.equals(schema, check_metadata=True) else rows.cast(schema)

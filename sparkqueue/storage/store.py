@@ -1,17 +1,19 @@
 """Where a namespace's bytes live: one small interface over a local directory or an object store.
 
 Everything sparkqueue writes goes through a `Store` rooted at a table or the namespace root:
-data files (`put`), Delta log entries (`put_if_absent`, the only primitive optimistic commits
-need), reads, listings and deletes. A local directory is written with plain system calls and
-fsync, so an acknowledged commit survives a power loss; Azure Blob/ADLS, S3 and GCS go through
-obstore (Rust's object_store, the library under delta-rs), whose writes are durable when they
-return. The same storage-options dict configures obstore and delta-rs (docs/storage.md).
+data files (`put_new`, `put`), Delta log entries (`staged`, a put-if-absent tried under one name
+after another: the only primitive optimistic commits need), reads, listings and deletes. A local
+directory is written with plain system calls and fsync, so an acknowledged commit survives a
+power loss; Azure Blob/ADLS, S3 and GCS go through obstore (Rust's object_store, the library
+under delta-rs), whose writes are durable when they return. The same storage-options dict
+configures obstore and delta-rs (docs/storage.md).
 """
 
 from __future__ import annotations
 
 import builtins
 import contextlib
+import logging
 import os
 import uuid
 from abc import ABC, abstractmethod
@@ -21,6 +23,8 @@ from pathlib import Path
 from typing import Any
 
 from sparkqueue.errors import InvalidOperationError, StorageError
+
+log = logging.getLogger(__name__)
 
 OBJECT_STORE_SCHEMES = ("az", "azure", "abfs", "abfss", "adl", "s3", "s3a", "gs", "gcs")
 # Options delta-rs accepts that configure the HTTP client rather than the store.
@@ -146,12 +150,15 @@ class LocalStore(Store):
             nonlocal tmp
             target = self._path(path)
             with _translate(self.uri, path):
+                retry = tmp is not None
                 if tmp is None:
                     tmp = self._write_temp(target, data)
                 try:
                     os.link(tmp, target)
                 except FileExistsError:
                     return False
+                if retry:
+                    os.utime(target)  # the entry's time (Delta readers' commit time) is when it landed, not when it was written
                 _fsync_dir(os.path.dirname(target))
                 return True
 
@@ -159,8 +166,10 @@ class LocalStore(Store):
             yield put
         finally:
             if tmp is not None:
-                with _translate(self.uri, tmp), contextlib.suppress(FileNotFoundError):
+                try:
                     os.unlink(tmp)
+                except OSError as exc:  # a leftover temporary name is harmless (vacuum): never fail a commit for it
+                    log.warning("could not remove %s: %s", tmp, exc)
 
     def _write_temp(self, target: str, data: bytes) -> str:
         """Write data to a hidden sibling of `target`, fsynced; returns its path."""

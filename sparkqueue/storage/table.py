@@ -26,7 +26,7 @@ import pyarrow.compute as pc
 from sparkqueue.errors import EntityNotFoundError, QuotaExceededError, StorageCorruptedError
 from sparkqueue.storage.checkpoint import trim_log, write_checkpoint
 from sparkqueue.storage.faults import FaultInjector
-from sparkqueue.storage.files import FILE_SCHEMA, MAX_FILE_ROWS, DataFiles, remove_action
+from sparkqueue.storage.files import FILE_SCHEMA, MAX_FILE_ROWS, DataFiles, file_rows, remove_action
 from sparkqueue.storage.index import FileIndex, FileInfo
 from sparkqueue.storage.log import AddFile, CommitConflict, DeltaLog, Fence, RemoveFile, Snapshot, checkpoint_interval
 from sparkqueue.storage.schema import (
@@ -171,10 +171,14 @@ class EntityTable:
         seen: dict[str, int | None] | None = None,
         operation: str = "WRITE",
     ) -> int:
-        """Commit actions computed from `snap`, deleting the added files when the commit does not happen."""
+        """Commit actions computed from `snap`, deleting the added files when it conflicts.
+
+        After any other error the commit may have landed (DeltaLog.commit), so its files stay:
+        vacuum removes them if no version references them.
+        """
         try:
             return self.log.commit(snap, adds, removes, fences, seen, operation)
-        except BaseException:
+        except CommitConflict:
             self.data.delete([a.path for a in adds])
             raise
 
@@ -365,10 +369,10 @@ class EntityTable:
             after_picked = max_picked is None or f.min_seq > max_picked  # nothing picked lies in or after this file
             if count >= limit and after_picked:
                 break
-            if whole_after is not None and count >= whole_after and count + f.num_records > limit and after_picked:
-                break  # taking part of this file would rewrite the rest of it: leave it whole for the next receive
             if f.min_available_at is None or f.min_available_at > now or not f.may_hold(KIND_MESSAGE, sub_queue, subscription):
                 continue
+            if whole_after is not None and count >= whole_after and count + f.num_records > limit and after_picked:
+                break  # taking part of this file would rewrite the rest of it: leave it whole for the next receive
             t = self.data.read(f.path, columns)
             mask = pc.and_(
                 pc.and_(_in_scope(t, KIND_MESSAGE, subscription), pc.equal(t.column("sub_queue"), sub_queue)),
@@ -529,13 +533,13 @@ class EntityTable:
         # group_by, every row of a group (changed, untouched or new) goes to one file of its own.
         staged = self._stage(dt, partition, new_rows, dedupe_since, expand) if new_rows is not None else None
         new_pieces = staged.pieces if staged is not None else []
-        numbered = [conform(numbered_rows.select(FILE_SCHEMA.names), FILE_SCHEMA)] if numbered_rows is not None else []
+        numbered = [file_rows(numbered_rows)] if numbered_rows is not None else []
         if group_by is None:
             new_pieces = new_pieces + [(partition, t, MAX_FILE_ROWS) for t in numbered if t.num_rows]
             changed_pieces = [(partition, pa.concat_tables(changed), changed_file_rows)] if changed else []
             kept_pieces = [(partition, k, MAX_FILE_ROWS) for k in kept]
         else:
-            fresh = [conform(staged.rows.select(FILE_SCHEMA.names), FILE_SCHEMA)] if staged is not None else []
+            fresh = [file_rows(staged.rows)] if staged is not None else []
             changed_pieces = [(partition, g, MAX_FILE_ROWS) for g in _groups(changed + kept + fresh + numbered, group_by)]
             kept_pieces, new_pieces = [], []
         fences: list[Fence] = []

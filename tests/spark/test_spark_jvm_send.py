@@ -10,11 +10,12 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 from deltalake import DeltaTable
+from pyspark.sql import functions as sf
 
 from sparkqueue import Message
 from sparkqueue.errors import QuotaExceededError
 from sparkqueue.spark.jvm_send import FILE_ROWS
-from sparkqueue.storage.files import FILE_SCHEMA, MAX_FILE_ROWS
+from sparkqueue.storage.files import FILE_SCHEMA, MAX_FILE_BYTES, MAX_FILE_ROWS
 from sparkqueue.storage.table import SEQUENCE_MASK, partition_of
 
 pytestmark = pytest.mark.spark
@@ -129,6 +130,22 @@ def test_files_of_a_send_hold_up_to_4000_rows_and_the_first_lock_splits_one(spar
         assert [m.message_id for m in got] == [f"m-{i}" for i in range(10)]
         assert max(sizes()) <= MAX_FILE_ROWS and sum(sizes()) == 5000
         r.complete_messages(got)
+
+
+def test_a_send_of_large_bodies_commits_files_of_about_8_mb(spark, ns):
+    """Spark's writer rolls files by rows only; a file of large bodies past SPLIT_BYTES is cut to the engine's bound."""
+    ns.create_queue("q", enable_partitioning=False)
+    n, size = 200, 200 * 1024  # one block: about 40 MB of incompressible bodies
+    df = spark.range(0, n, 1, 1).select(sf.randstr(size, 7).cast("binary").alias("body"), sf.col("id"))
+    with ns.get_queue_sender("q") as s:
+        assert s.send_dataframe(df) == n
+    table_dir = ns.broker.entity("queue", "q").table.uri
+    adds = pa.table(DeltaTable(table_dir).get_add_actions(flatten=True)).to_pylist()
+    assert len(adds) > 1 and max(a["size_bytes"] for a in adds) <= 2 * MAX_FILE_BYTES
+    rows = DeltaTable(table_dir).to_pyarrow_table(columns=["sequence_number", "size_in_bytes"]).sort_by("sequence_number")
+    assert [s & SEQUENCE_MASK for s in rows.column("sequence_number").to_pylist()] == list(range(1, n + 1))
+    assert not list(Path(table_dir).glob("spark-send/*"))
+    assert sum(1 for _ in Path(table_dir).glob("partition_id=*/*.parquet")) == len(adds)  # the oversized file is gone
 
 
 def test_input_partitions_without_rows_add_no_files(spark, ns):
