@@ -44,7 +44,7 @@ def test_reads_live_messages_with_state_without_locking(spark, ns, numbered):
     assert df.schema == RECEIVED_SCHEMA
     states = {row.state: row["count"] for row in df.groupBy("state").count().collect()}
     assert states == {"active": 38, "deferred": 1, "scheduled": 5}  # 45 sent, 1 completed
-    assert df.where("lock_token IS NOT NULL").count() == 8  # shown, not taken
+    assert df.where("lock_token IS NOT NULL").count() == len(got) - 2  # shown, not taken
     assert ns.get_queue_runtime_properties("q").active_message_count == 38  # locked ones included
     rows = df.where("partition_key IS NOT NULL").collect()
     assert all(row.partition_id == partition_for_key(row.partition_key, 16) for row in rows)
