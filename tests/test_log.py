@@ -320,3 +320,15 @@ def test_relative_roots_resolve_to_absolute(tmp_path: Path, monkeypatch: pytest.
     assert resolve_root("data/ns") == str(tmp_path / "data" / "ns")
     assert resolve_root("file://" + str(tmp_path / "x")) == str(tmp_path / "x")
     assert resolve_root("az://container/path/") == "az://container/path"
+
+
+def test_sync_flushes_files_written_around_the_store_and_reports_one_that_vanished(tmp_path: Path) -> None:
+    """What a DataFrame send uses on Spark's files (they are written without fsync) before it commits them."""
+    store = LocalStore(str(tmp_path))
+    (tmp_path / "partition_id=3").mkdir()
+    for name in ("a.parquet", "b.parquet"):
+        (tmp_path / "partition_id=3" / name).write_bytes(b"x" * 4096)
+    store.sync(["partition_id=3/a.parquet", "partition_id=3/b.parquet"])
+    assert store.get("partition_id=3/a.parquet") == b"x" * 4096
+    with pytest.raises(StorageError, match="vanished before it was made durable"):
+        store.sync(["partition_id=3/a.parquet", "partition_id=3/gone.parquet"])

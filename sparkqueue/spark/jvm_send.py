@@ -19,7 +19,8 @@ Spark's write speed"):
 4. The driver reads the files' Parquet footers for the Delta statistics (numRecords, min, max
    and null count, timestamps in milliseconds as the engine writes them), checks each
    partition's size quota with the message bytes the write observed, moves local files into
-   their `partition_id=<p>/` directory, and commits every file in ONE commit that moves the
+   their `partition_id=<p>/` directory and fsyncs them (Spark's local writer does not: the
+   engine's durability rule, docs/storage.md), and commits every file in ONE commit that moves the
    fences it read. A concurrent sender that moved one of them makes the commit conflict: the
    files are deleted and the send runs again on fresh fences (send.send_dataframe's retry loop).
 """
@@ -352,7 +353,7 @@ def check_quota(table: EntityTable, plan: SendPlan, written: Written, added: dic
 
 
 def place(table: EntityTable, staging: str, adds: list[AddFile]) -> list[AddFile]:
-    """Local files moved into their `partition_id=<p>/` directory (a rename), so the table keeps the engine's layout.
+    """Local files moved into their `partition_id=<p>/` directory (a rename), so the table keeps the engine's layout; all fsynced.
 
     On object stores, where a rename is a copy, the files are committed where Spark wrote them
     (Delta readers take a file's partition from its add action, not from its path).
@@ -373,6 +374,7 @@ def place(table: EntityTable, staging: str, adds: list[AddFile]) -> list[AddFile
             made.add(parent)
         os.rename(src, dst)
         out.append(AddFile(rel, a.partition_values, a.size, a.stats))
+    table.store.sync([a.path for a in out])  # Spark's local writer does not fsync: a commit must not outlive its files
     return out
 
 

@@ -17,7 +17,8 @@ import logging
 import os
 import uuid
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -33,6 +34,7 @@ CLIENT_OPTION_KEYS = frozenset(
 )
 # delta-rs-only settings (commit locking, unsafe renames) that obstore does not know; sparkqueue needs neither.
 DELTA_ONLY_KEYS = frozenset({"allow_unsafe_rename", "aws_s3_locking_provider", "dynamodb_table_name", "aws_conditional_put"})
+SYNC_THREADS = 8  # files fsynced at once by LocalStore.sync: the disk flushes their pages in parallel
 
 
 @dataclass(frozen=True)
@@ -92,6 +94,10 @@ class Store(ABC):
 
     def local_path(self, path: str) -> str | None:
         """The object's path on the local file system, when the store is a local directory."""
+        return None
+
+    def sync(self, paths: Sequence[str]) -> None:
+        """Make objects written around the store (by Spark's own writer) as durable as a put: a no-op where puts are."""
         return None
 
     def exists(self, path: str) -> bool:
@@ -208,6 +214,18 @@ class LocalStore(Store):
 
     def local_path(self, path: str) -> str | None:
         return self._path(path)
+
+    def sync(self, paths: Sequence[str]) -> None:
+        """fsync the files, side by side (their data reaches the disk in parallel), then their directories once each."""
+        if not paths:
+            return
+        targets = [self._path(p) for p in paths]
+        with _translate(self.uri, paths[0]), ThreadPoolExecutor(SYNC_THREADS, thread_name_prefix="sparkqueue-sync") as pool:
+            try:
+                list(pool.map(_fsync_file, targets))
+            except FileNotFoundError as exc:
+                raise StorageError(f"store {self.uri!r}: {exc.filename} vanished before it was made durable") from exc
+            list(pool.map(_fsync_dir, sorted({os.path.dirname(t) for t in targets})))
 
 
 class ObjectStore(Store):
@@ -363,6 +381,15 @@ def _write_synced(path: str, data: bytes | memoryview) -> None:
         view = memoryview(data)
         while view:
             view = view[os.write(fd, view) :]
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _fsync_file(path: str) -> None:
+    """Flush a file written elsewhere (its data and size) to the disk."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
         os.fsync(fd)
     finally:
         os.close(fd)
