@@ -79,3 +79,15 @@ def test_a_damaged_data_file_is_reported_never_read_short(tmp_path: Path, damage
         path.write_bytes(b"not a parquet file" * 10)
     with pytest.raises(StorageCorruptedError, match="part-x"):
         files.read("partition_id=0/part-x.lz4.parquet", ["sequence_number", "subject"])
+
+
+def test_conform_relabels_nullability_casts_types_and_refuses_nulls_in_a_non_null_field() -> None:
+    from sparkqueue.storage.schema import conform
+
+    target = pa.schema([pa.field("seq", pa.int64(), nullable=False), pa.field("n", pa.int32())])
+    relabelled = conform(pa.table({"seq": pa.array([1, 2], pa.int64()), "n": pa.array([3, None], pa.int32())}), target)
+    assert relabelled.schema.equals(target) and relabelled.column("n").to_pylist() == [3, None]
+    cast = conform(pa.table({"seq": pa.array([1, 2], pa.int32()), "n": pa.array([3, 4], pa.int64())}), target)
+    assert cast.schema.equals(target) and cast.column("seq").to_pylist() == [1, 2]
+    with pytest.raises(ValueError, match="non-nullable"):
+        conform(pa.table({"seq": pa.array([1, None], pa.int64()), "n": pa.array([3, 4], pa.int32())}), target)

@@ -234,7 +234,8 @@ def renumber(table: EntityTable, adds: list[AddFile], moved: dict[int, int]) -> 
             continue
         rows = table.data.read(a.path)
         seqs = pc.add(rows.column("sequence_number"), pa.scalar(shift, pa.int64()))
-        rows = rows.set_column(rows.schema.get_field_index("sequence_number"), "sequence_number", seqs)
+        i = rows.schema.get_field_index("sequence_number")
+        rows = rows.set_column(i, rows.schema.field(i), seqs)
         try:
             out.append(table.data.write(p, rows))
         except BaseException:

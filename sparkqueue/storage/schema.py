@@ -116,6 +116,12 @@ def conform(rows: pa.Table, schema: pa.Schema) -> pa.Table:
     """`rows` cast to `schema`, or as they are when they already have it.
 
     `Table.cast` casts column by column even when nothing changes (36-85 us on the entity
-    schemas, several times per commit); comparing the schemas first costs nothing.
+    schemas, several times per commit); comparing the schemas first costs nothing, and where
+    only nullability or metadata differ the columns are relabelled, not cast.
     """
-    return rows if rows.schema.equals(schema, check_metadata=True) else rows.cast(schema)
+    if rows.schema.equals(schema, check_metadata=True):
+        return rows
+    same_types = rows.schema.names == schema.names and all(a.type == b.type for a, b in zip(rows.schema, schema, strict=True))
+    if same_types and all(f.nullable or col.null_count == 0 for f, col in zip(schema, rows.columns, strict=True)):
+        return pa.Table.from_arrays(rows.columns, schema=schema)  # only nullability or metadata differ: no cast needed
+    return rows.cast(schema)  # raises, as it should, on nulls in a non-nullable field

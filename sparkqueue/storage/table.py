@@ -292,7 +292,8 @@ class EntityTable:
         last = (seen or 0) if base is None else base
         first = sequence_number(p, last + 1)
         seqs = pa.array(range(first, first + part.num_rows), pa.int64())
-        part = part.set_column(part.schema.get_field_index("sequence_number"), "sequence_number", seqs)
+        i = part.schema.get_field_index("sequence_number")
+        part = part.set_column(i, part.schema.field(i), seqs)  # the field, not its name: keeps it non-null (no cast later)
         subs = part.column("subscription")
         groups = (
             [part]
