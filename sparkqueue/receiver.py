@@ -484,7 +484,6 @@ class ReceiverSession:
         """When the session lock expires unless renewed."""
         return self._lock.locked_until
 
-
     def get_state(self, *, timeout: float | None = None) -> bytes | None:
         """The session state (None when never set or cleared)."""
         with call_timeout(timeout):

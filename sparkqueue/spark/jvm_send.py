@@ -50,7 +50,7 @@ from sparkqueue.model.entity import utcnow
 from sparkqueue.spark.send import ORD_ROW_MASK
 from sparkqueue.spark.session import spark_errors
 from sparkqueue.spark.staging import filesystem, spark_path
-from sparkqueue.storage.files import FILE_SCHEMA, MAX_FILE_BYTES, MAX_FILE_ROWS, STATS_COLUMNS
+from sparkqueue.storage.files import FILE_SCHEMA, MAX_FILE_BYTES, MAX_FILE_ROWS, STATS_COLUMNS, file_rows
 from sparkqueue.storage.log import AddFile, CommitConflict, Fence
 from sparkqueue.storage.schema import KIND_MESSAGE, PARTITION_COLUMN, STATE_ACTIVE, SUB_QUEUE_MAIN
 from sparkqueue.storage.table import SEQUENCE_BITS, SEQUENCE_MASK, fence_app_id, partition_of
@@ -84,6 +84,10 @@ WRITE_OPTIONS = {
     "parquet.enable.dictionary": "false",
     "parquet.page.write-checksum.enabled": "false",
     "parquet.column.statistics.enabled#body": "false",
+    # Row groups of at most ~8 MB (sizes checked from the 10th row on), so a file of large bodies can be split
+    # one row group at a time (split_oversized); 4,000 rows of 1 KB stay one row group.
+    "parquet.block.size": str(MAX_FILE_BYTES),
+    "parquet.page.size.row.check.min": "10",  # parquet-mr checks row group (and page) sizes from this row on
     "fs.file.impl": "org.apache.hadoop.fs.RawLocalFileSystem",
     "fs.file.impl.disable.cache": "true",
 }
@@ -383,14 +387,21 @@ def split_oversized(table: EntityTable, adds: list[AddFile]) -> list[AddFile]:
     """Files larger than SPLIT_BYTES rewritten as the engine's files (at most MAX_FILE_ROWS rows and about 8 MB each).
 
     Only large bodies make such files (4,000 rows of 1 KB are 4 MB). Rows and numbering are
-    kept; the first lock of a file this size would otherwise read and rewrite all of it.
+    kept; the first lock of a file this size would otherwise read and rewrite all of it. The
+    file is read one row group at a time (Spark closes one every ~8 MB: WRITE_OPTIONS), so the
+    driver holds a few row groups, never a whole file of up to 4,000 large bodies.
     """
     out: list[AddFile] = []
+    fs, root = filesystem(table.uri)
     for a in adds:
         if a.size <= SPLIT_BYTES:
             out.append(a)
             continue
-        out += table.data.write_chunks(int(a.partition_values[PARTITION_COLUMN]), table.data.read(a.path))
+        p = int(a.partition_values[PARTITION_COLUMN])
+        with fs.open_input_file(f"{root}/{a.path}") as f:
+            parquet = pq.ParquetFile(f)
+            for g in range(parquet.num_row_groups):
+                out += table.data.write_chunks(p, file_rows(parquet.read_row_group(g, columns=FILE_SCHEMA.names)))
         table.data.delete([a.path])
     return out
 

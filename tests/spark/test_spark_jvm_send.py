@@ -14,8 +14,9 @@ from pyspark.sql import functions as sf
 
 from sparkqueue import Message
 from sparkqueue.errors import QuotaExceededError
-from sparkqueue.spark.jvm_send import FILE_ROWS
+from sparkqueue.spark.jvm_send import FILE_ROWS, SPLIT_BYTES, WRITE_OPTIONS, split_oversized
 from sparkqueue.storage.files import FILE_SCHEMA, MAX_FILE_BYTES, MAX_FILE_ROWS
+from sparkqueue.storage.log import AddFile
 from sparkqueue.storage.table import SEQUENCE_MASK, partition_of
 
 pytestmark = pytest.mark.spark
@@ -146,6 +147,36 @@ def test_a_send_of_large_bodies_commits_files_of_about_8_mb(spark, ns):
     assert [s & SEQUENCE_MASK for s in rows.column("sequence_number").to_pylist()] == list(range(1, n + 1))
     assert not list(Path(table_dir).glob("spark-send/*"))
     assert sum(1 for _ in Path(table_dir).glob("partition_id=*/*.parquet")) == len(adds)  # the oversized file is gone
+
+
+def test_the_send_options_make_spark_close_row_groups_of_about_8_mb(spark, tmp_path):
+    """What lets split_oversized read a file of large bodies one row group at a time (a wrong option key would do nothing)."""
+    df = spark.range(0, 120, 1, 1).select(sf.randstr(200 * 1024, 3).cast("binary").alias("body"))
+    df.write.options(**WRITE_OPTIONS).parquet(str(tmp_path / "out"))
+    (f,) = (tmp_path / "out").glob("*.parquet")
+    meta = pq.read_metadata(f)
+    assert meta.num_row_groups >= 2
+    assert all(meta.row_group(g).total_byte_size <= MAX_FILE_BYTES + 10 * 200 * 1024 for g in range(meta.num_row_groups))
+    small = spark.range(0, 4000, 1, 1).select(sf.randstr(1024, 3).cast("binary").alias("body"))
+    small.write.options(**WRITE_OPTIONS).parquet(str(tmp_path / "small"))
+    (f,) = (tmp_path / "small").glob("*.parquet")
+    assert pq.read_metadata(f).num_row_groups == 1  # 4,000 rows of 1 KB: one row group, as before
+
+
+def test_an_oversized_file_is_split_row_group_by_row_group_keeping_rows_and_order(spark, ns, numbered):
+    ns.create_queue("q", enable_partitioning=False)
+    with ns.get_queue_sender("q") as s:
+        assert s.send_dataframe(numbered(2500, partitions=1, body_bytes=16)) == 2500
+    table = ns.broker.entity("queue", "q").table
+    rows = DeltaTable(table.uri).to_pyarrow_table(columns=FILE_SCHEMA.names).sort_by("sequence_number")
+    staged = Path(table.uri) / "partition_id=0" / "oversized.parquet"
+    pq.write_table(rows, staged, row_group_size=700)  # 4 row groups, as Spark's writer leaves a file of large bodies
+    out = split_oversized(table, [AddFile("partition_id=0/oversized.parquet", {"partition_id": "0"}, SPLIT_BYTES + 1, "{}")])
+    assert not staged.exists()
+    pieces = [pq.read_table(Path(table.uri) / a.path) for a in out]
+    assert all(t.num_rows <= MAX_FILE_ROWS for t in pieces)
+    got = pa.concat_tables(pieces).select(["sequence_number", "message_id"]).to_pylist()
+    assert got == rows.select(["sequence_number", "message_id"]).to_pylist()
 
 
 def test_input_partitions_without_rows_add_no_files(spark, ns):
