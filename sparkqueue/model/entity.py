@@ -195,8 +195,8 @@ class Entity:
         dt = self.table.snapshot()  # one snapshot serves every partition this pass does not change
         for i in range(self.partition_count):
             p = (start + i) % self.partition_count
-            if not self.available(p):
-                continue
+            if not self.available(p) or not self.table.holds_files(dt, p):
+                continue  # an empty partition: nothing to read (a receive of one message would try most of 16)
             # Once half the count is in hand, files are taken whole or not at all (docs/storage.md, "Receives
             # take whole files"): a split would rewrite the file's other rows, and a commit on another
             # partition for a few messages costs as much as the first.

@@ -192,6 +192,10 @@ class EntityTable:
         """False while a fault is injected on the partition or damage was found in it."""
         return not self.faults.failing(partition)
 
+    def holds_files(self, dt: Snapshot, partition: int) -> bool:
+        """True when the partition has a live file at `dt`'s version (read off the snapshot, nothing opened)."""
+        return bool(dt.files.partition(partition))
+
     def files(self, dt: Snapshot, partition: int) -> list[FileInfo]:
         """The partition's live files at `dt`'s version, ordered by lowest sequence number."""
         self.faults.check(partition, "read")
