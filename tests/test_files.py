@@ -91,3 +91,21 @@ def test_conform_relabels_nullability_casts_types_and_refuses_nulls_in_a_non_nul
     assert cast.schema.equals(target) and cast.column("seq").to_pylist() == [1, 2]
     with pytest.raises(ValueError, match="non-nullable"):
         conform(pa.table({"seq": pa.array([1, None], pa.int64()), "n": pa.array([3, 4], pa.int32())}), target)
+
+
+def test_keep_rows_is_filter_without_a_copy_when_every_row_stays_and_drops_nulls() -> None:
+    from sparkqueue.storage.schema import keep_rows
+
+    t = pa.table({"sequence_number": pa.array([3, 1, 2], pa.int64()), "body": [b"a", b"b", b"c"]})
+    assert keep_rows(t, pa.array([True, True, True])) is t
+    assert keep_rows(t, pa.array([True, None, True])).column("sequence_number").to_pylist() == [3, 2]
+    assert keep_rows(t, pa.array([False, True, False])).column("body").to_pylist() == [b"b"]
+
+
+def test_in_sequence_sorts_out_of_order_rows_and_leaves_ordered_ones_as_they_are() -> None:
+    from sparkqueue.storage.schema import in_sequence
+
+    ordered = pa.concat_tables([pa.table({"sequence_number": pa.array(v, pa.int64())}) for v in ([1, 2], [5, 9])])
+    assert in_sequence(ordered) is ordered
+    mixed = pa.concat_tables([pa.table({"sequence_number": pa.array(v, pa.int64())}) for v in ([4, 8], [1, 9])])
+    assert in_sequence(mixed).column("sequence_number").to_pylist() == [1, 4, 8, 9]

@@ -43,6 +43,7 @@ from sparkqueue.storage.schema import (
     SUB_QUEUE_DEAD_LETTER,
     SUB_QUEUE_MAIN,
     TIMESTAMP,
+    keep_rows,
 )
 from sparkqueue.storage.table import SEQUENCE_MASK, EntityTable, Expand, empty_changes, partition_of
 
@@ -329,7 +330,7 @@ class Entity:
     def locked_rows(self, dt: Snapshot, p: int, items: Sequence[tuple[int, str]], now: datetime) -> tuple[pa.Table, list[bool]]:
         """Rows of one partition whose lock the (sequence_number, token) items hold now, and a per-item verdict."""
         rows = self.table.rows_by_sequence(dt, p, [seq for seq, _ in items], STATE_COLUMNS)
-        rows = rows.filter(self.owns(rows))
+        rows = keep_rows(rows, self.owns(rows))
         by_seq = {s: j for j, s in enumerate(rows.column("sequence_number").to_pylist())}
         present = [k for k, (seq, _) in enumerate(items) if seq in by_seq]
         cur = rows.take(pa.array([by_seq[items[k][0]] for k in present], pa.int64()))
@@ -337,7 +338,7 @@ class Entity:
         valid = [False] * len(items)
         for k, v in zip(present, held, strict=True):
             valid[k] = v
-        return cur.filter(pa.array(held, pa.bool_())), valid
+        return keep_rows(cur, pa.array(held, pa.bool_())), valid
 
     def owns(self, rows: pa.Table) -> pa.ChunkedArray:
         """Mask of the rows that belong to this entity (its subscription, in a topic's table)."""

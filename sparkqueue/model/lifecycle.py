@@ -16,7 +16,15 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from sparkqueue.model.ids import lock_tokens
-from sparkqueue.storage.schema import STATE_ACTIVE, STATE_DEFERRED, SUB_QUEUE_DEAD_LETTER, SUB_QUEUE_MAIN, TIMESTAMP, conform
+from sparkqueue.storage.schema import (
+    STATE_ACTIVE,
+    STATE_DEFERRED,
+    SUB_QUEUE_DEAD_LETTER,
+    SUB_QUEUE_MAIN,
+    TIMESTAMP,
+    conform,
+    keep_rows,
+)
 from sparkqueue.storage.table import CHANGE_SCHEMA, MUTABLE_COLUMNS, OP_DELETE, OP_SET, OP_TOMBSTONE
 
 MAX_DELIVERY_REASON = "MaxDeliveryCountExceeded"
@@ -121,7 +129,7 @@ def deliver(rows: pa.Table, now: datetime, policy: Policy, *, delete: bool) -> D
     # The stored count includes the delivery in progress; a message reports only the deliveries that
     # ended (0 on the first delivery, as the Python SDK): see message.reported_delivery_count. Rows
     # removed on receipt hold no lock, so they are returned with the earlier count.
-    got = rows.filter(ok)
+    got = keep_rows(rows, ok)
     counted = _with(got, delivery_count=pc.add(got.column("delivery_count"), 1).cast(pa.int32()))
     if got.num_rows:
         if delete:

@@ -47,6 +47,8 @@ from sparkqueue.storage.schema import (
     STATE_DEFERRED,
     SUB_QUEUE_MAIN,
     TIMESTAMP,
+    in_sequence,
+    keep_rows,
 )
 from sparkqueue.storage.table import MUTABLE_COLUMNS, OP_DELETE, OP_SET, OP_SET_BODY, empty_changes, partition_of
 
@@ -489,8 +491,8 @@ class Sessions:
         subs = t.column("subscription")
         in_sub = pc.is_null(subs) if sub is None else pc.fill_null(pc.equal(subs, sub), False)
         mine = pc.and_(pc.fill_null(pc.equal(t.column("session_id"), session_id), False), in_sub)
-        t = t.filter(pc.and_(mine, pc.not_equal(t.column("state"), STATE_COMPLETED))).sort_by("sequence_number")
-        rows = t.filter(pc.equal(t.column("kind"), KIND_MESSAGE))
+        t = in_sequence(keep_rows(t, pc.and_(mine, pc.not_equal(t.column("state"), STATE_COMPLETED))))
+        rows = keep_rows(t, pc.equal(t.column("kind"), KIND_MESSAGE))
         row = t.filter(pc.equal(t.column("kind"), KIND_SESSION))
         return (row.slice(0, 1) if row.num_rows else None), rows
 

@@ -39,6 +39,8 @@ from sparkqueue.storage.schema import (
     STATE_COMPLETED,
     TIMESTAMP,
     conform,
+    in_sequence,
+    keep_rows,
 )
 from sparkqueue.storage.store import Store, open_store
 
@@ -386,7 +388,7 @@ class EntityTable:
                     pc.less_equal(t.column("available_at_utc"), pa.scalar(now, TIMESTAMP)),
                 ),
             )
-            t = t.filter(mask)
+            t = keep_rows(t, mask)
             if t.num_rows:
                 picked.append(t)
                 count += t.num_rows
@@ -394,7 +396,7 @@ class EntityTable:
                 max_picked = top if max_picked is None else max(max_picked, top)
         if not picked:
             return self._read([], columns)
-        return pa.concat_tables(picked).sort_by("sequence_number").slice(0, limit)
+        return in_sequence(pa.concat_tables(picked)).slice(0, limit)
 
     def rows_by_sequence(
         self, dt: Snapshot, partition: int, seqs: Sequence[int], columns: Sequence[str] | None = None
@@ -404,8 +406,7 @@ class EntityTable:
         lo, hi = min(seqs), max(seqs)
         files = [f for f in self.files(dt, partition) if f.max_seq >= lo and f.min_seq <= hi]
         t = self._read(files, cols)
-        t = t.filter(pc.is_in(t.column("sequence_number"), value_set=pa.array(list(seqs), pa.int64())))
-        return t.sort_by("sequence_number")
+        return in_sequence(keep_rows(t, pc.is_in(t.column("sequence_number"), value_set=pa.array(list(seqs), pa.int64()))))
 
     def scan(
         self,
@@ -436,12 +437,12 @@ class EntityTable:
                 mask = pc.and_(mask, pc.greater_equal(t.column("sequence_number"), from_seq))
             if session_id is not None:
                 mask = pc.and_(mask, pc.fill_null(pc.equal(t.column("session_id"), session_id), False))
-            t = t.filter(mask)
+            t = keep_rows(t, mask)
             out.append(t)
             count += t.num_rows
             if limit is not None and count >= limit:
                 break
-        t = pa.concat_tables(out).sort_by("sequence_number") if out else self._read([], cols)
+        t = in_sequence(pa.concat_tables(out)) if out else self._read([], cols)
         return t if limit is None else t.slice(0, limit)
 
     def partition_bytes(self, dt: Snapshot, partition: int) -> int:
@@ -597,7 +598,8 @@ def _apply_changes(rows: pa.Table, changes: pa.Table) -> tuple[pa.Table, pa.Tabl
     if not pc.any(hit).as_py():
         return None
     kept = rows.filter(pc.invert(hit))
-    rows, idx = rows.filter(hit), idx.filter(hit)
+    if kept.num_rows:  # else every row changes (a lock of whole files): no copy of the rows
+        rows, idx = rows.filter(hit), idx.filter(hit)
     ops = pc.take(changes.column("op"), idx)
     for c in MUTABLE_COLUMNS:
         pos = rows.schema.get_field_index(c)
@@ -614,7 +616,7 @@ def _apply_changes(rows: pa.Table, changes: pa.Table) -> tuple[pa.Table, pa.Tabl
         for c in TOMBSTONE_CLEARED:
             pos = rows.schema.get_field_index(c)
             rows = rows.set_column(pos, rows.field(c), pc.if_else(tomb, pa.scalar(None, rows.field(c).type), rows.column(c)))
-    return rows.filter(pc.invert(pc.fill_null(pc.equal(ops, OP_DELETE), False))), kept
+    return keep_rows(rows, pc.invert(pc.fill_null(pc.equal(ops, OP_DELETE), False))), kept
 
 
 def _groups(tables: list[pa.Table], column: str) -> list[pa.Table]:
