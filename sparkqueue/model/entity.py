@@ -14,6 +14,7 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
 
+import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
@@ -45,7 +46,7 @@ from sparkqueue.storage.schema import (
     TIMESTAMP,
     keep_rows,
 )
-from sparkqueue.storage.table import SEQUENCE_MASK, EntityTable, Expand, empty_changes, partition_of
+from sparkqueue.storage.table import SEQUENCE_BITS, SEQUENCE_MASK, EntityTable, Expand, empty_changes, partition_of
 
 log = logging.getLogger(__name__)
 
@@ -302,42 +303,45 @@ class Entity:
 
         A dead letter's reason and description are one text, or a list with one per item.
         """
-        ok = [False] * len(items)
+        seqs, tokens = _item_arrays(items)
+        parts = pc.shift_right(seqs, SEQUENCE_BITS).to_numpy()
+        ok = np.zeros(len(items), bool)
         until: list[datetime | None] = [None] * len(items)
-        positions: dict[int, list[int]] = defaultdict(list)
-        for i, (seq, _) in enumerate(items):
-            positions[partition_of(seq)].append(i)
-        for p, idx in positions.items():
+        for p in dict.fromkeys(parts.tolist()):  # partitions in the order of their first item
             if not self.available(p):
                 raise PartitionUnavailableError(f"partition {p} of {self.name!r} is unavailable; the settlement was not applied")
+            idx = np.flatnonzero(parts == p)
 
-            def attempt(p: int = p, idx: list[int] = idx) -> None:
+            def attempt(p: int = p, idx: np.ndarray = idx) -> None:
                 dt = self.table.snapshot()
                 now = utcnow()
-                good, valid = self.locked_rows(dt, p, [items[i] for i in idx], now)
-                held = [i for i, v in zip(idx, valid, strict=True) if v]  # the items of `good`, in its order
+                take = pa.array(idx)
+                good, valid = self.locked_rows(dt, p, seqs.take(take), tokens.take(take), now)
+                held = idx[valid].tolist()  # the items of `good`, in its order
                 if good.num_rows:
                     texts = lifecycle.texts_of(reason, held), lifecycle.texts_of(description, held)
                     self.table.apply(dt, p, lifecycle.settle(good, op, now, self.policy, *texts))
-                new_until = now + self.policy.lock_duration
-                for i, v in zip(idx, valid, strict=True):
-                    ok[i] = v
-                    until[i] = new_until if v and op == lifecycle.RENEW else None
+                ok[idx] = valid
+                if op == lifecycle.RENEW:
+                    for i in held:
+                        until[i] = now + self.policy.lock_duration
 
             retry_commit(attempt, self.deadline(), f"{op} on {self.name}")
-        return SettleResult(ok, until)
+        return SettleResult(ok.tolist(), until)
 
-    def locked_rows(self, dt: Snapshot, p: int, items: Sequence[tuple[int, str]], now: datetime) -> tuple[pa.Table, list[bool]]:
-        """Rows of one partition whose lock the (sequence_number, token) items hold now, and a per-item verdict."""
-        rows = self.table.rows_by_sequence(dt, p, [seq for seq, _ in items], STATE_COLUMNS)
+    def locked_rows(self, dt: Snapshot, p: int, seqs: pa.Array, tokens: pa.Array, now: datetime) -> tuple[pa.Table, np.ndarray]:
+        """Rows of one partition whose lock the items (`seqs[i]`, `tokens[i]`) hold now, and a per-item verdict.
+
+        The rows come in item order, one per item whose lock holds (an item given twice, twice).
+        """
+        rows = self.table.rows_by_sequence(dt, p, seqs, STATE_COLUMNS)
         rows = keep_rows(rows, self.owns(rows))
-        by_seq = {s: j for j, s in enumerate(rows.column("sequence_number").to_pylist())}
-        present = [k for k, (seq, _) in enumerate(items) if seq in by_seq]
-        cur = rows.take(pa.array([by_seq[items[k][0]] for k in present], pa.int64()))
-        held = lifecycle.lock_valid(cur, [items[k][1] for k in present], now)
-        valid = [False] * len(items)
-        for k, v in zip(present, held, strict=True):
-            valid[k] = v
+        at = pc.index_in(seqs, value_set=rows.column("sequence_number"))  # each item's row; null where it has none
+        present = pc.is_valid(at).to_numpy(zero_copy_only=False)
+        cur = rows.take(at.drop_null())
+        held = np.asarray(lifecycle.lock_valid(cur, tokens.filter(pa.array(present)), now), bool)
+        valid = np.zeros(len(seqs), bool)
+        valid[np.flatnonzero(present)] = held
         return keep_rows(cur, pa.array(held, pa.bool_())), valid
 
     def owns(self, rows: pa.Table) -> pa.ChunkedArray:
@@ -373,8 +377,8 @@ class Entity:
                 touch = st.guard(dt, partition, now) if st.guard is not None else None  # SessionLockLostError
                 if touch is not None and touch.num_rows:
                     parts.append(touch)
-                good, valid = self.locked_rows(dt, partition, st.items, now)
-                if not all(valid):
+                good, valid = self.locked_rows(dt, partition, *_item_arrays(st.items), now)
+                if not valid.all():
                     raise MessageLockLostError(
                         "a message settled in the transaction lost its lock (expired or superseded); nothing was applied"
                     )
@@ -456,6 +460,11 @@ def _count_into(info: PartitionRuntimeProperties, rows: pa.Table, now: pa.Scalar
     info.scheduled_message_count = pc.sum(scheduled).as_py() or 0
     info.active_message_count = main.num_rows - info.deferred_message_count - info.scheduled_message_count
     info.total_message_count = rows.num_rows
+
+
+def _item_arrays(items: Sequence[tuple[int, str]]) -> tuple[pa.Int64Array, pa.StringArray]:
+    """(sequence_number, lock_token) items as two arrays, side by side."""
+    return pa.array([s for s, _ in items], pa.int64()), pa.array([t for _, t in items], pa.string())
 
 
 def _by_partition(seqs: Iterable[int]) -> dict[int, list[int]]:

@@ -66,12 +66,11 @@ def sequences_of_tokens(tokens: pa.Array | pa.ChunkedArray) -> pa.Int64Array:
     if m:
         offsets = np.frombuffer(picked.buffers()[1], np.int32)[picked.offset : picked.offset + m + 1]
         data = np.frombuffer(picked.buffers()[2], np.uint8)[offsets[0] : offsets[-1]].reshape(m, TOKEN_LENGTH)
-        digits = _NIBBLE[data[:, _SEQ_HEX]].astype(np.uint64)
+        digits = _NIBBLE[data[:, _SEQ_HEX]]
         good = (digits < 16).all(axis=1)
-        value = np.zeros(m, np.uint64)
-        for d in range(16):
-            value = (value << np.uint64(4)) | digits[:, d]
+        packed = np.ascontiguousarray((digits[:, 0::2] << 4) | (digits[:, 1::2] & 0x0F))  # 8 bytes per token, big-endian
+        value = packed.view(">u8").reshape(m).astype(np.int64)
         where = np.flatnonzero(shaped.to_numpy(zero_copy_only=False))
-        out[where] = value.view(np.int64)
+        out[where] = value
         ok[where] = good
     return pa.array(out, pa.int64(), mask=~ok)

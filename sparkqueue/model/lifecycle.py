@@ -165,9 +165,9 @@ def _with(rows: pa.Table, **cols: pa.Array) -> pa.Table:
     return rows
 
 
-def lock_valid(rows: pa.Table, tokens: list[str], now: datetime) -> list[bool]:
+def lock_valid(rows: pa.Table, tokens: Sequence[str] | pa.Array, now: datetime) -> list[bool]:
     """Per row: does `tokens[i]` hold the current, unexpired lock of `rows[i]`?"""
-    same = pc.equal(rows.column("lock_token"), pa.array(tokens, pa.string()))
+    same = pc.equal(rows.column("lock_token"), tokens if isinstance(tokens, pa.Array) else pa.array(tokens, pa.string()))
     live = pc.greater(rows.column("locked_until_utc"), pa.scalar(now, TIMESTAMP))
     valid: list[bool] = pc.fill_null(pc.and_(same, live), False).to_pylist()
     return valid

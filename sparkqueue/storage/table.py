@@ -399,14 +399,18 @@ class EntityTable:
         return in_sequence(pa.concat_tables(picked)).slice(0, limit)
 
     def rows_by_sequence(
-        self, dt: Snapshot, partition: int, seqs: Sequence[int], columns: Sequence[str] | None = None
+        self, dt: Snapshot, partition: int, seqs: Sequence[int] | pa.Int64Array, columns: Sequence[str] | None = None
     ) -> pa.Table:
-        """Current rows of the given sequence numbers in one partition (missing ones are absent)."""
+        """Current rows of the given sequence numbers in one partition (missing ones are absent), in sequence order."""
         cols = list(columns or FILE_SCHEMA.names)
-        lo, hi = min(seqs), max(seqs)
+        wanted = seqs if isinstance(seqs, pa.Array) else pa.array(list(seqs), pa.int64())
+        if len(wanted) == 0:
+            return self._read([], cols)
+        bounds = pc.min_max(wanted)
+        lo, hi = bounds["min"].as_py(), bounds["max"].as_py()
         files = [f for f in self.files(dt, partition) if f.max_seq >= lo and f.min_seq <= hi]
         t = self._read(files, cols)
-        return in_sequence(keep_rows(t, pc.is_in(t.column("sequence_number"), value_set=pa.array(list(seqs), pa.int64()))))
+        return in_sequence(keep_rows(t, pc.is_in(t.column("sequence_number"), value_set=wanted)))
 
     def scan(
         self,
