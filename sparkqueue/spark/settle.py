@@ -85,9 +85,22 @@ def settle_dataframe(
     cleanup_staging(broker.root)
     job = SettleJob(EntityRef.of(broker, entity_type, name), op, entity.partition_count, Staging.create(broker.root, "settle"))
     tasks = task_count(session, job.partition_count)
-    routed = route_tokens(token_columns(df, op, reason, error_description), job.partition_count, tasks)
+    received = Staging.of_receive(df)
     with spark_errors():
-        counts = routed.mapInArrow(partial(settle_task, job), COUNT_DDL).collect()
+        if received is not None and op != lifecycle.DEAD_LETTER:
+            # The DataFrame a receive returned, as it was: tasks read its tokens from the staged files, a
+            # partition's files per task, with no scan and shuffle of the tokens (docs/spark-streaming.md).
+            groups = staged_groups(received, job.partition_count, tasks)
+            counts = (
+                session.range(0, len(groups), 1, numPartitions=max(1, len(groups)))
+                .mapInArrow(partial(settle_staged_task, job, received, groups), COUNT_DDL)
+                .collect()
+                if groups
+                else []
+            )
+        else:
+            routed = route_tokens(token_columns(df, op, reason, error_description), job.partition_count, tasks)
+            counts = routed.mapInArrow(partial(settle_task, job), COUNT_DDL).collect()
     ok, lost = sum(r.ok for r in counts), sum(r.lock_lost for r in counts)
     log.info("%s on %s: %d ok, %d lock lost", op, entity.name, ok, lost)
     return job.staging.read(session, SETTLE_RESULT_SPARK)
@@ -122,15 +135,46 @@ def settle_task(job: SettleJob, batches: Iterator[pa.RecordBatch]) -> Iterator[p
         return
     table = pa.Table.from_batches(received)
     tokens = table.column("lock_token").combine_chunks()
-    n = len(tokens)
 
     def texts(name: str) -> pa.Array:
-        return table.column(name).combine_chunks() if name in table.column_names else pa.nulls(n, pa.string())
+        return table.column(name).combine_chunks() if name in table.column_names else pa.nulls(len(tokens), pa.string())
 
-    status, parts = settle_tokens(job, tokens, texts("reason"), texts("description"))
+    yield settle_and_stage(job, tokens, texts("reason"), texts("description"))
+
+
+def staged_groups(received: Staging, partitions: int, tasks: int) -> tuple[tuple[str, ...], ...]:
+    """A receive's staged files grouped for `tasks` settle tasks: queue partition q's files go to task q % tasks.
+
+    Staged files are named per partition (`part-p<partition>-...`, receive.stage_chunk), so no file is opened.
+    """
+    by_task: dict[int, list[str]] = {}
+    for name in received.names("part-p"):
+        p = int(name[len("part-p") :].split("-", 1)[0])
+        by_task.setdefault(p % tasks if 0 <= p < partitions else 0, []).append(name)
+    return tuple(tuple(names) for _, names in sorted(by_task.items()))
+
+
+@marking_errors
+def settle_staged_task(
+    job: SettleJob, received: Staging, groups: tuple[tuple[str, ...], ...], batches: Iterator[pa.RecordBatch]
+) -> Iterator[pa.RecordBatch]:
+    """Settle the tokens of some staged files of a receive (the rows that hold a lock), as settle_task does."""
+    for batch in batches:
+        for i in batch.column("id").to_pylist():
+            held = [received.read_file(name, ["lock_token"]).column(0) for name in groups[i]]
+            tokens = pa.chunked_array(held, pa.string()).combine_chunks().drop_null()
+            if len(tokens):
+                nulls = pa.nulls(len(tokens), pa.string())
+                yield settle_and_stage(job, tokens, nulls, nulls)
+
+
+def settle_and_stage(job: SettleJob, tokens: pa.Array, reasons: pa.Array, descriptions: pa.Array) -> pa.RecordBatch:
+    """Settle tokens, stage a status per token, and return the counts (settle_tokens does the settling)."""
+    n = len(tokens)
+    status, parts = settle_tokens(job, tokens, reasons, descriptions)
     job.staging.write(f"part-{uuid.uuid4().hex}.parquet", pa.table([tokens, status], schema=SETTLE_RESULT_SCHEMA))
     ok = pc.sum(pc.equal(status, STATUS_OK)).as_py() or 0
-    yield pa.RecordBatch.from_pydict(
+    return pa.RecordBatch.from_pydict(
         {
             "partition_id": pa.array([parts[0] if parts else -1], pa.int32()),
             "ok": pa.array([ok], pa.int64()),

@@ -130,10 +130,16 @@ class Staging:
             if i.is_file and not i.base_name.startswith("_") and i.base_name.endswith(".parquet") and part in i.base_name
         )
 
-    def read_file(self, name: str) -> pa.Table:
-        """One staged file."""
+    def read_file(self, name: str, columns: list[str] | None = None) -> pa.Table:
+        """One staged file (some of its columns)."""
         fs, path = filesystem(self.uri)
-        return pq.read_table(f"{path}/{name}", filesystem=fs)
+        return pq.read_table(f"{path}/{name}", filesystem=fs, columns=columns)
+
+    @staticmethod
+    def of_receive(df: DataFrame) -> Staging | None:
+        """The staging directory of a DataFrame exactly as a receive returned it (not one derived from it); else None."""
+        uri = getattr(df, STAGING_ATTRIBUTE, None)
+        return Staging(uri) if isinstance(uri, str) and f"/{STAGING_DIR}/receive/" in uri else None
 
     def read(self, spark: SparkSession, schema: st.StructType) -> DataFrame:
         """A DataFrame over the directory's files (empty while there are none), tagged with the directory."""

@@ -50,6 +50,23 @@ def test_received_dataframe_is_locked_once_and_reads_the_same_rows_again(spark, 
     assert release(got) == 1
 
 
+def test_settling_the_received_dataframe_as_returned_matches_settling_a_copy_of_it(spark, ns, numbered):
+    """The returned DataFrame is settled from its staged files (no scan and shuffle of its tokens); a derived one by Spark."""
+    ns.create_queue("q", lock_duration=LONG_LOCK)
+    with ns.get_queue_sender("q") as s:
+        s.send_dataframe(numbered(3000, partitions=6))
+    with ns.get_queue_receiver("q") as r:
+        got, other = r.receive_dataframe(1500), r.receive_dataframe(1500)
+        tokens = {x.lock_token for x in got.select("lock_token").collect()}
+        assert len(tokens) == 1500 and len({x.partition_id for x in got.select("partition_id").collect()}) > 2
+        direct = {x.lock_token: x.status for x in r.complete_dataframe(got).collect()}
+        assert direct == dict.fromkeys(tokens, "ok")
+        assert {x.status for x in r.complete_dataframe(got).collect()} == {"lock_lost"}  # settled once only
+        copy = other.select("*")
+        assert statuses(r.abandon_dataframe(copy)) == {"ok": 1500}
+    assert ns.get_queue_runtime_properties("q").active_message_count == 1500
+
+
 def test_received_dataframe_outlives_a_vacuum_of_the_table_until_released(spark, ns, numbered):
     """Locked messages are staged as links to the lock commit's file: settling and vacuuming leave the DataFrame whole."""
     ns.create_queue("q", lock_duration=LONG_LOCK)
