@@ -176,7 +176,10 @@ def write_attempt(
             rows.drop(PARTITION_COLUMN).write.options(**WRITE_OPTIONS).parquet(spark_path(f"{table.uri}/{staging}"))
         written = collect(table, staging, plan)
         check_quota(table, plan, written, {p: int(sizes.get[f"b{p}"] or 0) for p in plan.available})
-        adds = split_oversized(table, place(table, staging, written.adds))
+        placed = place(table, staging, written.adds)
+        adds = split_oversized(table, placed)
+        # Spark's local writer does not fsync: a commit must not outlive its files (split pieces are the engine's, fsynced).
+        table.store.sync([a.path for a in adds if a in placed])
     except BaseException:
         remove_staging(table, staging)
         raise
@@ -358,7 +361,7 @@ def check_quota(table: EntityTable, plan: SendPlan, written: Written, added: dic
 
 
 def place(table: EntityTable, staging: str, adds: list[AddFile]) -> list[AddFile]:
-    """Local files moved into their `partition_id=<p>/` directory (a rename), so the table keeps the engine's layout; all fsynced.
+    """Local files moved into their `partition_id=<p>/` directory (a rename), so the table keeps the engine's layout.
 
     On object stores, where a rename is a copy, the files are committed where Spark wrote them
     (Delta readers take a file's partition from its add action, not from its path).
@@ -379,7 +382,6 @@ def place(table: EntityTable, staging: str, adds: list[AddFile]) -> list[AddFile
             made.add(parent)
         os.rename(src, dst)
         out.append(AddFile(rel, a.partition_values, a.size, a.stats))
-    table.store.sync([a.path for a in out])  # Spark's local writer does not fsync: a commit must not outlive its files
     return out
 
 
@@ -398,10 +400,16 @@ def split_oversized(table: EntityTable, adds: list[AddFile]) -> list[AddFile]:
             out.append(a)
             continue
         p = int(a.partition_values[PARTITION_COLUMN])
-        with fs.open_input_file(f"{root}/{a.path}") as f:
-            parquet = pq.ParquetFile(f)
-            for g in range(parquet.num_row_groups):
-                out += table.data.write_chunks(p, file_rows(parquet.read_row_group(g, columns=FILE_SCHEMA.names)))
+        pieces: list[AddFile] = []
+        try:
+            with fs.open_input_file(f"{root}/{a.path}") as f:
+                parquet = pq.ParquetFile(f)
+                for g in range(parquet.num_row_groups):
+                    pieces += table.data.write_chunks(p, file_rows(parquet.read_row_group(g, columns=FILE_SCHEMA.names)))
+        except BaseException:
+            table.data.delete([x.path for x in out + pieces if x not in adds])  # nothing committed: no orphans left
+            raise
+        out += pieces
         table.data.delete([a.path])
     return out
 

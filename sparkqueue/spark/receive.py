@@ -38,7 +38,7 @@ from sparkqueue.model import limits
 from sparkqueue.model.entity import Entity, utcnow
 from sparkqueue.spark.schema import ENTITY_FILE_SPARK, received_from_entity_rows
 from sparkqueue.spark.session import active_session, spark_errors, task_count
-from sparkqueue.spark.staging import STAGING_ATTRIBUTE, Staging, cleanup_staging
+from sparkqueue.spark.staging import LOCKED_ATTRIBUTE, STAGING_ATTRIBUTE, Staging, cleanup_staging
 from sparkqueue.spark.worker import EntityRef, marking_errors, refuse_in_transaction
 from sparkqueue.storage.files import FILE_SCHEMA
 from sparkqueue.storage.schema import KIND_MESSAGE, SUB_QUEUE_MAIN
@@ -122,6 +122,7 @@ def read_staged(spark: SparkSession, job: ReceiveJob, now: datetime) -> DataFram
         rows = rows.where(sf.col("lock_token").isNotNull())
     df = rows.select(*received_from_entity_rows(now))
     setattr(df, STAGING_ATTRIBUTE, job.staging.uri)
+    setattr(df, LOCKED_ATTRIBUTE, not job.delete)
     return df
 
 

@@ -161,8 +161,8 @@ def settle_staged_task(
     """Settle the tokens of some staged files of a receive (the rows that hold a lock), as settle_task does."""
     for batch in batches:
         for i in batch.column("id").to_pylist():
-            held = [received.read_file(name, ["lock_token"]).column(0) for name in groups[i]]
-            tokens = pa.chunked_array(held, pa.string()).combine_chunks().drop_null()
+            chunks = [c for name in groups[i] for c in received.read_file(name, ["lock_token"]).column(0).chunks]
+            tokens = pa.chunked_array(chunks, pa.string()).combine_chunks().drop_null()
             if len(tokens):
                 nulls = pa.nulls(len(tokens), pa.string())
                 yield settle_and_stage(job, tokens, nulls, nulls)

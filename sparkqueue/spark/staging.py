@@ -32,6 +32,7 @@ log = logging.getLogger(__name__)
 STAGING_DIR = "_spark_staging"
 STAGING_RETENTION = timedelta(hours=1)
 STAGING_ATTRIBUTE = "_sparkqueue_staging"  # attribute of a returned DataFrame: the staging directory it reads
+LOCKED_ATTRIBUTE = "_sparkqueue_locked"  # attribute of a DataFrame a peek-lock receive returned (its rows hold locks)
 _STAMP = "%Y%m%dT%H%M%S"
 
 
@@ -137,9 +138,15 @@ class Staging:
 
     @staticmethod
     def of_receive(df: DataFrame) -> Staging | None:
-        """The staging directory of a DataFrame exactly as a receive returned it (not one derived from it); else None."""
+        """The staging directory of a DataFrame exactly as a peek-lock receive returned it, while it exists; else None.
+
+        None for a DataFrame derived from it (its rows are unknown), one of RECEIVE_AND_DELETE, or one released.
+        """
         uri = getattr(df, STAGING_ATTRIBUTE, None)
-        return Staging(uri) if isinstance(uri, str) and f"/{STAGING_DIR}/receive/" in uri else None
+        if not isinstance(uri, str) or getattr(df, LOCKED_ATTRIBUTE, False) is not True:
+            return None
+        fs, path = filesystem(uri)
+        return Staging(uri) if fs.get_file_info(path).type == pafs.FileType.Directory else None
 
     def read(self, spark: SparkSession, schema: st.StructType) -> DataFrame:
         """A DataFrame over the directory's files (empty while there are none), tagged with the directory."""

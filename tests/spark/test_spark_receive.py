@@ -67,6 +67,24 @@ def test_settling_the_received_dataframe_as_returned_matches_settling_a_copy_of_
     assert ns.get_queue_runtime_properties("q").active_message_count == 1500
 
 
+def test_only_the_locks_of_a_live_peek_lock_receive_are_settled_from_its_staged_files(spark, ns, numbered):
+    """A released receive, or one of RECEIVE_AND_DELETE, goes through Spark's path and reports as it always did."""
+    ns.create_queue("q", lock_duration=LONG_LOCK)
+    with ns.get_queue_sender("q") as s:
+        s.send_dataframe(numbered(40))
+    with ns.get_queue_receiver("q", receive_mode=ReceiveMode.RECEIVE_AND_DELETE) as d:
+        removed = d.receive_dataframe(20)
+        assert removed.count() == 20
+    with ns.get_queue_receiver("q") as r:
+        assert statuses(r.complete_dataframe(removed)) == {"lock_lost": 20}  # no lock to settle: one status each
+        got = r.receive_dataframe(20)
+        assert got.count() == 20
+        assert release(got) == 1
+        with pytest.raises(Exception, match=r"(?i)not exist|PATH_NOT_FOUND|FileNotFound"):
+            r.complete_dataframe(got)
+    assert ns.get_queue_runtime_properties("q").total_message_count == 20  # the released receive settled nothing
+
+
 def test_received_dataframe_outlives_a_vacuum_of_the_table_until_released(spark, ns, numbered):
     """Locked messages are staged as links to the lock commit's file: settling and vacuuming leave the DataFrame whole."""
     ns.create_queue("q", lock_duration=LONG_LOCK)
