@@ -136,7 +136,7 @@ class LocalStore(Store):
         target = self._path(path)
         with _translate(self.uri, path):
             folder = os.path.dirname(target)
-            os.makedirs(folder, exist_ok=True)
+            _make_dirs(folder)
             _write_synced(target, data)
             _fsync_dir(folder)
 
@@ -180,7 +180,7 @@ class LocalStore(Store):
     def _write_temp(self, target: str, data: bytes) -> str:
         """Write data to a hidden sibling of `target`, fsynced; returns its path."""
         folder = os.path.dirname(target)
-        os.makedirs(folder, exist_ok=True)
+        _make_dirs(folder)
         tmp = f"{folder}/.tmp-{uuid.uuid4().hex}"
         _write_synced(tmp, data)
         return tmp
@@ -216,7 +216,7 @@ class LocalStore(Store):
         return self._path(path)
 
     def sync(self, paths: Sequence[str]) -> None:
-        """fsync the files, side by side (their data reaches the disk in parallel), then their directories once each."""
+        """fsync the files side by side (their data reaches the disk in parallel), then their directories and those parents."""
         if not paths:
             return
         targets = [self._path(p) for p in paths]
@@ -225,7 +225,8 @@ class LocalStore(Store):
                 list(pool.map(_fsync_file, targets))
             except FileNotFoundError as exc:
                 raise StorageError(f"store {self.uri!r}: {exc.filename} vanished before it was made durable") from exc
-            list(pool.map(_fsync_dir, sorted({os.path.dirname(t) for t in targets})))
+            folders = {os.path.dirname(t) for t in targets}
+            list(pool.map(_fsync_dir, sorted(folders | {os.path.dirname(f) for f in folders})))  # and their entries
 
 
 class ObjectStore(Store):
@@ -384,6 +385,18 @@ def _write_synced(path: str, data: bytes | memoryview) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def _make_dirs(folder: str) -> None:
+    """Create a folder and its missing parents, each new one made durable in its parent (a first write to a partition)."""
+    if os.path.isdir(folder):
+        return
+    parent = os.path.dirname(folder)
+    if parent and parent != folder:
+        _make_dirs(parent)
+    with contextlib.suppress(FileExistsError):  # made by a concurrent writer: its entry may not be durable yet either
+        os.mkdir(folder)
+    _fsync_dir(parent)
 
 
 def _fsync_file(path: str) -> None:
