@@ -38,6 +38,7 @@ from sparkqueue.storage.schema import (
     SUB_QUEUE_DEAD_LETTER,
     SUB_QUEUE_MAIN,
     TIMESTAMP,
+    with_columns,
 )
 from sparkqueue.storage.table import OP_SET, Expand, empty_changes
 
@@ -218,10 +219,7 @@ def _copies(rows: pa.Table, now: datetime) -> pa.Table:
         "lock_token": pa.nulls(n, pa.string()),
         "delivery_count": pa.array([0] * n, pa.int32()),
     }
-    for name, arr in values.items():
-        i = out.schema.get_field_index(name)
-        out = out.set_column(i, out.schema.field(i), arr)
-    return out.cast(ENTITY_SCHEMA)
+    return with_columns(out, **values).cast(ENTITY_SCHEMA)
 
 
 def _deliver(dest: Entity, expand: Expand | None, rows: pa.Table, once: Fence) -> None:

@@ -24,6 +24,7 @@ from sparkqueue.storage.schema import (
     TIMESTAMP,
     conform,
     keep_rows,
+    with_columns,
 )
 from sparkqueue.storage.table import CHANGE_SCHEMA, MUTABLE_COLUMNS, OP_DELETE, OP_SET, OP_TOMBSTONE
 
@@ -130,11 +131,13 @@ def deliver(rows: pa.Table, now: datetime, policy: Policy, *, delete: bool) -> D
     # ended (0 on the first delivery, as the Python SDK): see message.reported_delivery_count. Rows
     # removed on receipt hold no lock, so they are returned with the earlier count.
     got = keep_rows(rows, ok)
-    counted = _with(got, delivery_count=pc.add(got.column("delivery_count"), 1).cast(pa.int32()))
+    counted = with_columns(got, delivery_count=pc.add(got.column("delivery_count"), 1).cast(pa.int32()))
     if got.num_rows:
         if delete:
             parts.append(changes(counted, removal(policy)))
-            got = _with(got, lock_token=pa.nulls(got.num_rows, pa.string()), locked_until_utc=pa.nulls(got.num_rows, TIMESTAMP))
+            got = with_columns(
+                got, lock_token=pa.nulls(got.num_rows, pa.string()), locked_until_utc=pa.nulls(got.num_rows, TIMESTAMP)
+            )
         else:
             until = now + policy.lock_duration
             tokens = lock_tokens(got.column("sequence_number"))
@@ -146,7 +149,7 @@ def deliver(rows: pa.Table, now: datetime, policy: Policy, *, delete: bool) -> D
                 "locked_until_utc": pa.array([until] * got.num_rows, TIMESTAMP),
                 "available_at_utc": avail,
             }
-            got = _with(counted, **lock)
+            got = with_columns(counted, **lock)
             parts.append(changes(got, OP_SET))
     change_table = pa.concat_tables(parts) if parts else CHANGE_SCHEMA.empty_table()
     return Delivery(
@@ -155,14 +158,6 @@ def deliver(rows: pa.Table, now: datetime, policy: Policy, *, delete: bool) -> D
         dead_lettered=over_rows.num_rows + (exp_rows.num_rows if policy.dead_lettering_on_message_expiration else 0),
         expired=exp_rows.num_rows,
     )
-
-
-def _with(rows: pa.Table, **cols: pa.Array) -> pa.Table:
-    """Replace whole columns of a table."""
-    for name, arr in cols.items():
-        i = rows.schema.get_field_index(name)
-        rows = rows.set_column(i, rows.schema.field(i), arr)
-    return rows
 
 
 def lock_valid(rows: pa.Table, tokens: Sequence[str] | pa.Array, now: datetime) -> list[bool]:

@@ -49,6 +49,7 @@ from sparkqueue.storage.schema import (
     TIMESTAMP,
     in_sequence,
     keep_rows,
+    with_columns,
 )
 from sparkqueue.storage.table import MUTABLE_COLUMNS, OP_DELETE, OP_SET, OP_SET_BODY, empty_changes, partition_of
 
@@ -625,10 +626,7 @@ def _cleared(rows: pa.Table, now: datetime) -> pa.Table:
         "locked_until_utc": pc.if_else(locked, pa.scalar(None, TIMESTAMP), rows.column("locked_until_utc")),
         "available_at_utc": avail,
     }
-    for name, arr in out.items():
-        i = rows.schema.get_field_index(name)
-        rows = rows.set_column(i, rows.schema.field(i), arr)
-    return rows
+    return with_columns(rows, **out)
 
 
 def _session_until(rows: pa.Table, until: datetime) -> pa.Table:

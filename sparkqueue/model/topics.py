@@ -15,7 +15,14 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from sparkqueue.model import limits
-from sparkqueue.storage.schema import STATE_ACTIVE, STATE_COMPLETED, STRING_PROPERTY_COLUMNS, SUB_QUEUE_DEAD_LETTER, TIMESTAMP
+from sparkqueue.storage.schema import (
+    STATE_ACTIVE,
+    STATE_COMPLETED,
+    STRING_PROPERTY_COLUMNS,
+    SUB_QUEUE_DEAD_LETTER,
+    TIMESTAMP,
+    with_columns,
+)
 
 # Subscription key of the rows that only record an accepted message id, so a duplicate-detecting
 # topic detects repeats even of messages no subscription took. Subscription names cannot start with '$'.
@@ -205,12 +212,10 @@ def _markers(rows: pa.Table) -> pa.Table:
     """Completed, body-less rows that keep each accepted message id for duplicate detection."""
     out = _tag(rows, ACCEPTED_MARKER)
     n = out.num_rows
-    for name, value in (
-        ("state", pa.array([STATE_COMPLETED] * n)),
-        ("available_at_utc", pa.nulls(n, TIMESTAMP)),
-        ("body", pa.nulls(n, pa.binary())),
-        ("application_properties", pa.nulls(n, pa.string())),
-    ):
-        i = out.schema.get_field_index(name)
-        out = out.set_column(i, out.schema.field(i), value)
-    return out
+    return with_columns(
+        out,
+        state=pa.array([STATE_COMPLETED] * n),
+        available_at_utc=pa.nulls(n, TIMESTAMP),
+        body=pa.nulls(n, pa.binary()),
+        application_properties=pa.nulls(n, pa.string()),
+    )

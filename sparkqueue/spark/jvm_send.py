@@ -52,7 +52,7 @@ from sparkqueue.spark.session import spark_errors
 from sparkqueue.spark.staging import filesystem, spark_path
 from sparkqueue.storage.files import FILE_SCHEMA, MAX_FILE_BYTES, MAX_FILE_ROWS, STATS_COLUMNS, file_rows
 from sparkqueue.storage.log import AddFile, CommitConflict, Fence
-from sparkqueue.storage.schema import KIND_MESSAGE, PARTITION_COLUMN, STATE_ACTIVE, SUB_QUEUE_MAIN
+from sparkqueue.storage.schema import KIND_MESSAGE, PARTITION_COLUMN, STATE_ACTIVE, SUB_QUEUE_MAIN, with_columns
 from sparkqueue.storage.table import SEQUENCE_BITS, SEQUENCE_MASK, fence_app_id, partition_of
 
 if TYPE_CHECKING:
@@ -241,8 +241,7 @@ def renumber(table: EntityTable, adds: list[AddFile], moved: dict[int, int]) -> 
             continue
         rows = table.data.read(a.path)
         seqs = pc.add(rows.column("sequence_number"), pa.scalar(shift, pa.int64()))
-        i = rows.schema.get_field_index("sequence_number")
-        rows = rows.set_column(i, rows.schema.field(i), seqs)
+        rows = with_columns(rows, sequence_number=seqs)
         try:
             out.append(table.data.write(p, rows))
         except BaseException:

@@ -128,6 +128,14 @@ def conform(rows: pa.Table, schema: pa.Schema) -> pa.Table:
     return rows.cast(schema)  # raises, as it should, on nulls in a non-nullable field
 
 
+def with_columns(rows: pa.Table, **cols: pa.Array | pa.ChunkedArray) -> pa.Table:
+    """`rows` with whole columns replaced, each keeping its field (name, type, nullability: no cast later)."""
+    for name, values in cols.items():
+        i = rows.schema.get_field_index(name)
+        rows = rows.set_column(i, rows.schema.field(i), values)
+    return rows
+
+
 def keep_rows(rows: pa.Table, mask: pa.Array | pa.ChunkedArray) -> pa.Table:
     """The rows where `mask` is true (null: dropped), as `Table.filter`; `rows` itself when every row is kept.
 

@@ -41,6 +41,7 @@ from sparkqueue.storage.schema import (
     conform,
     in_sequence,
     keep_rows,
+    with_columns,
 )
 from sparkqueue.storage.store import Store, open_store
 
@@ -298,8 +299,7 @@ class EntityTable:
         last = (seen or 0) if base is None else base
         first = sequence_number(p, last + 1)
         seqs = pa.array(range(first, first + part.num_rows), pa.int64())
-        i = part.schema.get_field_index("sequence_number")
-        part = part.set_column(i, part.schema.field(i), seqs)  # the field, not its name: keeps it non-null (no cast later)
+        part = with_columns(part, sequence_number=seqs)
         subs = part.column("subscription")
         groups = (
             [part]
