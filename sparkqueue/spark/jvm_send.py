@@ -179,7 +179,8 @@ def write_attempt(
         placed = place(table, staging, written.adds)
         adds = split_oversized(table, placed)
         # Spark's local writer does not fsync: a commit must not outlive its files (split pieces are the engine's, fsynced).
-        table.store.sync([a.path for a in adds if a in placed])
+        as_written = {a.path for a in placed}
+        table.store.sync([a.path for a in adds if a.path in as_written])
     except BaseException:
         remove_staging(table, staging)
         raise
