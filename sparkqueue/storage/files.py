@@ -70,7 +70,7 @@ class DataFiles:
         cols = list(columns) if columns is not None else FILE_SCHEMA.names
         with self._lock:
             cached = self._cache.get(path)
-            if cached is not None and all(c in cached.schema.names for c in cols):
+            if cached is not None and (cached.num_columns == len(FILE_SCHEMA) or set(cols) <= set(cached.column_names)):
                 self._cache.move_to_end(path)
                 return cached.select(cols)
         wanted = FILE_SCHEMA.names if BODY_COLUMN in cols else LIGHT_COLUMNS
