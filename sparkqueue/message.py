@@ -22,6 +22,7 @@ from sparkqueue.storage.schema import (
     STRING_PROPERTY_COLUMNS,
     SUB_QUEUE_MAIN,
     TIMESTAMP,
+    constant,
 )
 from sparkqueue.storage.table import SEQUENCE_BITS
 
@@ -486,24 +487,24 @@ def message_rows(
         ttl = pc.min_element_wise(ttl, pa.scalar(limits.ttl_ms(default_ttl), pa.int64()))
     scheduled = _column(columns, n, "scheduled_enqueue_time_utc", TIMESTAMP)
     if ttl.null_count == n and scheduled.null_count == n:  # the common case: constant columns
-        visible, expires = _constant(now, TIMESTAMP, n), pa.nulls(n, TIMESTAMP)
+        visible, expires = constant(now, TIMESTAMP, n), pa.nulls(n, TIMESTAMP)
     else:
         now_s = pa.scalar(now, TIMESTAMP)
         visible = pc.if_else(pc.fill_null(pc.greater(scheduled, now_s), False), scheduled, now_s)
         expires = limits.expiries(visible, ttl)
     cols: dict[str, Any] = {
-        "partition_id": _constant(0, pa.int32(), n) if partition is None else partition,
-        "sequence_number": _constant(0, pa.int64(), n),
+        "partition_id": constant(0, pa.int32(), n) if partition is None else partition,
+        "sequence_number": constant(0, pa.int64(), n),
         "available_at_utc": visible,
-        "sub_queue": _constant(SUB_QUEUE_MAIN, pa.string(), n),
-        "state": _constant(STATE_ACTIVE, pa.string(), n),
-        "kind": _constant(KIND_MESSAGE, pa.string(), n),
+        "sub_queue": constant(SUB_QUEUE_MAIN, pa.string(), n),
+        "state": constant(STATE_ACTIVE, pa.string(), n),
+        "kind": constant(KIND_MESSAGE, pa.string(), n),
         "enqueued_time_utc": visible,
         "expires_at_utc": expires,
         "scheduled_enqueue_time_utc": scheduled,
-        "delivery_count": _constant(0, pa.int32(), n),
+        "delivery_count": constant(0, pa.int32(), n),
         "time_to_live_ms": ttl,
-        "transfer_hop_count": _constant(0, pa.int32(), n),
+        "transfer_hop_count": constant(0, pa.int32(), n),
     }
     arrays = [cols[f.name] if f.name in cols else _column(columns, n, f.name, f.type) for f in _ROW_SCHEMA]
     return pa.Table.from_arrays([_typed(a, f.type) for a, f in zip(arrays, _ROW_SCHEMA, strict=True)], schema=_ROW_SCHEMA)
@@ -529,11 +530,6 @@ def _optional(values: list[Any], type_: pa.DataType) -> pa.Array:
 _PLAIN_STRING_COLUMNS = tuple(
     c for c in STRING_PROPERTY_COLUMNS if c not in ("message_id", "session_id", "partition_key", "correlation_id")
 )
-
-
-def _constant(value: object, type_: pa.DataType, n: int) -> pa.Array:
-    """n copies of one value, without converting n Python objects."""
-    return pa.nulls(n, type_).fill_null(pa.scalar(value, type_))
 
 
 def _sizes(bodies: pa.Array, strings: list[pa.Array], props: list[str | None]) -> pa.Array:

@@ -44,6 +44,7 @@ from sparkqueue.storage.schema import (
     SUB_QUEUE_DEAD_LETTER,
     SUB_QUEUE_MAIN,
     TIMESTAMP,
+    constant,
     keep_rows,
 )
 from sparkqueue.storage.table import SEQUENCE_BITS, SEQUENCE_MASK, EntityTable, Expand, empty_changes, partition_of
@@ -366,7 +367,7 @@ class Entity:
             new_rows = new_rows.set_column(
                 new_rows.schema.get_field_index(PARTITION_COLUMN),
                 PARTITION_COLUMN,
-                pa.array([partition] * new_rows.num_rows, pa.int32()),
+                constant(partition, pa.int32(), new_rows.num_rows),
             )
 
         def attempt() -> pa.Table | None:

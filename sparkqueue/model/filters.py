@@ -72,6 +72,7 @@ from sparkqueue.model.sql_parser import (
     parse_action,
     parse_condition,
 )
+from sparkqueue.storage.schema import constant
 
 __all__ = [
     "CorrelationRuleFilter",
@@ -104,11 +105,6 @@ _MISSING = object()  # marks an absent application property (distinct from a JSO
 # --------------------------------------------------------------------------- typed values
 
 
-def _full(value: object, length: int, type_: pa.DataType) -> pa.Array:
-    """An array of ``length`` copies of ``value``."""
-    return pa.repeat(pa.scalar(value, type_), length)
-
-
 @dataclass(frozen=True)
 class _Value:
     """Per-row dynamically typed values: each row is non-null in at most one lane; in none = NULL."""
@@ -133,7 +129,7 @@ class _Value:
     def valid(self) -> pa.Array:
         """Boolean (never null): the row has a non-NULL value."""
         if not self.lanes:
-            return _full(False, self.length, pa.bool_())
+            return constant(False, pa.bool_(), self.length)
         return reduce(pc.or_, [pc.is_valid(array) for array in self.lanes.values()])
 
     def truth(self) -> pa.Array:
@@ -201,7 +197,7 @@ def _constant(value: object, length: int) -> _Value:
     typed = _lane_of(value)
     if typed is None:
         return _Value.null(length)
-    return _Value(length, {typed[0]: _full(typed[1], length, _LANE_TYPES[typed[0]])})
+    return _Value(length, {typed[0]: constant(typed[1], _LANE_TYPES[typed[0]], length)})
 
 
 # --------------------------------------------------------------------------- batch access
@@ -463,7 +459,7 @@ def _eval_like(node: Like, ctx: _Context) -> _Value:
     operand = _eval(node.operand, ctx)
     strings = operand.lane("string")
     if strings is None:
-        found = _full(False, operand.length, pa.bool_())
+        found = constant(False, pa.bool_(), operand.length)
     else:
         found = pc.fill_null(pc.match_like(strings, node.pattern), False)
     return _known_only(operand, found, node.negated)
@@ -489,8 +485,8 @@ def _known_only(operand: _Value, found: pa.Array, negated: bool) -> _Value:
 def _in_constants(operand: _Value, constants: list[object]) -> pa.Array:
     """Membership of each row in a constant list, with pc.is_in per type lane (never null)."""
     sets: dict[str, list[Any]] = {kind: [] for kind in _LANE_TYPES}
-    for constant in constants:
-        typed = _lane_of(constant)
+    for value in constants:
+        typed = _lane_of(value)
         if typed is not None:
             sets[typed[0]].append(typed[1])
     floats = sets["float"] + [float(item) for item in sets["int"]]
@@ -501,7 +497,7 @@ def _in_constants(operand: _Value, constants: list[object]) -> pa.Array:
         ("int", sets["int"], pa.int64()),
         ("float", floats, pa.float64()),
     ]
-    hits = [_full(False, operand.length, pa.bool_())]
+    hits = [constant(False, pa.bool_(), operand.length)]
     for lane, values, type_ in checks:
         if lane in operand.lanes and values:
             hits.append(pc.is_in(operand.lanes[lane], value_set=pa.array(values, type_)))
@@ -681,7 +677,7 @@ class TrueRuleFilter(SqlRuleFilter):
 
     def evaluate(self, batch: Batch) -> pa.Array:
         """All true, without evaluating anything."""
-        return _full(True, _as_table(batch).num_rows, pa.bool_())
+        return constant(True, pa.bool_(), _as_table(batch).num_rows)
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-serialisable description."""
@@ -699,7 +695,7 @@ class FalseRuleFilter(SqlRuleFilter):
 
     def evaluate(self, batch: Batch) -> pa.Array:
         """All false, without evaluating anything."""
-        return _full(False, _as_table(batch).num_rows, pa.bool_())
+        return constant(False, pa.bool_(), _as_table(batch).num_rows)
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-serialisable description."""

@@ -38,6 +38,7 @@ from sparkqueue.storage.schema import (
     SUB_QUEUE_DEAD_LETTER,
     SUB_QUEUE_MAIN,
     TIMESTAMP,
+    constant,
     with_columns,
 )
 from sparkqueue.storage.table import OP_SET, Expand, empty_changes
@@ -203,21 +204,21 @@ def _leading_run(entity: Entity, dt: Snapshot, p: int, sub_queue: str, now: date
 def _copies(rows: pa.Table, now: datetime) -> pa.Table:
     """Destination rows: the same message one hop further, unlocked and not yet delivered."""
     n = rows.num_rows
-    out = rows.append_column(ENTITY_SCHEMA.field(PARTITION_COLUMN), pa.array([0] * n, pa.int32())).select(ENTITY_SCHEMA.names)
+    out = rows.append_column(ENTITY_SCHEMA.field(PARTITION_COLUMN), constant(0, pa.int32(), n)).select(ENTITY_SCHEMA.names)
     sched = out.column("scheduled_enqueue_time_utc")
     visible = pc.if_else(pc.fill_null(pc.greater(sched, pa.scalar(now, TIMESTAMP)), False), sched, pa.scalar(now, TIMESTAMP))
     values = {
         "transfer_hop_count": pc.add(rows.column("transfer_hop_count"), 1).cast(pa.int32()),
         "available_at_utc": visible,
-        "sub_queue": pa.array([SUB_QUEUE_MAIN] * n),
+        "sub_queue": constant(SUB_QUEUE_MAIN, pa.string(), n),
         "subscription": pa.nulls(n, pa.string()),
-        "state": pa.array([STATE_ACTIVE] * n),
-        "enqueued_time_utc": pa.array([now] * n, TIMESTAMP),
+        "state": constant(STATE_ACTIVE, pa.string(), n),
+        "enqueued_time_utc": constant(now, TIMESTAMP, n),
         # a message's TTL counts from its enqueue at the destination (as at send), not from the first entity's
         "expires_at_utc": pc.add(visible, rows.column("time_to_live_ms").cast(pa.int64()).cast(pa.duration("ms"))),
         "locked_until_utc": pa.nulls(n, TIMESTAMP),
         "lock_token": pa.nulls(n, pa.string()),
-        "delivery_count": pa.array([0] * n, pa.int32()),
+        "delivery_count": constant(0, pa.int32(), n),
     }
     return with_columns(out, **values).cast(ENTITY_SCHEMA)
 

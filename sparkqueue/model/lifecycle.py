@@ -23,6 +23,7 @@ from sparkqueue.storage.schema import (
     SUB_QUEUE_MAIN,
     TIMESTAMP,
     conform,
+    constant,
     keep_rows,
     with_columns,
 )
@@ -57,13 +58,13 @@ def changes(rows: pa.Table, op: str, **values: Any) -> pa.Table:
     """Change rows for `rows`: their current mutable values, with `values` (scalars or arrays) replacing some."""
     cols: dict[str, pa.Array] = {
         "sequence_number": rows.column("sequence_number").combine_chunks(),
-        "op": pa.array([op] * rows.num_rows, pa.string()),
+        "op": constant(op, pa.string(), rows.num_rows),
     }
     for c in [*MUTABLE_COLUMNS, "body"]:
         field = CHANGE_SCHEMA.field(c)
         if c in values:
             v = values[c]
-            cols[c] = v if isinstance(v, (pa.Array, pa.ChunkedArray)) else pa.array([v] * rows.num_rows, field.type)
+            cols[c] = v if isinstance(v, (pa.Array, pa.ChunkedArray)) else constant(v, field.type, rows.num_rows)
         elif c in rows.column_names:
             cols[c] = rows.column(c)
         else:
@@ -146,7 +147,7 @@ def deliver(rows: pa.Table, now: datetime, policy: Policy, *, delete: bool) -> D
             )
             lock = {
                 "lock_token": tokens,
-                "locked_until_utc": pa.array([until] * got.num_rows, TIMESTAMP),
+                "locked_until_utc": constant(until, TIMESTAMP, got.num_rows),
                 "available_at_utc": avail,
             }
             got = with_columns(counted, **lock)

@@ -21,6 +21,7 @@ from sparkqueue.storage.schema import (
     STRING_PROPERTY_COLUMNS,
     SUB_QUEUE_DEAD_LETTER,
     TIMESTAMP,
+    constant,
     with_columns,
 )
 
@@ -124,7 +125,7 @@ def _set(rows: pa.Table, **values: Any) -> pa.Table:
     for name, value in values.items():
         i = rows.schema.get_field_index(name)
         field = rows.schema.field(i)
-        arr = value if isinstance(value, (pa.Array, pa.ChunkedArray)) else pa.array([value] * rows.num_rows, field.type)
+        arr = value if isinstance(value, (pa.Array, pa.ChunkedArray)) else constant(value, field.type, rows.num_rows)
         rows = rows.set_column(i, field, arr.cast(field.type))
     return rows
 
@@ -181,7 +182,7 @@ def _violations(rows: pa.Table, max_bytes: int) -> list[str | None]:
 def _tag(rows: pa.Table, key: str) -> pa.Table:
     """Rows assigned to one subscription."""
     i = rows.schema.get_field_index("subscription")
-    return rows.set_column(i, rows.schema.field(i), pa.array([key] * rows.num_rows, pa.string()))
+    return rows.set_column(i, rows.schema.field(i), constant(key, pa.string(), rows.num_rows))
 
 
 def _cap_ttl(rows: pa.Table, sub: Subscriber) -> pa.Table:
@@ -214,7 +215,7 @@ def _markers(rows: pa.Table) -> pa.Table:
     n = out.num_rows
     return with_columns(
         out,
-        state=pa.array([STATE_COMPLETED] * n),
+        state=constant(STATE_COMPLETED, pa.string(), n),
         available_at_utc=pa.nulls(n, TIMESTAMP),
         body=pa.nulls(n, pa.binary()),
         application_properties=pa.nulls(n, pa.string()),

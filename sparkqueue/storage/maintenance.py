@@ -27,7 +27,7 @@ from sparkqueue.storage.checkpoint import trim_log, write_checkpoint
 from sparkqueue.storage.files import MAX_FILE_BYTES, MAX_FILE_ROWS, remove_action
 from sparkqueue.storage.index import FileInfo
 from sparkqueue.storage.log import LOG_DIR, CommitConflict
-from sparkqueue.storage.schema import STATE_COMPLETED, TIMESTAMP
+from sparkqueue.storage.schema import STATE_COMPLETED, TIMESTAMP, constant
 from sparkqueue.storage.table import EntityTable
 
 log = logging.getLogger(__name__)
@@ -148,7 +148,7 @@ def _droppable(drop_before: datetime | None, live: set[str] | None) -> Callable[
         return None
 
     def mask(rows: pa.Table) -> pa.Array:
-        out = pa.array([False] * rows.num_rows)
+        out = constant(False, pa.bool_(), rows.num_rows)
         if drop_before is not None:
             old = pc.less(rows.column("enqueued_time_utc"), pa.scalar(drop_before, TIMESTAMP))
             out = pc.or_(out, pc.and_(pc.equal(rows.column("state"), STATE_COMPLETED), old))
