@@ -7,6 +7,7 @@ through multiprocessing primitives or files, so they work with the "spawn" start
 from __future__ import annotations
 
 import os
+import random
 import time
 from datetime import UTC, datetime
 from typing import Any
@@ -106,6 +107,49 @@ def receive_and_complete(
                 with done.get_lock():
                     done.value += 1
     results.put((worker, delivered, completed, lost))
+
+
+def settle_abandon_or_lapse(root: str, queue: str, barrier: Any, results: Any, worker: int, seed: int, idle_s: float) -> None:
+    """Race other processes with short locks: complete, abandon, or hold a message past its lock and then try to complete it.
+
+    Runs until no message arrived for `idle_s` and none is held. Reports (worker, deliveries), one
+    (message_id, delivery_count, locked_until epoch, outcome, settle_start epoch) per delivery;
+    outcome is "completed", "abandoned", "lost" (the settle raised MessageLockLostError) or
+    "stale_completed" (a complete past the lock's expiry succeeded: a broken rule).
+    """
+    rng = random.Random(seed)
+    deliveries: list[tuple[str, int, float, str, float]] = []
+    held: list[ReceivedMessage] = []
+
+    def settle(m: ReceivedMessage, op: str) -> None:
+        start = time.time()
+        try:
+            (receiver.complete_message if op == "complete" else receiver.abandon_message)(m)
+            outcome = "completed" if op == "complete" else "abandoned"
+        except MessageLockLostError:
+            outcome = "lost"
+        assert m.locked_until_utc is not None
+        deliveries.append((m.message_id, m.delivery_count, m.locked_until_utc.timestamp(), outcome, start))
+
+    with Namespace(root) as ns, ns.get_queue_receiver(queue) as receiver:
+        _wait(barrier)
+        last_seen = time.monotonic()
+        while held or time.monotonic() - last_seen < idle_s:
+            for m in [m for m in held if m.locked_until_utc is not None and m.locked_until_utc.timestamp() + 0.2 < time.time()]:
+                held.remove(m)
+                settle(m, "complete")  # its lock has expired: the complete must be refused
+                if deliveries[-1][3] == "completed":
+                    deliveries[-1] = (*deliveries[-1][:3], "stale_completed", deliveries[-1][4])
+            got = receiver.receive_messages(max_message_count=3, max_wait_time=0.2)
+            if got:
+                last_seen = time.monotonic()
+            for m in got:
+                roll = rng.random()
+                if roll < 0.3:
+                    held.append(m)
+                else:
+                    settle(m, "complete" if roll < 0.8 else "abandon")
+    results.put((worker, deliveries))
 
 
 def send_sequence(root: str, queue: str, barrier: Any, results: Any, worker: int, count: int, key: str, batch: int) -> None:

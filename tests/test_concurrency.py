@@ -137,6 +137,48 @@ def test_senders_and_receivers_at_once(root: str) -> None:
     assert sum(n for *_, n in receiver_reports) == 0
 
 
+def test_short_locks_expiring_under_racing_receivers_hold_one_lock_each(root: str) -> None:
+    """4 processes, 1 s locks, completing, abandoning or letting locks lapse: at most one valid lock per message at any moment.
+
+    Checked from the locks' own times (a lock taken at `locked_until - lock_duration`): no message
+    is locked again before its previous lock ended (expiry, or the abandon that released it), none
+    after a successful complete; each delivery's delivery_count is the number before it; a complete
+    past the lock's expiry is refused; no message is delivered more than max_delivery_count times,
+    and every message ends completed once or dead-lettered with MaxDeliveryCountExceeded.
+    """
+    lock_s, max_deliveries = 1.0, 3
+    with Namespace(root) as ns:
+        ns.create_queue("q", lock_duration=timedelta(seconds=lock_s), max_delivery_count=max_deliveries)
+    ids = [f"x{i}" for i in range(120)]
+    _send(root, [Message(i, message_id=i) for i in ids])
+    reports = _run(procs.settle_abandon_or_lapse, 4, lambda i, b, r: (root, "q", b, r, i, 1000 + i, 3 * lock_s))
+    by_id: dict[str, list[tuple[int, float, str, float]]] = defaultdict(list)
+    for _, deliveries in reports:
+        for mid, count, until, outcome, start in deliveries:
+            by_id[mid].append((count, until, outcome, start))
+    assert sum(1 for _, d in reports if d) >= 2, "the race needs at least two receivers that got messages"
+    outcomes = Counter(o for ds in by_id.values() for _, _, o, _ in ds)
+    assert outcomes["lost"] and outcomes["abandoned"] and outcomes["completed"], outcomes  # every path was taken
+    assert outcomes["stale_completed"] == 0, "a complete after the lock expired was accepted"
+    for mid, ds in by_id.items():
+        ds.sort(key=lambda d: d[1])
+        assert [c for c, *_ in ds] == list(range(len(ds))), f"{mid}: delivery counts {[c for c, *_ in ds]}"
+        assert len(ds) <= max_deliveries, f"{mid} delivered {len(ds)} times"
+        for (_, until, outcome, start), (_, next_until, _, _) in itertools.pairwise(ds):
+            assert outcome != "completed", f"{mid} delivered again after it was completed"
+            ended = start if outcome == "abandoned" else until
+            early = ended - (next_until - lock_s)
+            assert early <= 0.001, f"{mid} locked again {early:.3f} s before its previous lock ended"
+    completed = sorted(mid for mid, ds in by_id.items() if any(o == "completed" for _, _, o, _ in ds))
+    with Namespace(root) as ns:
+        with ns.get_queue_receiver("q", sub_queue="deadletter") as dlq:
+            dead = drain_all(dlq)
+        assert {m.dead_letter_reason for m in dead} <= {"MaxDeliveryCountExceeded"}
+        assert all(len(by_id[m.message_id]) == max_deliveries for m in dead)
+        assert sorted(completed + [m.message_id for m in dead]) == sorted(ids), "a message was lost or kept twice"
+        assert ns.get_queue_runtime_properties("q").active_message_count == 0
+
+
 # ---- concurrent senders ----------------------------------------------------------------------
 
 
