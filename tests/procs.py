@@ -14,7 +14,7 @@ from typing import Any
 
 import mmh3
 
-from sparkqueue import Message, Namespace, ReceivedMessage
+from sparkqueue import Message, Namespace, ReceivedMessage, ReceiveMode
 from sparkqueue.errors import EntityAlreadyExistsError, MessageLockLostError
 from sparkqueue.receiver import Receiver
 
@@ -77,6 +77,14 @@ def peek_all(receiver: Receiver, batch: int = 100) -> list[ReceivedMessage]:
 # ---- child-process functions ---------------------------------------------------------------------
 
 
+def _receiver(ns: Namespace, entity: str, **kwargs: Any) -> Receiver:
+    """A receiver of a queue, or of a subscription named "topic/subscription"."""
+    if "/" in entity:
+        topic, subscription = entity.split("/", 1)
+        return ns.get_subscription_receiver(topic, subscription, **kwargs)
+    return ns.get_queue_receiver(entity, **kwargs)
+
+
 def _wait(barrier: Any) -> None:
     barrier.wait(timeout=60)
 
@@ -86,12 +94,13 @@ def receive_and_complete(
 ) -> None:
     """Race other processes: receive and complete until `done` (shared counter) reaches `total`.
 
-    Reports (worker, delivered [(message_id, delivery_count)], completed [message_id], lock_lost count).
+    `queue` may name a subscription as "topic/subscription". Reports (worker, delivered
+    [(message_id, delivery_count)], completed [message_id], lock_lost count).
     """
     delivered: list[tuple[str, int]] = []
     completed: list[str] = []
     lost = 0
-    with Namespace(root) as ns, ns.get_queue_receiver(queue) as receiver:
+    with Namespace(root) as ns, _receiver(ns, queue) as receiver:
         _wait(barrier)
         give_up = time.monotonic() + deadline_s
         while done.value < total and time.monotonic() < give_up:
@@ -107,6 +116,20 @@ def receive_and_complete(
                 with done.get_lock():
                     done.value += 1
     results.put((worker, delivered, completed, lost))
+
+
+def receive_and_delete(root: str, queue: str, barrier: Any, results: Any, worker: int, idle_s: float) -> None:
+    """Race other processes in RECEIVE_AND_DELETE mode until nothing arrived for `idle_s`; report (worker, message ids)."""
+    got_ids: list[str] = []
+    with Namespace(root) as ns, _receiver(ns, queue, receive_mode=ReceiveMode.RECEIVE_AND_DELETE) as receiver:
+        _wait(barrier)
+        last_seen = time.monotonic()
+        while time.monotonic() - last_seen < idle_s:
+            got = receiver.receive_messages(max_message_count=7, max_wait_time=0.2)
+            if got:
+                last_seen = time.monotonic()
+            got_ids += [m.message_id for m in got]
+    results.put((worker, got_ids))
 
 
 def settle_abandon_or_lapse(root: str, queue: str, barrier: Any, results: Any, worker: int, seed: int, idle_s: float) -> None:
@@ -169,10 +192,12 @@ def send_sequence(root: str, queue: str, barrier: Any, results: Any, worker: int
     results.put((worker, ids, seqs))
 
 
-def send_ids(root: str, queue: str, barrier: Any, results: Any, worker: int, ids: list[str], batch: int) -> None:
-    """Send messages with the given ids (`batch` per call); report how many sequence numbers the sends returned."""
+def send_ids(
+    root: str, queue: str, barrier: Any, results: Any, worker: int, ids: list[str], batch: int, topic: bool = False
+) -> None:
+    """Send messages with the given ids (`batch` per call) to a queue or topic; report how many sequence numbers came back."""
     stored = 0
-    with Namespace(root) as ns, ns.get_queue_sender(queue) as sender:
+    with Namespace(root) as ns, ns.get_topic_sender(queue) if topic else ns.get_queue_sender(queue) as sender:
         _wait(barrier)
         for start in range(0, len(ids), batch):
             msgs = [Message(f"from-{worker}", message_id=i) for i in ids[start : start + batch]]

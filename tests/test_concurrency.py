@@ -21,7 +21,7 @@ import procs
 import pytest
 from procs import drain_all, key_for_partition, peek_all
 
-from sparkqueue import Message, Namespace
+from sparkqueue import Message, Namespace, SqlRuleFilter
 from sparkqueue.errors import MessageLockLostError
 
 CTX = mp.get_context("spawn")
@@ -219,14 +219,17 @@ def test_concurrent_unkeyed_senders_lose_nothing(root: str) -> None:
 
 
 def test_concurrent_duplicate_sends_store_one_copy(root: str) -> None:
-    """3 processes sending the same message ids to a duplicate-detecting queue store exactly one copy of each."""
+    """3 processes sending the same message ids to a partitioned duplicate-detecting queue store exactly one copy of each.
+
+    Two processes send the same batches in the same order, so each batch races in the same
+    partitions at the same moment; the third sends them in reverse and meets the others midway.
+    """
     with Namespace(root) as ns:
         ns.create_queue("q", requires_duplicate_detection=True)
     ids = [f"d{i}" for i in range(60)]
 
     def args(i: int, b: Any, r: Any) -> tuple[Any, ...]:
-        order = ids[20 * i :] + ids[: 20 * i]  # each process starts elsewhere, so they collide everywhere
-        return (root, "q", b, r, i, order, 10)
+        return (root, "q", b, r, i, ids[::-1] if i == 2 else ids, 10)
 
     reports = _run(procs.send_ids, 3, args)
     assert sum(stored for _, stored in reports) == len(ids)
@@ -246,6 +249,62 @@ def test_concurrent_duplicate_sends_to_one_partition(root: str) -> None:
     with Namespace(root) as ns, ns.get_queue_receiver("q") as r:
         got = drain_all(r)
     assert sorted(m.message_id for m in got) == sorted(ids)
+
+
+def test_concurrent_duplicate_sends_to_a_topic_copy_once_per_subscription(root: str) -> None:
+    """3 processes sending the same ids to a duplicate-detecting topic: each subscription its rules select gets one copy."""
+    with Namespace(root) as ns:
+        ns.create_topic("t", requires_duplicate_detection=True)
+        ns.create_subscription("t", "all")
+        ns.create_subscription("t", "tens")
+        ns.delete_rule("t", "tens", "$Default")
+        ns.create_rule("t", "tens", "tens", filter=SqlRuleFilter("sys.MessageId LIKE '%0'"))
+    ids = [f"t{i}" for i in range(60)]
+    _run(procs.send_ids, 3, lambda i, b, r: (root, "t", b, r, i, ids[::-1] if i == 2 else ids, 10, True))
+    with Namespace(root) as ns:
+        for sub, want in (("all", ids), ("tens", [i for i in ids if i.endswith("0")])):
+            with ns.get_subscription_receiver("t", sub) as r:
+                got = Counter(m.message_id for m in drain_all(r))
+            assert got == Counter(want), f"subscription {sub}: {got - Counter(want)} extra, {Counter(want) - got} missing"
+
+
+def test_receive_and_delete_racing_processes_take_each_message_once(root: str) -> None:
+    """4 processes receiving in RECEIVE_AND_DELETE mode: every message goes to exactly one of them, and none is lost."""
+    with Namespace(root) as ns:
+        ns.create_queue("q")
+    ids = [f"r{i}" for i in range(300)]
+    _send(root, [Message(i, message_id=i) for i in ids])
+    reports = _run(procs.receive_and_delete, 4, lambda i, b, r: (root, "q", b, r, i, 1.0))
+    taken = Counter(mid for _, got in reports for mid in got)
+    assert [mid for mid, n in taken.items() if n > 1] == [], "a message was given to two receivers"
+    assert sorted(taken) == sorted(ids)
+    assert sum(1 for _, got in reports if got) >= 2, "the race needs at least two receivers that got messages"
+    with Namespace(root) as ns:
+        assert ns.get_queue_runtime_properties("q").total_message_count == 0
+
+
+def test_competing_receivers_on_a_subscription_and_concurrent_topic_senders(root: str) -> None:
+    """2 topic senders and 3 receivers of one subscription at once: each copy is delivered and completed once; the
+    other subscription gets every message once too."""
+    with Namespace(root) as ns:
+        ns.create_topic("t")
+        ns.create_subscription("t", "work", lock_duration=timedelta(seconds=60))
+        ns.create_subscription("t", "audit")
+    halves = [[f"a{i}" for i in range(90)], [f"b{i}" for i in range(90)]]
+    done = CTX.Value("i", 0)
+    specs: list[tuple[Callable[..., None], Callable[[int, Any, Any], tuple[Any, ...]]]] = [
+        (procs.send_ids, lambda i, b, r: (root, "t", b, r, i, halves[i], 5, True)),
+        (procs.send_ids, lambda i, b, r: (root, "t", b, r, i, halves[i], 5, True)),
+    ]
+    specs += [(procs.receive_and_complete, lambda i, b, r: (root, "t/work", b, done, 180, r, i))] * 3
+    reports = [rep for rep in _run_mixed(specs) if len(rep) == 4]
+    delivered = [mid for _, dl, _, _ in reports for mid, _ in dl]
+    completed = [mid for _, _, cl, _ in reports for mid in cl]
+    assert len(delivered) == len(set(delivered)), "a copy was delivered twice under a 60 s lock"
+    assert sorted(completed) == sorted(halves[0] + halves[1])
+    assert sum(n for *_, n in reports) == 0
+    with Namespace(root) as ns, ns.get_subscription_receiver("t", "audit") as r:
+        assert sorted(m.message_id for m in drain_all(r)) == sorted(halves[0] + halves[1])
 
 
 # ---- racing creators ---------------------------------------------------------------------------
