@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import multiprocessing as mp
 import threading
 import time
 from datetime import timedelta
 
+import procs
 import pytest
 from chispa import assert_df_equality
 from pyspark.sql import functions as sf
@@ -175,6 +177,52 @@ def test_two_concurrent_dataframe_consumers_never_share_a_message(spark, ns, num
     assert not set(taken["a"]) & set(taken["b"])
     assert len(taken["a"]) + len(taken["b"]) == n
     assert taken["a"] and taken["b"]
+
+
+def test_dataframe_receives_and_core_receiver_processes_never_share_a_message(spark, ns, root, numbered):
+    """Spark lock tasks racing 2 core receiver processes over the same queue: each message is taken by one side, once."""
+    ns.create_queue("q", lock_duration=LONG_LOCK)
+    n = 4000
+    with ns.get_queue_sender("q") as s:
+        s.send_dataframe(numbered(n))
+    ctx = mp.get_context("spawn")
+    barrier, results, done = ctx.Barrier(3), ctx.Queue(), ctx.Value("i", 0)
+    children = [
+        ctx.Process(target=procs.receive_and_complete, args=(root, "q", barrier, done, n, results, i), daemon=True)
+        for i in range(2)
+    ]
+    for c in children:
+        c.start()
+    spark_ids: list[str] = []
+    try:
+        barrier.wait(timeout=120)
+        with ns.get_queue_receiver("q") as r:
+            give_up = time.monotonic() + 180
+            while done.value < n and time.monotonic() < give_up:
+                got = r.receive_dataframe(400)
+                ids = [x.message_id for x in got.select("message_id").collect()]
+                if ids:
+                    assert statuses(r.complete_dataframe(got)) == {"ok": len(ids)}
+                    spark_ids += ids
+                    with done.get_lock():
+                        done.value += len(ids)
+                release(got)
+        reports = [results.get(timeout=120) for _ in children]
+    finally:
+        for c in children:
+            c.join(timeout=30)
+            if c.is_alive():
+                c.kill()
+    assert [c.exitcode for c in children] == [0, 0]
+    core_ids = [mid for _, delivered, _, _ in reports for mid, _ in delivered]
+    assert sum(lost for *_, lost in reports) == 0
+    with ns.get_queue_receiver("q") as r:
+        assert r.peek_messages(10, sequence_number=0) == []
+    assert len(core_ids) == len(set(core_ids)), "a core receiver got a message twice"
+    assert len(spark_ids) == len(set(spark_ids)), "Spark received a message twice"
+    assert not set(core_ids) & set(spark_ids), "a message was taken by both sides"
+    assert sorted(core_ids + spark_ids) == sorted(f"m-{i}" for i in range(n))
+    assert spark_ids and core_ids, "both sides must have taken messages"
 
 
 def test_stale_and_foreign_tokens_are_reported_per_row(spark, ns, numbered):
