@@ -192,6 +192,19 @@ def send_sequence(root: str, queue: str, barrier: Any, results: Any, worker: int
     results.put((worker, ids, seqs))
 
 
+def send_timed(root: str, queue: str, barrier: Any, results: Any, worker: int, count: int, key: str, batch: int) -> None:
+    """As send_sequence, timing each call: reports (worker, [(start, end, message ids, sequence numbers)]) on one clock."""
+    calls: list[tuple[float, float, list[str], list[int]]] = []
+    with Namespace(root) as ns, ns.get_queue_sender(queue) as sender:
+        _wait(barrier)
+        for start in range(0, count, batch):
+            ids = [f"w{worker}-{i}" for i in range(start, min(count, start + batch))]
+            began = time.time()
+            seqs = sender.send_messages([Message(i, message_id=i, partition_key=key) for i in ids])
+            calls.append((began, time.time(), ids, seqs))
+    results.put((worker, calls))
+
+
 def send_ids(
     root: str, queue: str, barrier: Any, results: Any, worker: int, ids: list[str], batch: int, topic: bool = False
 ) -> None:

@@ -184,17 +184,28 @@ def test_short_locks_expiring_under_racing_receivers_hold_one_lock_each(root: st
 
 @pytest.mark.parametrize("batch", [1, 5])
 def test_concurrent_senders_to_one_partition(root: str, batch: int) -> None:
-    """3 sender processes on one partition: nothing lost, sequence numbers unique and increasing in each send order."""
+    """3 sender processes on one partition: nothing lost, sequence numbers unique and strictly increasing in enqueue order.
+
+    Enqueue order across processes is known where calls did not overlap: a send that returned
+    before another began must hold the lower numbers.
+    """
     with Namespace(root) as ns:
         ns.create_queue("q")
     key = key_for_partition(5, "shared")
     per_worker = 40
-    reports = _run(procs.send_sequence, 3, lambda i, b, r: (root, "q", b, r, i, per_worker, key, batch))
+    reports = _run(procs.send_timed, 3, lambda i, b, r: (root, "q", b, r, i, per_worker, key, batch))
     sent: dict[str, int] = {}
-    for _, ids, seqs in reports:
-        assert len(seqs) == len(ids) == per_worker
+    calls = [call for _, worker_calls in reports for call in worker_calls]
+    for _, worker_calls in reports:
+        seqs = [s for *_, call_seqs in worker_calls for s in call_seqs]
+        assert len(seqs) == per_worker
         assert all(a < b for a, b in itertools.pairwise(seqs)), "a process's sends must get increasing numbers"
+    for _, _, ids, seqs in calls:
         sent.update(zip(ids, seqs, strict=True))
+    ordered = [(a, b) for a in calls for b in calls if a[1] < b[0]]  # a returned before b began
+    assert ordered, "some sends must have happened one after another"
+    late = [(a[2], b[2]) for a, b in ordered if max(a[3]) >= min(b[3])]
+    assert late == [], f"a later send got lower sequence numbers than an earlier one: {late[:3]}"
     all_seqs = list(sent.values())
     assert len(set(all_seqs)) == len(all_seqs) == 3 * per_worker
     assert {s >> 48 for s in all_seqs} == {5}
