@@ -132,6 +132,44 @@ def receive_and_delete(root: str, queue: str, barrier: Any, results: Any, worker
     results.put((worker, got_ids))
 
 
+def transactional_worker(root: str, queue: str, barrier: Any, results: Any, worker: int, done: Any, tasks: int) -> None:
+    """Race other processes on one partition: each task message is completed in a transaction that sends its 2 results.
+
+    Result messages are completed outside transactions. Runs until `done` (tasks committed, shared)
+    reaches `tasks` and a receive then finds nothing. Reports (worker, tasks committed, results
+    completed, transactions that raised).
+    """
+    committed: list[str] = []
+    finished: list[str] = []
+    failed = 0
+    with Namespace(root) as ns, ns.get_queue_sender(queue) as sender, ns.get_queue_receiver(queue) as receiver:
+        _wait(barrier)
+        give_up = time.monotonic() + 90
+        while time.monotonic() < give_up:
+            got = receiver.receive_messages(max_message_count=1, max_wait_time=0.3)
+            if not got:
+                if done.value >= tasks:
+                    break
+                continue
+            (m,) = got
+            if m.message_id.startswith("res-"):
+                receiver.complete_message(m)
+                finished.append(m.message_id)
+                continue
+            outputs = [Message(f"result {j}", message_id=f"res-{m.message_id}-{j}", partition_key="k") for j in range(2)]
+            try:
+                with ns.transaction():
+                    sender.send_messages(outputs)
+                    receiver.complete_message(m)
+            except MessageLockLostError:
+                failed += 1
+                continue
+            committed.append(m.message_id)
+            with done.get_lock():
+                done.value += 1
+    results.put((worker, committed, finished, failed))
+
+
 def settle_abandon_or_lapse(root: str, queue: str, barrier: Any, results: Any, worker: int, seed: int, idle_s: float) -> None:
     """Race other processes with short locks: complete, abandon, or hold a message past its lock and then try to complete it.
 

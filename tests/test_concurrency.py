@@ -179,6 +179,28 @@ def test_short_locks_expiring_under_racing_receivers_hold_one_lock_each(root: st
         assert ns.get_queue_runtime_properties("q").active_message_count == 0
 
 
+def test_transactions_racing_on_one_partition_apply_once_each(root: str) -> None:
+    """3 processes each completing tasks in transactions that send 2 results, all on one partition.
+
+    Their commits conflict and retry: every task is completed by exactly one committed transaction,
+    every committed transaction's results exist exactly once, and nothing else does.
+    """
+    with Namespace(root) as ns:
+        ns.create_queue("q", lock_duration=timedelta(seconds=60))
+    tasks = [f"task{i}" for i in range(45)]
+    _send(root, [Message(t, message_id=t, partition_key="k") for t in tasks])
+    done = CTX.Value("i", 0)
+    reports = _run(procs.transactional_worker, 3, lambda i, b, r: (root, "q", b, r, i, done, len(tasks)))
+    committed = [t for _, c, _, _ in reports for t in c]
+    finished = [m for _, _, f, _ in reports for m in f]
+    assert sorted(committed) == sorted(tasks), "a task was committed twice, or never"
+    with Namespace(root) as ns, ns.get_queue_receiver("q") as r:
+        left = [m.message_id for m in drain_all(r)]
+    results = Counter(finished + left)
+    assert results == Counter(f"res-{t}-{j}" for t in tasks for j in range(2)), "results of a transaction applied twice or lost"
+    assert sum(1 for _, c, _, _ in reports if c) >= 2, "the race needs at least two workers that committed"
+
+
 # ---- concurrent senders ----------------------------------------------------------------------
 
 
