@@ -6,7 +6,10 @@ cd "$(dirname "$0")/.."
 export PIP_DISABLE_PIP_VERSION_CHECK=1
 python3 -m venv .venv
 .venv/bin/python -m pip install -q --upgrade pip
-.venv/bin/python -m pip install -q -e ".[spark]"
+# An editable install in "strict" mode (links under build/, on sys.path through a .pth file): Spark finds the
+# `sparkqueue` data source by listing sys.path (pkgutil.iter_modules), which the default editable mode's import
+# hook does not show, so `spark.read.format("sparkqueue")` would work only from the clone's root.
+.venv/bin/python -m pip install -q -e ".[spark]" --config-settings editable_mode=strict
 args=("$@")
 if ! command -v java >/dev/null 2>&1; then
   echo "Java was not found: running the demo without its Spark half (install Java 17 for it)." >&2

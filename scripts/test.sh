@@ -4,7 +4,8 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 python3 -m venv .venv
 .venv/bin/python -m pip install -q --upgrade pip
-.venv/bin/python -m pip install -q -e ".[test]"
+# Strict editable mode, as scripts/demo.sh explains: Spark must find pyspark_sparkqueue on sys.path.
+.venv/bin/python -m pip install -q -e ".[test]" --config-settings editable_mode=strict
 .venv/bin/ruff check sparkqueue jobs tests bench scripts
 .venv/bin/python scripts/check_layers.py
 # The import layers (pyproject.toml [tool.importlinter]): the report is shown only when a layer is broken.

@@ -19,7 +19,6 @@ from sparkqueue.model.partitioning import partition_for_key
 from sparkqueue.spark import RECEIVED_SCHEMA, row_filter, table_path
 
 pytestmark = pytest.mark.spark
-REPO = Path(__file__).resolve().parents[2]
 
 
 def read(spark, ns, name: str, **options: str):
@@ -124,6 +123,7 @@ def test_relative_root_namespace_opens_from_another_directory_and_in_spark_tasks
         assert ns.get_queue_runtime_properties("q").active_message_count == 10
 
 
+REPO = Path(__file__).resolve().parents[2]
 PLAIN_SESSION = r"""
 import json, sys
 from pyspark.sql import SparkSession
@@ -156,11 +156,14 @@ print("RESULT " + json.dumps(out))
 
 
 def run_plain_session(tmp_path: Path, root: str, mode: str, **env_vars: str) -> dict:
-    """Run PLAIN_SESSION in a fresh process (an activated venv, this tree first on the path); its RESULT."""
+    """Run PLAIN_SESSION in a fresh process, as a user would: an activated venv, outside the clone, no PYTHONPATH; its RESULT.
+
+    Spark finds the data source only as installed (scripts/test.sh), never through this tree on a path.
+    """
     script = tmp_path / "plain.py"
     script.write_text(PLAIN_SESSION)
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("PYSPARK_", "SPARK_"))}
-    env.update(PATH=f"{Path(sys.executable).parent}:{env.get('PATH', '')}", PYTHONPATH=str(REPO), **env_vars)
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PYSPARK_", "SPARK_", "PYTHONPATH"))}
+    env.update(PATH=f"{Path(sys.executable).parent}:{env.get('PATH', '')}", **env_vars)
     done = subprocess.run(
         [sys.executable, str(script), root, mode], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600
     )
@@ -186,7 +189,9 @@ def test_workers_on_a_python_without_sparkqueue_get_an_error_naming_the_fix(ns, 
     if bare is None or subprocess.run([bare, "-c", "import pyarrow"], capture_output=True).returncode == 0:
         pytest.skip("needs a system python3 without pyarrow")
     ns.create_queue("q")
-    out = run_plain_session(tmp_path, ns.root, "errors", PYSPARK_PYTHON=bare)
+    # The workers' Python sees sparkqueue's code (this tree on its path) but has none of its dependencies. A worker
+    # Python without sparkqueue at all makes Spark itself report the `sparkqueue` source as not found.
+    out = run_plain_session(tmp_path, ns.root, "errors", PYSPARK_PYTHON=bare, PYTHONPATH=str(REPO))
     for key in ("read_error", "receive_error"):
         assert key in out and "PYSPARK_PYTHON" in out[key] and "spark.pyspark.python" in out[key], out
     assert out["sent"] == 1
