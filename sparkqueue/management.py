@@ -113,7 +113,14 @@ class Management:
         """Insert the catalog entry (and extras, e.g. a default rule) in one commit; EntityAlreadyExistsError if taken."""
         now = datetime.now(UTC)
         entry = CatalogEntry(Address.of(entity_type, name).key, entity_type, table_path, props.to_json(), now, now)
-        if not self.broker.catalog.insert([entry, *extra], self.broker.deadline()):
+        same = _same_entity_name(name) if entity_type in (QUEUE, TOPIC) else None
+        if not self.broker.catalog.insert([entry, *extra], self.broker.deadline(), same):
+            taken = next((Address.parse(e.name) for e in self.broker.catalog.entries() if same and same(e.name)), None)
+            if taken is not None and taken != Address.of(entity_type, name):
+                raise EntityAlreadyExistsError(
+                    f"{entity_type} {name!r} cannot be created: {taken.kind} {taken.path!r} exists in namespace "
+                    f"{self.broker.root!r}, and queue and topic names share one name space where case does not count"
+                )
             shown = Address.of(entity_type, name).path
             raise EntityAlreadyExistsError(f"{entity_type} {shown!r} already exists in namespace {self.broker.root!r}")
         log.info("created %s %s", entity_type, name)
@@ -523,3 +530,14 @@ def _with_timeout(method: Callable[..., Any]) -> Callable[..., Any]:
 for _name, _method in list(vars(Management).items()):
     if not _name.startswith("_") and callable(_method):
         setattr(Management, _name, _with_timeout(_method))
+
+
+def _same_entity_name(name: str) -> Callable[[str], bool]:
+    """Whether a catalog key names a queue or topic called `name`, ignoring case (Service Bus: one such name space)."""
+    lower = name.lower()
+
+    def same(key: str) -> bool:
+        taken = Address.parse(key)
+        return taken.kind in (QUEUE, TOPIC) and taken.name.lower() == lower
+
+    return same

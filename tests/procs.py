@@ -256,15 +256,18 @@ def send_ids(
     results.put((worker, stored))
 
 
-def create_queue(root: str, queue: str, barrier: Any, results: Any, worker: int) -> None:
-    """Open the namespace (maybe creating it) and create the queue at once with the others.
+def create_queue(root: str, queue: str, barrier: Any, results: Any, worker: int, topic: bool = False) -> None:
+    """Open the namespace (maybe creating it) and create the queue (or a topic of that name) at once with the others.
 
-    max_delivery_count marks who created it; reports "created" or "exists".
+    max_delivery_count (a topic: max_size_in_megabytes) marks who created it; reports "created" or "exists".
     """
     _wait(barrier)
     ns = Namespace(root)
     try:
-        ns.create_queue(queue, max_delivery_count=worker + 1)
+        if topic:
+            ns.create_topic(queue, max_size_in_megabytes=1024 * (worker + 1))
+        else:
+            ns.create_queue(queue, max_delivery_count=worker + 1)
     except EntityAlreadyExistsError:
         results.put((worker, "exists"))
         return

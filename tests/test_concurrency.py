@@ -359,6 +359,16 @@ def test_racing_creators_one_wins(root: str) -> None:
             assert [str(m) for m in drain_all(r)] == ["works"]
 
 
+def test_racing_queue_and_topic_of_one_name_one_wins(root: str) -> None:
+    """Processes creating queues and topics named alike but for case, at once: one entity wins, the others are refused."""
+    Namespace(root).close()
+    names = ["Orders", "orders", "ORDERS", "orders"]
+    reports = _run(procs.create_queue, 4, lambda i, b, r: (root, names[i], b, r, i, i % 2 == 1))
+    assert Counter(outcome for _, outcome in reports) == Counter({"created": 1, "exists": 3})
+    with Namespace(root) as ns:
+        assert len(ns.list_queues()) + len(ns.list_topics()) == 1
+
+
 def test_racing_creators_on_a_new_namespace(root: str) -> None:
     """Processes opening a namespace that does not exist yet and creating one queue: one wins, the others are told it exists."""
     reports = _run(procs.create_queue, 2, lambda i, b, r: (root, "first", b, r, i))

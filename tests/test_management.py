@@ -84,6 +84,22 @@ def test_list_queues(ns: Namespace) -> None:
     assert [q.name for q in ns.list_queues()] == ["a", "c"]
 
 
+def test_queue_and_topic_names_share_one_case_insensitive_space(ns: Namespace) -> None:
+    """As in Service Bus: a queue cannot take a topic's name (in any case), nor a name with a subscription's path segment."""
+    ns.create_topic("tp")
+    ns.create_subscription("tp", "all")
+    for create in (lambda: ns.create_queue("tp"), lambda: ns.create_queue("TP"), lambda: ns.create_topic("Tp")):
+        with pytest.raises(EntityAlreadyExistsError, match="topic 'tp' exists"):
+            create()
+    for name in ("tp/Subscriptions/all", "a/rules/b", "x/subscriptions"):
+        with pytest.raises(InvalidOperationError, match="reserved"):
+            ns.create_queue(name)
+    assert ns.list_queues() == [] and [t.name for t in ns.list_topics()] == ["tp"]
+    ns.create_queue("Subscriptions")  # reserved only after a '/'
+    with pytest.raises(EntityAlreadyExistsError, match="queue 'Subscriptions' exists"):
+        ns.create_topic("subscriptions")
+
+
 def test_create_existing_queue_fails_and_keeps_settings(ns: Namespace) -> None:
     """Creating a queue whose name is taken raises EntityAlreadyExistsError and leaves the existing one as it was."""
     ns.create_queue("q", max_delivery_count=3)

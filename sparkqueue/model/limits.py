@@ -46,6 +46,7 @@ LATEST_TIME = datetime(9999, 12, 31, 23, 59, 59, 999000, tzinfo=UTC)
 LATEST_US = (LATEST_TIME - datetime(1970, 1, 1, tzinfo=UTC)) // timedelta(microseconds=1)  # the same, as epoch microseconds
 
 # \Z, not $: "$" also matches before a final newline, which would let "abc\n" through.
+RESERVED_SEGMENTS = ("subscriptions", "rules")  # path segments of subscriptions and rules (model/addresses.py)
 _ENTITY_NAME = re.compile(r"\A[A-Za-z0-9](?:[A-Za-z0-9._/-]{0,258}[A-Za-z0-9])?\Z")
 _CHILD_NAME = re.compile(r"\A[A-Za-z0-9$](?:[A-Za-z0-9._-]{0,48}[A-Za-z0-9])?\Z")
 
@@ -73,6 +74,11 @@ def check_entity_name(name: object, what: str = "queue") -> str:
         raise InvalidOperationError(
             f"invalid {what} name {name!r}: use 1-260 letters, digits, '.', '-', '_' or '/', "
             "starting and ending with a letter or digit"
+        )
+    if any(segment.lower() in RESERVED_SEGMENTS for segment in name.split("/")[1:]):
+        raise InvalidOperationError(
+            f"invalid {what} name {name!r}: 'Subscriptions' and 'Rules' are reserved after a '/' "
+            "(a subscription's path is '<topic>/Subscriptions/<name>')"
         )
     return name
 

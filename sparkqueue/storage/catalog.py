@@ -163,12 +163,17 @@ class Catalog:
         rows = t.filter(pc.equal(t.column("name"), key)).to_pylist()
         return CatalogEntry(**rows[0]) if rows else None
 
-    def insert(self, entries: list[CatalogEntry], deadline: Deadline) -> bool:
-        """Insert rows in one commit unless the first one's key exists; True when this call inserted them."""
+    def insert(self, entries: list[CatalogEntry], deadline: Deadline, same_as: Callable[[str], bool] | None = None) -> bool:
+        """Insert rows in one commit unless the first one's key exists, or a key `same_as` accepts; True when inserted.
+
+        Both are checked against the rows the commit replaces, so two racing inserts never both land.
+        """
         src = pa.Table.from_pylist([e.__dict__ for e in entries], schema=CATALOG_SCHEMA)
 
         def change(rows: pa.Table) -> tuple[pa.Table | None, bool]:
             if pc.any(pc.equal(rows.column("name"), entries[0].name)).as_py():
+                return None, False
+            if same_as is not None and any(same_as(key) for key in rows.column("name").to_pylist()):
                 return None, False
             return pa.concat_tables([rows, src]), True
 
