@@ -107,7 +107,10 @@ def resolve(
     try:
         return ns.table_uri(ns.broker.entry(QUEUE, name).table_path), QUEUE, None
     except EntityNotFoundError:
-        ns.broker.entry(TOPIC, name)  # a clearer error for topics: their messages live in subscriptions
+        try:
+            ns.broker.entry(TOPIC, name)  # a clearer error for topics: their messages live in subscriptions
+        except EntityNotFoundError:
+            raise EntityNotFoundError(f"no queue or topic named {name!r} in namespace {ns.root!r}") from None
         raise InvalidOperationError(
             f"{name!r} is a topic; read one of its subscriptions ('{name}/Subscriptions/<name>')"
         ) from None

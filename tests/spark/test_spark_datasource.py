@@ -15,6 +15,7 @@ from deltalake import DeltaTable
 from pyspark.sql import functions as sf
 
 from sparkqueue import Message, Namespace
+from sparkqueue.errors import EntityNotFoundError, InvalidOperationError
 from sparkqueue.model.partitioning import partition_for_key
 from sparkqueue.spark import RECEIVED_SCHEMA, row_filter, table_path
 
@@ -91,6 +92,16 @@ def test_table_path_and_row_filter_select_the_same_rows_for_other_readers(spark,
     raw = spark.read.option("basePath", path).parquet(*dt.file_uris())  # what a Delta reader does at this version
     assert raw.where(row_filter(ns, "q")).count() == 100
     assert raw.where(row_filter(ns.root, "q", sub_queue="deadletter")).count() == 0
+
+
+def test_names_that_are_no_queue_or_subscription_get_a_clear_error(ns):
+    ns.create_topic("t")
+    with pytest.raises(EntityNotFoundError, match="no queue or topic named 'nope'"):
+        table_path(ns, "nope")
+    with pytest.raises(InvalidOperationError, match="'t' is a topic; read one of its subscriptions"):
+        table_path(ns, "t")
+    with pytest.raises(EntityNotFoundError, match="subscription 't/Subscriptions/s' does not exist"):
+        table_path(ns, "t/Subscriptions/s")
 
 
 def test_relative_root_namespace_opens_from_another_directory_and_in_spark_tasks(spark, tmp_path, monkeypatch, numbered):
