@@ -57,7 +57,15 @@ from sparkqueue.model import limits
 from sparkqueue.model.addresses import QUEUE
 from sparkqueue.model.entity import utcnow
 from sparkqueue.model.partitioning import partition_for_key
-from sparkqueue.spark.session import bucket_key, input_partitions, marked, spark_errors, task_count, task_error
+from sparkqueue.spark.session import (
+    bucket_key,
+    check_dataframe,
+    input_partitions,
+    marked,
+    spark_errors,
+    task_count,
+    task_error,
+)
 from sparkqueue.spark.worker import EntityRef, marking_errors, refuse_in_transaction
 from sparkqueue.storage.log import AddFile, Fence
 from sparkqueue.storage.retry import retry_commit
@@ -124,6 +132,7 @@ def send_dataframe(
     messages whose order a broker keeps; unkeyed rows are then written in place by the tasks
     holding them, each queue partition in the order of the one input partition that owns it.
     """
+    check_dataframe(df, "send_dataframe")
     refuse_in_transaction(broker)
     entity = broker.entity(entity_type, name)
     available = tuple(p for p in range(entity.partition_count) if entity.available(p))

@@ -22,7 +22,7 @@ from pyspark.sql import Column, DataFrame, SparkSession
 from pyspark.sql import functions as sf
 
 from sparkqueue import errors
-from sparkqueue.errors import InvalidOperationError, SparkQueueError
+from sparkqueue.errors import InvalidArgumentTypeError, InvalidOperationError, SparkQueueError
 
 log = logging.getLogger(__name__)
 
@@ -41,6 +41,13 @@ def active_session(spark: SparkSession | None = None) -> SparkSession:
     if active is None:
         raise InvalidOperationError("no active SparkSession: pass spark=... or create one (sparkqueue.spark.spark_session())")
     return active
+
+
+def check_dataframe(df: object, call: str) -> DataFrame:
+    """`df` when it is a Spark DataFrame; InvalidArgumentTypeError naming the call otherwise (a list, a pandas frame)."""
+    if not isinstance(df, DataFrame):
+        raise InvalidArgumentTypeError(f"{call} takes a pyspark.sql.DataFrame, got {type(df).__name__}")
+    return df
 
 
 def marked(exc: SparkQueueError) -> str:

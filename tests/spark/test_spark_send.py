@@ -16,7 +16,13 @@ from deltalake import DeltaTable
 from pyspark.sql import functions as sf
 
 from sparkqueue import Namespace
-from sparkqueue.errors import InvalidOperationError, MessageSizeExceededError, OperationTimeoutError, PartitionUnavailableError
+from sparkqueue.errors import (
+    InvalidArgumentTypeError,
+    InvalidOperationError,
+    MessageSizeExceededError,
+    OperationTimeoutError,
+    PartitionUnavailableError,
+)
 from sparkqueue.model.partitioning import partition_for_key
 from sparkqueue.spark.jvm_send import FILE_ROWS
 from sparkqueue.spark.send import send_dataframe
@@ -32,6 +38,17 @@ def peek_all(ns: Namespace, queue: str, session_id: str | None = None) -> list:
         while got := r.peek_messages(5000):
             out.extend(got)
     return out
+
+
+def test_something_else_than_a_dataframe_is_refused_by_name(spark, ns):
+    ns.create_queue("q")
+    with ns.get_queue_sender("q") as s, pytest.raises(InvalidArgumentTypeError, match="send_dataframe takes a pyspark"):
+        s.send_dataframe([("x",)])
+    with ns.get_queue_receiver("q") as r:
+        for settle in (r.complete_dataframe, r.abandon_dataframe, r.defer_dataframe, r.dead_letter_dataframe):
+            with pytest.raises(InvalidArgumentTypeError, match=r"_dataframe takes a pyspark\.sql\.DataFrame, got list"):
+                settle([{"lock_token": "x"}])
+    assert ns.get_queue_runtime_properties("q").total_message_count == 0
 
 
 def test_send_counts_places_by_key_and_round_trips_fields(spark, ns):
