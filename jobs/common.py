@@ -123,6 +123,19 @@ def _set(cfg: dict[str, Any], dotted: str, value: Any) -> None:
     node[last] = value
 
 
+def number(cfg: dict[str, Any], dotted: str, kind: type[int] | type[float] = int, minimum: float = 0) -> Any:
+    """A numeric setting ("section.key") as `kind`, at least `minimum`; ValueError naming the setting otherwise."""
+    section, key = dotted.split(".", 1)
+    raw = cfg[section][key]
+    try:
+        value = kind(raw)
+    except (TypeError, ValueError):
+        raise ValueError(f"setting {dotted} must be {'an integer' if kind is int else 'a number'}, got {raw!r}") from None
+    if value < minimum:
+        raise ValueError(f"setting {dotted} must be at least {minimum}, got {raw!r}")
+    return value
+
+
 def under_spark_submit() -> bool:
     """True when spark-submit launched this process (it then owns the master and the gateway)."""
     return "PYSPARK_GATEWAY_PORT" in os.environ
@@ -161,7 +174,7 @@ def session(cfg: dict[str, Any], *, verbose: bool = False) -> SparkSession:
 def namespace(cfg: dict[str, Any]) -> Namespace:
     """The configured namespace."""
     ns_cfg = cfg["namespace"]
-    return Namespace(ns_cfg["root"], ns_cfg["tier"], operation_timeout=float(ns_cfg["operation_timeout"]))
+    return Namespace(ns_cfg["root"], ns_cfg["tier"], operation_timeout=number(cfg, "namespace.operation_timeout", float))
 
 
 def ensure_queue(ns: Namespace, cfg: dict[str, Any]) -> str:
@@ -178,8 +191,8 @@ def ensure_queue(ns: Namespace, cfg: dict[str, Any]) -> str:
             q["name"],
             enable_partitioning=bool(q["enable_partitioning"]),
             requires_duplicate_detection=bool(q["requires_duplicate_detection"]),
-            lock_duration=timedelta(seconds=float(q["lock_duration"])),
-            max_delivery_count=int(q["max_delivery_count"]),
+            lock_duration=timedelta(seconds=number(cfg, "queue.lock_duration", float)),
+            max_delivery_count=number(cfg, "queue.max_delivery_count", int, 1),
         )
         log.info("created queue %s", q["name"])
     except EntityAlreadyExistsError:

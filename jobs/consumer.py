@@ -85,7 +85,10 @@ def load_transform(spec: str) -> Callable[[DataFrame], DataFrame]:
     module, sep, name = spec.partition(":")
     if not sep or not module or not name:
         raise InvalidOperationError(f"transform must be 'module:function', got {spec!r}")
-    fn = getattr(importlib.import_module(module), name, None)
+    try:
+        fn = getattr(importlib.import_module(module), name, None)
+    except ImportError as exc:
+        raise InvalidOperationError(f"transform {spec!r}: module {module!r} cannot be imported ({exc})") from None
     if not callable(fn):
         raise InvalidOperationError(f"{spec!r} is not a function")
     return fn
@@ -149,13 +152,14 @@ def run(cfg: dict[str, Any], spark: SparkSession, *, crash_after_write: bool = F
     """Drain up to consumer.max_messages messages: receive, transform, merge, complete, batch by batch."""
     c = cfg["consumer"]
     transform = load_transform(str(c["transform"]))
-    limit, batch = int(c["max_messages"]), int(c["batch_size"])
+    limit, batch = common.number(cfg, "consumer.max_messages"), common.number(cfg, "consumer.batch_size", int, 1)
+    wait = common.number(cfg, "consumer.max_wait_time", float)
     result = ConsumerResult()
     with common.namespace(cfg) as ns:
         queue = common.ensure_queue(ns, cfg)
         backlog = ns.get_queue_runtime_properties(queue).active_message_count
         with (
-            ns.get_queue_receiver(queue, max_wait_time=float(c["max_wait_time"]) or None) as receiver,  # 0: do not wait
+            ns.get_queue_receiver(queue, max_wait_time=wait or None) as receiver,  # 0: do not wait
             progress_bar(progress, min(limit, backlog)) as advance,
         ):
             while result.received < limit:
@@ -198,6 +202,7 @@ def main(argv: list[str] | None = None) -> int:
     common.setup_logging(args.verbose)
     with common.expected_failures(args.verbose):
         cfg = common.load_config(args.config, common.overrides_from(args, FLAGS))
+        load_transform(str(cfg["consumer"]["transform"]))  # a bad transform fails before Spark starts
         spark = common.session(cfg, verbose=args.verbose)
         started = time.perf_counter()
         try:

@@ -58,7 +58,7 @@ def build_frame(spark: SparkSession, cfg: dict[str, Any]) -> DataFrame:
             return df
         fields = [c for c in df.columns if c in MESSAGE_FIELDS]
         return df.select(sf.to_json(sf.struct(*df.columns)).alias("body"), *fields)
-    n, size = int(p["generate"]), int(p["body_bytes"])
+    n, size = common.number(cfg, "producer.generate"), common.number(cfg, "producer.body_bytes")
     body = sf.rpad(sf.concat(sf.lit('{"n": '), sf.col("id").cast("string"), sf.lit("}")), size, " ")
     cols = [body.cast("binary").alias("body")]
     if p["id_prefix"]:

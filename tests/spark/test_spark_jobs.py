@@ -14,6 +14,7 @@ from pyspark.sql import functions as sf
 
 from jobs import common, consumer, producer
 from sparkqueue import Namespace
+from sparkqueue.errors import InvalidOperationError
 
 pytestmark = pytest.mark.spark
 REPO = Path(__file__).resolve().parents[2]
@@ -57,6 +58,27 @@ def test_config_file_and_command_line_overrides(tmp_path):
     assert cfg["queue"]["name"] == "x" and cfg["queue"]["max_delivery_count"] == 3 and cfg["queue"]["lock_duration"] == 10
     assert cfg["namespace"]["tier"] == "standard"  # a default the file leaves alone
     assert common.load_config(common.DEFAULT_CONFIG)["consumer"]["transform"] == "jobs.transforms:uppercase"
+
+
+def test_bad_settings_and_transforms_are_named_before_spark_starts(tmp_path):
+    """A bad number or transform is a one-line error naming the setting (expected_failures), raised before any Spark work."""
+    path = write_config(tmp_path, 10)
+    for override, message in (
+        ("queue.lock_duration=abc", "setting queue.lock_duration must be a number, got 'abc'"),
+        ("producer.generate=-5", "setting producer.generate must be at least 0, got -5"),
+        ("consumer.batch_size=0", "setting consumer.batch_size must be at least 1, got 0"),
+    ):
+        cfg = common.load_config(path, common.overrides_from(producer.parse_args(["--set", override])))
+        section, key = override.split("=")[0].split(".")
+        kind, minimum = (float, 0) if key == "lock_duration" else (int, 1 if key == "batch_size" else 0)
+        with pytest.raises(ValueError, match=message):
+            common.number(cfg, f"{section}.{key}", kind, minimum)
+    for spec, message in (("nosuch:fn", "module 'nosuch' cannot be imported"), ("jobs.transforms:nope", "is not a function")):
+        with pytest.raises(InvalidOperationError, match=message):
+            consumer.load_transform(spec)
+    with pytest.raises(SystemExit) as exit_info:  # the job's one-line failure (expected_failures), exit status 1
+        consumer.main(["--config", str(path), "--transform", "nosuch:fn", "--no-progress"])
+    assert exit_info.value.code == 1
 
 
 @pytest.mark.slow  # ~30 s: the job's first run is killed and rerun; CI runs it with the slow tests
