@@ -27,6 +27,7 @@ from rich.table import Table
 
 from jobs import common
 from sparkqueue import Message, Namespace, SubQueue
+from sparkqueue.cli.render import console as make_console
 from sparkqueue.errors import EntityAlreadyExistsError
 
 log = logging.getLogger("jobs.demo")
@@ -83,20 +84,21 @@ def main(argv: list[str] | None = None) -> int:
     """Send orders, receive them in batches, complete most, dead-letter the malformed ones; then the DataFrame half."""
     args = parse_args(argv)
     common.setup_logging(args.verbose)
-    console = Console(highlight=False)
+    console = make_console()
     with common.expected_failures(args.verbose):
         cfg = common.load_config(args.config, {"namespace.root": args.root} if args.root else {})
         with common.namespace(cfg) as ns:
             console.print(f"[bold]sparkqueue demo[/bold] in namespace {ns.root} (one Delta table per queue)")
-            core_round_trip(ns, args, console)
+            dropped = core_round_trip(ns, args, console)
             if not args.no_spark:
                 dataframe_round_trip(ns, args.spark_messages, console, verbose=args.verbose)
-    console.print("[green]Demo finished.[/green] Run it again to see duplicate detection drop the repeated orders.")
+    again = "" if dropped else " Run it again to see duplicate detection drop the repeated orders."
+    console.print(f"[green]Demo finished.[/green]{again}")
     return 0
 
 
-def core_round_trip(ns: Namespace, args: argparse.Namespace, console: Console) -> None:
-    """The Python API: send orders with ids, receive and settle them, show the dead letters."""
+def core_round_trip(ns: Namespace, args: argparse.Namespace, console: Console) -> int:
+    """The Python API: send orders with ids, receive and settle them, show the dead letters; returns how many were dropped."""
     try:
         ns.create_queue(QUEUE, requires_duplicate_detection=True)
         console.print(f"created queue {QUEUE!r}: 16 partitions, duplicate detection on (10-minute window)")
@@ -145,6 +147,7 @@ def core_round_trip(ns: Namespace, args: argparse.Namespace, console: Console) -
             console.print(f"dead letter {m.message_id}: {m.dead_letter_reason} ({m.dead_letter_error_description})", markup=False)
     if dead_now:
         console.print(f"move them back with: sparkqueue --root {ns.root} resubmit {QUEUE}")
+    return dropped
 
 
 def dataframe_round_trip(ns: Namespace, n: int, console: Console, *, verbose: bool = False) -> None:

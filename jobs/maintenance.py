@@ -23,6 +23,7 @@ if __package__ in (None, ""):  # run as a file: make `jobs` importable
 
 from jobs import common
 from sparkqueue import Namespace
+from sparkqueue.cli.render import console as make_console
 
 log = logging.getLogger("jobs.maintenance")
 
@@ -65,7 +66,7 @@ def main(argv: list[str] | None = None) -> int:
     """Run maintenance once, or every --interval seconds."""
     args = parse_args(argv)
     common.setup_logging(args.verbose)
-    console = Console()
+    console = make_console()
     with common.expected_failures(args.verbose):
         overrides = {"namespace.root": args.root} if args.root else {}
         cfg = common.load_config(args.config, overrides)

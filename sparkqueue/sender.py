@@ -42,7 +42,8 @@ def check_fits_one_batch(msgs: list[Message], tier: str) -> None:
     sizes = [m.size_in_bytes for m in msgs]  # each computed once: it encodes every string property
     for m, size in zip(msgs, sizes, strict=True):
         if size > cap:
-            raise MessageSizeExceededError(f"message {m.message_id!r} is {size} bytes; the {tier} tier allows {cap}")
+            which = f"message {m.message_id!r}" if m.message_id is not None else "a message"
+            raise MessageSizeExceededError(f"{which} is {size} bytes; the {tier} tier allows {cap}")
     total = sum(sizes)
     if total > cap:
         raise MessageSizeExceededError(

@@ -77,6 +77,16 @@ def root(tmp_path: Path) -> Path:
     return tmp_path / "ns"
 
 
+def test_piped_output_is_not_cut_at_80_columns() -> None:
+    """Rich cuts lines and tables at 80 columns when output is not a terminal (a CI log); the CLI and jobs use 160."""
+    env = {k: v for k, v in os.environ.items() if k != "COLUMNS"}
+    code = "from sparkqueue.cli.render import console; print(console().width, console(stderr=True).width)"
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, check=True, timeout=60)
+    assert done.stdout.split() == ["160", "160"]
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env={**env, "COLUMNS": "99"}, check=True)
+    assert done.stdout.split() == ["99", "99"]
+
+
 def test_create_list_delete(root: Path) -> None:
     """create queue/topic/subscription with settings, list them (table and JSON), delete them."""
     Namespace(root).close()  # the namespace exists, so the two concurrent creates do not both create its catalog

@@ -16,7 +16,6 @@ from pathlib import Path
 from typing import Annotated, Any, NoReturn, ParamSpec, TypeVar
 
 import typer
-from rich.console import Console
 from rich.highlighter import JSONHighlighter
 from rich.logging import RichHandler
 from rich.markup import escape
@@ -32,8 +31,8 @@ from sparkqueue.receiver import Receiver
 
 DEFAULT_ROOT = "./sparkqueue-data"
 
-out = Console(highlight=False)
-err = Console(stderr=True, highlight=False)
+out = render.console()
+err = render.console(stderr=True)
 
 
 class _App(typer.Typer):
@@ -530,7 +529,8 @@ def send(
             with file.open("rb") as stream, progress_bar(f"Sending to {target.display}", total) as advance:
                 result = ops.send_stream(s, stream, str(file), jsonl=jsonl, batch=batch, progress=advance)
     if target.kind == TOPIC:
-        done(f"Sent {result.read} message(s) to {target.label} ({result.stored} copies in subscriptions).")
+        copies = "1 copy" if result.stored == 1 else f"{result.stored} copies"
+        done(f"Sent {result.read} message(s) to {target.label} ({copies} in subscriptions).")
     else:
         dropped = result.read - result.stored
         extra = f"; {dropped} dropped as duplicates" if dropped else ""

@@ -2,12 +2,14 @@
 
 import base64
 import json
+import os
 import re
+import sys
 from datetime import datetime, timedelta
 from typing import Any
 
 from rich import box
-from rich.console import Group, RenderableType
+from rich.console import Console, Group, RenderableType
 from rich.table import Table
 from rich.text import Text
 
@@ -19,6 +21,16 @@ _UNSAFE = re.compile("[\x00-\x1f\x7f-\x9f\u202a-\u202e\u2066-\u2069]")
 
 
 _UNSAFE_IN_JSON = re.compile("[\x7f-\x9f\u202a-\u202e\u2066-\u2069]")  # json.dumps escapes C0 itself
+
+
+PIPED_WIDTH = 160  # columns when output goes to a file or pipe (rich would cut lines and tables at 80)
+
+
+def console(*, stderr: bool = False) -> Console:
+    """A console for the CLI and the jobs: no syntax highlighting of output, and no 80-column cut when piped (a CI log)."""
+    stream = sys.stderr if stderr else sys.stdout
+    piped = not stream.isatty() and "COLUMNS" not in os.environ  # COLUMNS, when set, is the user's choice
+    return Console(stderr=stderr, highlight=False, width=PIPED_WIDTH if piped else None)
 
 
 def clean(value: object) -> str:
