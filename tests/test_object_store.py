@@ -99,6 +99,10 @@ def test_competing_receiver_processes_complete_each_message_exactly_once(store: 
     reports = [results.get(timeout=180) for _ in procs]
     for p in procs:
         p.join(timeout=30)
+    assert [p.exitcode for p in procs] == [0, 0, 0]
+    delivered = Counter(mid for _, d, _, _ in reports for mid, _ in d)
+    assert [mid for mid, n in delivered.items() if n > 1] == [], "a message was delivered twice under a 60 s lock"
+    assert sum(lost for *_, lost in reports) == 0
     completed = [mid for _, _, c, _ in reports for mid in c]
     assert len(completed) == total
     assert Counter(completed) == Counter(f"m{i}" for i in range(total))
