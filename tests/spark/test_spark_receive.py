@@ -179,6 +179,7 @@ def test_two_concurrent_dataframe_consumers_never_share_a_message(spark, ns, num
     assert taken["a"] and taken["b"]
 
 
+@pytest.mark.slow  # ~20 s on the Spark worker, which bounds the default run's time; CI runs it (SPARKQUEUE_SLOW=1)
 def test_dataframe_receives_and_core_receiver_processes_never_share_a_message(spark, ns, root, numbered):
     """Spark lock tasks racing 2 core receiver processes over the same queue: each message is taken by one side, once."""
     ns.create_queue("q", lock_duration=LONG_LOCK)
