@@ -137,6 +137,7 @@ def test_senders_and_receivers_at_once(root: str) -> None:
     assert sum(n for *_, n in receiver_reports) == 0
 
 
+@pytest.mark.slow  # CI runs it (SPARKQUEUE_SLOW=1); the default run keeps under 5 minutes
 def test_short_locks_expiring_under_racing_receivers_hold_one_lock_each(root: str) -> None:
     """4 processes, 1 s locks, completing, abandoning or letting locks lapse: at most one valid lock per message at any moment.
 
@@ -179,6 +180,7 @@ def test_short_locks_expiring_under_racing_receivers_hold_one_lock_each(root: st
         assert ns.get_queue_runtime_properties("q").active_message_count == 0
 
 
+@pytest.mark.slow  # CI runs it (SPARKQUEUE_SLOW=1); the default run keeps under 5 minutes
 def test_transactions_racing_on_one_partition_apply_once_each(root: str) -> None:
     """3 processes each completing tasks in transactions that send 2 results, all on one partition.
 
@@ -284,6 +286,7 @@ def test_concurrent_duplicate_sends_to_one_partition(root: str) -> None:
     assert sorted(m.message_id for m in got) == sorted(ids)
 
 
+@pytest.mark.slow  # CI runs it (SPARKQUEUE_SLOW=1); the default run keeps under 5 minutes
 def test_concurrent_duplicate_sends_to_a_topic_copy_once_per_subscription(root: str) -> None:
     """3 processes sending the same ids to a duplicate-detecting topic: each subscription its rules select gets one copy."""
     with Namespace(root) as ns:
@@ -301,6 +304,7 @@ def test_concurrent_duplicate_sends_to_a_topic_copy_once_per_subscription(root: 
             assert got == Counter(want), f"subscription {sub}: {got - Counter(want)} extra, {Counter(want) - got} missing"
 
 
+@pytest.mark.slow  # CI runs it (SPARKQUEUE_SLOW=1); the default run keeps under 5 minutes
 def test_receive_and_delete_racing_processes_take_each_message_once(root: str) -> None:
     """4 processes receiving in RECEIVE_AND_DELETE mode: every message goes to exactly one of them, and none is lost."""
     with Namespace(root) as ns:
@@ -316,6 +320,7 @@ def test_receive_and_delete_racing_processes_take_each_message_once(root: str) -
         assert ns.get_queue_runtime_properties("q").total_message_count == 0
 
 
+@pytest.mark.slow  # CI runs it (SPARKQUEUE_SLOW=1); the default run keeps under 5 minutes
 def test_competing_receivers_on_a_subscription_and_concurrent_topic_senders(root: str) -> None:
     """2 topic senders and 3 receivers of one subscription at once: each copy is delivered and completed once; the
     other subscription gets every message once too."""
@@ -359,6 +364,7 @@ def test_racing_creators_one_wins(root: str) -> None:
             assert [str(m) for m in drain_all(r)] == ["works"]
 
 
+@pytest.mark.slow  # CI runs it (SPARKQUEUE_SLOW=1); the default run keeps under 5 minutes
 def test_racing_queue_and_topic_of_one_name_one_wins(root: str) -> None:
     """Processes creating queues and topics named alike but for case, at once: one entity wins, the others are refused."""
     Namespace(root).close()
