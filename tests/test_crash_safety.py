@@ -245,7 +245,7 @@ def _run(tmp_path: Path, **kw) -> History:
 
 def test_sigkill_at_random_points_loses_nothing_and_applies_batches_whole(tmp_path: Path) -> None:
     """A process SIGKILLed at random points loses no accepted message and leaves no half-applied batch (§10)."""
-    h = _run(tmp_path, min_iterations=6, max_iterations=40, budget_s=30.0, seed=7)  # the soak below runs longer
+    h = _run(tmp_path, min_iterations=6, max_iterations=40, budget_s=20.0, seed=7)  # the soak below runs longer
     print(
         f"batches={len(h.batches)} acked={len(h.acked)} completed={len(h.completed)} "
         f"in-flight completes={len(h.in_flight_completes)} killed mid-send={h.killed_mid_send} "
