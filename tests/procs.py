@@ -120,16 +120,31 @@ def receive_and_complete(
 
 def receive_and_delete(root: str, queue: str, barrier: Any, results: Any, worker: int, idle_s: float) -> None:
     """Race other processes in RECEIVE_AND_DELETE mode until nothing arrived for `idle_s`; report (worker, message ids)."""
-    got_ids: list[str] = []
-    with Namespace(root) as ns, _receiver(ns, queue, receive_mode=ReceiveMode.RECEIVE_AND_DELETE) as receiver:
+    receive_until_idle(root, queue, barrier, results, worker, idle_s, delete=True)
+
+
+def receive_until_idle(root: str, queue: str, barrier: Any, results: Any, worker: int, idle_s: float, delete: bool) -> None:
+    """Receive (and complete, unless `delete`: RECEIVE_AND_DELETE) until nothing arrived for `idle_s`.
+
+    Reports (worker, ids taken): the ids removed, or completed (a complete that lost its lock is not counted).
+    """
+    taken: list[str] = []
+    mode = ReceiveMode.RECEIVE_AND_DELETE if delete else ReceiveMode.PEEK_LOCK
+    with Namespace(root) as ns, _receiver(ns, queue, receive_mode=mode) as receiver:
         _wait(barrier)
         last_seen = time.monotonic()
         while time.monotonic() - last_seen < idle_s:
             got = receiver.receive_messages(max_message_count=7, max_wait_time=0.2)
             if got:
                 last_seen = time.monotonic()
-            got_ids += [m.message_id for m in got]
-    results.put((worker, got_ids))
+            for m in got:
+                if not delete:
+                    try:
+                        receiver.complete_message(m)
+                    except MessageLockLostError:
+                        continue
+                taken.append(m.message_id)
+    results.put((worker, taken))
 
 
 def transactional_worker(root: str, queue: str, barrier: Any, results: Any, worker: int, done: Any, tasks: int) -> None:

@@ -345,6 +345,60 @@ def test_competing_receivers_on_a_subscription_and_concurrent_topic_senders(root
         assert sorted(m.message_id for m in drain_all(r)) == sorted(halves[0] + halves[1])
 
 
+@pytest.mark.slow  # CI runs it (SPARKQUEUE_SLOW=1)
+def test_a_receiver_working_through_a_senders_sigkill_completes_everything_once(root: str, tmp_path: Path) -> None:
+    """A receiver process keeps completing while a sender (which also locks) is SIGKILLed beside it.
+
+    Every accepted message is completed exactly once, the dead sender's locked messages come back
+    after their locks lapse, and no batch is stored in part.
+    """
+    lock, batch = timedelta(seconds=3), 4
+    with Namespace(root) as ns:
+        ns.create_queue("q", lock_duration=lock)
+    sent_path, locked_path = tmp_path / "sent.txt", tmp_path / "locked.txt"
+    results, barrier = CTX.Queue(), CTX.Barrier(1)  # kept referenced until the children have started
+    sender = CTX.Process(
+        target=procs.send_and_lock_until_killed, args=(root, "q", str(sent_path), str(locked_path), batch), daemon=True
+    )
+    survivor = CTX.Process(
+        target=procs.receive_until_idle,
+        args=(root, "q", barrier, results, 0, lock.total_seconds() + 2, False),
+        daemon=True,
+    )
+    sender.start()
+    survivor.start()
+    try:
+        give_up = time.monotonic() + CHILD_TIMEOUT_S
+        while len(_lines(sent_path)) < 20 * batch:
+            assert sender.is_alive() and survivor.is_alive(), "a child died early"
+            assert time.monotonic() < give_up, "the sender made no progress"
+            time.sleep(0.02)
+        time.sleep(random.uniform(0, 0.1))
+        os.kill(sender.pid, signal.SIGKILL)  # type: ignore[arg-type]
+        sender.join(timeout=30)
+        _, completed = results.get(timeout=CHILD_TIMEOUT_S)
+        survivor.join(timeout=30)
+    finally:
+        for child in (sender, survivor):
+            if child.is_alive():
+                child.kill()
+    assert (sender.exitcode, survivor.exitcode) == (-signal.SIGKILL, 0)
+    with Namespace(root) as ns, ns.get_queue_receiver("q") as r:
+        left = drain_all(r)  # none, unless the survivor's idle wait ended first on a very slow machine
+        r.complete_messages(left)
+        assert ns.get_queue_runtime_properties("q").total_message_count == 0
+    taken = Counter(completed + [m.message_id for m in left])
+    assert [mid for mid, n in taken.items() if n > 1] == [], "a message was completed twice"
+    accepted, locked_by_sender = set(_lines(sent_path)), set(_lines(locked_path))
+    assert accepted <= set(taken), f"accepted sends lost: {sorted(accepted - set(taken))[:10]}"
+    assert locked_by_sender <= set(taken), "a message the dead sender held never came back"
+    batches: dict[str, set[str]] = defaultdict(set)
+    for mid in taken:
+        name, _, k = mid.partition("-")
+        batches[name].add(k)
+    assert all(len(ks) == batch for ks in batches.values()), "a batch was stored in part"
+
+
 # ---- racing creators ---------------------------------------------------------------------------
 
 
