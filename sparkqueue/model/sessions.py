@@ -633,10 +633,8 @@ def _session_until(rows: pa.Table, until: datetime) -> pa.Table:
     """Delivered rows whose lock expiry is the session's (session messages carry no lock of their own)."""
     if rows.num_rows == 0 or "locked_until_utc" not in rows.column_names:
         return rows
-    i = rows.schema.get_field_index("locked_until_utc")
     locked = pc.is_valid(rows.column("lock_token"))
-    value = pc.if_else(locked, pa.scalar(until, TIMESTAMP), pa.scalar(None, TIMESTAMP))
-    return rows.set_column(i, rows.schema.field(i), value)
+    return with_columns(rows, locked_until_utc=pc.if_else(locked, pa.scalar(until, TIMESTAMP), pa.scalar(None, TIMESTAMP)))
 
 
 def _session_until_changes(changes: pa.Table, until: datetime) -> pa.Table:
@@ -646,8 +644,8 @@ def _session_until_changes(changes: pa.Table, until: datetime) -> pa.Table:
     locked = pc.is_valid(changes.column("lock_token"))
     active = pc.fill_null(pc.equal(changes.column("state"), STATE_ACTIVE), False)
     at = pa.scalar(until, TIMESTAMP)
-    i = changes.schema.get_field_index("locked_until_utc")
-    changes = changes.set_column(i, changes.schema.field(i), pc.if_else(locked, at, changes.column("locked_until_utc")))
-    j = changes.schema.get_field_index("available_at_utc")
-    avail = pc.if_else(pc.and_(locked, active), at, changes.column("available_at_utc"))
-    return changes.set_column(j, changes.schema.field(j), avail)
+    return with_columns(
+        changes,
+        locked_until_utc=pc.if_else(locked, at, changes.column("locked_until_utc")),
+        available_at_utc=pc.if_else(pc.and_(locked, active), at, changes.column("available_at_utc")),
+    )

@@ -121,13 +121,13 @@ def _sessionless_dead_lettered(copies: pa.Table) -> pa.Table:
 
 
 def _set(rows: pa.Table, **values: Any) -> pa.Table:
-    """Replace columns with a scalar for every row, or an array."""
+    """Replace columns with a scalar for every row, or an array (cast to the column's type)."""
+    arrays = {}
     for name, value in values.items():
-        i = rows.schema.get_field_index(name)
-        field = rows.schema.field(i)
-        arr = value if isinstance(value, (pa.Array, pa.ChunkedArray)) else constant(value, field.type, rows.num_rows)
-        rows = rows.set_column(i, field, arr.cast(field.type))
-    return rows
+        type_ = rows.schema.field(name).type
+        arr = value if isinstance(value, (pa.Array, pa.ChunkedArray)) else constant(value, type_, rows.num_rows)
+        arrays[name] = arr.cast(type_)
+    return with_columns(rows, **arrays)
 
 
 def _recompute_expiry(rows: pa.Table) -> pa.Table:
@@ -181,8 +181,7 @@ def _violations(rows: pa.Table, max_bytes: int) -> list[str | None]:
 
 def _tag(rows: pa.Table, key: str) -> pa.Table:
     """Rows assigned to one subscription."""
-    i = rows.schema.get_field_index("subscription")
-    return rows.set_column(i, rows.schema.field(i), constant(key, pa.string(), rows.num_rows))
+    return with_columns(rows, subscription=constant(key, pa.string(), rows.num_rows))
 
 
 def _cap_ttl(rows: pa.Table, sub: Subscriber) -> pa.Table:
@@ -193,13 +192,11 @@ def _cap_ttl(rows: pa.Table, sub: Subscriber) -> pa.Table:
     cap_ms = ttl // timedelta(milliseconds=1)  # whole milliseconds, as every send stores a TTL (limits.ttl_ms)
     current = rows.column("time_to_live_ms")
     shorter = pc.fill_null(pc.less(pa.scalar(cap_ms, pa.int64()), current.cast(pa.int64())), True)
-    ttl_i = rows.schema.get_field_index("time_to_live_ms")
-    exp_i = rows.schema.get_field_index("expires_at_utc")
     capped_expiry = limits.expiries(rows.column("available_at_utc"), pa.scalar(cap_ms, pa.int64()))
-    capped_ttl = pc.if_else(shorter, pa.scalar(cap_ms, pa.int64()), current.cast(pa.int64())).cast(current.type)
-    rows = rows.set_column(ttl_i, rows.schema.field(ttl_i), capped_ttl)
-    return rows.set_column(
-        exp_i, rows.schema.field(exp_i), pc.if_else(shorter, capped_expiry.cast(TIMESTAMP), rows.column("expires_at_utc"))
+    return with_columns(
+        rows,
+        time_to_live_ms=pc.if_else(shorter, pa.scalar(cap_ms, pa.int64()), current.cast(pa.int64())).cast(current.type),
+        expires_at_utc=pc.if_else(shorter, capped_expiry.cast(TIMESTAMP), rows.column("expires_at_utc")),
     )
 
 

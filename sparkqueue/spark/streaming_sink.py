@@ -41,7 +41,7 @@ from sparkqueue.model.entity import utcnow
 from sparkqueue.spark.session import task_error
 from sparkqueue.spark.staging import Staging, cleanup_staging, filesystem, remove_dirs
 from sparkqueue.spark.streaming import EntityAddress, address_of, idempotence_key
-from sparkqueue.storage.schema import constant
+from sparkqueue.storage.schema import constant, with_columns
 
 log = logging.getLogger(__name__)
 
@@ -140,8 +140,7 @@ class QueueStreamWriter(DataSourceStreamArrowWriter):
                 # The rows' "source position" is the batch id: storage drops rows at or below the version
                 # it recorded for the app id (a forward's resume point), and skips the whole append when
                 # this batch's version is recorded already.
-                i = rows.schema.get_field_index("sequence_number")
-                rows = rows.set_column(i, rows.schema.field(i), constant(batchId, pa.int64(), rows.num_rows))
+                rows = with_columns(rows, sequence_number=constant(batchId, pa.int64(), rows.num_rows))
                 once = idempotence_key(app_id, batchId)
                 stored = ns.broker.send(address.entity_type, address.name, rows, keys, once)
                 log.info(
