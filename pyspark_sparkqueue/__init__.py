@@ -14,12 +14,29 @@ names the fix (PYSPARK_PYTHON / spark.pyspark.python).
 from __future__ import annotations
 
 import sys
-from typing import Any
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 from pyspark.sql.datasource import DataSource, DataSourceReader, DataSourceStreamReader, DataSourceStreamWriter
 from pyspark.sql.types import StructType
 
 __all__ = ["DefaultSource"]
+
+T = TypeVar("T")
+
+
+def _plain(make: Callable[[], T]) -> T:
+    """make(), with a sparkqueue error (a bad option, an unknown entity) raised afresh from here.
+
+    Spark puts the Python traceback of a failed planning call into its error; without the frames
+    inside sparkqueue, what the user reads is this call and the error's own one-line message.
+    """
+    try:
+        return make()
+    except Exception as exc:
+        if type(exc).__module__ != "sparkqueue.errors":
+            raise
+        raise exc.with_traceback(None) from None
 
 
 def _implementation() -> Any:
@@ -46,16 +63,23 @@ class DefaultSource(DataSource):
 
     def schema(self) -> StructType:
         """The received-message layout."""
-        return _implementation().RECEIVED_SCHEMA
+        layout: StructType = _implementation().RECEIVED_SCHEMA
+        return layout
 
     def reader(self, schema: StructType) -> DataSourceReader:
         """A reader pinned to the table's current version (with partition pruning when filter pushdown is on)."""
-        return _implementation().make_reader(dict(self.options))
+        reader: DataSourceReader = _plain(lambda: _implementation().make_reader(dict(self.options)))
+        return reader
 
     def streamReader(self, schema: StructType) -> DataSourceStreamReader:  # noqa: N802 - pyspark's name
         """`spark.readStream.format("sparkqueue")`: peek-locked micro-batches."""
-        return _implementation().SparkQueueDataSource(dict(self.options)).streamReader(schema)
+        reader: DataSourceStreamReader = _plain(
+            lambda: _implementation().SparkQueueDataSource(dict(self.options)).streamReader(schema)
+        )
+        return reader
 
     def streamWriter(self, schema: StructType, overwrite: bool) -> DataSourceStreamWriter:  # noqa: N802 - pyspark's name
         """`df.writeStream.format("sparkqueue")`: each micro-batch sent once."""
-        return _implementation().SparkQueueDataSource(dict(self.options)).streamWriter(schema, overwrite)
+        source = _implementation().SparkQueueDataSource
+        writer: DataSourceStreamWriter = _plain(lambda: source(dict(self.options)).streamWriter(schema, overwrite))
+        return writer

@@ -309,3 +309,18 @@ def send_and_lock_until_killed(root: str, queue: str, sent_path: str, locked_pat
             if got:
                 _record(locked_path, [m.message_id for m in got])
             n += 1
+
+
+def send_dying_at_commit(root: str, queue: str, count: int) -> None:
+    """Send `count` keyed messages and SIGKILL this process as the send commits: data files written, log entry not."""
+    import signal
+
+    from sparkqueue.storage.log import DeltaLog
+
+    def die(*args: object, **kwargs: object) -> int:
+        os.kill(os.getpid(), signal.SIGKILL)
+        raise AssertionError("still alive after SIGKILL")
+
+    with Namespace(root) as ns, ns.get_queue_sender(queue) as sender:
+        DeltaLog.commit = die  # type: ignore[method-assign]  # the process dies exactly between the two steps
+        sender.send_messages([Message(f"x{k}", message_id=f"x{k}", partition_key=f"x{k}") for k in range(count)])

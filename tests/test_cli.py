@@ -214,6 +214,28 @@ def test_topic_send_and_subscription_show(root: Path, tmp_path: Path) -> None:
     assert sorted(m["body"] for m in got) == ["one", "three", "two"]
 
 
+def test_a_queue_named_like_a_subscription_comes_first_and_the_path_form_names_the_subscription(root: Path) -> None:
+    """`show tp/all` is the queue "tp/all"; `show tp/Subscriptions/all` is subscription "all" of topic "tp"."""
+    with Namespace(root) as ns:
+        ns.create_topic("tp")
+        ns.create_subscription("tp", "all")
+        ns.create_queue("tp/all")
+        with ns.get_queue_sender("tp/all") as s:
+            s.send_messages(Message("q"))
+        with ns.get_topic_sender("tp") as s:
+            s.send_messages([Message("s1"), Message("s2")])
+    calls = ("show", "tp/all", "--json"), ("show", "tp/Subscriptions/all", "--json"), ("show", "tp/Subscriptions/none")
+    queue, sub, missing = sq_all(root, *calls)
+    assert (as_json(queue.stdout)["type"], as_json(queue.stdout)["runtime"]["active_message_count"]) == ("queue", 1)
+    shown = as_json(sub.stdout)
+    assert (shown["type"], shown["name"], shown["runtime"]["active_message_count"]) == ("subscription", "tp/all", 2)
+    assert (
+        missing.returncode == 1
+        and "subscription 'tp/Subscriptions/none' does not exist" in missing.stderr
+        and "Traceback" not in missing.stderr
+    ), missing.stderr
+
+
 def test_purge(root: Path) -> None:
     """purge empties the queue, or with --dead-letter its dead-letter sub-queue."""
     with Namespace(root) as ns:

@@ -76,6 +76,27 @@ with Namespace(root) as ns, ns.get_queue_receiver(queue) as receiver:
 """
 
 
+# A child that dies (SIGKILL to itself) at the one point the random kills may miss: after the copies were
+# appended to the destination, before the source settles its originals (docs/semantics.md §9).
+DIES_BETWEEN_APPEND_AND_SETTLE = r"""
+import os, signal, sys
+from sparkqueue import Message, Namespace
+from sparkqueue.model import forwarding
+
+root, mode, n = sys.argv[1], sys.argv[2], int(sys.argv[3])
+forwarding._settle_source = lambda *a, **k: os.kill(os.getpid(), signal.SIGKILL)
+with Namespace(root) as ns:
+    if mode == "send":
+        with ns.get_queue_sender("src") as sender:
+            sender.send_messages([Message(f"s{i}", message_id=f"s{i}", partition_key="k") for i in range(n)])
+    else:
+        with ns.get_queue_receiver("src") as receiver:
+            for m in receiver.receive_messages(max_message_count=n, max_wait_time=5):
+                receiver.dead_letter_message(m, reason="crash-test")  # the first one forwards, and dies
+print("not killed", flush=True)
+"""
+
+
 def acked_ids(path: Path) -> list[str]:
     """Message ids of every send that returned (complete lines only)."""
     if not path.exists():
@@ -88,10 +109,15 @@ def acked_ids(path: Path) -> list[str]:
 
 
 def everywhere(ns: Namespace) -> tuple[Counter[str], Counter[str]]:
-    """(copies of each message id in all main queues, copies in all dead-letter sub-queues)."""
+    """(copies of each message id in all main queues of the chain, copies in all their dead-letter sub-queues)."""
+    return everywhere_of(ns, CHAIN)
+
+
+def everywhere_of(ns: Namespace, queues: tuple[str, ...]) -> tuple[Counter[str], Counter[str]]:
+    """(copies of each message id in the queues' main sub-queues, copies in their dead-letter sub-queues)."""
     main: Counter[str] = Counter()
     dead: Counter[str] = Counter()
-    for q in CHAIN:
+    for q in queues:
         with ns.get_queue_receiver(q) as r:
             main.update(m.message_id for m in peek_all(r, batch=500))
         with ns.get_queue_receiver(q, sub_queue=SubQueue.DEAD_LETTER) as r:
@@ -165,6 +191,38 @@ def run_crash_iterations(root: str, tmp: Path, iterations: int, children: int, s
     stats["stored"] = len(final)
     stats["stored_not_acked"] = len(set(final) - acked)  # sends killed after their commit, before returning
     return dict(stats)
+
+
+@pytest.mark.parametrize("mode", ["send", "dead-letter"])
+def test_a_forwarder_killed_between_append_and_settle_leaves_each_message_once_after_recovery(root: str, mode: str) -> None:
+    """The crash window of a two-table move, hit every time: copies at the destination, originals still at the source.
+
+    Before recovery the messages are in both places (what the random-kill tests hit only by chance);
+    `forward_pending_messages()` then only settles the originals: each message ends up once.
+    """
+    n = 20 if mode == "send" else 1  # a send forwards its batch at once; a dead-lettering forwards that message
+    with Namespace(root) as ns:
+        ns.create_queue("dst")
+        if mode == "send":
+            ns.create_queue("src", forward_to="dst")
+        else:
+            ns.create_queue("src", forward_dead_lettered_messages_to="dst")
+            with ns.get_queue_sender("src") as s:
+                s.send_messages([Message(f"s{i}", message_id=f"s{i}", partition_key="k") for i in range(n)])
+    args = [sys.executable, "-c", DIES_BETWEEN_APPEND_AND_SETTLE, root, mode, str(n)]
+    done = subprocess.run(args, capture_output=True, timeout=120)
+    assert done.returncode == -signal.SIGKILL, done.stderr.decode()[-2000:]
+    ids = {f"s{i}" for i in range(n)}
+    source = SubQueue.DEAD_LETTER if mode == "dead-letter" else None
+    with Namespace(root) as ns:
+        with ns.get_queue_receiver("dst") as r:
+            assert Counter(m.message_id for m in peek_all(r, batch=100)) == Counter(dict.fromkeys(ids, 1))
+        with ns.get_queue_receiver("src", sub_queue=source) as r:
+            assert {m.message_id for m in peek_all(r, batch=100)} == ids  # the originals: not yet settled
+        ns.forward_pending_messages()
+        main, dead = everywhere_of(ns, ("src", "dst"))
+        assert main == Counter(dict.fromkeys(ids, 1)) and dead == Counter()
+        assert ns.get_queue_runtime_properties("src").total_message_count == 0
 
 
 def test_forwarding_exactly_once_under_sigkill(root: str, tmp_path: Path) -> None:

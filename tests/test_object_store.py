@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 from azurite import Store
 from deltalake import DeltaTable
-from procs import drain_all, receive_and_complete, send_and_lock_until_killed
+from procs import drain_all, receive_and_complete, send_and_lock_until_killed, send_dying_at_commit
 
 from sparkqueue import Message, Namespace, SubQueue
 from sparkqueue.errors import StorageError
@@ -139,6 +139,30 @@ def _peek_all(ns: Namespace) -> list[Any]:
             if not more:
                 return out
             out += more
+
+
+def test_a_sender_killed_between_its_data_files_and_its_commit_leaves_nothing_visible(store: Store) -> None:
+    """A real process killed half-way through a commit: its files are on the store, none of its messages is seen."""
+    with store.open() as ns:
+        ns.create_queue("q")
+        ns.get_queue_sender("q").send_messages(Message("kept", message_id="kept"))
+        before = {e.path for e in ns.broker.entity("queue", "q").table.store.list() if e.path.endswith(".parquet")}
+    proc = CTX.Process(target=send_dying_at_commit, args=(store.root, "q", 40))
+    proc.start()
+    proc.join(180)
+    assert proc.exitcode == -signal.SIGKILL
+    with store.open() as ns:
+        table = ns.broker.entity("queue", "q").table
+        written = {e.path for e in table.store.list() if e.path.endswith(".parquet")} - before
+        assert written and not written & {f.path for f in table.snapshot().files}  # files written, none committed
+        assert ns.get_queue_runtime_properties("q").total_message_count == 1
+        with ns.get_queue_sender("q") as s:
+            s.send_messages([Message(f"y{i}", message_id=f"y{i}", partition_key=f"x{i}") for i in range(40)])
+        with ns.get_queue_receiver("q", max_wait_time=1) as r:
+            got = sorted(m.message_id for m in drain_all(r))
+        assert got == sorted(["kept", *(f"y{i}" for i in range(40))])
+        ids = DeltaTable(_table(ns), storage_options=store.storage_options).to_pyarrow_table(columns=["message_id"])
+        assert not [i for i in ids.column("message_id").to_pylist() if i.startswith("x")]
 
 
 def test_a_data_file_written_without_its_commit_is_invisible_and_vacuumed(store: Store) -> None:

@@ -432,7 +432,7 @@ def list_entities(
 @handle_errors
 def show(
     ctx: typer.Context,
-    name: Annotated[str, typer.Argument(help="Queue, topic, or subscription as TOPIC/SUBSCRIPTION.")],
+    name: Annotated[str, typer.Argument(help="Queue, topic, or subscription (TOPIC/SUB or TOPIC/Subscriptions/SUB).")],
     as_json: AsJson = False,
 ) -> None:
     """Show runtime properties: counts, availability and the per-partition breakdown, with the settings."""
@@ -464,7 +464,7 @@ def show(
 
 # ---- messages ----------------------------------------------------------------------------------------
 
-EntityName = Annotated[str, typer.Argument(help="Queue, or subscription as TOPIC/SUBSCRIPTION.")]
+EntityName = Annotated[str, typer.Argument(help="Queue, or subscription (TOPIC/SUB or TOPIC/Subscriptions/SUB).")]
 Session = Annotated[
     str | None, typer.Option(help=f"Session id, for session-enabled entities ('{ops.ANY_SESSION}': the next available).")
 ]

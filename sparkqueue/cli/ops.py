@@ -21,7 +21,7 @@ from sparkqueue.errors import (
 )
 from sparkqueue.message import as_message
 from sparkqueue.model import limits
-from sparkqueue.model.addresses import QUEUE, SUBSCRIPTION, TOPIC
+from sparkqueue.model.addresses import QUEUE, SUBSCRIPTION, TOPIC, Address
 from sparkqueue.model.properties import RuntimeProperties
 from sparkqueue.receiver import Receiver
 from sparkqueue.sender import Sender
@@ -62,7 +62,15 @@ class Target:
 
 
 def resolve(ns: Namespace, name: str) -> Target:
-    """What NAME refers to: a queue, else a topic, else TOPIC/SUBSCRIPTION (split at the last '/')."""
+    """What NAME refers to: TOPIC/Subscriptions/SUBSCRIPTION, else a queue, else a topic, else TOPIC/SUBSCRIPTION.
+
+    The short TOPIC/SUBSCRIPTION form splits at the last '/'; a queue named like it (queue names
+    may hold '/') comes first, and the Service Bus path form always names the subscription.
+    """
+    topic, sub = Address.split_path(name)
+    if sub is not None:
+        ns.get_subscription(topic, sub)  # EntityNotFoundError names what is missing
+        return Target(SUBSCRIPTION, topic, sub)
     limits.check_entity_name(name, "entity")
     try:
         ns.get_queue(name)

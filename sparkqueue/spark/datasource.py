@@ -73,6 +73,7 @@ SUB_QUEUES = {
     "$deadletterqueue": SUB_QUEUE_DEAD_LETTER,
 }
 READ_COLUMNS = list(dict.fromkeys([*ROW_COLUMNS, "kind", "subscription"]))
+READ_OPTIONS = frozenset({"entity_type", "sub_queue"})  # beside streaming.COMMON_OPTIONS
 
 
 def register(spark: SparkSession) -> None:
@@ -198,11 +199,13 @@ class EntityReader(DataSourceReader):
     """Reads the pinned version's files of one entity, a Delta partition per reader partition."""
 
     def __init__(self, options: dict[str, str]) -> None:
+        options = streaming.lowered(options)
+        streaming.check_options(options, READ_OPTIONS, "reader")
         root = options.get("namespace")
         name = options.get("path")
         if not root or not name:
             raise InvalidOperationError('use spark.read.format("sparkqueue").option("namespace", root).load(entity_name)')
-        self.storage_options = _storage_options(options)
+        self.storage_options = streaming.storage_options_of(options)
         self.table_uri, _, self.subscription = resolve(root, name, options.get("entity_type"), self.storage_options)
         self.sub_queue = sub_queue_of(options.get("sub_queue"))
         snap = DeltaLog(open_store(self.table_uri, self.storage_options), FileIndex).load()
@@ -252,12 +255,3 @@ class PruningEntityReader(EntityReader):
 def _files_by_partition(index: FileIndex) -> dict[int, list[str]]:
     """Relative paths of the version's data files per partition, ordered by lowest sequence number."""
     return {p: [f.path for f in index.partition(p)] for p in sorted({f.partition for f in index})}
-
-
-def _storage_options(options: dict[str, str]) -> dict[str, str]:
-    """Storage options from `.option("storage_options", json)` and `.option("storage_option.<key>", value)`."""
-    import json
-
-    out = dict(json.loads(options["storage_options"])) if options.get("storage_options") else {}
-    out.update({k.split(".", 1)[1]: v for k, v in options.items() if k.startswith("storage_option.")})
-    return out

@@ -450,9 +450,10 @@ def _checked_size(settings: SendSettings) -> Column:
     size = sf.octet_length("body")
     for c in counted:
         size = size + _size(c)
-    mid = sf.col("message_id")
+    user_id = sf.col("_user_message_id")  # a generated id means nothing to the user: name the row as the core does
+    which = sf.when(user_id.isNull(), sf.lit("a message")).otherwise(sf.concat(sf.lit("message '"), user_id, sf.lit("'")))
     checks: list[tuple[Column, Column]] = [
-        (sf.col("body").isNull(), _fail(InvalidOperationError, "body must be bytes or str, got null (message ", mid, ")"))
+        (sf.col("body").isNull(), _fail(InvalidOperationError, "body must be bytes or str, got null (", which, ")"))
     ]
     for name, col in (("message_id", "_user_message_id"), ("session_id", "session_id"), ("partition_key", "partition_key")):
         length = sf.char_length(sf.col(col))
@@ -498,9 +499,8 @@ def _checked_size(settings: SendSettings) -> Column:
             size > max_bytes,
             _fail(
                 MessageSizeExceededError,
-                "message '",
-                mid,
-                "' is ",
+                which,
+                " is ",
                 size.cast("string"),
                 f" bytes; the {settings.tier} tier allows {max_bytes}",
             ),

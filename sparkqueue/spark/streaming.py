@@ -39,11 +39,22 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 STORAGE_OPTION_PREFIX = "storage_option."
+# Options every sparkqueue reader and writer takes (lower-case, as Spark hands them over); `path` is load()'s/start()'s name.
+COMMON_OPTIONS = frozenset({"namespace", "path", "storage_options"})
 
 
 def lowered(options: Mapping[str, str]) -> dict[str, str]:
     """Options with lower-case keys (Spark hands data sources case-insensitive options)."""
     return {str(k).lower(): v for k, v in options.items()}
+
+
+def check_options(options: Mapping[str, str], known: frozenset[str], what: str) -> None:
+    """Refuse options (lower-cased keys) that `what` does not take: a misspelt one would otherwise be ignored silently."""
+    allowed = COMMON_OPTIONS | known
+    unknown = sorted(k for k in options if k not in allowed and not k.startswith(STORAGE_OPTION_PREFIX))
+    if unknown:
+        names = ", ".join(sorted(allowed | {f"{STORAGE_OPTION_PREFIX}<key>"}))
+        raise InvalidOperationError(f"the sparkqueue {what} has no option {', '.join(map(repr, unknown))}; its options: {names}")
 
 
 def storage_options_of(options: Mapping[str, str]) -> dict[str, str]:

@@ -40,12 +40,13 @@ from sparkqueue.message import Message, to_rows
 from sparkqueue.model.entity import utcnow
 from sparkqueue.spark.session import task_error
 from sparkqueue.spark.staging import Staging, cleanup_staging, filesystem, remove_dirs
-from sparkqueue.spark.streaming import EntityAddress, address_of, idempotence_key
+from sparkqueue.spark.streaming import EntityAddress, address_of, check_options, idempotence_key
 from sparkqueue.storage.schema import constant, with_columns
 
 log = logging.getLogger(__name__)
 
 APP_ID_PREFIX = "sparkqueue.stream."
+SINK_OPTIONS = frozenset({"entity", "topic", "checkpointlocation", "txnappid"})  # beside streaming.COMMON_OPTIONS
 KEY_COLUMN = "_partition_key"
 STRING_FIELDS = (
     "message_id",
@@ -74,6 +75,7 @@ class SinkConfig:
 
 def sink_config(options: dict[str, str], schema: StructType) -> SinkConfig:
     """Validate the sink's (lower-cased) options and input columns."""
+    check_options(options, SINK_OPTIONS, "streaming sink")
     if "body" not in schema.fieldNames():
         raise InvalidOperationError(
             f"the sparkqueue sink needs a `body` column (columns are Message fields), got {schema.fieldNames()}"

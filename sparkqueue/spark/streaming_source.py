@@ -53,7 +53,7 @@ from sparkqueue.spark.datasource import sub_queue_of
 from sparkqueue.spark.receive import RECEIVE_CHUNK, ReceiveJob, candidate_partitions, shares, stage_chunk
 from sparkqueue.spark.schema import received_arrow, staged_rows
 from sparkqueue.spark.staging import Staging, filesystem
-from sparkqueue.spark.streaming import EntityAddress, address_of, positive_int
+from sparkqueue.spark.streaming import EntityAddress, address_of, check_options, positive_int
 from sparkqueue.spark.worker import EntityRef
 from sparkqueue.storage.schema import SUB_QUEUE_DEAD_LETTER
 from sparkqueue.storage.table import partition_of
@@ -65,6 +65,7 @@ log = logging.getLogger(__name__)
 
 STREAMS_DIR = "_spark_streams"
 DEFAULT_MAX_MESSAGES_PER_TRIGGER = 10_000
+SOURCE_OPTIONS = frozenset({"entity", "topic", "subscription", "sub_queue", "maxmessagespertrigger"})  # and COMMON_OPTIONS
 ALL_AVAILABLE_CAP = 1_000_000  # a batch Spark asks to hold "everything" still locks at most this many
 SKIP_RETENTION = timedelta(days=14)  # how long a committed-but-not-completed message is remembered
 MAX_ROUNDS = 64
@@ -86,6 +87,7 @@ class SourceConfig:
 
 def source_config(options: dict[str, str]) -> SourceConfig:
     """Validate the source's (lower-cased) options; a session-requiring entity is refused with a clear error."""
+    check_options(options, SOURCE_OPTIONS, "streaming source")
     address = address_of(options, sink=False)
     sub_queue = sub_queue_of(options.get("sub_queue"))
     config = SourceConfig(address, sub_queue, positive_int(options, "maxMessagesPerTrigger", DEFAULT_MAX_MESSAGES_PER_TRIGGER))

@@ -104,6 +104,22 @@ def test_names_that_are_no_queue_or_subscription_get_a_clear_error(ns):
         table_path(ns, "t/Subscriptions/s")
 
 
+def test_reader_errors_are_one_line_and_unknown_options_are_refused(spark, ns, numbered):
+    """A planning error shows sparkqueue's message without its internal frames; a misspelt option fails, not ignored."""
+    ns.create_queue("q")
+    with ns.get_queue_sender("q") as s:
+        s.send_dataframe(numbered(10))
+    with pytest.raises(Exception, match="no queue or topic named 'nope'") as err:
+        read(spark, ns, "nope").count()
+    assert "datasource.py" not in str(err.value) and "resolve(" not in str(err.value)  # no frames inside sparkqueue
+    options = "entity_type, namespace, path, storage_option"
+    with pytest.raises(Exception, match=f"has no option 'subqueue'; its options: {options}") as err:
+        read(spark, ns, "q", subQueue="deadletter").count()
+    assert "datasource.py" not in str(err.value)
+    assert read(spark, ns, "q", SUB_QUEUE="deadletter").count() == 0
+    assert read(spark, ns, "q", Entity_Type="queue").count() == 10  # option names are case-insensitive
+
+
 def test_relative_root_namespace_opens_from_another_directory_and_in_spark_tasks(spark, tmp_path, monkeypatch, numbered):
     """A namespace created with a relative root works from any directory, and in Spark tasks (which run elsewhere)."""
     home, elsewhere = tmp_path / "home", tmp_path / "elsewhere"

@@ -153,6 +153,17 @@ def test_bad_row_in_a_late_input_partition_stores_nothing(spark, ns, numbered):
     assert ns.get_queue_runtime_properties("q").total_message_count == 0
 
 
+def test_bad_rows_without_a_message_id_are_named_as_the_core_names_them(spark, ns):
+    """A row without a message_id is "a message" in the error, never the id the send would have generated."""
+    ns.create_queue("q")
+    with ns.get_queue_sender("q") as s:
+        with pytest.raises(InvalidOperationError, match=r"got null \(a message\)$"):
+            s.send_dataframe(spark.createDataFrame([(None,)], "body string"))
+        with pytest.raises(MessageSizeExceededError, match=r"^a message is 300000 bytes; the standard tier allows"):
+            s.send_dataframe(spark.range(1).select(sf.repeat(sf.lit("x"), 300_000).alias("body")))
+    assert ns.get_queue_runtime_properties("q").total_message_count == 0
+
+
 def test_preserve_order_keeps_dataframe_order_for_unkeyed_rows(spark, ns, numbered):
     ns.create_queue("q", enable_partitioning=False)
     with ns.get_queue_sender("q") as s:

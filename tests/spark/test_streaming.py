@@ -137,19 +137,30 @@ def test_source_refuses_a_session_queue_and_bad_options(spark, tmp_path):
         start(namespace=root, entity="q", maxMessagesPerTrigger="0")
     with pytest.raises(PySparkException, match="set the namespace root"):
         start(entity="q")
+    with pytest.raises(PySparkException, match="streaming source has no option 'subqueue'"):
+        start(namespace=root, entity="q", subQueue="deadletter")  # sub_queue, misspelt: refused, not ignored
     with Namespace(root) as ns:
         assert ns.get_queue_runtime_properties("q").active_message_count == 1  # nothing was received
+
+
+def sink_source(spark, tmp_path: Path, properties: bool = False) -> Path:
+    """Three Parquet files of 40 rows each ("file<f>-<i>", keyed k0..k3): a file stream's batches 0, 1 and 2."""
+    src = tmp_path / "src"
+    for f in range(3):
+        if properties:
+            rows = [(f"file{f}-{i}", f"k{i % 4}", {"file": str(f)}) for i in range(40)]
+            ddl = "body string, partition_key string, application_properties map<string,string>"
+        else:
+            rows, ddl = [(f"file{f}-{i}", f"k{i % 4}") for i in range(40)], "body string, partition_key string"
+        spark.createDataFrame(rows, ddl).coalesce(1).write.parquet(str(src / f"f{f}"))
+    return src
 
 
 def test_sink_sends_each_micro_batch_once_when_spark_replays_it(spark, tmp_path):
     root = str(tmp_path / "ns")
     with Namespace(root) as ns:
         ns.create_queue("out", requires_duplicate_detection=False)
-    src = tmp_path / "src"
-    for f in range(3):
-        rows = [(f"file{f}-{i}", f"k{i % 4}", {"file": str(f)}) for i in range(40)]
-        df = spark.createDataFrame(rows, "body string, partition_key string, application_properties map<string,string>")
-        df.coalesce(1).write.parquet(str(src / f"f{f}"))
+    src = sink_source(spark, tmp_path, properties=True)
     schema = spark.read.parquet(str(src / "f0")).schema
 
     def run() -> list[int]:
@@ -217,10 +228,7 @@ def test_sink_query_killed_mid_batch_restarts_and_sends_each_batch_once(spark, t
     root = str(tmp_path / "ns")
     with Namespace(root) as ns:
         ns.create_queue("out")
-    src = tmp_path / "src"
-    for f in range(3):
-        df = spark.createDataFrame([(f"file{f}-{i}", f"k{i % 4}") for i in range(40)], "body string, partition_key string")
-        df.coalesce(1).write.parquet(str(src / f"f{f}"))
+    src = sink_source(spark, tmp_path)
     child = tmp_path / "sink_child.py"
     child.write_text(SINK_CHILD)
     hang = tmp_path / "hanging"
@@ -242,6 +250,60 @@ def test_sink_query_killed_mid_batch_restarts_and_sends_each_batch_once(spark, t
     with Namespace(root) as ns:
         assert ns.get_queue_runtime_properties("out").active_message_count == 40  # batch 0 only: batch 1 never committed
     done = subprocess.run([*args, "-"], env=env, capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stderr[-3000:]
+    got = spark.read.format("sparkqueue").option("namespace", root).load("out").collect()
+    assert sorted(r.body.decode() for r in got) == sorted(f"file{f}-{i}" for f in range(3) for i in range(40))
+
+
+# Loaded by every Python process of the child's Spark (driver and workers: PYTHONPATH): the sink's commit of
+# batch 1 lands, then the whole process group (driver, JVM, workers) is SIGKILLed before Spark records the batch.
+DIE_AFTER_SINK_COMMIT = """
+import os, signal
+from pathlib import Path
+
+marker = os.environ.get("SPARKQUEUE_TEST_DIE_AFTER_COMMIT")
+# The driver loads this first: its process group (driver and JVM) is the one to kill. Spark's Python workers
+# run in a group of their own, and inherit this from the JVM's environment.
+os.environ.setdefault("SPARKQUEUE_TEST_KILL_GROUP", str(os.getpgid(0)))
+if marker:
+    from sparkqueue.spark import streaming_sink
+
+    landed = streaming_sink.QueueStreamWriter.commit
+
+    def commit_then_die(self, messages, batchId):
+        landed(self, messages, batchId)
+        if batchId == 1:
+            Path(marker).touch()
+            os.killpg(int(os.environ["SPARKQUEUE_TEST_KILL_GROUP"]), signal.SIGKILL)
+
+    streaming_sink.QueueStreamWriter.commit = commit_then_die
+"""
+
+
+@pytest.mark.slow  # two Spark processes: CI runs it (SPARKQUEUE_SLOW=1)
+def test_sink_query_killed_after_its_commit_landed_restarts_without_sending_the_batch_again(spark, tmp_path):
+    """SIGKILL between the sink's commit of batch 1 and Spark's record of it: the restart replays batch 1, which sends nothing."""
+    root = str(tmp_path / "ns")
+    with Namespace(root) as ns:
+        ns.create_queue("out", requires_duplicate_detection=False)
+    src = sink_source(spark, tmp_path)
+    child = tmp_path / "sink_child.py"
+    child.write_text(SINK_CHILD)
+    hooks = tmp_path / "hooks"
+    hooks.mkdir()
+    (hooks / "sitecustomize.py").write_text(DIE_AFTER_SINK_COMMIT)
+    died = tmp_path / "died"
+    env = {**os.environ, "PYSPARK_PYTHON": sys.executable, "PYTHONPATH": f"{hooks}:{REPO}"}
+    args = [sys.executable, str(child), root, str(src), str(tmp_path / "ck"), "-"]
+    crashed = subprocess.run(
+        args, env={**env, "SPARKQUEUE_TEST_DIE_AFTER_COMMIT": str(died)}, capture_output=True, text=True, timeout=900,
+        start_new_session=True,
+    )  # fmt: skip
+    assert crashed.returncode == -signal.SIGKILL and died.exists(), crashed.stderr[-3000:]
+    assert not (tmp_path / "ck" / "commits" / "1").exists()  # Spark never recorded batch 1
+    with Namespace(root) as ns:
+        assert ns.get_queue_runtime_properties("out").active_message_count == 80  # batches 0 and 1 were sent
+    done = subprocess.run(args, env=env, capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, done.stderr[-3000:]
     got = spark.read.format("sparkqueue").option("namespace", root).load("out").collect()
     assert sorted(r.body.decode() for r in got) == sorted(f"file{f}-{i}" for f in range(3) for i in range(40))
@@ -277,6 +339,10 @@ def test_sink_rejects_rows_without_body_and_a_query_without_checkpoint(spark, tm
         w.start("out").awaitTermination(60)
     with pytest.raises(PySparkException, match="checkpointLocation"):
         q = rate.selectExpr("CAST(value AS STRING) AS body").writeStream.format("sparkqueue").option("namespace", root)
+        q.start("out").awaitTermination(60)
+    with pytest.raises(PySparkException, match="streaming sink has no option 'maxmessagespertrigger'"):
+        q = rate.selectExpr("CAST(value AS STRING) AS body").writeStream.format("sparkqueue").option("namespace", root)
+        q = q.option("checkpointLocation", str(tmp_path / "c2")).option("maxMessagesPerTrigger", 10)  # a source option
         q.start("out").awaitTermination(60)
     with Namespace(root) as ns:
         assert ns.get_queue_runtime_properties("out").active_message_count == 0
