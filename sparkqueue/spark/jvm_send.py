@@ -18,7 +18,8 @@ Spark's write speed"):
    expressions: a bad row fails the write job, and nothing is committed.
 4. The driver reads the files' Parquet footers for the Delta statistics (numRecords, min, max
    and null count, timestamps in milliseconds as the engine writes them), checks each
-   partition's size quota with the message bytes the write observed, moves local files into
+   partition's size quota against a bound of its message bytes read off the same footers
+   (exact sums only for a partition the bound would put over its quota), moves local files into
    their `partition_id=<p>/` directory and fsyncs them (Spark's local writer does not: the
    engine's durability rule, docs/storage.md), and commits every file in ONE commit that moves the
    fences it read. A concurrent sender that moved one of them makes the commit conflict: the
@@ -35,19 +36,19 @@ import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
 from datetime import datetime, timedelta
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.fs as pafs
 import pyarrow.parquet as pq
-from pyspark.sql import Column, DataFrame, Observation, SparkSession
+from pyspark.sql import Column, DataFrame, SparkSession
 from pyspark.sql import functions as sf
 
 from sparkqueue.errors import QuotaExceededError, StorageError
 from sparkqueue.model import limits
 from sparkqueue.model.entity import utcnow
-from sparkqueue.spark.send import ORD_ROW_MASK
+from sparkqueue.spark.send import ORD_ROW_MASK, STRING_FIELDS
 from sparkqueue.spark.session import spark_errors
 from sparkqueue.spark.staging import filesystem, spark_path
 from sparkqueue.storage.files import FILE_SCHEMA, MAX_FILE_BYTES, MAX_FILE_ROWS, STATS_COLUMNS, file_rows
@@ -93,6 +94,11 @@ WRITE_OPTIONS = {
 }
 
 
+# The columns whose bytes size_in_bytes counts (send._checked_size), message_id also where the send generated it.
+SIZED_COLUMNS = ("body", *STRING_FIELDS, "application_properties")
+PLAIN_ENCODINGS = {"PLAIN", "RLE", "BIT_PACKED"}  # values as they are (levels in RLE): their size bounds the bytes
+
+
 @dataclass(frozen=True)
 class Written:
     """What one attempt's write left in its staging directory, per queue partition."""
@@ -100,6 +106,7 @@ class Written:
     adds: list[AddFile]
     counts: dict[int, int]  # rows per partition
     last: dict[int, int]  # the last counter numbered per partition
+    bounds: dict[int, int | None]  # an upper bound of the message bytes per partition (None: unknown)
 
 
 def numbered_rows(prepared: DataFrame, plan: SendPlan, inputs: int, now: datetime) -> DataFrame:
@@ -165,17 +172,12 @@ def write_attempt(
     """
     spark = prepared.sparkSession
     rows = numbered_rows(prepared, plan, inputs, utcnow())
-    sizes = Observation(f"sparkqueue-send-{uuid.uuid4().hex[:8]}")
-    qp = sf.col(PARTITION_COLUMN)
-    rows = rows.observe(
-        sizes, *[sf.coalesce(sf.sum(sf.when(qp == p, sf.col("size_in_bytes"))), sf.lit(0)).alias(f"b{p}") for p in plan.available]
-    )
     staging = f"{STAGING_PREFIX}/{uuid.uuid4().hex}"
     try:
         with spark_errors(), _conf(spark, WRITE_CONF):
             rows.drop(PARTITION_COLUMN).write.options(**WRITE_OPTIONS).parquet(spark_path(f"{table.uri}/{staging}"))
         written = collect(table, staging, plan)
-        check_quota(table, plan, written, {p: int(sizes.get[f"b{p}"] or 0) for p in plan.available})
+        check_quota(table, written)
         placed = place(table, staging, written.adds)
         adds = split_oversized(table, placed)
         # Spark's local writer does not fsync: a commit must not outlive its files (split pieces are the engine's, fsynced).
@@ -285,24 +287,38 @@ def collect(table: EntityTable, staging: str, plan: SendPlan) -> Written:
     described = [describe(fs, i.path, f"{staging}/{i.base_name}", i.size) for i in infos]
     counts: dict[int, int] = {}
     last: dict[int, int] = {}
+    bounds: dict[int, int | None] = {}
     adds = []
     for found in described:
         if found is None:  # Spark writes an empty file for a task without rows: nothing to commit
             continue
-        add, p, rows, top = found
-        adds.append(add)
-        counts[p] = counts.get(p, 0) + rows
-        last[p] = max(last.get(p, 0), top)
+        p = found.partition
+        adds.append(found.add)
+        counts[p] = counts.get(p, 0) + found.rows
+        last[p] = max(last.get(p, 0), found.last)
+        bound = bounds.get(p, 0)
+        bounds[p] = None if bound is None or found.bound is None else bound + found.bound
     for p, n in counts.items():
         if last[p] - (plan.bases[p] or 0) != n:
             raise StorageError(f"partition {p} of {table.uri}: the send's files are not numbered densely; nothing was sent")
-    return Written(adds, counts, last)
+    return Written(adds, counts, last, bounds)
 
 
-def describe(fs: pafs.FileSystem, path: str, rel: str, size: int) -> tuple[AddFile, int, int, int] | None:
-    """A written file as (add action with Delta statistics, partition, rows, last counter), from its Parquet footer.
+class Described(NamedTuple):
+    """One written file: its add action (Delta statistics), partition, rows, last counter and a bound of its message bytes."""
 
-    None for a file without rows.
+    add: AddFile
+    partition: int
+    rows: int
+    last: int
+    bound: int | None  # None when a sized column is not plain-encoded (its size then bounds nothing)
+
+
+def describe(fs: pafs.FileSystem, path: str, rel: str, size: int) -> Described | None:
+    """A written file as described by its Parquet footer; None for a file without rows.
+
+    The bound of its message bytes is the uncompressed size of the columns size_in_bytes counts:
+    plain-encoded (WRITE_OPTIONS), each value is its bytes and a length prefix, so it is never less.
     """
     with fs.open_input_file(path) as f:
         meta = pq.ParquetFile(f).metadata
@@ -310,12 +326,18 @@ def describe(fs: pafs.FileSystem, path: str, rel: str, size: int) -> tuple[AddFi
         return None
     schema = meta.schema.to_arrow_schema()
     index = {name: schema.get_field_index(name) for name in STATS_COLUMNS}
+    sized = [schema.get_field_index(name) for name in SIZED_COLUMNS]
     mins: dict[str, object] = {}
     maxs: dict[str, object] = {}
     nulls = dict.fromkeys(STATS_COLUMNS, 0)
     bounds: dict[str, list[object]] = {}
+    bound: int | None = 0
     for g in range(meta.num_row_groups):
         group = meta.row_group(g)
+        for c in sized:
+            chunk = group.column(c)
+            plain = not chunk.has_dictionary_page and set(chunk.encodings) <= PLAIN_ENCODINGS
+            bound = bound + chunk.total_uncompressed_size if bound is not None and plain else None
         for name, c in index.items():
             st = group.column(c).statistics
             if st is None:
@@ -341,23 +363,40 @@ def describe(fs: pafs.FileSystem, path: str, rel: str, size: int) -> tuple[AddFi
     p = partition_of(lo_seq)
     stats = {"numRecords": meta.num_rows, "minValues": mins, "maxValues": maxs, "nullCount": nulls}
     add = AddFile(rel, {PARTITION_COLUMN: str(p)}, size, json.dumps(stats, separators=(",", ":"), default=str))
-    return add, p, meta.num_rows, hi_seq & SEQUENCE_MASK
+    return Described(add, p, meta.num_rows, hi_seq & SEQUENCE_MASK, bound)
 
 
-def check_quota(table: EntityTable, plan: SendPlan, written: Written, added: dict[int, int]) -> None:
-    """QuotaExceededError when a partition's live bytes plus the message bytes written for it pass its quota."""
+def check_quota(table: EntityTable, written: Written) -> None:
+    """QuotaExceededError when a partition's live bytes plus the message bytes written for it pass its quota.
+
+    The footers' bound settles almost every partition; one it would put over the quota has its
+    written files' size_in_bytes summed exactly (one small column per file).
+    """
     if table.max_partition_bytes is None:
         return
     with table.existing():
         snap = table.snapshot()
     for p in sorted(written.counts):
-        used = table.partition_bytes(snap, p)
-        if used + added.get(p, 0) > table.max_partition_bytes:
+        used, bound = table.partition_bytes(snap, p), written.bounds.get(p)
+        if bound is not None and used + bound <= table.max_partition_bytes:
+            continue
+        added = message_bytes(table, [a.path for a in written.adds if a.partition_values[PARTITION_COLUMN] == str(p)])
+        if used + added > table.max_partition_bytes:
             raise QuotaExceededError(
-                f"partition {p} holds {used} bytes; adding {added.get(p, 0)} would pass its "
+                f"partition {p} holds {used} bytes; adding {added} would pass its "
                 f"{table.max_partition_bytes // 2**20} MB limit (max_size_in_megabytes). Receive or purge messages, "
                 "or raise the limit; nothing was stored"
             )
+
+
+def message_bytes(table: EntityTable, paths: list[str]) -> int:
+    """The sum of size_in_bytes over written files (paths relative to the table)."""
+    fs, root = filesystem(table.uri)
+    total = 0
+    for path in paths:
+        with fs.open_input_file(f"{root}/{path}") as f:
+            total += int(pc.sum(pq.ParquetFile(f).read(columns=["size_in_bytes"]).column(0)).as_py() or 0)
+    return total
 
 
 def place(table: EntityTable, staging: str, adds: list[AddFile]) -> list[AddFile]:

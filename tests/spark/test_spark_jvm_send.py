@@ -13,11 +13,12 @@ from deltalake import DeltaTable
 from pyspark.sql import functions as sf
 
 from sparkqueue import Message
+from sparkqueue.broker import core
 from sparkqueue.errors import QuotaExceededError
 from sparkqueue.spark.jvm_send import FILE_ROWS, SPLIT_BYTES, WRITE_OPTIONS, split_oversized
 from sparkqueue.storage.files import FILE_SCHEMA, MAX_FILE_BYTES, MAX_FILE_ROWS
 from sparkqueue.storage.log import AddFile
-from sparkqueue.storage.table import SEQUENCE_MASK, partition_of
+from sparkqueue.storage.table import SEQUENCE_MASK, EntityTable, partition_of
 
 pytestmark = pytest.mark.spark
 
@@ -192,15 +193,40 @@ def test_input_partitions_without_rows_add_no_files(spark, ns):
     assert not list(Path(table_dir).glob("spark-send/*"))
 
 
-def test_a_send_past_the_quota_fails_and_stores_nothing(spark, ns, numbered):
+def small_quota(ns, monkeypatch: pytest.MonkeyPatch) -> EntityTable:
+    """Queue "q" with a 1 MiB quota per partition (the smallest setting, 1 GB, is too much for a test): its table.
+
+    The quota is set on the cached entity, which then must not be refreshed from the catalog.
+    """
     ns.create_queue("q", enable_partitioning=False)
-    with ns.get_queue_sender("q") as s:
-        ns.broker.entity("queue", "q").table.max_partition_bytes = 1 << 20  # the smallest setting is 1 GB: too much for a test
-        with pytest.raises(QuotaExceededError, match="nothing was stored"):
-            s.send_dataframe(numbered(2000, body_bytes=1024))
+    monkeypatch.setattr(core, "PROPERTIES_TTL_S", 3600.0)
+    table = ns.broker.entity("queue", "q").table
+    table.max_partition_bytes = 1 << 20
+    return table
+
+
+def test_a_send_past_the_quota_fails_and_stores_nothing(spark, ns, numbered, monkeypatch):
+    small_quota(ns, monkeypatch)
+    with ns.get_queue_sender("q") as s, pytest.raises(QuotaExceededError, match="nothing was stored"):
+        s.send_dataframe(numbered(2000, body_bytes=1024))
     table_dir = ns.broker.entity("queue", "q").table.uri
     assert DeltaTable(table_dir).to_pyarrow_table().num_rows == 0
     assert not [p for p in Path(table_dir).rglob("*.parquet") if "_delta_log" not in p.parts]
+
+
+def test_the_quota_is_checked_exactly_where_the_footers_bound_is_not_enough(spark, ns, monkeypatch):
+    """Message bytes come from the files' footers as a bound; a partition the bound puts over its quota is summed exactly."""
+    table = small_quota(ns, monkeypatch)
+    # 1,000 bodies of 1,010 bytes: 1,010,000 message bytes fit 1 MiB; with each value's length prefix and the
+    # generated message ids, the footers' bound (about 1,054,000) does not. (The quota counts stored bytes, and
+    # these bodies compress to little: the stored first send leaves room for the second's exact sum to decide.)
+    body = sf.repeat(sf.lit("x"), 1010).alias("body")
+    with ns.get_queue_sender("q") as s:
+        assert s.send_dataframe(spark.range(0, 1000, 1, 2).select(body)) == 1000
+        used = table.partition_bytes(table.snapshot(), 0)
+        with pytest.raises(QuotaExceededError, match=f"holds {used} bytes; adding 1050400 would pass"):
+            s.send_dataframe(spark.range(0, 1040, 1, 2).select(body))  # refused on the exact sum
+    assert ns.get_queue_runtime_properties("q").total_message_count == 1000
 
 
 @pytest.mark.parametrize("preserve_order", [None, True], ids=["spark-writer", "python-tasks"])
