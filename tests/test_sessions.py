@@ -10,7 +10,7 @@ from datetime import UTC, datetime, timedelta
 
 import pytest
 
-from sparkqueue import NEXT_AVAILABLE_SESSION, Message, Namespace, ReceivedMessage, ReceiveMode
+from sparkqueue import NEXT_AVAILABLE_SESSION, Message, Namespace, ReceivedMessage, ReceiveMode, SubQueue
 from sparkqueue.errors import (
     InvalidOperationError,
     MessageLockLostError,
@@ -451,6 +451,41 @@ def test_dead_lettered_and_deferred_messages_step_out_of_the_sequence(ns: Namesp
         assert (info.active_message_count, info.deferred_message_count) == (0, 1)
         r.complete_message(d)
     assert ns.get_queue_runtime_properties("q").dead_letter_message_count == 1
+
+
+def test_session_operations_leave_the_locks_of_its_dead_letters_alone(ns: Namespace) -> None:
+    """Dead letters of a session are locked by dead-letter receivers: accepting, renewing or closing it keeps their locks."""
+    _session_queue(ns)
+    _send(ns, "s1", ["m0", "m1", "m2"])
+    with ns.get_queue_receiver("q", session_id="s1") as a:
+        (m0,) = _take(a, 1)
+        a.dead_letter_message(m0, reason="bad")
+    dlq = ns.get_queue_receiver("q", sub_queue=SubQueue.DEAD_LETTER, max_wait_time=0.3)
+    (dead,) = _take(dlq, 1)
+    other = ns.get_queue_receiver("q", sub_queue=SubQueue.DEAD_LETTER, max_wait_time=0.3)
+    with ns.get_queue_receiver("q", session_id="s1") as b:  # an accept: it clears an earlier holder's locks, not these
+        (m1,) = _take(b, 1)
+        assert other.receive_messages(5) == []
+        b.session.renew_lock()
+        assert other.receive_messages(5) == []
+        b.complete_message(m1)
+    assert other.receive_messages(5) == []  # the close released the session
+    dlq.complete_message(dead)  # still the dead-letter receiver's lock
+    assert ns.get_queue_runtime_properties("q").dead_letter_message_count == 0
+    with ns.get_queue_receiver("q", session_id="s1") as c:
+        assert [m.message_id for m in _consume_all(c)] == ["m2"]
+
+
+def test_completing_a_message_twice_in_one_call_does_not_end_a_session_with_messages_left(ns: Namespace) -> None:
+    """The last-completion rule counts messages, not items: a message given twice leaves the session held."""
+    _session_queue(ns)
+    _send(ns, "s1", ["m0", "m1"])
+    with ns.get_queue_receiver("q", session_id="s1") as a:
+        (m0,) = _take(a, 1)
+        a.complete_messages([m0, m0])
+        with pytest.raises(SessionCannotBeLockedError):
+            ns.get_queue_receiver("q", session_id="s1")
+        assert [m.message_id for m in _consume_all(a)] == ["m1"]
 
 
 def test_receive_and_delete_session_receiver_takes_messages_in_order(ns: Namespace) -> None:

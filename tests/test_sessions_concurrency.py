@@ -23,7 +23,7 @@ from typing import Any
 import pytest
 
 from sparkqueue import NEXT_AVAILABLE_SESSION, Message, Namespace
-from sparkqueue.errors import OperationTimeoutError, SessionCannotBeLockedError
+from sparkqueue.errors import OperationTimeoutError, SessionCannotBeLockedError, SessionLockLostError
 
 CTX = mp.get_context("spawn")
 JOIN_S = 120
@@ -124,6 +124,37 @@ def child_try_accept(root: str, rounds: list[tuple[str, str | None]], barrier: A
         release.wait(timeout=60)
         for r in held:
             r.close()
+
+
+def child_ended_holder(root: str, queue: str, rounds: int, barrier: Any, out_path: str) -> None:
+    """Per round: end session e<r> by completing its last message, send it a new one, then renew as the race starts."""
+    with Namespace(root) as ns, ns.get_queue_sender(queue) as sender:
+        for r in range(rounds):
+            with ns.get_queue_receiver(queue, session_id=f"e{r}") as receiver:
+                (first,) = receiver.receive_messages(max_message_count=1, max_wait_time=5)
+                receiver.complete_message(first)  # the last one: the session ends (its row goes)
+                sender.send_messages(Message("later", session_id=f"e{r}"))
+                assert receiver.session is not None
+                barrier.wait(timeout=60)
+                try:
+                    receiver.session.renew_lock()  # makes the row again, racing an accept that makes it too
+                    _record(out_path, {"round": r, "holder": "renewed"})
+                except SessionLockLostError:
+                    _record(out_path, {"round": r, "holder": "lost"})
+                barrier.wait(timeout=60)
+
+
+def child_racing_acceptor(root: str, queue: str, rounds: int, barrier: Any, out_path: str) -> None:
+    """Per round: accept session e<r> by name as the ended holder renews it."""
+    with Namespace(root) as ns:
+        for r in range(rounds):
+            barrier.wait(timeout=60)
+            try:
+                with ns.get_queue_receiver(queue, session_id=f"e{r}"):
+                    _record(out_path, {"round": r, "acceptor": "accepted"})
+            except SessionCannotBeLockedError:
+                _record(out_path, {"round": r, "acceptor": "refused"})
+            barrier.wait(timeout=60)
 
 
 def child_session_worker(root: str, queue: str, total: int, done: Any, barrier: Any, out_path: str, seed: int) -> None:
@@ -292,6 +323,33 @@ def test_racing_accepts_lock_each_session_once(root: str, tmp_path: Path) -> Non
 
 
 # ---- many receivers over many sessions --------------------------------------------------------------------
+
+
+def test_an_ended_session_made_again_by_its_holder_and_by_an_accept_at_once_has_one_holder(root: str, tmp_path: Path) -> None:
+    """The holder of an ended session renewing while another process accepts it: one of them holds it, never both."""
+    rounds = 30
+    with Namespace(root) as ns:
+        ns.create_queue("q", requires_session=True)
+        with ns.get_queue_sender("q") as s:
+            s.send_messages([Message("first", session_id=f"e{r}") for r in range(rounds)])
+    out = str(tmp_path / "out.jsonl")
+    barrier = CTX.Barrier(2)
+    _join_all(
+        [
+            _start(child_ended_holder, root, "q", rounds, barrier, out),
+            _start(child_racing_acceptor, root, "q", rounds, barrier, out),
+        ]
+    )
+    by_round: dict[int, dict[str, str]] = {}
+    for line in _lines(out):
+        by_round.setdefault(line.pop("round"), {}).update(line)
+    assert len(by_round) == rounds
+    both = [r for r, got in by_round.items() if got == {"holder": "renewed", "acceptor": "accepted"}]
+    assert not both, f"rounds {both}: the holder renewed and another receiver accepted the same session"
+    assert all(
+        got in ({"holder": "renewed", "acceptor": "refused"}, {"holder": "lost", "acceptor": "accepted"})
+        for got in by_round.values()
+    )
 
 
 @pytest.mark.parametrize(

@@ -147,7 +147,7 @@ class Sessions:
         lock = SessionLock(session_id, p, token, until)
         if need_messages and _next_messages(_cleared(rows, now), now, 1).num_rows == 0:
             raise SessionCannotBeLockedError(f"session {session_id!r} has no available message any more")  # drained meanwhile
-        stale = pc.is_valid(rows.column("lock_token"))
+        stale = _held(rows)
         together = pc.less(pa.array(range(rows.num_rows), pa.int64()), KEEP_TOGETHER)
         rows = _cleared(rows.filter(pc.or_(stale, together)), now)  # an earlier holder's message locks end with its lock
         delivered = empty_rows()
@@ -303,7 +303,8 @@ class Sessions:
             if not good.num_rows and row is None:
                 pass  # an ended session: nothing of it is left to settle
             else:
-                ends = row is not None and op == lifecycle.COMPLETE and good.num_rows == rows.num_rows
+                settled = pc.count_distinct(good.column("sequence_number")).as_py() if good.num_rows else 0  # an item twice: once
+                ends = row is not None and op == lifecycle.COMPLETE and settled == rows.num_rows
                 ends = ends and row is not None and row.column("body")[0].as_py() is None
                 # the touch (or the row's removal): a takeover racing this commit makes it conflict
                 parts, new_row = self._touch(row, lock, now, OP_DELETE if ends else OP_SET)
@@ -412,7 +413,7 @@ class Sessions:
             if row.column("body")[0].as_py() is None and not rows.num_rows:
                 self._apply(dt, lock.partition, lock.session_id, lifecycle.changes(row, OP_DELETE))
                 return
-            locked = rows.filter(pc.is_valid(rows.column("lock_token")))
+            locked = rows.filter(_held(rows))
             unused = pc.is_in(locked.column("sequence_number"), value_set=pa.array(list(undelivered), pa.int64()))
             count = pc.if_else(unused, pc.subtract(locked.column("delivery_count"), 1), locked.column("delivery_count"))
             locked = locked.set_column(locked.schema.get_field_index("delivery_count"), "delivery_count", count.cast(pa.int32()))
@@ -472,8 +473,13 @@ class Sessions:
         A new session row is numbered from `anchor`, a message of the session the same commit
         rewrites (so two receivers making the row both remove that message's file and conflict),
         without the partition's sequence fence: accepts of different sessions of one partition
-        then never conflict, as two appends would. Without an anchor it is appended under the fence.
+        then never conflict, as two appends would. A new row without an anchor (the holder of an
+        ended session renewing, setting state or settling) takes the session's first message as
+        its anchor, so it conflicts with an accept making the row at the same time; a session
+        without messages has its row appended under the fence, as an accept then does too.
         """
+        if new_row is not None and anchor is None:
+            changes, anchor = self._anchored(dt, p, session_id, changes)
         numbered = None
         if new_row is not None and anchor is not None:
             numbered = new_row.set_column(
@@ -481,6 +487,17 @@ class Sessions:
             )
             new_row = None
         self.table.apply(dt, p, changes, new_row, group_by=GROUP_COLUMN, where=self._files_of(session_id), numbered_rows=numbered)
+
+    def _anchored(self, dt: Snapshot, p: int, session_id: str, changes: pa.Table) -> tuple[pa.Table, int | None]:
+        """`changes` that also rewrite the session's first message (unchanged), and its sequence number; None without messages."""
+        _, rows = self._read(dt, p, session_id)
+        if rows.num_rows == 0:
+            return changes, None
+        first = rows.slice(0, 1)
+        seq = int(first.column("sequence_number")[0].as_py())
+        if seq not in changes.column("sequence_number").to_pylist():
+            changes = pa.concat_tables([changes, lifecycle.changes(first, OP_SET)])
+        return changes, seq
 
     def _read(self, dt: Snapshot, p: int, session_id: str) -> tuple[pa.Table | None, pa.Table]:
         """The session's row (or None) and its live message rows in sequence order, from one read of its files."""
@@ -562,9 +579,9 @@ class Sessions:
         return empty_changes(), new_row
 
     def _locked_messages(self, dt: Snapshot, lock: SessionLock) -> pa.Table:
-        """The session's message rows delivered under its current lock (their lock token is set)."""
+        """The session's message rows delivered under its current lock (main sub-queue rows with a lock token)."""
         rows = self.table.scan(dt, lock.partition, ROW_COLUMNS, subscription=self.entity.subscription, session_id=lock.session_id)
-        return rows.filter(pc.is_valid(rows.column("lock_token")))
+        return rows.filter(_held(rows))
 
     def _new_row(self, session_id: str, p: int, now: datetime, token: str, until: datetime) -> pa.Table:
         """A first session row, locked by its creator."""
@@ -613,9 +630,19 @@ def _next_messages(rows: pa.Table, now: datetime, limit: int) -> pa.Table:
     return rows.filter(visible).slice(0, limit)
 
 
+def _held(rows: pa.Table) -> pa.Array:
+    """Which rows the session lock covers: locked rows of the main sub-queue.
+
+    A session's dead letters are received without the session, under locks of their own (and
+    dead-letter forwarding claims them the same way): no session operation touches those locks.
+    """
+    main = pc.equal(rows.column("sub_queue"), SUB_QUEUE_MAIN)
+    return pc.and_(pc.is_valid(rows.column("lock_token")), main)
+
+
 def _cleared(rows: pa.Table, now: datetime) -> pa.Table:
     """Rows with the message locks of an earlier session holder removed: active ones are available again now."""
-    locked = pc.is_valid(rows.column("lock_token"))
+    locked = _held(rows)
     if not pc.any(locked).as_py():
         return rows
     active = pc.equal(rows.column("state"), STATE_ACTIVE)
