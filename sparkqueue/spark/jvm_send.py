@@ -177,7 +177,7 @@ def write_attempt(
         with spark_errors(), _conf(spark, WRITE_CONF):
             rows.drop(PARTITION_COLUMN).write.options(**WRITE_OPTIONS).parquet(spark_path(f"{table.uri}/{staging}"))
         written = collect(table, staging, plan)
-        check_quota(table, written)
+        check_quota(table, written, written.adds)
         placed = place(table, staging, written.adds)
         adds = split_oversized(table, placed)
         # Spark's local writer does not fsync: a commit must not outlive its files (split pieces are the engine's, fsynced).
@@ -199,7 +199,8 @@ def commit_renumbering(
     """Commit the files once, moving the fences from `bases`; when a concurrent sender moved some, renumber only those.
 
     A conflict whose cause is a moved fence rewrites just the files of the partitions whose fence
-    moved (their rows shifted after the new fence, with pyarrow: no Spark job) and commits again;
+    moved (their rows shifted after the new fence, with pyarrow: no Spark job), checks the quota
+    again (the other sender's messages count now) and commits again;
     the other partitions' files are committed as Spark wrote them. Any other conflict, or one past
     the deadline, deletes every file and raises (the caller runs the whole send again or gives up).
     After an error other than a conflict the commit may have landed (DeltaLog.commit): the files stay.
@@ -221,6 +222,11 @@ def commit_renumbering(
                 raise
             log.info("a concurrent sender moved the fences of partitions %s: renumbering their files only", sorted(moved))
             adds = renumber(table, adds, moved)
+            try:
+                check_quota(table, written, adds)  # the concurrent send added bytes to those partitions
+            except QuotaExceededError:
+                table.data.delete([a.path for a in adds])
+                raise
             for p, d in moved.items():
                 last[p] += d
                 bases[p] = fresh[p]
@@ -366,11 +372,11 @@ def describe(fs: pafs.FileSystem, path: str, rel: str, size: int) -> Described |
     return Described(add, p, meta.num_rows, hi_seq & SEQUENCE_MASK, bound)
 
 
-def check_quota(table: EntityTable, written: Written) -> None:
+def check_quota(table: EntityTable, written: Written, adds: list[AddFile]) -> None:
     """QuotaExceededError when a partition's live bytes plus the message bytes written for it pass its quota.
 
     The footers' bound settles almost every partition; one it would put over the quota has its
-    written files' size_in_bytes summed exactly (one small column per file).
+    written files (`adds`: where they are now) summed exactly, one small column per file.
     """
     if table.max_partition_bytes is None:
         return
@@ -380,7 +386,7 @@ def check_quota(table: EntityTable, written: Written) -> None:
         used, bound = table.partition_bytes(snap, p), written.bounds.get(p)
         if bound is not None and used + bound <= table.max_partition_bytes:
             continue
-        added = message_bytes(table, [a.path for a in written.adds if a.partition_values[PARTITION_COLUMN] == str(p)])
+        added = message_bytes(table, [a.path for a in adds if a.partition_values[PARTITION_COLUMN] == str(p)])
         if used + added > table.max_partition_bytes:
             raise QuotaExceededError(
                 f"partition {p} holds {used} bytes; adding {added} would pass its "

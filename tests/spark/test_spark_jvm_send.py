@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
@@ -10,11 +11,13 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 from deltalake import DeltaTable
+from procs import peek_all
 from pyspark.sql import functions as sf
 
-from sparkqueue import Message
+from sparkqueue import Message, Namespace
 from sparkqueue.broker import core
 from sparkqueue.errors import QuotaExceededError
+from sparkqueue.spark import jvm_send
 from sparkqueue.spark.jvm_send import FILE_ROWS, SPLIT_BYTES, WRITE_OPTIONS, split_oversized
 from sparkqueue.storage.files import FILE_SCHEMA, MAX_FILE_BYTES, MAX_FILE_ROWS
 from sparkqueue.storage.log import AddFile
@@ -227,6 +230,30 @@ def test_the_quota_is_checked_exactly_where_the_footers_bound_is_not_enough(spar
         with pytest.raises(QuotaExceededError, match=f"holds {used} bytes; adding 1050400 would pass"):
             s.send_dataframe(spark.range(0, 1040, 1, 2).select(body))  # refused on the exact sum
     assert ns.get_queue_runtime_properties("q").total_message_count == 1000
+
+
+def test_a_send_renumbered_after_a_concurrent_send_checks_the_quota_again(spark, ns, monkeypatch):
+    """Another sender fills the partition between the send's quota check and its commit: the renumbered send is refused."""
+    small_quota(ns, monkeypatch)
+    place = jvm_send.place
+
+    def place_after_a_concurrent_send(*args, **kwargs):
+        with Namespace(ns.root) as other, other.get_queue_sender("q") as s:  # another handle: its commit moves the fence
+            s.send_messages([Message(os.urandom(2000), message_id=f"c-{i}") for i in range(48)])  # over 96 KB stored
+        monkeypatch.setattr(jvm_send, "place", place)
+        return place(*args, **kwargs)
+
+    monkeypatch.setattr(jvm_send, "place", place_after_a_concurrent_send)
+    # 980 bodies of 1,010 bytes (989,800): the footers' bound (about 1,036,000) fits an empty 1 MiB partition,
+    # but not once the 48 files of the other sender are in it.
+    df = spark.range(0, 980, 1, 2).select(sf.repeat(sf.lit("x"), 1010).alias("body"))
+    with ns.get_queue_sender("q") as s, pytest.raises(QuotaExceededError, match="adding 989800 would pass"):
+        s.send_dataframe(df)
+    with ns.get_queue_receiver("q") as r:
+        assert sorted(m.message_id for m in peek_all(r)) == sorted(f"c-{i}" for i in range(48))
+    table_dir = ns.broker.entity("queue", "q").table.uri
+    live = {u.rsplit("/", 1)[-1] for u in DeltaTable(table_dir).file_uris()}
+    assert {f.name for f in Path(table_dir).glob("partition_id=*/*.parquet")} == live  # the send's files are gone
 
 
 @pytest.mark.parametrize("preserve_order", [None, True], ids=["spark-writer", "python-tasks"])
