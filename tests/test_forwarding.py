@@ -149,6 +149,21 @@ def test_forwarding_session_messages(ns: Namespace) -> None:
     assert all(m.partition_id == partition_for("A") for m in got)
 
 
+def test_a_message_without_session_forwarded_into_a_session_queue_is_dead_lettered_there(ns: Namespace) -> None:
+    """No session receiver could take it: it lands in the destination's dead letters (SessionIdRequired), never lost."""
+    ns.create_queue("dst", requires_session=True)
+    ns.create_queue("src", forward_to="dst")
+    with ns.get_queue_sender("src") as sender:
+        sender.send_messages([Message("s", message_id="with", session_id="A"), Message("n", message_id="without")])
+    with ns.get_queue_receiver("dst", session_id="A") as r:
+        assert [m.message_id for m in drain(r, 1)] == ["with"]
+    with ns.get_queue_receiver("dst", sub_queue=SubQueue.DEAD_LETTER) as d:
+        (dead,) = drain(d, 1)
+    assert (dead.message_id, dead.dead_letter_reason) == ("without", "SessionIdRequired")
+    assert dead.dead_letter_error_description == "the queue requires sessions and the message has no session_id"
+    assert ns.get_queue_runtime_properties("src").total_message_count == 0
+
+
 # ---- subscriptions and topics -------------------------------------------------------------------------
 
 

@@ -29,6 +29,7 @@ from sparkqueue.errors import EntityNotFoundError, QuotaExceededError, SparkQueu
 from sparkqueue.model import lifecycle
 from sparkqueue.model.entity import ROW_COLUMNS, Entity, utcnow
 from sparkqueue.model.partitioning import partition_key
+from sparkqueue.model.topics import sessionless_dead_lettered
 from sparkqueue.storage.log import Fence, Snapshot
 from sparkqueue.storage.retry import retry_commit
 from sparkqueue.storage.schema import (
@@ -224,7 +225,13 @@ def _copies(rows: pa.Table, now: datetime) -> pa.Table:
 
 
 def _deliver(dest: Entity, expand: Expand | None, rows: pa.Table, once: Fence) -> None:
-    """Send the copies to the destination, keeping each message's partition key."""
+    """Send the copies to the destination, keeping each message's partition key.
+
+    A queue that requires sessions takes a copy without a session id into its dead letters
+    (SessionIdRequired), as a session-requiring subscription does at fan-out.
+    """
+    if getattr(dest.props, "requires_session", False) and expand is None:
+        rows = sessionless_dead_lettered(rows, "queue")
     dedupe = bool(getattr(dest.props, "requires_duplicate_detection", False))
     keys = [
         partition_key(s, k, m, dedupe)

@@ -82,7 +82,7 @@ def fan_out(rows: pa.Table, subscribers: list[Subscriber], record_ids: bool, max
             if matched.num_rows:
                 parts.append(_cap_ttl(_tag(matched, sub.key), sub))
         if sub.requires_session:
-            parts[first:] = [_sessionless_dead_lettered(p) for p in parts[first:]]
+            parts[first:] = [sessionless_dead_lettered(p, "subscription") for p in parts[first:]]
     if record_ids:
         parts.append(_markers(rows))
     return pa.concat_tables([p.cast(rows.schema) for p in parts]) if parts else rows.schema.empty_table()
@@ -105,8 +105,11 @@ def checked_action_copies(original: pa.Table, acted: pa.Table, max_bytes: int) -
     return pa.concat_tables([acted.filter(pc.invert(bad)), dead.cast(original.schema)])
 
 
-def _sessionless_dead_lettered(copies: pa.Table) -> pa.Table:
-    """A session-requiring subscription's copies, those without a session id moved to its dead-letter sub-queue."""
+def sessionless_dead_lettered(copies: pa.Table, entity_kind: str) -> pa.Table:
+    """Copies arriving in a session-requiring entity ("subscription", "queue"), those without a session id in its dead letters.
+
+    A message no session receiver could ever take would otherwise sit there unreceivable.
+    """
     missing = pc.is_null(copies.column("session_id"))
     if not pc.any(missing).as_py():
         return copies
@@ -115,7 +118,7 @@ def _sessionless_dead_lettered(copies: pa.Table) -> pa.Table:
         sub_queue=SUB_QUEUE_DEAD_LETTER,
         state=STATE_ACTIVE,
         dead_letter_reason=SESSION_REQUIRED_REASON,
-        dead_letter_error_description="the subscription requires sessions and the message has no session_id",
+        dead_letter_error_description=f"the {entity_kind} requires sessions and the message has no session_id",
     )
     return pa.concat_tables([copies.filter(pc.invert(missing)), dead.cast(copies.schema)])
 
