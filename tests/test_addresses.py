@@ -42,6 +42,7 @@ def test_service_bus_paths_are_written_and_read_in_one_place() -> None:
     assert Address.subscription_of("orders", "audit").path == "orders/Subscriptions/audit"
     assert Address.rule_of("orders", "audit", "$Default").path == "orders/Subscriptions/audit/Rules/$Default"
     assert Address.split_path("orders/Subscriptions/audit") == ("orders", "audit")
+    assert Address.split_path("Orders/subscriptions/Audit") == ("Orders", "Audit")  # names and segments in any case
     assert Address.split_path("orders") == ("orders", None)
     sub = Address.subscription_of("orders", "audit")
     assert Address.split_path(sub.path) == (sub.topic, sub.subscription)

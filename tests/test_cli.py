@@ -224,7 +224,7 @@ def test_a_queue_named_like_a_subscription_comes_first_and_the_path_form_names_t
             s.send_messages(Message("q"))
         with ns.get_topic_sender("tp") as s:
             s.send_messages([Message("s1"), Message("s2")])
-    calls = ("show", "tp/all", "--json"), ("show", "tp/Subscriptions/all", "--json"), ("show", "tp/Subscriptions/none")
+    calls = ("show", "tp/all", "--json"), ("show", "tp/subscriptions/all", "--json"), ("show", "tp/Subscriptions/none")
     queue, sub, missing = sq_all(root, *calls)
     assert (as_json(queue.stdout)["type"], as_json(queue.stdout)["runtime"]["active_message_count"]) == ("queue", 1)
     shown = as_json(sub.stdout)

@@ -51,9 +51,12 @@ class Address:
 
     @classmethod
     def split_path(cls, path: str) -> tuple[str, str | None]:
-        """A user's entity path as (queue or topic name, subscription or None): "t/Subscriptions/s" names a subscription."""
-        topic, sep, sub = path.partition(SUBSCRIPTIONS)
-        return (topic, sub) if sep else (path, None)
+        """A user's entity path as (queue or topic name, subscription or None): "t/Subscriptions/s" names a subscription.
+
+        The segment is matched in any case, as names are ("t/subscriptions/s" too).
+        """
+        at = path.lower().find(SUBSCRIPTIONS.lower())
+        return (path[:at], path[at + len(SUBSCRIPTIONS) :]) if at >= 0 else (path, None)
 
     @property
     def path(self) -> str:
