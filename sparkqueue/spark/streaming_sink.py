@@ -201,9 +201,12 @@ def messages_from_arrow(batch: pa.RecordBatch) -> list[Message]:
     out = []
     for i in range(n):
         body = cols["body"][i]
+        if body is None:  # as send_dataframe and Message: a body is bytes or str
+            which = f"message {cols['message_id'][i]!r}" if cols.get("message_id", [None] * n)[i] is not None else "a message"
+            raise InvalidOperationError(f"body must be bytes or str, got null ({which})")
         out.append(
             Message(
-                b"" if body is None else body,
+                body,
                 **{f: cols[f][i] for f in STRING_FIELDS if f in cols},
                 application_properties=props[i],
                 time_to_live=ttls[i],
@@ -214,7 +217,7 @@ def messages_from_arrow(batch: pa.RecordBatch) -> list[Message]:
 
 
 def _properties(column: pa.Array) -> list[dict[str, Any] | None]:
-    """Application properties from a map, a struct or a JSON object string column."""
+    """Application properties from a map, a struct or a JSON object string column (null values kept, as send_dataframe does)."""
     values = column.to_pylist()
     out: list[dict[str, Any] | None] = []
     for v in values:
@@ -229,9 +232,9 @@ def _properties(column: pa.Array) -> list[dict[str, Any] | None]:
                 raise InvalidOperationError(f"application_properties must be a JSON object, got {v[:80]!r}")
             out.append(parsed or None)
         elif isinstance(v, list):  # a map: (key, value) pairs
-            out.append({k: x for k, x in v if x is not None} or None)
+            out.append(dict(v) or None)
         elif isinstance(v, dict):  # a struct
-            out.append({k: x for k, x in v.items() if x is not None} or None)
+            out.append(v or None)
         else:
             raise InvalidOperationError(
                 f"application_properties must be a map, a struct or a JSON string, got {type(v).__name__}"

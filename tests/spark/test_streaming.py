@@ -432,7 +432,7 @@ def test_options_and_row_conversion_without_a_session():
 
     batch = pa.RecordBatch.from_pydict(
         {
-            "body": pa.array(["a", "b", None]),
+            "body": pa.array(["a", "b", ""]),
             "partition_key": pa.array(["k", None, None]),
             "application_properties": pa.array([[("x", "1")], None, []], pa.map_(pa.string(), pa.string())),
             "time_to_live": pa.array([30, None, 1.5]),
@@ -441,6 +441,11 @@ def test_options_and_row_conversion_without_a_session():
     )
     msgs = messages_from_arrow(batch)
     assert [m.body for m in msgs] == [b"a", b"b", b""]
+    with pytest.raises(InvalidOperationError, match=r"body must be bytes or str, got null \(a message\)"):
+        messages_from_arrow(pa.RecordBatch.from_pydict({"body": pa.array(["a", None])}))  # as send_dataframe refuses it
+    as_struct = pa.array([{"a": "x", "b": None}], pa.struct([("a", pa.string()), ("b", pa.int64())]))
+    struct_batch = pa.RecordBatch.from_pydict({"body": pa.array([b"x"]), "application_properties": as_struct})
+    assert messages_from_arrow(struct_batch)[0].application_properties == {"a": "x", "b": None}  # nulls kept, as sent
     assert [m.partition_key for m in msgs] == ["k", None, None]
     assert [m.application_properties for m in msgs] == [{"x": "1"}, None, None]
     assert [m.time_to_live for m in msgs] == [timedelta(seconds=30), None, timedelta(seconds=1.5)]
