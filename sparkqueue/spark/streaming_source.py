@@ -470,11 +470,14 @@ class StreamState:
             if b > n:
                 break
             with self.lock:
-                self.inflight.pop(b, None)
+                renewed = self.inflight.pop(b, None)  # the renewer leaves locks being completed alone
             items = self._items(b)
             try:
                 done = self._settle(items, lifecycle.COMPLETE)
             except SparkQueueError as exc:  # e.g. a partition unavailable: keep the record, retry at the next call
+                if renewed is not None:  # and keep the locks renewed until then: another receiver must not take them
+                    with self.lock:
+                        self.inflight.setdefault(b, renewed)
                 log.warning("stream %s: completing batch %d failed (%s); will retry", self.stream_id, b, exc)
                 return
             lost = [s for (s, _), ok in zip(items, done, strict=True) if not ok]

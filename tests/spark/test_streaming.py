@@ -461,6 +461,34 @@ def test_options_and_row_conversion_without_a_session():
     assert group_partitions(7, parts[1:2])[0].files == ["f1"]
 
 
+def test_a_batch_whose_completion_fails_keeps_its_locks_renewed_until_it_completes(tmp_path, monkeypatch):
+    """The source keeps renewing a committed batch whose completion failed, so no other receiver takes its messages."""
+    from sparkqueue.errors import PartitionUnavailableError
+    from sparkqueue.spark.streaming_source import StreamState, source_config
+
+    root = str(tmp_path / "ns")
+    with Namespace(root) as ns:
+        ns.create_queue("q", enable_partitioning=False)
+    send(root, "q", 5)
+    state = StreamState(source_config({"namespace": root, "path": "q"}), "stream-1", available_now=False)
+    try:
+        assert state.receive(0, 10) == 5
+
+        def unavailable(items, op):
+            raise PartitionUnavailableError("partition 0 is unavailable (test)")
+
+        monkeypatch.setattr(state, "_settle", unavailable)
+        state.complete_through(0)  # fails: the record stays for the next call, and the locks stay renewed
+        assert 0 in state.inflight and state.batches() == [0]
+        monkeypatch.undo()
+        state.complete_through(0)
+        assert 0 not in state.inflight and state.batches() == []
+    finally:
+        state.stop()
+    with Namespace(root) as ns:
+        assert ns.get_queue_runtime_properties("q").total_message_count == 0
+
+
 def test_stream_consumer_settings():
     from jobs import common, stream_consumer
     from sparkqueue.errors import InvalidOperationError
