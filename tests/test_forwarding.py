@@ -347,6 +347,19 @@ def test_forwarded_message_ttl_counts_from_arrival(ns: Namespace) -> None:
     assert m.expires_at_utc == m.enqueued_time_utc + timedelta(minutes=5)
 
 
+def test_a_ttl_reaching_past_the_latest_instant_is_forwarded_as_no_expiry(ns: Namespace) -> None:
+    """As at send: an expiry past year 9999 is stored as none, and the forwarding (and later sends) go on."""
+    ns.create_queue("dst")
+    ns.create_queue("src", forward_to="dst")
+    with ns.get_queue_sender("src") as s:
+        s.send_messages(Message("long", message_id="long", time_to_live=timedelta(days=3_000_000)))
+        s.send_messages(Message("next", message_id="next"))
+    with ns.get_queue_receiver("dst") as r:
+        got = {m.message_id: m for m in drain(r, 2)}
+    assert got["long"].expires_at_utc is None and got["long"].time_to_live == timedelta(days=3_000_000)
+    assert ns.get_queue_runtime_properties("src").total_message_count == 0
+
+
 # ---- failures and recovery ------------------------------------------------------------------------------
 
 

@@ -10,6 +10,7 @@ import pytest
 from procs import drain, drain_all, key_for_partition
 
 from sparkqueue import Message, Namespace
+from sparkqueue.broker import sub_entity_name
 from sparkqueue.errors import (
     EntityAlreadyExistsError,
     EntityNotFoundError,
@@ -202,9 +203,11 @@ def test_update_is_seen_by_another_namespace_handle(ns: Namespace) -> None:
         assert other.get_queue("q").max_delivery_count == 2
 
 
-@pytest.mark.parametrize(("field", "value"), [("enable_partitioning", False), ("requires_session", True)])
+@pytest.mark.parametrize(
+    ("field", "value"), [("enable_partitioning", False), ("requires_session", True), ("requires_duplicate_detection", True)]
+)
 def test_update_cannot_change_settings_fixed_at_creation(ns: Namespace, field: str, value: bool) -> None:
-    """An update changing enable_partitioning or requires_session raises InvalidOperationError and changes nothing."""
+    """An update changing partitioning, sessions or duplicate detection raises InvalidOperationError and changes nothing."""
     ns.create_queue("q")
     props = ns.get_queue("q")
     setattr(props, field, value)
@@ -431,3 +434,14 @@ def test_the_administration_client_stands_on_a_broker_of_its_own(ns: Namespace) 
     assert [t.name for t in admin.list_topics()] == ["t"]
     admin.delete_queue("made-by-admin")
     assert [q.name for q in ns.list_queues()] == []
+
+
+def test_a_subscription_never_changes_its_topics_size_quota(ns: Namespace) -> None:
+    """Topic and subscriptions share one table; only the topic's max_size_in_megabytes sets its partitions' quota."""
+    ns.create_topic("t", max_size_in_megabytes=1024)
+    ns.create_subscription("t", "s")
+    ns.update_topic(ns.get_topic("t"), max_size_in_megabytes=5120)
+    table = ns.broker.entity("topic", "t").table
+    ns.get_subscription_runtime_properties("t", "s")  # loads the subscription over the same table
+    ns.broker.entity("subscription", sub_entity_name("t", "s"))
+    assert table.max_partition_bytes == 5120 * 1024 * 1024

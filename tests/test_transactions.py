@@ -10,7 +10,7 @@ from datetime import UTC, datetime, timedelta
 import pytest
 
 from sparkqueue import Message, Namespace, ReceivedMessage, SqlRuleFilter, SubQueue
-from sparkqueue.errors import InvalidOperationError, MessageLockLostError, SessionLockLostError
+from sparkqueue.errors import InvalidOperationError, MessageAlreadySettled, MessageLockLostError, SessionLockLostError
 from sparkqueue.receiver import Receiver
 
 PARTITIONS = 16
@@ -389,6 +389,45 @@ def test_finished_transaction_records_nothing_more(q: Namespace) -> None:
         seqs = s.send_messages(Message("after", message_id="after"))
     assert len(seqs) == 1
     assert _peek_ids(ns) == ["after", "in", "m0"]
+
+
+def test_a_finished_transaction_cannot_be_entered_again(q: Namespace) -> None:
+    """Entering a finished transaction again is refused: its sends were applied once and are not applied twice."""
+    ns = q
+    with ns.get_queue_sender("q") as s:
+        tx = ns.transaction()
+        with tx:
+            s.send_messages(Message("once", message_id="once", partition_key="k"))
+        with pytest.raises(InvalidOperationError, match="already finished"), tx:
+            pass
+    assert _peek_ids(ns) == ["m0", "once"]
+
+
+def test_a_message_settled_twice_in_one_transaction_is_refused(q: Namespace) -> None:
+    """A second settlement of one message in a transaction raises MessageAlreadySettled; the first applies at commit."""
+    ns = q
+    with ns.get_queue_receiver("q") as r:
+        (m0,) = _take(r, 1)
+        with ns.transaction():
+            r.complete_message(m0)
+            with pytest.raises(MessageAlreadySettled, match="already settled in this transaction"):
+                r.dead_letter_message(m0, reason="x")
+    props = ns.get_queue_runtime_properties("q")
+    assert (props.total_message_count, props.dead_letter_message_count) == (0, 0)
+
+
+def test_an_operation_past_the_limit_is_not_recorded(q: Namespace) -> None:
+    """The operation that would pass 100 is refused and left out: a caller that goes on commits the rest only."""
+    ns = q
+    with ns.get_queue_sender("q") as s, ns.get_queue_receiver("q") as r:
+        (m0,) = _take(r, 1)
+        with ns.transaction():
+            s.send_messages(_msgs("x", 100, partition_key="k"))
+            with pytest.raises(InvalidOperationError, match="at most 100"):
+                r.complete_message(m0)
+            with pytest.raises(InvalidOperationError, match="at most 100"):
+                s.send_messages(Message("y", message_id="y", partition_key="k"))
+    assert sorted(_peek_ids(ns)) == sorted(["m0", *(f"x{i}" for i in range(100))])  # m0 not completed, y not sent
 
 
 # ---- topics and sessions --------------------------------------------------------------------------------

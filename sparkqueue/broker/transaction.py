@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 
 import pyarrow as pa
 
-from sparkqueue.errors import InvalidOperationError
+from sparkqueue.errors import InvalidOperationError, MessageAlreadySettled
 from sparkqueue.model import lifecycle, limits
 from sparkqueue.model.addresses import QUEUE, TOPIC
 from sparkqueue.model.entity import Entity, Guard, PendingSettle
@@ -54,11 +54,14 @@ class Transaction:
     _session: str | None = None
     _settles: list[PendingSettle] = field(default_factory=list)
     _settle_partition: int | None = None
+    _settled: set[int] = field(default_factory=set)  # sequence numbers this transaction settles
     _done: bool = False
     _committed: list[Callable[[], None]] = field(default_factory=list)
     _token: Token[tuple[Transaction, ...]] | None = None
 
     def __enter__(self) -> Transaction:
+        if self._done:
+            raise InvalidOperationError("the transaction has already finished; start a new one with ns.transaction()")
         if open_transaction(self.broker) is not None:
             raise InvalidOperationError("a transaction of this namespace is already open here; transactions do not nest")
         self._token = _OPEN.set((*_OPEN.get(), self))
@@ -95,21 +98,22 @@ class Transaction:
         """Record message rows to send; each needs the transaction's one partition key (and session)."""
         self._bind(entity_type, name)
         sessions = rows.column("session_id").to_pylist()
+        key0, session0, sent = self._key, self._session, self._sent  # recorded only once every check passed
         for key, session in zip(keys, sessions, strict=True):
             if key is None:
                 raise InvalidOperationError(
                     "every message sent in a transaction needs a partition key: set session_id or partition_key "
                     "(or message_id on a duplicate-detecting entity)"
                 )
-            if self._key is not None and key != self._key:
+            if key0 is not None and key != key0:
                 raise InvalidOperationError(
-                    f"all messages of a transaction must share one partition key; got {key!r} after {self._key!r}"
+                    f"all messages of a transaction must share one partition key; got {key!r} after {key0!r}"
                 )
-            if self._sent and session != self._session:
+            if sent and session != session0:
                 raise InvalidOperationError("the messages of a transaction may not belong to different sessions")
-            self._key, self._session = key, session
-            self._sent += 1
-        self._check_size()
+            key0, session0, sent = key, session, sent + 1
+        self._check_size(sent - self._sent)
+        self._key, self._session, self._sent = key0, session0, sent
         self._rows.append(rows)
 
     def add_settle(
@@ -124,21 +128,27 @@ class Transaction:
     ) -> None:
         """Record a settlement of (sequence_number, lock_token) items; all must be in the transaction's partition."""
         self._bind(entity_type, name)
+        seqs = [seq for seq, _ in items]
+        again = next((seq for i, seq in enumerate(seqs) if seq in self._settled or seq in seqs[:i]), None)
+        if again is not None:
+            raise MessageAlreadySettled(f"message {again} is already settled in this transaction; nothing was changed")
         parts = {partition_of(seq) for seq, _ in items}
         if self._settle_partition is not None:
             parts.add(self._settle_partition)
         if len(parts) > 1:
             raise InvalidOperationError("the messages settled in a transaction must all be in one partition")
+        self._check_size(len(items))
         self._settle_partition = parts.pop() if parts else None
         self._settles.append(PendingSettle(op, list(items), reason, description, guard))
-        self._check_size()
+        self._settled.update(seqs)
 
     def on_commit(self, callback: Callable[[], None]) -> None:
         """Run `callback` once the commit has applied everything (a receiver then marks its messages settled)."""
         self._committed.append(callback)
 
-    def _check_size(self) -> None:
-        ops = self._sent + sum(len(s.items) for s in self._settles)
+    def _check_size(self, adding: int) -> None:
+        """InvalidOperationError (nothing recorded) when `adding` more operations would pass the transaction's limit."""
+        ops = self._sent + sum(len(s.items) for s in self._settles) + adding
         if ops > limits.MAX_TRANSACTION_MESSAGES:
             raise InvalidOperationError(f"a transaction holds at most {limits.MAX_TRANSACTION_MESSAGES} messages")
 

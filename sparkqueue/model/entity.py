@@ -105,7 +105,8 @@ class Entity:
     @props.setter
     def props(self, props: AnyEntityProperties) -> None:
         self._props = props
-        self.table.max_partition_bytes = int(props.max_size_in_megabytes) * 1024 * 1024
+        if not getattr(props, "topic_name", None):  # a subscription shares its topic's table: the topic's size is its quota
+            self.table.max_partition_bytes = int(props.max_size_in_megabytes) * 1024 * 1024
 
     @property
     def name(self) -> str:

@@ -26,7 +26,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from sparkqueue.errors import EntityNotFoundError, QuotaExceededError, SparkQueueError
-from sparkqueue.model import lifecycle
+from sparkqueue.model import lifecycle, limits
 from sparkqueue.model.entity import ROW_COLUMNS, Entity, utcnow
 from sparkqueue.model.partitioning import partition_key
 from sparkqueue.model.topics import sessionless_dead_lettered
@@ -216,7 +216,7 @@ def _copies(rows: pa.Table, now: datetime) -> pa.Table:
         "state": constant(STATE_ACTIVE, pa.string(), n),
         "enqueued_time_utc": constant(now, TIMESTAMP, n),
         # a message's TTL counts from its enqueue at the destination (as at send), not from the first entity's
-        "expires_at_utc": pc.add(visible, rows.column("time_to_live_ms").cast(pa.int64()).cast(pa.duration("ms"))),
+        "expires_at_utc": limits.expiries(visible, rows.column("time_to_live_ms").cast(pa.int64())),
         "locked_until_utc": pa.nulls(n, TIMESTAMP),
         "lock_token": pa.nulls(n, pa.string()),
         "delivery_count": constant(0, pa.int32(), n),

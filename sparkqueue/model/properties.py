@@ -137,7 +137,8 @@ class QueueProperties(EntityProperties):
     status: EntityStatus = EntityStatus.ACTIVE
     max_message_size_in_kilobytes: int | None = None
     entity_type: ClassVar[str] = "queue"
-    immutable: ClassVar[tuple[str, ...]] = ("enable_partitioning", "requires_session")
+    # Fixed at creation, as in Service Bus: duplicate detection also decides where keyed messages go (message_id is a key).
+    immutable: ClassVar[tuple[str, ...]] = ("enable_partitioning", "requires_session", "requires_duplicate_detection")
 
 
 @dataclass
@@ -157,7 +158,7 @@ class TopicProperties(EntityProperties):
     support_ordering: bool = True
     max_message_size_in_kilobytes: int | None = None
     entity_type: ClassVar[str] = "topic"
-    immutable: ClassVar[tuple[str, ...]] = ("enable_partitioning",)
+    immutable: ClassVar[tuple[str, ...]] = ("enable_partitioning", "requires_duplicate_detection")
 
 
 @dataclass
