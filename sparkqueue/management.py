@@ -183,7 +183,7 @@ class Management:
         if not isinstance(props, cls):
             raise InvalidArgumentTypeError(f"update_{entity_type} needs {cls.__name__}, got {type(props).__name__}")
         entity = self.broker.entity(entity_type, name)
-        check_update(self._get(entity_type, name), props, self.broker.tier)
+        props = check_update(self._get(entity_type, name), props, self.broker.tier)
         self._require_all_partitions(entity, f"update {entity_type} {name!r}")
         if not self.broker.catalog.update(Address.of(entity_type, name).key, props.to_json(), self.broker.deadline()):
             raise EntityNotFoundError(f"{entity_type} {name!r} does not exist")

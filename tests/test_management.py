@@ -445,3 +445,14 @@ def test_a_subscription_never_changes_its_topics_size_quota(ns: Namespace) -> No
     ns.get_subscription_runtime_properties("t", "s")  # loads the subscription over the same table
     ns.broker.entity("subscription", sub_entity_name("t", "s"))
     assert table.max_partition_bytes == 5120 * 1024 * 1024
+
+
+def test_enable_partitioning_has_no_effect_in_a_premium_update(premium_ns: Namespace) -> None:
+    """Premium entities are never partitioned: True in an update is taken as False, as at creation, without an error."""
+    premium_ns.create_queue("q", enable_partitioning=True)
+    props = premium_ns.get_queue("q")
+    assert props.enable_partitioning is False
+    premium_ns.update_queue(props, enable_partitioning=True, max_delivery_count=4)
+    got = premium_ns.get_queue("q")
+    assert (got.enable_partitioning, got.max_delivery_count) == (False, 4)
+    assert props.enable_partitioning is False  # the caller's object is not changed

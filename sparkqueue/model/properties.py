@@ -331,12 +331,18 @@ def build_properties(cls: type[EntityProperties], name: str, tier: str, settings
     return props
 
 
-def check_update(old: EntityProperties, new: EntityProperties, tier: str) -> None:
-    """Raise InvalidOperationError when an update changes a setting fixed at creation."""
+def check_update(old: EntityProperties, new: EntityProperties, tier: str) -> EntityProperties:
+    """The settings to store for an update; InvalidOperationError when it changes a setting fixed at creation.
+
+    In the premium tier `enable_partitioning=True` has no effect, in an update as at creation.
+    """
     if type(old) is not type(new) or old.name != new.name:
         raise InvalidOperationError(f"update must pass the {old.entity_type} properties of {old.name!r}")
     new.validate(tier)
+    if tier == limits.PREMIUM and getattr(new, "enable_partitioning", False):
+        new = dataclasses.replace(new, enable_partitioning=False)  # type: ignore[call-arg]
     for f in old.immutable:
         if getattr(old, f) != getattr(new, f):
             raise InvalidOperationError(f"{f} is fixed at creation and cannot be changed by an update")
     new.validate(tier)
+    return new
