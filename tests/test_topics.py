@@ -84,19 +84,20 @@ def test_invalid_topic_names(ns: Namespace, name: object) -> None:
 
 
 def test_update_topic(ns: Namespace) -> None:
-    """update_topic applies changed settings; partitioning is fixed; unknown topics raise EntityNotFoundError."""
+    """update_topic applies changed settings; partitioning and duplicate detection are fixed; unknown topics raise."""
     ns.create_topic("t")
     props = ns.get_topic("t")
     props.default_message_time_to_live = timedelta(hours=1)
-    props.requires_duplicate_detection = True
+    props.max_size_in_megabytes = 2048
     ns.update_topic(props)
     got = ns.get_topic("t")
-    assert got.default_message_time_to_live == timedelta(hours=1)
-    assert got.requires_duplicate_detection is True
-    got.enable_partitioning = False
-    with pytest.raises(InvalidOperationError):
-        ns.update_topic(got)
-    assert ns.get_topic("t").enable_partitioning is True
+    assert (got.default_message_time_to_live, got.max_size_in_megabytes) == (timedelta(hours=1), 2048)
+    for fixed, value in (("enable_partitioning", False), ("requires_duplicate_detection", True)):
+        changed = ns.get_topic("t")
+        setattr(changed, fixed, value)
+        with pytest.raises(InvalidOperationError, match=f"{fixed} is fixed at creation"):
+            ns.update_topic(changed)
+        assert getattr(ns.get_topic("t"), fixed) is not value
     ghost = ns.get_topic("t")
     ghost.name = "ghost"
     with pytest.raises(EntityNotFoundError):
