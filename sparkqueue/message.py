@@ -184,6 +184,11 @@ class Message:
         return len(self.body) + sum(len(s.encode("utf-8")) for s in strings if s) + len(props.encode("utf-8"))
 
 
+def message_label(message_id: str | None) -> str:
+    """How an error names a message: by its id, or as "a message" when it has none (an id it would be given means nothing)."""
+    return f"message {message_id!r}" if message_id is not None else "a message"
+
+
 def as_message(value: object) -> Message:
     """A Message to send from a Message, a received message (sent again) or a dict of Message keywords (as the SDK)."""
     if isinstance(value, Message):

@@ -14,7 +14,16 @@ from sparkqueue.errors import (
     MessageSizeExceededError,
     MessagingEntityDisabledError,
 )
-from sparkqueue.message import Message, MessageBatch, ReceivedMessage, as_message, as_utc, send_settings, to_rows
+from sparkqueue.message import (
+    Message,
+    MessageBatch,
+    ReceivedMessage,
+    as_message,
+    as_utc,
+    message_label,
+    send_settings,
+    to_rows,
+)
 from sparkqueue.model import limits
 from sparkqueue.model.deadlines import call_timeout
 from sparkqueue.model.entity import utcnow
@@ -42,8 +51,7 @@ def check_fits_one_batch(msgs: list[Message], tier: str) -> None:
     sizes = [m.size_in_bytes for m in msgs]  # each computed once: it encodes every string property
     for m, size in zip(msgs, sizes, strict=True):
         if size > cap:
-            which = f"message {m.message_id!r}" if m.message_id is not None else "a message"
-            raise MessageSizeExceededError(f"{which} is {size} bytes; the {tier} tier allows {cap}")
+            raise MessageSizeExceededError(f"{message_label(m.message_id)} is {size} bytes; the {tier} tier allows {cap}")
     total = sum(sizes)
     if total > cap:
         raise MessageSizeExceededError(

@@ -129,9 +129,11 @@ class Transaction:
         """Record a settlement of (sequence_number, lock_token) items; all must be in the transaction's partition."""
         self._bind(entity_type, name)
         seqs = [seq for seq, _ in items]
-        again = next((seq for i, seq in enumerate(seqs) if seq in self._settled or seq in seqs[:i]), None)
-        if again is not None:
-            raise MessageAlreadySettled(f"message {again} is already settled in this transaction; nothing was changed")
+        seen = set(self._settled)
+        for seq in seqs:
+            if seq in seen:
+                raise MessageAlreadySettled(f"message {seq} is already settled in this transaction; nothing was changed")
+            seen.add(seq)
         parts = {partition_of(seq) for seq, _ in items}
         if self._settle_partition is not None:
             parts.add(self._settle_partition)

@@ -304,8 +304,8 @@ class Sessions:
                 pass  # an ended session: nothing of it is left to settle
             else:
                 settled = pc.count_distinct(good.column("sequence_number")).as_py() if good.num_rows else 0  # an item twice: once
-                ends = row is not None and op == lifecycle.COMPLETE and settled == rows.num_rows
-                ends = ends and row is not None and row.column("body")[0].as_py() is None
+                stateless = row is not None and row.column("body")[0].as_py() is None
+                ends = stateless and op == lifecycle.COMPLETE and settled == rows.num_rows
                 # the touch (or the row's removal): a takeover racing this commit makes it conflict
                 parts, new_row = self._touch(row, lock, now, OP_DELETE if ends else OP_SET)
                 if good.num_rows:

@@ -386,13 +386,7 @@ def check_quota(table: EntityTable, written: Written, adds: list[AddFile]) -> No
         used, bound = table.partition_bytes(snap, p), written.bounds.get(p)
         if bound is not None and used + bound <= table.max_partition_bytes:
             continue
-        added = message_bytes(table, [a.path for a in adds if a.partition_values[PARTITION_COLUMN] == str(p)])
-        if used + added > table.max_partition_bytes:
-            raise QuotaExceededError(
-                f"partition {p} holds {used} bytes; adding {added} would pass its "
-                f"{table.max_partition_bytes // 2**20} MB limit (max_size_in_megabytes). Receive or purge messages, "
-                "or raise the limit; nothing was stored"
-            )
+        table.check_room(snap, p, message_bytes(table, [a.path for a in adds if a.partition_values[PARTITION_COLUMN] == str(p)]))
 
 
 def message_bytes(table: EntityTable, paths: list[str]) -> int:

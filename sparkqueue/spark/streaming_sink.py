@@ -36,7 +36,7 @@ from pyspark.sql.datasource import DataSourceStreamArrowWriter, WriterCommitMess
 from pyspark.sql.types import StructType
 
 from sparkqueue.errors import InvalidOperationError, SparkQueueError
-from sparkqueue.message import Message, to_rows
+from sparkqueue.message import Message, message_label, to_rows
 from sparkqueue.model.entity import utcnow
 from sparkqueue.spark.session import task_error
 from sparkqueue.spark.staging import Staging, cleanup_staging, filesystem, remove_dirs
@@ -202,8 +202,8 @@ def messages_from_arrow(batch: pa.RecordBatch) -> list[Message]:
     for i in range(n):
         body = cols["body"][i]
         if body is None:  # as send_dataframe and Message: a body is bytes or str
-            which = f"message {cols['message_id'][i]!r}" if cols.get("message_id", [None] * n)[i] is not None else "a message"
-            raise InvalidOperationError(f"body must be bytes or str, got null ({which})")
+            mid = cols["message_id"][i] if "message_id" in cols else None
+            raise InvalidOperationError(f"body must be bytes or str, got null ({message_label(mid)})")
         out.append(
             Message(
                 body,

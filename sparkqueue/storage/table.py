@@ -315,8 +315,13 @@ class EntityTable:
         """Raise QuotaExceededError when new rows (after `pending_bytes` staged ones) would take a partition beyond its quota."""
         if self.max_partition_bytes is None or part.num_rows == 0:
             return
+        self.check_room(dt, p, pc.sum(part.column("size_in_bytes")).as_py() or 0, pending_bytes)
+
+    def check_room(self, dt: Snapshot, p: int, added: int, pending_bytes: int = 0) -> None:
+        """QuotaExceededError when `added` message bytes (after `pending_bytes` staged) would take partition p past its quota."""
+        if self.max_partition_bytes is None:
+            return
         used = self.partition_bytes(dt, p) + pending_bytes
-        added = pc.sum(part.column("size_in_bytes")).as_py() or 0
         if used + added > self.max_partition_bytes:
             raise QuotaExceededError(
                 f"partition {p} holds {used} bytes; adding {added} would pass its {self.max_partition_bytes // 2**20} MB "
