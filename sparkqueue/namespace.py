@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import logging
 import os
+import weakref
 from collections.abc import Mapping
 from datetime import timedelta
-from typing import Any
+from typing import Any, TypeVar
 
 from sparkqueue.broker import Broker, Transaction, sub_entity_name
 from sparkqueue.constants import ReceiveMode, SubQueue
@@ -19,6 +20,8 @@ from sparkqueue.sender import Sender
 from sparkqueue.storage.faults import FaultInjector
 
 log = logging.getLogger(__name__)
+
+_H = TypeVar("_H", Sender, Receiver)
 
 
 class Namespace(Management):
@@ -38,6 +41,7 @@ class Namespace(Management):
         self.operation_timeout = self.broker.operation_timeout
         self.storage_options = self.broker.storage_options
         self.store = self.broker.store
+        self._handlers: weakref.WeakSet[Sender | Receiver] = weakref.WeakSet()  # open ones, closed with the namespace
 
     def __enter__(self) -> Namespace:
         return self
@@ -46,8 +50,23 @@ class Namespace(Management):
         self.close()
 
     def close(self) -> None:
-        """Drop cached handles and settings; the namespace may be entered again afterwards."""
+        """Close every sender and receiver it gave out, then drop cached handles; it may be entered again afterwards.
+
+        As the SDK's client does: a receiver's close releases its prefetched messages and its
+        session lock at once, instead of leaving them locked until the lock expires.
+        """
+        for handler in list(self._handlers):
+            try:
+                handler.close()
+            except Exception as exc:  # one handler's storage error never keeps the others (or the namespace) open
+                log.warning("closing %r failed: %s", handler, exc)
+        self._handlers.clear()
         self.broker.close()
+
+    def _track(self, handler: _H) -> _H:
+        """Remember a handler so that closing the namespace closes it."""
+        self._handlers.add(handler)
+        return handler
 
     def __repr__(self) -> str:
         return f"Namespace({self.root!r}, tier={self.tier!r})"
@@ -70,11 +89,11 @@ class Namespace(Management):
 
     def get_queue_sender(self, queue_name: str) -> Sender:
         """A sender to the queue."""
-        return Sender(self, QUEUE, queue_name)
+        return self._track(Sender(self, QUEUE, queue_name))
 
     def get_topic_sender(self, topic_name: str) -> Sender:
         """A sender to the topic: each message is copied to every subscription whose rules match."""
-        return Sender(self, TOPIC, topic_name)
+        return self._track(Sender(self, TOPIC, topic_name))
 
     def get_queue_receiver(
         self,
@@ -88,16 +107,18 @@ class Namespace(Management):
         auto_lock_renewer: Any = None,
     ) -> Receiver:
         """A receiver of the queue, of its dead-letter sub-queue, or (session_id) of one of its sessions."""
-        return Receiver(
-            self,
-            QUEUE,
-            queue_name,
-            receive_mode=receive_mode,
-            sub_queue=sub_queue,
-            prefetch_count=prefetch_count,
-            max_wait_time=max_wait_time,
-            session_id=session_id,
-            auto_lock_renewer=auto_lock_renewer,
+        return self._track(
+            Receiver(
+                self,
+                QUEUE,
+                queue_name,
+                receive_mode=receive_mode,
+                sub_queue=sub_queue,
+                prefetch_count=prefetch_count,
+                max_wait_time=max_wait_time,
+                session_id=session_id,
+                auto_lock_renewer=auto_lock_renewer,
+            )
         )
 
     def get_subscription_receiver(
@@ -113,16 +134,18 @@ class Namespace(Management):
         auto_lock_renewer: Any = None,
     ) -> Receiver:
         """A receiver of a subscription, of its dead-letter sub-queue, or of one of its sessions."""
-        return Receiver(
-            self,
-            SUBSCRIPTION,
-            sub_entity_name(topic_name, subscription_name),
-            receive_mode=receive_mode,
-            sub_queue=sub_queue,
-            prefetch_count=prefetch_count,
-            max_wait_time=max_wait_time,
-            session_id=session_id,
-            auto_lock_renewer=auto_lock_renewer,
+        return self._track(
+            Receiver(
+                self,
+                SUBSCRIPTION,
+                sub_entity_name(topic_name, subscription_name),
+                receive_mode=receive_mode,
+                sub_queue=sub_queue,
+                prefetch_count=prefetch_count,
+                max_wait_time=max_wait_time,
+                session_id=session_id,
+                auto_lock_renewer=auto_lock_renewer,
+            )
         )
 
     # ---- transactions and sessions ------------------------------------------------------------

@@ -160,7 +160,7 @@ def test_sender_of_deleted_queue_fails(ns: Namespace) -> None:
     sender = ns.get_queue_sender("q")
     with Namespace(ns.root) as other:
         other.delete_queue("q")
-    ns.close()  # drop cached settings so the deletion is seen at once
+    ns.broker.close()  # drop cached settings (not the handlers) so the deletion is seen at once
     with pytest.raises(EntityNotFoundError):
         sender.send_messages(Message("x"))
 

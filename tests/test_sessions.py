@@ -213,6 +213,33 @@ def test_close_releases_the_session_and_its_message_locks_at_once(ns: Namespace)
         first.receive_messages()
 
 
+def test_closing_the_namespace_closes_its_receivers_and_releases_their_locks(root: str) -> None:
+    """Closing the namespace closes what it gave out (SDK: the client's close), so locks end at once, not at expiry."""
+    ns = Namespace(root)
+    _session_queue(ns)  # lock_duration 60 s: only a release frees them within the test
+    ns.create_queue("plain")
+    _send(ns, "s1", ["m0"])
+    with ns.get_queue_sender("plain") as s:
+        s.send_messages([Message("p0"), Message("p1")])
+    sender = ns.get_queue_sender("q")
+    session_receiver = ns.get_queue_receiver("q", session_id="s1")
+    assert [m.message_id for m in _take(session_receiver, 1)] == ["m0"]
+    prefetching = ns.get_queue_receiver("plain", prefetch_count=10)
+    (first,) = prefetching.receive_messages(1, max_wait_time=5)  # the other message waits in its prefetch cache
+    ns.close()
+    for handler in (sender, session_receiver, prefetching):
+        with pytest.raises(InvalidOperationError):
+            handler.receive_messages() if isinstance(handler, Receiver) else handler.send_messages(Message("x"))
+    with Namespace(root) as other:  # as another process would: nothing of the first namespace is held any more
+        with other.get_queue_receiver("q", session_id="s1") as again:
+            assert [(m.message_id, m.delivery_count) for m in _take(again, 1)] == [("m0", 1)]
+        with other.get_queue_receiver("plain") as r:
+            got = r.receive_messages(2, max_wait_time=1)  # the prefetched one only: the delivered one stays locked
+            assert len(got) == 1 and got[0].message_id != first.message_id
+    with ns.get_queue_receiver("plain") as r:  # the namespace itself works again after its close
+        assert len(r.peek_messages(5)) == 2
+
+
 def test_closed_receiver_cannot_settle_after_another_took_the_session(ns: Namespace) -> None:
     """After a session is released and accepted again, the earlier delivery's lock token settles nothing."""
     _session_queue(ns)
