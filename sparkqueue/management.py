@@ -109,12 +109,16 @@ class Management:
         props: EntityProperties,
         table_path: str,
         extra: tuple[CatalogEntry, ...] = (),
+        require: Callable[[list[CatalogEntry]], None] | None = None,
     ) -> None:
-        """Insert the catalog entry (and extras, e.g. a default rule) in one commit; EntityAlreadyExistsError if taken."""
+        """Insert the catalog entry (and extras, e.g. a default rule) in one commit; EntityAlreadyExistsError if taken.
+
+        `require` checks the catalog as the commit finds it (Catalog.insert) and raises to refuse.
+        """
         now = datetime.now(UTC)
         entry = CatalogEntry(Address.of(entity_type, name).key, entity_type, table_path, props.to_json(), now, now)
         same = _same_entity_name(name) if entity_type in (QUEUE, TOPIC) else None
-        if not self.broker.catalog.insert([entry, *extra], self.broker.deadline(), same):
+        if not self.broker.catalog.insert([entry, *extra], self.broker.deadline(), same, require):
             taken = next((Address.parse(e.name) for e in self.broker.catalog.entries() if same and same(e.name)), None)
             if taken is not None and taken != Address.of(entity_type, name):
                 raise EntityAlreadyExistsError(
@@ -128,11 +132,13 @@ class Management:
     def _create_with_table(self, entity_type: str, name: str, settings: dict[str, Any]) -> EntityProperties:
         """Create a queue or topic: its own Delta table, then its catalog entry."""
         props = build_properties(PROPERTY_TYPES[entity_type], name, self.broker.tier, settings)
-        self._check_entity_quota(props)
+        self._check_entity_quota(props)  # before the table is made; checked again in the catalog commit
         table_path = f"entities/{entity_type}-{uuid.uuid4().hex}"  # relative: the namespace can move
         try:
             EntityTable.create(self.broker.table_uri(table_path), self.broker.storage_options)
-            self._create_entry(entity_type, name, props, table_path)
+            self._create_entry(
+                entity_type, name, props, table_path, require=lambda entries: self._check_entity_quota(props, entries)
+            )
         except BaseException:
             self._remove_table(table_path)
             raise
@@ -151,9 +157,10 @@ class Management:
         if local is not None:
             shutil.rmtree(local, ignore_errors=True)
 
-    def _check_entity_quota(self, props: EntityProperties) -> None:
-        """At most 10,000 entities, and at most 100 partitioned queues and topics, per namespace."""
-        entries = [e for e in self.broker.catalog.entries() if e.entity_type != RULE]
+    def _check_entity_quota(self, props: EntityProperties, catalog: list[CatalogEntry] | None = None) -> None:
+        """At most 10,000 entities and 100 partitioned queues and topics per namespace (in `catalog`; default: now)."""
+        catalog = self.broker.catalog.entries() if catalog is None else catalog
+        entries = [e for e in catalog if e.entity_type != RULE]
         if len(entries) >= limits.MAX_ENTITIES:
             raise QuotaExceededError(f"the namespace already holds {limits.MAX_ENTITIES} entities; delete one first")
         if props.partition_count > 1 and props.entity_type in (QUEUE, TOPIC):
@@ -195,10 +202,15 @@ class Management:
         self._require_all_partitions(entity, f"delete {entity_type} {name!r}")
         entry = self.broker.entry(entity_type, name)
         me = Address.of(entity_type, name)
+
+        def child(key: str) -> bool:  # subscriptions and rules, found in the commit: one created meanwhile goes too
+            return Address.parse(key).is_child_of(me)
+
+        children = None if entity_type == QUEUE else child
         keys = [entry.name]
-        if entity_type != QUEUE:
-            keys += [e.name for e in self.broker.catalog.entries() if Address.parse(e.name).is_child_of(me)]
-        if self.broker.catalog.delete(keys, self.broker.deadline()) == 0:
+        if children is not None:
+            keys += [e.name for e in self.broker.catalog.entries() if children(e.name)]  # to forget their cached settings
+        if self.broker.catalog.delete(keys[:1], self.broker.deadline(), children) == 0:
             raise EntityNotFoundError(f"{entity_type} {name!r} does not exist")
         for k in keys:
             self.broker.forget(k)
@@ -311,7 +323,14 @@ class Management:
             now,
             now,
         )
-        self._create_entry(SUBSCRIPTION, name, props, f"{topic_entry.table_path}#{key}", (default,))
+        topic_key = topic_entry.name
+
+        def require(catalog: list[CatalogEntry]) -> None:  # the topic may be deleted (or re-created) meanwhile
+            if not any(e.name == topic_key and e.table_path == topic_entry.table_path for e in catalog):
+                raise EntityNotFoundError(f"topic {topic_name!r} was deleted while its subscription was being created")
+            self._check_entity_quota(props, catalog)
+
+        self._create_entry(SUBSCRIPTION, name, props, f"{topic_entry.table_path}#{key}", (default,), require)
         self.broker.forget(Address.of(TOPIC, topic_name).key)
         return props  # type: ignore[return-value]
 
@@ -361,13 +380,20 @@ class Management:
         """Add a rule (a filter, default true, and an optional SqlRuleAction) to a subscription."""
         self._no_rule_changes_in_transaction()
         limits.check_child_name(rule_name, "rule")
-        self.broker.entry(SUBSCRIPTION, sub_entity_name(topic_name, subscription_name))
+        sub_entry = self.broker.entry(SUBSCRIPTION, sub_entity_name(topic_name, subscription_name))
         flt = filter if filter is not None else TrueRuleFilter()
         _check_rule(flt, action)
         now = datetime.now(UTC)
         key = Address.of(RULE, rule_entity_name(topic_name, subscription_name, rule_name)).key
         entry = CatalogEntry(key, RULE, "", _rule_json(flt, action), now, now)
-        if not self.broker.catalog.insert([entry], self.broker.deadline()):
+
+        def require(catalog: list[CatalogEntry]) -> None:  # the subscription may be deleted (or re-created) meanwhile
+            if not any(e.name == sub_entry.name and e.table_path == sub_entry.table_path for e in catalog):
+                raise EntityNotFoundError(
+                    f"subscription {topic_name}/{subscription_name} was deleted while its rule was being created"
+                )
+
+        if not self.broker.catalog.insert([entry], self.broker.deadline(), require=require):
             raise EntityAlreadyExistsError(f"rule {rule_name!r} already exists on {topic_name}/{subscription_name}")
         self.broker.forget(Address.of(TOPIC, topic_name).key)
         return RuleProperties(rule_name, flt, action)

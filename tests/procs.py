@@ -15,7 +15,7 @@ from typing import Any
 import mmh3
 
 from sparkqueue import Message, Namespace, ReceivedMessage, ReceiveMode
-from sparkqueue.errors import EntityAlreadyExistsError, MessageLockLostError
+from sparkqueue.errors import EntityAlreadyExistsError, EntityNotFoundError, MessageLockLostError, QuotaExceededError
 from sparkqueue.receiver import Receiver
 
 PARTITIONS = 16
@@ -286,7 +286,40 @@ def create_queue(root: str, queue: str, barrier: Any, results: Any, worker: int,
     except EntityAlreadyExistsError:
         results.put((worker, "exists"))
         return
+    except QuotaExceededError:
+        results.put((worker, "over quota"))
+        return
     results.put((worker, "created"))
+
+
+def churn_catalog(root: str, role: str, barrier: Any, results: Any, worker: int, seconds: float) -> None:
+    """For `seconds`, create and delete a parent while others add children to it; reports how many children landed.
+
+    Roles: "topic" (create/delete topic t), "subscription" (create/delete subscription t/s, the
+    topic kept), "sub-maker" (create_subscription t/s), "rule-maker" (create_rule t/s/r). A maker's
+    next create lands once the parent's delete took the child with it.
+    """
+    ns = Namespace(root)
+    _wait(barrier)
+    landed = 0
+    give_up = time.monotonic() + seconds
+    while time.monotonic() < give_up:
+        try:
+            if role == "topic":
+                ns.create_topic("t")
+                ns.delete_topic("t")
+            elif role == "subscription":
+                ns.create_subscription("t", "s")
+                ns.delete_subscription("t", "s")
+            elif role == "sub-maker":
+                ns.create_subscription("t", "s")
+                landed += 1
+            else:
+                ns.create_rule("t", "s", "r")
+                landed += 1
+        except (EntityNotFoundError, EntityAlreadyExistsError):
+            pass
+    results.put((worker, landed))
 
 
 def _record(path: str, lines: list[str]) -> None:

@@ -5,6 +5,7 @@ concurrent duplicate sends, racing creators, and a sender/receiver killed with S
 from __future__ import annotations
 
 import itertools
+import json
 import multiprocessing as mp
 import os
 import queue
@@ -18,11 +19,14 @@ from pathlib import Path
 from typing import Any
 
 import procs
+import pyarrow.parquet as pq
 import pytest
 from procs import drain_all, key_for_partition, peek_all
 
 from sparkqueue import Message, Namespace, SqlRuleFilter
 from sparkqueue.errors import MessageLockLostError
+from sparkqueue.model import limits
+from sparkqueue.model.addresses import Address
 
 CTX = mp.get_context("spawn")
 CHILD_TIMEOUT_S = 120.0
@@ -427,6 +431,72 @@ def test_racing_queue_and_topic_of_one_name_one_wins(root: str) -> None:
     assert Counter(outcome for _, outcome in reports) == Counter({"created": 1, "exists": 3})
     with Namespace(root) as ns:
         assert len(ns.list_queues()) + len(ns.list_topics()) == 1
+
+
+@pytest.mark.slow  # CI runs it (SPARKQUEUE_SLOW=1): 98 queues to create first
+def test_racing_creators_never_pass_the_partitioned_entity_quota(root: str) -> None:
+    """Four processes creating partitioned queues when two more fit: exactly two succeed (the quota is checked in the commit)."""
+    with Namespace(root) as ns:
+        for i in range(limits.MAX_PARTITIONED_ENTITIES - 2):
+            ns.create_queue(f"q{i}")
+    reports = _run(procs.create_queue, 4, lambda i, b, r: (root, f"raced{i}", b, r, i))
+    assert Counter(outcome for _, outcome in reports) == Counter({"created": 2, "over quota": 2})
+    with Namespace(root) as ns:
+        assert len(ns.list_queues()) == limits.MAX_PARTITIONED_ENTITIES
+
+
+@pytest.mark.slow  # CI runs it (SPARKQUEUE_SLOW=1): two 3-second races
+@pytest.mark.parametrize(
+    ("parent", "maker", "first"),
+    [("topic", "sub-maker", None), ("subscription", "rule-maker", "topic")],
+)
+def test_a_child_created_while_its_parent_is_deleted_never_outlives_it(
+    root: str, parent: str, maker: str, first: str | None
+) -> None:
+    """A subscription (or rule) created while its topic (subscription) is deleted goes with it, never left behind.
+
+    One process creates and deletes the parent in a loop, another creates the child in a loop.
+    The parent's check and the child's insert are one catalog commit, and a delete removes the
+    children it finds in its own commit, so no child row is ever left without its parent, where
+    it would reappear under a later parent of the same name.
+    """
+    with Namespace(root) as ns:
+        if first == "topic":
+            ns.create_topic("t")
+    churn = [(procs.churn_catalog, lambda i, b, r: (root, parent, b, r, i, 3.0))]
+    reports = _run_mixed(churn + [(procs.churn_catalog, lambda i, b, r: (root, maker, b, r, i, 3.0))] * 2)
+    assert sum(n for _, n in reports) > 0, "the race never let a child land: it tested nothing"
+    with Namespace(root) as ns:
+        versions = _catalog_versions(ns.broker.catalog.uri)
+        assert len(versions) > 20
+        orphaned = {v: o for v, keys in versions.items() if (o := [k for k in keys if not _parent_present(k, keys)])}
+        assert orphaned == {}, "a catalog version held a child without its parent (a later parent would inherit it)"
+        keys = versions[max(versions)]
+        if "topic:t" not in keys:  # a new parent of the same name starts with nothing of the old one's
+            ns.create_topic("t")
+            assert ns.list_subscriptions("t") == []
+        if "subscription:t/s" not in keys:
+            ns.create_subscription("t", "s")
+            assert [r.name for r in ns.list_rules("t", "s")] == ["$Default"]
+
+
+def _catalog_versions(uri: str) -> dict[int, list[str]]:
+    """The catalog's keys at every version its log still holds (each version's one file, read back)."""
+    out: dict[int, list[str]] = {}
+    for entry in sorted(Path(uri, "_delta_log").glob("*.json")):
+        adds = [a["add"]["path"] for a in map(json.loads, entry.read_text().splitlines()) if "add" in a]
+        if adds:  # every catalog change writes the whole catalog as one file
+            out[int(entry.stem)] = pq.read_table(Path(uri, adds[0]), columns=["name"]).column("name").to_pylist()
+    return out
+
+
+def _parent_present(key: str, keys: list[str]) -> bool:
+    """Whether a subscription's topic (a rule's subscription) has a catalog row among `keys`; True for other keys."""
+    if not key.startswith(("subscription:", "rule:")):
+        return True
+    kind = "topic:" if key.startswith("subscription:") else "subscription:"
+    child = Address.parse(key)
+    return any(k.startswith(kind) and child.is_child_of(Address.parse(k)) for k in keys)
 
 
 def test_racing_creators_on_a_new_namespace(root: str) -> None:

@@ -163,10 +163,18 @@ class Catalog:
         rows = t.filter(pc.equal(t.column("name"), key)).to_pylist()
         return CatalogEntry(**rows[0]) if rows else None
 
-    def insert(self, entries: list[CatalogEntry], deadline: Deadline, same_as: Callable[[str], bool] | None = None) -> bool:
+    def insert(
+        self,
+        entries: list[CatalogEntry],
+        deadline: Deadline,
+        same_as: Callable[[str], bool] | None = None,
+        require: Callable[[list[CatalogEntry]], None] | None = None,
+    ) -> bool:
         """Insert rows in one commit unless the first one's key exists, or a key `same_as` accepts; True when inserted.
 
         Both are checked against the rows the commit replaces, so two racing inserts never both land.
+        `require` sees those rows too and raises to refuse the insert (a parent that must exist, a
+        quota), so a rule checked there holds against every concurrent change of the catalog.
         """
         src = pa.Table.from_pylist([e.__dict__ for e in entries], schema=CATALOG_SCHEMA)
 
@@ -175,6 +183,8 @@ class Catalog:
                 return None, False
             if same_as is not None and any(same_as(key) for key in rows.column("name").to_pylist()):
                 return None, False
+            if require is not None:
+                require([CatalogEntry(**r) for r in rows.to_pylist()])
             return pa.concat_tables([rows, src]), True
 
         return self._change(change, deadline, f"create {entries[0].name}")
@@ -199,13 +209,20 @@ class Catalog:
 
         return self._change(change, deadline, f"update {key}")
 
-    def delete(self, keys: list[str], deadline: Deadline) -> int:
-        """Delete keys in one commit; the number deleted."""
+    def delete(self, keys: list[str], deadline: Deadline, children: Callable[[str], bool] | None = None) -> int:
+        """Delete keys, and the keys `children` accepts when one of them exists, in one commit; how many of `keys` went.
+
+        The children are found in the rows the commit replaces, so one created concurrently goes too.
+        """
 
         def change(rows: pa.Table) -> tuple[pa.Table | None, int]:
             hit = pc.is_in(rows.column("name"), value_set=pa.array(keys, pa.string()))
             n = pc.sum(hit).as_py() or 0
-            return (rows.filter(pc.invert(hit)), n) if n else (None, 0)
+            if not n:
+                return None, 0
+            if children is not None:
+                hit = pc.or_(hit, pa.array([children(k) for k in rows.column("name").to_pylist()], pa.bool_()))
+            return rows.filter(pc.invert(hit)), n
 
         return self._change(change, deadline, f"delete {keys[0]}")
 
