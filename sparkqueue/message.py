@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import json
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
-from typing import Any
+from typing import Any, Generic, TypeVar, overload
 
 import pyarrow as pa
 import pyarrow.compute as pc
@@ -42,6 +42,57 @@ def as_utc(value: object, field_name: str) -> datetime | None:
     return min(utc, limits.LATEST_TIME)  # datetime.max ("never") is stored as the latest storable instant
 
 
+def _body(value: object, field_name: str) -> bytes:
+    """A body as stored: bytes; str as UTF-8; None as empty (the SDK's Message(body=None))."""
+    if value is None:
+        return b""
+    if isinstance(value, str):
+        return limits.check_utf8(value, field_name).encode("utf-8")
+    if not isinstance(value, (bytes, bytearray, memoryview)):
+        raise InvalidArgumentTypeError(f"{field_name} must be bytes, str or None, got {type(value).__name__}")
+    return bytes(value)
+
+
+def _text(value: object, field_name: str) -> str | None:
+    """A string property (content_type, subject, to, reply_to, reply_to_session_id): None or a str with a UTF-8 form."""
+    if value is None:
+        return None
+    if not isinstance(value, str):
+        raise InvalidArgumentTypeError(f"{field_name} must be a str, got {type(value).__name__}")
+    return limits.check_utf8(value, field_name)
+
+
+T = TypeVar("T")
+
+
+class _Checked(Generic[T]):
+    """A Message attribute checked on every assignment, in the constructor or later.
+
+    A bad value is refused where it is set, with a sparkqueue error, instead of failing a later
+    send with whatever the encoder raises.
+    """
+
+    def __init__(self, check: Callable[[object, str], T]) -> None:
+        self.check = check
+        self.name = ""
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self.name = name
+
+    @overload
+    def __get__(self, obj: None, objtype: type | None = None) -> _Checked[T]: ...
+    @overload
+    def __get__(self, obj: object, objtype: type | None = None) -> T: ...
+    def __get__(self, obj: object, objtype: type | None = None) -> T | _Checked[T]:
+        if obj is None:
+            return self
+        value: T = obj.__dict__[self.name]
+        return value
+
+    def __set__(self, obj: object, value: object) -> None:
+        obj.__dict__[self.name] = self.check(value, self.name)
+
+
 MESSAGE_FIELDS = (
     "body",
     "application_properties",
@@ -63,8 +114,19 @@ class Message:
     """A message to send (SDK: ServiceBusMessage): a body (bytes, str as UTF-8, or None) and broker properties.
 
     Ids may be given as the SDK accepts them (str, uuid.UUID, int, bytes) and read back as str. As
-    in the SDK, a partition_key that differs from the session_id is refused when assigned.
+    in the SDK, a partition_key that differs from the session_id is refused when assigned. Every
+    field is checked when it is assigned, at construction or later.
     """
+
+    body = _Checked(_body)
+    application_properties = _Checked(lambda value, _: limits.check_application_properties(value))
+    content_type = _Checked(_text)
+    subject = _Checked(_text)
+    to = _Checked(_text)
+    reply_to = _Checked(_text)
+    reply_to_session_id = _Checked(_text)
+    time_to_live = _Checked(limits.check_ttl)
+    scheduled_enqueue_time_utc = _Checked(as_utc)
 
     def __init__(
         self,
@@ -83,37 +145,21 @@ class Message:
         time_to_live: timedelta | None = None,
         scheduled_enqueue_time_utc: datetime | None = None,
     ) -> None:
-        if body is None:
-            body = b""
-        if isinstance(body, str):
-            body = limits.check_utf8(body, "body").encode("utf-8")
-        if not isinstance(body, (bytes, bytearray, memoryview)):
-            raise InvalidArgumentTypeError(f"body must be bytes, str or None, got {type(body).__name__}")
-        self.body = bytes(body)
+        self.body = body
         self.message_id = message_id
         self._session_id: str | None = None
         self._partition_key: str | None = None
         self.session_id = session_id
         self.partition_key = partition_key
-        self.application_properties = limits.check_application_properties(application_properties)
+        self.application_properties = application_properties
         self.correlation_id = correlation_id
-        for name, value in (
-            ("content_type", content_type),
-            ("subject", subject),
-            ("to", to),
-            ("reply_to", reply_to),
-            ("reply_to_session_id", reply_to_session_id),
-        ):
-            if value is not None and not isinstance(value, str):
-                raise InvalidArgumentTypeError(f"{name} must be a str, got {type(value).__name__}")
-            setattr(self, name, None if value is None else limits.check_utf8(value, name))
-        self.content_type: str | None
-        self.subject: str | None
-        self.to: str | None
-        self.reply_to: str | None
-        self.reply_to_session_id: str | None
-        self.time_to_live = limits.check_ttl(time_to_live, "time_to_live")
-        self.scheduled_enqueue_time_utc = as_utc(scheduled_enqueue_time_utc, "scheduled_enqueue_time_utc")
+        self.content_type = content_type
+        self.subject = subject
+        self.to = to
+        self.reply_to = reply_to
+        self.reply_to_session_id = reply_to_session_id
+        self.time_to_live = time_to_live
+        self.scheduled_enqueue_time_utc = scheduled_enqueue_time_utc
 
     @property
     def message_id(self) -> str | None:
@@ -180,7 +226,7 @@ class Message:
             self.reply_to,
             self.reply_to_session_id,
         )
-        props = json.dumps(self.application_properties) if self.application_properties else ""
+        props = _properties_json(self.application_properties) if self.application_properties else ""
         return len(self.body) + sum(len(s.encode("utf-8")) for s in strings if s) + len(props.encode("utf-8"))
 
 
@@ -446,7 +492,7 @@ def to_rows(messages: Iterable[Message], settings: SendSettings, now: datetime) 
     given = [m._message_id for m in msgs]
     fresh = iter(new_ids(given.count(None)))
     mids = [g if g is not None else next(fresh) for g in given]
-    props = [json.dumps(m.application_properties) if m.application_properties else None for m in msgs]
+    props = [_properties_json(m.application_properties) if m.application_properties else None for m in msgs]
     strings = {
         "session_id": sessions,
         "partition_key": [m._partition_key for m in msgs],
@@ -469,6 +515,11 @@ def to_rows(messages: Iterable[Message], settings: SendSettings, now: datetime) 
         "scheduled_enqueue_time_utc": _optional(scheduled, TIMESTAMP),
     }
     return message_rows(columns, len(msgs), settings.default_message_time_to_live, now), keys
+
+
+def _properties_json(props: dict[str, Any]) -> str:
+    """Application properties as strict JSON, checked again: the dict may have been changed since it was assigned."""
+    return json.dumps(limits.check_application_properties(props), allow_nan=False)
 
 
 def message_rows(

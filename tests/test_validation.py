@@ -53,6 +53,60 @@ def test_keys_must_be_strings(field: str, value: object) -> None:
         Message("x", **{field: value})
 
 
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [
+        ("body", 12),
+        ("application_properties", {"a": object()}),
+        ("application_properties", {"x": float("nan")}),
+        ("content_type", b"text/plain"),
+        ("subject", 5),
+        ("to", ["a"]),
+        ("reply_to", 1.0),
+        ("reply_to_session_id", "\ud800"),
+        ("time_to_live", -3),
+        ("time_to_live", timedelta(seconds=-1)),
+        ("scheduled_enqueue_time_utc", "tomorrow"),
+        ("session_id", "s" * 129),
+        ("message_id", ""),
+    ],
+)
+def test_a_field_set_after_construction_is_checked_there(ns: Namespace, field: str, value: object) -> None:
+    """A bad value assigned to a field later is refused at once, as in the constructor; the message stays sendable."""
+    ns.create_queue("q")
+    message = Message("x")
+    with pytest.raises(InvalidOperationError):
+        setattr(message, field, value)
+    with ns.get_queue_sender("q") as s:
+        s.send_messages(message)  # the refused assignment left the message as it was
+    with ns.get_queue_receiver("q") as r:
+        assert [str(m) for m in drain(r, 1)] == ["x"]
+
+
+@pytest.mark.parametrize("value", [object(), float("inf"), [1, 2]])
+def test_application_properties_changed_in_place_are_checked_at_send(ns: Namespace, value: object) -> None:
+    """A property added to the dict after it was assigned is checked when the message is sent: a clear error, nothing stored."""
+    ns.create_queue("q")
+    message = Message("x", application_properties={"ok": 1})
+    message.application_properties["bad"] = value  # type: ignore[index]
+    with ns.get_queue_sender("q") as s, pytest.raises(InvalidOperationError):
+        s.send_messages(message)
+    _nothing_stored(ns)
+
+
+def test_fields_assigned_later_are_stored_as_given(ns: Namespace) -> None:
+    """Fields set after construction are converted as the constructor converts them (str body as UTF-8, naive times as UTC)."""
+    ns.create_queue("q")
+    message = Message(None)
+    message.body = "héllo"
+    message.subject, message.time_to_live = "greeting", timedelta(minutes=5)
+    with ns.get_queue_sender("q") as s:
+        s.send_messages(message)
+    with ns.get_queue_receiver("q") as r:
+        (got,) = drain(r, 1)
+    assert (got.body, got.subject, got.time_to_live) == ("héllo".encode(), "greeting", timedelta(minutes=5))
+
+
 @pytest.mark.parametrize("field", ["content_type", "correlation_id", "subject", "to", "reply_to", "reply_to_session_id"])
 def test_string_properties_must_be_strings(field: str) -> None:
     """Broker string properties of another type raise InvalidOperationError."""
