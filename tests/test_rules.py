@@ -16,6 +16,7 @@ from sparkqueue import (
     Namespace,
     SqlRuleAction,
     SqlRuleFilter,
+    SubQueue,
     TrueRuleFilter,
 )
 from sparkqueue.errors import (
@@ -406,3 +407,41 @@ def test_two_subscriptions_two_actions_each(ns: Namespace) -> None:
         with ns.get_subscription_receiver("t", sub) as r:
             via = Counter((m.application_properties or {}).get("via") for m in peek_all(r))
         assert via == Counter({f"{sub}-x": 10, f"{sub}-y": 5})
+
+
+def test_action_setting_session_id_is_refused_where_it_would_strand_the_copy(ns: Namespace) -> None:
+    """SET sys.SessionId on a session subscription of a partitioned topic is refused; a REMOVE dead-letters the copy."""
+    ns.create_topic("t")
+    ns.create_subscription("t", "s", requires_session=True)
+    for make in (
+        lambda: ns.create_rule("t", "s", "move", action=SqlRuleAction("SET sys.SessionId = 'other'")),
+        lambda: ns.update_rule(
+            "t", "s", ns.get_rule("t", "s", "$Default"), action=SqlRuleAction("SET x = 1; SET sys.SessionId = 'o'")
+        ),
+    ):
+        with pytest.raises(InvalidOperationError, match="partition"):
+            make()
+    assert [(r.name, r.action) for r in ns.list_rules("t", "s")] == [("$Default", None)]
+    ns.create_subscription("t", "plain")  # no sessions: a copy in any partition is received
+    ns.create_rule("t", "plain", "move", action=SqlRuleAction("SET sys.SessionId = 'other'"))
+
+    ns.create_rule("t", "s", "drop", action=SqlRuleAction("REMOVE sys.SessionId"))
+    ns.get_topic_sender("t").send_messages(Message("x", message_id="m", session_id="A"))
+    with ns.get_subscription_receiver("t", "s", sub_queue=SubQueue.DEAD_LETTER) as r:
+        (dead,) = peek_all(r)
+    assert (dead.message_id, dead.session_id, dead.dead_letter_reason) == ("m", None, "SessionIdRequired")
+    with ns.get_subscription_receiver("t", "s", session_id="A") as r:
+        assert [m.message_id for m in r.receive_messages(max_wait_time=1)] == ["m"]
+
+
+def test_action_setting_session_id_on_an_unpartitioned_topic(ns: Namespace) -> None:
+    """With one partition the moved copy is where a session receiver looks: the rule is allowed and the copy received."""
+    ns.create_topic("t", enable_partitioning=False)
+    ns.create_subscription("t", "sess", requires_session=True)
+    ns.create_rule("t", "sess", "move", action=SqlRuleAction("SET sys.SessionId = 'other'"))
+    ns.delete_rule("t", "sess", "$Default")
+    ns.get_topic_sender("t").send_messages(Message("x", message_id="m", session_id="A"))
+    with ns.get_subscription_receiver("t", "sess", session_id="other") as r:
+        (m,) = r.receive_messages(max_wait_time=1)
+        assert (m.message_id, m.session_id) == ("m", "other")
+        r.complete_message(m)

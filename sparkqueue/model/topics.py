@@ -14,6 +14,7 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.compute as pc
 
+from sparkqueue.errors import InvalidOperationError
 from sparkqueue.model import limits
 from sparkqueue.storage.schema import (
     STATE_ACTIVE,
@@ -86,6 +87,22 @@ def fan_out(rows: pa.Table, subscribers: list[Subscriber], record_ids: bool, max
     if record_ids:
         parts.append(_markers(rows))
     return pa.concat_tables([p.cast(rows.schema) for p in parts]) if parts else rows.schema.empty_table()
+
+
+def check_session_action(action: Any, requires_session: bool, partition_count: int, subscription: str) -> None:
+    """Refuse a rule action setting sys.SessionId on a session subscription of a partitioned topic (docs/semantics.md §8).
+
+    The copy stays in its message's partition, while a session receiver looks for a session in the
+    partition its id selects: nobody could ever receive it. With one partition both are the same.
+    """
+    if action is None or not requires_session or partition_count <= 1 or not action.sets("session_id"):
+        return
+    raise InvalidOperationError(
+        f"subscription {subscription!r} requires sessions and its topic is partitioned: a rule action that sets "
+        "sys.SessionId would leave the copy in its message's partition while receivers of its new session look in "
+        "the partition that session id selects, so nobody could receive it. Set the session id when sending, or use "
+        "a topic created with enable_partitioning=False; nothing was changed"
+    )
 
 
 def checked_action_copies(original: pa.Table, acted: pa.Table, max_bytes: int) -> pa.Table:
