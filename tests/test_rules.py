@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import time
 from collections import Counter
+from datetime import UTC, datetime, timedelta
 from typing import Any
 
 import pytest
@@ -407,6 +408,38 @@ def test_two_subscriptions_two_actions_each(ns: Namespace) -> None:
         with ns.get_subscription_receiver("t", sub) as r:
             via = Counter((m.application_properties or {}).get("via") for m in peek_all(r))
         assert via == Counter({f"{sub}-x": 10, f"{sub}-y": 5})
+
+
+def runtime_counts(ns: Namespace, topic: str, sub: str) -> tuple[int, int]:
+    """(active, scheduled) message counts of a subscription."""
+    props = ns.get_subscription_runtime_properties(topic, sub)
+    return props.active_message_count, props.scheduled_message_count
+
+
+def test_action_scheduled_time_decides_when_the_copy_is_visible(ns: Namespace) -> None:
+    """SET or REMOVE sys.ScheduledEnqueueTimeUtc moves the copy's enqueue and expiry time, as a send with that schedule would."""
+    later = datetime.now(UTC).replace(microsecond=0) + timedelta(minutes=5)
+    past = datetime(2020, 1, 1, tzinfo=UTC)
+    ns.create_topic("t")
+    subscribe(ns, "t", "later", {"r": (TrueRuleFilter(), SqlRuleAction("SET sys.ScheduledEnqueueTimeUtc = @at", {"@at": later}))})
+    subscribe(ns, "t", "past", {"r": (TrueRuleFilter(), SqlRuleAction("SET sys.ScheduledEnqueueTimeUtc = @at", {"@at": past}))})
+    subscribe(ns, "t", "unscheduled", {"r": (TrueRuleFilter(), SqlRuleAction("REMOVE sys.ScheduledEnqueueTimeUtc"))})
+    sender = ns.get_topic_sender("t")
+    sender.send_messages(Message("now", message_id="now", time_to_live=timedelta(hours=1)))
+    sender.schedule_messages(Message("sched", message_id="sched", time_to_live=timedelta(hours=1)), later + timedelta(hours=1))
+
+    assert runtime_counts(ns, "t", "later") == (0, 2)
+    with ns.get_subscription_receiver("t", "later") as r:
+        assert r.receive_messages(max_message_count=5, max_wait_time=0.2) == []
+        copies = peek_all(r)
+    assert {(m.enqueued_time_utc, m.expires_at_utc) for m in copies} == {(later, later + timedelta(hours=1))}
+    for sub in ("past", "unscheduled"):
+        assert runtime_counts(ns, "t", sub) == (2, 0), sub
+        with ns.get_subscription_receiver("t", sub) as r:
+            got = r.receive_messages(max_message_count=5, max_wait_time=1)
+            assert sorted(m.message_id for m in got) == ["now", "sched"], sub
+            assert all(m.enqueued_time_utc < later for m in got)
+            assert all(m.expires_at_utc == m.enqueued_time_utc + timedelta(hours=1) for m in got)
 
 
 def test_action_setting_session_id_is_refused_where_it_would_strand_the_copy(ns: Namespace) -> None:

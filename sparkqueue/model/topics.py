@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
-from datetime import timedelta
+from datetime import UTC, datetime, timedelta
 from typing import Any
 
 import pyarrow as pa
@@ -106,8 +106,8 @@ def check_session_action(action: Any, requires_session: bool, partition_count: i
 
 
 def checked_action_copies(original: pa.Table, acted: pa.Table, max_bytes: int) -> pa.Table:
-    """Rule-action copies with size and expiry recomputed; a copy the action made invalid is dead-lettered unmodified."""
-    acted = _recompute_size(_recompute_expiry(acted.cast(original.schema)))
+    """Rule-action copies with enqueue time, size and expiry recomputed; a copy made invalid is dead-lettered unmodified."""
+    acted = _recompute_size(_recompute_expiry(_recompute_schedule(original, acted.cast(original.schema))))
     problems = _violations(acted, max_bytes)
     if not any(problems):
         return acted
@@ -148,6 +148,25 @@ def _set(rows: pa.Table, **values: Any) -> pa.Table:
         arr = value if isinstance(value, (pa.Array, pa.ChunkedArray)) else constant(value, type_, rows.num_rows)
         arrays[name] = arr.cast(type_)
     return with_columns(rows, **arrays)
+
+
+def _recompute_schedule(original: pa.Table, acted: pa.Table) -> pa.Table:
+    """Copies whose action set, changed or removed sys.ScheduledEnqueueTimeUtc: enqueued and available when that
+    time makes them visible, as a send with it would store them (message_rows; docs/semantics.md §8)."""
+    before, after = original.column("scheduled_enqueue_time_utc"), acted.column("scheduled_enqueue_time_utc")
+    both_null = pc.and_(pc.is_null(before), pc.is_null(after))
+    changed = pc.invert(pc.or_(both_null, pc.fill_null(pc.equal(before, after), False)))
+    if not pc.any(changed).as_py():
+        return acted
+    # The send's time: the enqueue time of a message that was not scheduled ahead; else it is now (fan-out runs in the send).
+    enqueued, clock = original.column("enqueued_time_utc"), pa.scalar(datetime.now(UTC), TIMESTAMP)
+    now = pc.if_else(pc.less(enqueued, clock), enqueued, clock)
+    visible = pc.if_else(pc.fill_null(pc.greater(after, now), False), after, now)
+    return _set(
+        acted,
+        enqueued_time_utc=pc.if_else(changed, visible, acted.column("enqueued_time_utc")),
+        available_at_utc=pc.if_else(changed, visible, acted.column("available_at_utc")),
+    )
 
 
 def _recompute_expiry(rows: pa.Table) -> pa.Table:
