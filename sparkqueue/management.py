@@ -47,7 +47,7 @@ from sparkqueue.model.properties import (
     build_properties,
     check_update,
 )
-from sparkqueue.model.topics import ACCEPTED_MARKER
+from sparkqueue.model.topics import ACCEPTED_MARKER, check_session_action
 from sparkqueue.storage import maintenance
 from sparkqueue.storage.catalog import CatalogEntry
 from sparkqueue.storage.check import Finding, check_table
@@ -383,6 +383,7 @@ class Management:
         sub_entry = self.broker.entry(SUBSCRIPTION, sub_entity_name(topic_name, subscription_name))
         flt = filter if filter is not None else TrueRuleFilter()
         _check_rule(flt, action)
+        self._check_action_fits(topic_name, subscription_name, action)
         now = datetime.now(UTC)
         key = Address.of(RULE, rule_entity_name(topic_name, subscription_name, rule_name)).key
         entry = CatalogEntry(key, RULE, "", _rule_json(flt, action), now, now)
@@ -421,6 +422,7 @@ class Management:
         _check_rule(flt, action)
         key = Address.of(RULE, rule_entity_name(topic_name, subscription_name, rule.name)).key
         self.broker.entry(RULE, rule_entity_name(topic_name, subscription_name, rule.name))
+        self._check_action_fits(topic_name, subscription_name, action)
         if not self.broker.catalog.update(key, _rule_json(flt, action), self.broker.deadline()):
             raise EntityNotFoundError(f"rule {rule.name!r} does not exist on {topic_name}/{subscription_name}")
         self.broker.forget(Address.of(TOPIC, topic_name).key)
@@ -515,6 +517,12 @@ class Management:
             with self.broker.lock:
                 self.broker.tables.clear()  # handles re-read the repaired log
         return findings
+
+    def _check_action_fits(self, topic_name: str, subscription_name: str, action: Any) -> None:
+        """Refuse an action whose copies the subscription could never deliver (EntityNotFoundError if it does not exist)."""
+        sub = self.get_subscription(topic_name, subscription_name)
+        name = Address.subscription_of(topic_name, subscription_name).path
+        check_session_action(action, bool(sub.requires_session), sub.partition_count, name)
 
     def _no_rule_changes_in_transaction(self) -> None:
         if open_transaction(self.broker) is not None:

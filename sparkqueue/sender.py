@@ -25,8 +25,10 @@ from sparkqueue.message import (
     to_rows,
 )
 from sparkqueue.model import limits
+from sparkqueue.model.addresses import TOPIC
 from sparkqueue.model.deadlines import call_timeout
 from sparkqueue.model.entity import utcnow
+from sparkqueue.model.topics import message_numbers
 
 if TYPE_CHECKING:
     from pyspark.sql import DataFrame, SparkSession
@@ -125,7 +127,11 @@ class Sender:
             return self._send(msgs)
 
     def schedule_messages(self, messages: object, schedule_time_utc: datetime, *, timeout: float | None = None) -> list[int]:
-        """Send messages that stay invisible until schedule_time_utc; returns their sequence numbers."""
+        """Send messages that stay invisible until schedule_time_utc; returns their sequence numbers.
+
+        One number per stored message, also on a topic: its first copy's, which cancel_scheduled_messages
+        takes to remove every subscription's copy (docs/semantics.md §5).
+        """
         self._check_open()
         when = as_utc(schedule_time_utc, "schedule_time_utc")
         msgs = as_message_list(messages)
@@ -134,7 +140,7 @@ class Sender:
         for m in msgs:
             m.scheduled_enqueue_time_utc = when
         with call_timeout(timeout):
-            return self._send(msgs)
+            return self._send(msgs, one_per_message=True)
 
     def cancel_scheduled_messages(self, sequence_numbers: int | Sequence[int], *, timeout: float | None = None) -> None:
         """Remove scheduled messages that have not become visible yet."""
@@ -158,14 +164,18 @@ class Sender:
         self._check_open()
         return send_dataframe(self._ns.broker, self.entity_type, self.entity_name, df, preserve_order=preserve_order)
 
-    def _send(self, msgs: list[Message]) -> list[int]:
-        """Store the messages through the broker's one send path (inside a transaction: recorded, no numbers yet)."""
+    def _send(self, msgs: list[Message], *, one_per_message: bool = False) -> list[int]:
+        """Store the messages through the broker's one send path (inside a transaction: recorded, no numbers yet).
+
+        Returns the stored rows' numbers: on a topic every copy's, or with `one_per_message` each message's first copy's.
+        """
         if not msgs:
             return []
         entity = self._ns.broker.entity(self.entity_type, self.entity_name)
         check_status(entity.props, "send", entity.name)
         rows, keys = to_rows(msgs, send_settings(self._ns.tier, entity.props), utcnow())
-        seqs: list[int] = (
-            self._ns.broker.send(self.entity_type, self.entity_name, rows, keys).column("sequence_number").to_pylist()
-        )
+        stored = self._ns.broker.send(self.entity_type, self.entity_name, rows, keys)
+        if one_per_message and self.entity_type == TOPIC:
+            return message_numbers(stored)
+        seqs: list[int] = stored.column("sequence_number").to_pylist()
         return seqs

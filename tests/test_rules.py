@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import time
 from collections import Counter
+from datetime import UTC, datetime, timedelta
 from typing import Any
 
 import pytest
@@ -16,6 +17,7 @@ from sparkqueue import (
     Namespace,
     SqlRuleAction,
     SqlRuleFilter,
+    SubQueue,
     TrueRuleFilter,
 )
 from sparkqueue.errors import (
@@ -406,3 +408,73 @@ def test_two_subscriptions_two_actions_each(ns: Namespace) -> None:
         with ns.get_subscription_receiver("t", sub) as r:
             via = Counter((m.application_properties or {}).get("via") for m in peek_all(r))
         assert via == Counter({f"{sub}-x": 10, f"{sub}-y": 5})
+
+
+def runtime_counts(ns: Namespace, topic: str, sub: str) -> tuple[int, int]:
+    """(active, scheduled) message counts of a subscription."""
+    props = ns.get_subscription_runtime_properties(topic, sub)
+    return props.active_message_count, props.scheduled_message_count
+
+
+def test_action_scheduled_time_decides_when_the_copy_is_visible(ns: Namespace) -> None:
+    """SET or REMOVE sys.ScheduledEnqueueTimeUtc moves the copy's enqueue and expiry time, as a send with that schedule would."""
+    later = datetime.now(UTC).replace(microsecond=0) + timedelta(minutes=5)
+    past = datetime(2020, 1, 1, tzinfo=UTC)
+    ns.create_topic("t")
+    subscribe(ns, "t", "later", {"r": (TrueRuleFilter(), SqlRuleAction("SET sys.ScheduledEnqueueTimeUtc = @at", {"@at": later}))})
+    subscribe(ns, "t", "past", {"r": (TrueRuleFilter(), SqlRuleAction("SET sys.ScheduledEnqueueTimeUtc = @at", {"@at": past}))})
+    subscribe(ns, "t", "unscheduled", {"r": (TrueRuleFilter(), SqlRuleAction("REMOVE sys.ScheduledEnqueueTimeUtc"))})
+    sender = ns.get_topic_sender("t")
+    sender.send_messages(Message("now", message_id="now", time_to_live=timedelta(hours=1)))
+    sender.schedule_messages(Message("sched", message_id="sched", time_to_live=timedelta(hours=1)), later + timedelta(hours=1))
+
+    assert runtime_counts(ns, "t", "later") == (0, 2)
+    with ns.get_subscription_receiver("t", "later") as r:
+        assert r.receive_messages(max_message_count=5, max_wait_time=0.2) == []
+        copies = peek_all(r)
+    assert {(m.enqueued_time_utc, m.expires_at_utc) for m in copies} == {(later, later + timedelta(hours=1))}
+    for sub in ("past", "unscheduled"):
+        assert runtime_counts(ns, "t", sub) == (2, 0), sub
+        with ns.get_subscription_receiver("t", sub) as r:
+            got = r.receive_messages(max_message_count=5, max_wait_time=1)
+            assert sorted(m.message_id for m in got) == ["now", "sched"], sub
+            assert all(m.enqueued_time_utc < later for m in got)
+            assert all(m.expires_at_utc == m.enqueued_time_utc + timedelta(hours=1) for m in got)
+
+
+def test_action_setting_session_id_is_refused_where_it_would_strand_the_copy(ns: Namespace) -> None:
+    """SET sys.SessionId on a session subscription of a partitioned topic is refused; a REMOVE dead-letters the copy."""
+    ns.create_topic("t")
+    ns.create_subscription("t", "s", requires_session=True)
+    for make in (
+        lambda: ns.create_rule("t", "s", "move", action=SqlRuleAction("SET sys.SessionId = 'other'")),
+        lambda: ns.update_rule(
+            "t", "s", ns.get_rule("t", "s", "$Default"), action=SqlRuleAction("SET x = 1; SET sys.SessionId = 'o'")
+        ),
+    ):
+        with pytest.raises(InvalidOperationError, match="partition"):
+            make()
+    assert [(r.name, r.action) for r in ns.list_rules("t", "s")] == [("$Default", None)]
+    ns.create_subscription("t", "plain")  # no sessions: a copy in any partition is received
+    ns.create_rule("t", "plain", "move", action=SqlRuleAction("SET sys.SessionId = 'other'"))
+
+    ns.create_rule("t", "s", "drop", action=SqlRuleAction("REMOVE sys.SessionId"))
+    ns.get_topic_sender("t").send_messages(Message("x", message_id="m", session_id="A"))
+    with ns.get_subscription_receiver("t", "s", sub_queue=SubQueue.DEAD_LETTER) as r:
+        (dead,) = peek_all(r)
+    assert (dead.message_id, dead.session_id, dead.dead_letter_reason) == ("m", None, "SessionIdRequired")
+    with ns.get_subscription_receiver("t", "s", session_id="A") as r:
+        assert [m.message_id for m in r.receive_messages(max_wait_time=1)] == ["m"]
+
+
+def test_action_setting_session_id_on_an_unpartitioned_topic(ns: Namespace) -> None:
+    """With one partition the moved copy is where a session receiver looks: the rule is allowed and the copy received."""
+    ns.create_topic("t", enable_partitioning=False)
+    ns.create_subscription("t", "sess", requires_session=True)
+    ns.create_rule("t", "sess", "move", action=SqlRuleAction("SET sys.SessionId = 'other'"))
+    ns.delete_rule("t", "sess", "$Default")
+    ns.get_topic_sender("t").send_messages(Message("x", message_id="m", session_id="A"))
+    with ns.get_subscription_receiver("t", "sess", session_id="other") as r:
+        (m,) = r.receive_messages(max_wait_time=1)
+        assert (m.message_id, m.session_id) == ("m", "other")
+        r.complete_message(m)

@@ -16,6 +16,7 @@ from sparkqueue import (
     Message,
     Namespace,
     ReceiveMode,
+    SqlRuleAction,
     SqlRuleFilter,
     SubQueue,
 )
@@ -651,3 +652,44 @@ def test_session_subscription(ns: Namespace) -> None:
     sessions = {s.session_id for s in ns.list_subscription_sessions("t", "s")}
     assert {"A", "B"} <= sessions
     assert sum(ids_in(ns, "t", "plain").values()) == 8
+
+
+def test_topic_schedule_gives_one_number_per_message(ns: Namespace) -> None:
+    """schedule_messages on a topic returns one number per message; cancelling it removes every subscription's copy."""
+    ns.create_topic("t")
+    ns.create_subscription("t", "a")
+    ns.create_subscription("t", "b")
+    ns.create_rule("t", "b", "tagged", action=SqlRuleAction("SET via = 'b'"))  # b holds two copies of each message
+    sender = ns.get_topic_sender("t")
+    when = datetime.now(UTC) + timedelta(minutes=5)
+    keys = [key_for_partition(3), key_for_partition(9), key_for_partition(5)]
+    seqs = sender.schedule_messages([Message(k, message_id=f"m{i}", partition_key=k) for i, k in enumerate(keys)], when)
+    assert [s >> 48 for s in seqs] == [3, 5, 9]  # one per message, in the partition of its key
+    assert ns.get_subscription_runtime_properties("t", "b").scheduled_message_count == 6
+
+    sender.cancel_scheduled_messages(seqs[:2])  # m0 (partition 3) and m2 (partition 5)
+    for sub, copies in (("a", 1), ("b", 2)):
+        assert ids_in(ns, "t", sub) == Counter({"m1": copies}), sub
+        assert ns.get_subscription_runtime_properties("t", sub).scheduled_message_count == copies
+    sender.cancel_scheduled_messages(seqs)  # m0's and m2's numbers name nothing now (ignored, as for a queue); m1 goes
+    assert ns.get_topic_runtime_properties("t").scheduled_message_count == 0
+
+
+def test_topic_schedule_numbers_unmatched_and_visible(ns: Namespace) -> None:
+    """A message no subscription takes gets no number; cancelling a number of visible copies changes nothing."""
+    ns.create_topic("t")
+    ns.create_subscription("t", "s")
+    only_rule(ns, "t", "s", "n = 1")
+    sender = ns.get_topic_sender("t")
+    when = datetime.now(UTC) + timedelta(minutes=5)
+    seqs = sender.schedule_messages(
+        [Message("1", application_properties={"n": 1}), Message("2", application_properties={"n": 2})], when
+    )
+    assert len(seqs) == 1
+    sent = sender.send_messages([Message("now", message_id="now", application_properties={"n": 1})])
+    sender.cancel_scheduled_messages(sent)
+    props = ns.get_subscription_runtime_properties("t", "s")
+    assert (props.active_message_count, props.scheduled_message_count) == (1, 1)
+    sender.cancel_scheduled_messages(seqs)
+    assert ns.get_subscription_runtime_properties("t", "s").scheduled_message_count == 0
+    assert ids_in(ns, "t", "s") == Counter({"now": 1})

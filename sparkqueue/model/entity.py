@@ -30,6 +30,7 @@ from sparkqueue.model.properties import (
     SubscriptionProperties,
     TopicProperties,
 )
+from sparkqueue.model.topics import copy_run, live_copies
 from sparkqueue.storage.files import MAX_FILE_ROWS
 from sparkqueue.storage.log import CommitConflict, Fence, Snapshot
 from sparkqueue.storage.retry import Deadline, backoff, retry_commit
@@ -47,13 +48,22 @@ from sparkqueue.storage.schema import (
     constant,
     keep_rows,
 )
-from sparkqueue.storage.table import SEQUENCE_BITS, SEQUENCE_MASK, EntityTable, Expand, empty_changes, partition_of
+from sparkqueue.storage.table import (
+    SEQUENCE_BITS,
+    SEQUENCE_MASK,
+    EntityTable,
+    Expand,
+    empty_changes,
+    partition_of,
+    sequence_number,
+)
 
 log = logging.getLogger(__name__)
 
 ROW_COLUMNS = ENTITY_COLUMNS[1:]  # every column but the partition id, which lives in the path
 LOCK_ATTEMPTS_PER_PARTITION = 3
 POLL_MIN_S, POLL_MAX_S = 0.02, 0.5
+COPY_WINDOW = 256  # sequence numbers read either side of a topic message's number to find its copies (widened as needed)
 
 
 def utcnow() -> datetime:
@@ -393,13 +403,18 @@ class Entity:
         return retry_commit(attempt, self.deadline(), f"transaction on {self.name}")
 
     def cancel_scheduled(self, seqs: Sequence[int]) -> int:
-        """Remove scheduled (not yet visible, unlocked) messages; returns how many were removed."""
+        """Remove scheduled (not yet visible, unlocked) messages; returns how many rows were removed.
+
+        On a topic a number names a message: every subscription's copy of it goes (topic_copies).
+        """
         removed = 0
         for p, group in _by_partition(seqs).items():
 
             def attempt(p: int = p, group: list[int] = group) -> int:
                 dt = self.table.snapshot()
                 now = pa.scalar(utcnow(), TIMESTAMP)
+                if self.subscription == ANY_SUBSCRIPTION:
+                    group = sorted({c for seq in group for c in self.topic_copies(dt, p, seq)})
                 rows = self.table.rows_by_sequence(dt, p, group, STATE_COLUMNS)
                 rows = rows.filter(self.owns(rows))
                 mask = pc.and_(
@@ -413,6 +428,27 @@ class Entity:
 
             removed += retry_commit(attempt, self.deadline(), f"cancel scheduled on {self.name}")
         return removed
+
+    def topic_copies(self, dt: Snapshot, p: int, seq: int) -> list[int]:
+        """Numbers of every copy of the topic message whose copy is numbered `seq` ([] when none is live).
+
+        A message's copies are the run of consecutive copies sharing its id (docs/semantics.md §5),
+        read in a window around `seq` that widens while the run reaches its edge.
+        """
+        first, last = sequence_number(p, 0), sequence_number(p, SEQUENCE_MASK)
+        reach, seen = COPY_WINDOW, -1
+        while True:
+            lo, hi = max(seq - reach, first), min(seq + reach, last)
+            rows = live_copies(self.table.rows_between(dt, p, lo, hi, ["kind", "state", "subscription", "message_id"]))
+            run = copy_run(rows, seq)
+            if run is None:
+                return []
+            i, j = run
+            inside = (i > 0 or lo == first) and j < rows.num_rows
+            if inside or rows.num_rows == seen:  # the run ends inside the window, or there is nothing more around
+                copies: list[int] = rows.column("sequence_number").to_pylist()[i:j]
+                return copies
+            reach, seen = reach * 8, rows.num_rows
 
     # ---- browse and count ----------------------------------------------------------------------
 

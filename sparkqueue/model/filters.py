@@ -803,6 +803,13 @@ class SqlRuleAction:
             _execute(statement, ctx)
         return ctx.to_table()
 
+    def sets(self, column: str) -> bool:
+        """True when a SET statement writes the system property stored in ``column`` (e.g. ``"session_id"``)."""
+        return any(
+            isinstance(s, SetStatement) and isinstance(s.target, SysProp) and s.target.prop.column == column
+            for s in self._statements
+        )
+
     def to_dict(self) -> dict[str, Any]:
         """JSON-serialisable description for the rule catalog (see ``action_from_dict``)."""
         return {

@@ -8,14 +8,16 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
-from datetime import timedelta
+from datetime import UTC, datetime, timedelta
 from typing import Any
 
 import pyarrow as pa
 import pyarrow.compute as pc
 
+from sparkqueue.errors import InvalidOperationError
 from sparkqueue.model import limits
 from sparkqueue.storage.schema import (
+    KIND_MESSAGE,
     STATE_ACTIVE,
     STATE_COMPLETED,
     STRING_PROPERTY_COLUMNS,
@@ -24,6 +26,7 @@ from sparkqueue.storage.schema import (
     constant,
     with_columns,
 )
+from sparkqueue.storage.table import partition_of
 
 # Subscription key of the rows that only record an accepted message id, so a duplicate-detecting
 # topic detects repeats even of messages no subscription took. Subscription names cannot start with '$'.
@@ -35,6 +38,7 @@ RULE_ACTION_REASON = "RuleActionViolation"
 # there, so it is dead-lettered in that subscription at fan-out with this reason.
 SESSION_REQUIRED_REASON = "SessionIdRequired"
 _KEY_COLUMNS = ("message_id", "session_id", "partition_key")
+_ORIGIN = "__origin"  # fan-out's working column: the index of the message a copy came from (never stored)
 
 
 @dataclass(frozen=True)
@@ -62,8 +66,10 @@ def fan_out(rows: pa.Table, subscribers: list[Subscriber], record_ids: bool, max
     Rules without an action that match give one copy between them; each matching rule with an
     action gives a copy of its own, modified by the action and checked again against the message
     limits (`max_message_bytes`, default the standard tier's). Filters are evaluated per batch.
+    Each message's copies come together, in message order (by_message), markers last.
     """
     cap = max_message_bytes if max_message_bytes is not None else limits.MAX_MESSAGE_BYTES[limits.STANDARD]
+    indexed = rows.append_column(_ORIGIN, pa.array(range(rows.num_rows), pa.int64()))
     parts: list[pa.Table] = []
     for sub in subscribers:
         first = len(parts)
@@ -73,24 +79,92 @@ def fan_out(rows: pa.Table, subscribers: list[Subscriber], record_ids: bool, max
             if rule.action is None:
                 plain = hit if plain is None else pc.or_(plain, hit)
                 continue
-            matched = rows.filter(hit)
+            matched = indexed.filter(hit)
             if matched.num_rows:
-                acted = checked_action_copies(matched, rule.action.apply(matched).select(rows.schema.names), cap)
+                acted = checked_action_copies(matched, rule.action.apply(matched).select(indexed.schema.names), cap)
                 parts.append(_cap_ttl(_tag(acted, sub.key), sub))
         if plain is not None:
-            matched = rows.filter(plain)
+            matched = indexed.filter(plain)
             if matched.num_rows:
                 parts.append(_cap_ttl(_tag(matched, sub.key), sub))
         if sub.requires_session:
             parts[first:] = [sessionless_dead_lettered(p, "subscription") for p in parts[first:]]
+    out = [by_message(parts, rows)] if parts else []
     if record_ids:
-        parts.append(_markers(rows))
-    return pa.concat_tables([p.cast(rows.schema) for p in parts]) if parts else rows.schema.empty_table()
+        out.append(_markers(rows))
+    return pa.concat_tables([p.cast(rows.schema) for p in out]) if out else rows.schema.empty_table()
+
+
+def by_message(parts: list[pa.Table], rows: pa.Table) -> pa.Table:
+    """The copies (with _ORIGIN) in message order, each message's together and those keeping its id first.
+
+    One message's copies then take consecutive sequence numbers and share its id: that run is
+    how one number names the message on a topic (message_numbers, copy_run; docs/semantics.md §5).
+    """
+    schema = rows.schema.append(pa.field(_ORIGIN, pa.int64()))
+    copies = pa.concat_tables([p.cast(schema) for p in parts])
+    if len(parts) > 1:
+        origin = copies.column(_ORIGIN)
+        sent_id = pc.take(rows.column("message_id"), origin)
+        renamed = pc.fill_null(pc.not_equal(copies.column("message_id"), sent_id), True).cast(pa.int8())
+        keys = pa.table({"origin": origin, "renamed": renamed})
+        copies = copies.take(pc.sort_indices(keys, sort_keys=[("origin", "ascending"), ("renamed", "ascending")]))
+    return copies.drop_columns([_ORIGIN])
+
+
+def message_numbers(stored: pa.Table) -> list[int]:
+    """One number per message a topic send stored, its first copy's: copies in sequence order per partition, runs by id."""
+    seqs = stored.column("sequence_number").to_pylist()
+    ids = stored.column("message_id").to_pylist()
+    return [seq for i, seq in enumerate(seqs) if i == 0 or ids[i] != ids[i - 1] or partition_of(seq) != partition_of(seqs[i - 1])]
+
+
+def live_copies(rows: pa.Table) -> pa.Table:
+    """The rows that are subscriptions' message copies (no session rows, id markers or tombstones)."""
+    sub = rows.column("subscription")
+    keep = pc.and_(
+        pc.and_(pc.equal(rows.column("kind"), KIND_MESSAGE), pc.not_equal(rows.column("state"), STATE_COMPLETED)),
+        pc.fill_null(pc.not_equal(sub, ACCEPTED_MARKER), False),
+    )
+    return rows.filter(keep)
+
+
+def copy_run(copies: pa.Table, seq: int) -> tuple[int, int] | None:
+    """Index range [i, j) in `copies` (live copies, in sequence order) of the run of copies sharing the id of copy `seq`.
+
+    None when no live copy has that number.
+    """
+    seqs = copies.column("sequence_number").to_pylist()
+    if seq not in seqs:
+        return None
+    ids = copies.column("message_id").to_pylist()
+    i = j = seqs.index(seq)
+    while i > 0 and ids[i - 1] == ids[j]:
+        i -= 1
+    while j < len(ids) and ids[j] == ids[i]:
+        j += 1
+    return i, j
+
+
+def check_session_action(action: Any, requires_session: bool, partition_count: int, subscription: str) -> None:
+    """Refuse a rule action setting sys.SessionId on a session subscription of a partitioned topic (docs/semantics.md §8).
+
+    The copy stays in its message's partition, while a session receiver looks for a session in the
+    partition its id selects: nobody could ever receive it. With one partition both are the same.
+    """
+    if action is None or not requires_session or partition_count <= 1 or not action.sets("session_id"):
+        return
+    raise InvalidOperationError(
+        f"subscription {subscription!r} requires sessions and its topic is partitioned: a rule action that sets "
+        "sys.SessionId would leave the copy in its message's partition while receivers of its new session look in "
+        "the partition that session id selects, so nobody could receive it. Set the session id when sending, or use "
+        "a topic created with enable_partitioning=False; nothing was changed"
+    )
 
 
 def checked_action_copies(original: pa.Table, acted: pa.Table, max_bytes: int) -> pa.Table:
-    """Rule-action copies with size and expiry recomputed; a copy the action made invalid is dead-lettered unmodified."""
-    acted = _recompute_size(_recompute_expiry(acted.cast(original.schema)))
+    """Rule-action copies with enqueue time, size and expiry recomputed; a copy made invalid is dead-lettered unmodified."""
+    acted = _recompute_size(_recompute_expiry(_recompute_schedule(original, acted.cast(original.schema))))
     problems = _violations(acted, max_bytes)
     if not any(problems):
         return acted
@@ -131,6 +205,25 @@ def _set(rows: pa.Table, **values: Any) -> pa.Table:
         arr = value if isinstance(value, (pa.Array, pa.ChunkedArray)) else constant(value, type_, rows.num_rows)
         arrays[name] = arr.cast(type_)
     return with_columns(rows, **arrays)
+
+
+def _recompute_schedule(original: pa.Table, acted: pa.Table) -> pa.Table:
+    """Copies whose action set, changed or removed sys.ScheduledEnqueueTimeUtc: enqueued and available when that
+    time makes them visible, as a send with it would store them (message_rows; docs/semantics.md §8)."""
+    before, after = original.column("scheduled_enqueue_time_utc"), acted.column("scheduled_enqueue_time_utc")
+    both_null = pc.and_(pc.is_null(before), pc.is_null(after))
+    changed = pc.invert(pc.or_(both_null, pc.fill_null(pc.equal(before, after), False)))
+    if not pc.any(changed).as_py():
+        return acted
+    # The send's time: the enqueue time of a message that was not scheduled ahead; else it is now (fan-out runs in the send).
+    enqueued, clock = original.column("enqueued_time_utc"), pa.scalar(datetime.now(UTC), TIMESTAMP)
+    now = pc.if_else(pc.less(enqueued, clock), enqueued, clock)
+    visible = pc.if_else(pc.fill_null(pc.greater(after, now), False), after, now)
+    return _set(
+        acted,
+        enqueued_time_utc=pc.if_else(changed, visible, acted.column("enqueued_time_utc")),
+        available_at_utc=pc.if_else(changed, visible, acted.column("available_at_utc")),
+    )
 
 
 def _recompute_expiry(rows: pa.Table) -> pa.Table:

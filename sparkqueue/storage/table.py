@@ -417,6 +417,13 @@ class EntityTable:
         t = self._read(files, cols)
         return in_sequence(keep_rows(t, pc.is_in(t.column("sequence_number"), value_set=wanted)))
 
+    def rows_between(self, dt: Snapshot, partition: int, lo: int, hi: int, columns: Sequence[str]) -> pa.Table:
+        """Current rows of one partition numbered lo..hi (inclusive), of every kind and state, in sequence order."""
+        cols = list(dict.fromkeys(["sequence_number", *columns]))
+        t = self._read([f for f in self.files(dt, partition) if f.max_seq >= lo and f.min_seq <= hi], cols)
+        seqs = t.column("sequence_number")
+        return in_sequence(keep_rows(t, pc.and_(pc.greater_equal(seqs, lo), pc.less_equal(seqs, hi))))
+
     def scan(
         self,
         dt: Snapshot,
