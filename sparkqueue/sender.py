@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+from collections import deque
 from collections.abc import Mapping, Sequence
 from datetime import datetime
 from typing import TYPE_CHECKING
@@ -28,9 +29,10 @@ from sparkqueue.model import limits
 from sparkqueue.model.addresses import TOPIC
 from sparkqueue.model.deadlines import call_timeout
 from sparkqueue.model.entity import utcnow
-from sparkqueue.model.topics import message_numbers
+from sparkqueue.model.topics import first_copies
 
 if TYPE_CHECKING:
+    import pyarrow as pa
     from pyspark.sql import DataFrame, SparkSession
 
     from sparkqueue.namespace import Namespace
@@ -175,7 +177,21 @@ class Sender:
         check_status(entity.props, "send", entity.name)
         rows, keys = to_rows(msgs, send_settings(self._ns.tier, entity.props), utcnow())
         stored = self._ns.broker.send(self.entity_type, self.entity_name, rows, keys)
-        if one_per_message and self.entity_type == TOPIC:
-            return message_numbers(stored)
-        seqs: list[int] = stored.column("sequence_number").to_pylist()
-        return seqs
+        if self.entity_type == TOPIC:
+            if not one_per_message:
+                seqs: list[int] = stored.column("sequence_number").to_pylist()
+                return seqs  # every copy's number
+            stored = first_copies(stored)
+        return _in_given_order(rows.column("message_id").to_pylist(), stored)
+
+
+def _in_given_order(sent_ids: list[str], stored: pa.Table) -> list[int]:
+    """The stored messages' numbers in the order the messages were given (the store returns them partition by partition).
+
+    A message the send dropped (a duplicate within the detection window) has no number. Messages
+    sharing an id take that id's numbers in the order they were stored.
+    """
+    by_id: dict[str, deque[int]] = {}
+    for mid, seq in zip(stored.column("message_id").to_pylist(), stored.column("sequence_number").to_pylist(), strict=True):
+        by_id.setdefault(mid, deque()).append(seq)
+    return [by_id[mid].popleft() for mid in sent_ids if by_id.get(mid)]

@@ -581,6 +581,26 @@ def test_schedule_messages_returns_sequence_numbers_and_cancel_removes(ns: Names
     assert str(got[0]) == "c"
 
 
+def test_returned_numbers_follow_the_order_of_the_messages(ns: Namespace) -> None:
+    """send_messages and schedule_messages return each message's number in the order given, though keyed messages
+    land in different partitions (so `zip(messages, numbers)` pairs them); a dropped duplicate has none."""
+    ns.create_queue("q", requires_duplicate_detection=True)
+    parts = [7, 2, 11, 2, 0]
+    msgs = [Message(str(i), message_id=f"m{i}", partition_key=key_for_partition(p, f"k{i}")) for i, p in enumerate(parts)]
+    with ns.get_queue_sender("q") as s:
+        seqs = s.send_messages([*msgs, Message("again", message_id="m2", partition_key=msgs[2].partition_key)])
+        later = s.schedule_messages(list(reversed(msgs[:3])), datetime.now(UTC) + timedelta(minutes=5))
+    assert [n >> 48 for n in seqs] == parts
+    assert later == []  # the same ids again: all three are duplicates within the window
+    with ns.get_queue_receiver("q") as r:
+        by_number = {m.sequence_number: m.message_id for m in peek_all(r)}
+    assert [by_number[n] for n in seqs] == [m.message_id for m in msgs]
+    ns.create_queue("plain")
+    with ns.get_queue_sender("plain") as s:
+        numbers = s.schedule_messages(list(reversed(msgs)), datetime.now(UTC) + timedelta(minutes=5))
+    assert [n >> 48 for n in numbers] == list(reversed(parts))
+
+
 def test_naive_schedule_time_is_read_as_utc(ns: Namespace) -> None:
     """A naive datetime given as schedule time (or scheduled_enqueue_time_utc) is read as UTC."""
     ns.create_queue("q")

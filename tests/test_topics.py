@@ -664,10 +664,10 @@ def test_topic_schedule_gives_one_number_per_message(ns: Namespace) -> None:
     when = datetime.now(UTC) + timedelta(minutes=5)
     keys = [key_for_partition(3), key_for_partition(9), key_for_partition(5)]
     seqs = sender.schedule_messages([Message(k, message_id=f"m{i}", partition_key=k) for i, k in enumerate(keys)], when)
-    assert [s >> 48 for s in seqs] == [3, 5, 9]  # one per message, in the partition of its key
+    assert [s >> 48 for s in seqs] == [3, 9, 5]  # one per message, in the partition of its key, in the order given
     assert ns.get_subscription_runtime_properties("t", "b").scheduled_message_count == 6
 
-    sender.cancel_scheduled_messages(seqs[:2])  # m0 (partition 3) and m2 (partition 5)
+    sender.cancel_scheduled_messages([seqs[0], seqs[2]])  # m0 (partition 3) and m2 (partition 5)
     for sub, copies in (("a", 1), ("b", 2)):
         assert ids_in(ns, "t", sub) == Counter({"m1": copies}), sub
         assert ns.get_subscription_runtime_properties("t", sub).scheduled_message_count == copies

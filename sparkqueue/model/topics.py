@@ -99,7 +99,7 @@ def by_message(parts: list[pa.Table], rows: pa.Table) -> pa.Table:
     """The copies (with _ORIGIN) in message order, each message's together and those keeping its id first.
 
     One message's copies then take consecutive sequence numbers and share its id: that run is
-    how one number names the message on a topic (message_numbers, copy_run; docs/semantics.md §5).
+    how one number names the message on a topic (first_copies, copy_run; docs/semantics.md §5).
     """
     schema = rows.schema.append(pa.field(_ORIGIN, pa.int64()))
     copies = pa.concat_tables([p.cast(schema) for p in parts])
@@ -112,11 +112,15 @@ def by_message(parts: list[pa.Table], rows: pa.Table) -> pa.Table:
     return copies.drop_columns([_ORIGIN])
 
 
-def message_numbers(stored: pa.Table) -> list[int]:
-    """One number per message a topic send stored, its first copy's: copies in sequence order per partition, runs by id."""
+def first_copies(stored: pa.Table) -> pa.Table:
+    """Each message's first copy among the rows a topic send stored (in sequence order per partition, runs by id).
+
+    Its number names the message (cancel_scheduled_messages takes every copy of the run).
+    """
     seqs = stored.column("sequence_number").to_pylist()
     ids = stored.column("message_id").to_pylist()
-    return [seq for i, seq in enumerate(seqs) if i == 0 or ids[i] != ids[i - 1] or partition_of(seq) != partition_of(seqs[i - 1])]
+    first = [i == 0 or ids[i] != ids[i - 1] or partition_of(seqs[i]) != partition_of(seqs[i - 1]) for i in range(len(seqs))]
+    return stored.filter(pa.array(first, pa.bool_()))
 
 
 def live_copies(rows: pa.Table) -> pa.Table:
