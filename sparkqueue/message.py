@@ -6,7 +6,7 @@ import json
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
-from typing import Any, Generic, TypeVar, overload
+from typing import Any
 
 import pyarrow as pa
 import pyarrow.compute as pc
@@ -53,6 +53,30 @@ def _body(value: object, field_name: str) -> bytes:
     return bytes(value)
 
 
+def _message_id(value: object, field_name: str) -> str | None:
+    """A message id: None (assigned on send) or a non-empty string of at most 128 characters (a UUID is read as str)."""
+    mid = limits.check_key(value, field_name)
+    if mid == "":
+        raise InvalidOperationError("message_id must not be empty (None lets sparkqueue assign one)")
+    return mid
+
+
+def _correlation_id(value: object, field_name: str) -> str | None:
+    """A correlation id: None or a string (a uuid.UUID is read back as str)."""
+    text = limits.as_id_string(value, field_name)
+    return None if text is None else limits.check_utf8(text, field_name)
+
+
+def _partition_key(value: object, session_id: str | None) -> str | None:
+    """A partition key: as a message id, and equal to the session id when the message has one (the SDK's rule)."""
+    key = limits.check_key(value, "partition_key")
+    if key is not None and session_id is not None and key != session_id:
+        raise InvalidOperationError(
+            f"partition_key {key!r} cannot differ from session_id {session_id!r}: the session id is the partition key"
+        )
+    return key
+
+
 def _text(value: object, field_name: str) -> str | None:
     """A string property (content_type, subject, to, reply_to, reply_to_session_id): None or a str with a UTF-8 form."""
     if value is None:
@@ -60,37 +84,6 @@ def _text(value: object, field_name: str) -> str | None:
     if not isinstance(value, str):
         raise InvalidArgumentTypeError(f"{field_name} must be a str, got {type(value).__name__}")
     return limits.check_utf8(value, field_name)
-
-
-T = TypeVar("T")
-
-
-class _Checked(Generic[T]):
-    """A Message attribute checked on every assignment, in the constructor or later.
-
-    A bad value is refused where it is set, with a sparkqueue error, instead of failing a later
-    send with whatever the encoder raises.
-    """
-
-    def __init__(self, check: Callable[[object, str], T]) -> None:
-        self.check = check
-        self.name = ""
-
-    def __set_name__(self, owner: type, name: str) -> None:
-        self.name = name
-
-    @overload
-    def __get__(self, obj: None, objtype: type | None = None) -> _Checked[T]: ...
-    @overload
-    def __get__(self, obj: object, objtype: type | None = None) -> T: ...
-    def __get__(self, obj: object, objtype: type | None = None) -> T | _Checked[T]:
-        if obj is None:
-            return self
-        value: T = obj.__dict__[self.name]
-        return value
-
-    def __set__(self, obj: object, value: object) -> None:
-        obj.__dict__[self.name] = self.check(value, self.name)
 
 
 MESSAGE_FIELDS = (
@@ -118,15 +111,19 @@ class Message:
     field is checked when it is assigned, at construction or later.
     """
 
-    body = _Checked(_body)
-    application_properties = _Checked(lambda value, _: limits.check_application_properties(value))
-    content_type = _Checked(_text)
-    subject = _Checked(_text)
-    to = _Checked(_text)
-    reply_to = _Checked(_text)
-    reply_to_session_id = _Checked(_text)
-    time_to_live = _Checked(limits.check_ttl)
-    scheduled_enqueue_time_utc = _Checked(as_utc)
+    body: bytes
+    message_id: str | None  # assigned on send when None
+    session_id: str | None
+    partition_key: str | None  # equal to session_id when both are set
+    correlation_id: str | None
+    application_properties: dict[str, Any] | None
+    content_type: str | None
+    subject: str | None
+    to: str | None
+    reply_to: str | None
+    reply_to_session_id: str | None
+    time_to_live: timedelta | None
+    scheduled_enqueue_time_utc: datetime | None
 
     def __init__(
         self,
@@ -145,66 +142,33 @@ class Message:
         time_to_live: timedelta | None = None,
         scheduled_enqueue_time_utc: datetime | None = None,
     ) -> None:
-        self.body = body
-        self.message_id = message_id
-        self._session_id: str | None = None
-        self._partition_key: str | None = None
-        self.session_id = session_id
-        self.partition_key = partition_key
-        self.application_properties = application_properties
-        self.correlation_id = correlation_id
-        self.content_type = content_type
-        self.subject = subject
-        self.to = to
-        self.reply_to = reply_to
-        self.reply_to_session_id = reply_to_session_id
-        self.time_to_live = time_to_live
-        self.scheduled_enqueue_time_utc = scheduled_enqueue_time_utc
+        # The same checks as __setattr__, written straight to the instance: construction is a send's hot path too.
+        fields = self.__dict__
+        fields["body"] = _body(body, "body")
+        fields["application_properties"] = limits.check_application_properties(application_properties)
+        fields["content_type"] = _text(content_type, "content_type")
+        fields["subject"] = _text(subject, "subject")
+        fields["to"] = _text(to, "to")
+        fields["reply_to"] = _text(reply_to, "reply_to")
+        fields["reply_to_session_id"] = _text(reply_to_session_id, "reply_to_session_id")
+        fields["time_to_live"] = limits.check_ttl(time_to_live, "time_to_live")
+        fields["scheduled_enqueue_time_utc"] = as_utc(scheduled_enqueue_time_utc, "scheduled_enqueue_time_utc")
+        fields["message_id"] = _message_id(message_id, "message_id")
+        fields["session_id"] = limits.check_key(session_id, "session_id")
+        fields["partition_key"] = _partition_key(partition_key, fields["session_id"])
+        fields["correlation_id"] = _correlation_id(correlation_id, "correlation_id")
 
-    @property
-    def message_id(self) -> str | None:
-        """The message id (at most 128 characters); assigned on send when None."""
-        return self._message_id
+    def __setattr__(self, name: str, value: object) -> None:
+        """Check a field on every assignment (in the constructor or later), so a bad value is refused where it is set.
 
-    @message_id.setter
-    def message_id(self, value: object) -> None:
-        mid = limits.check_key(value, "message_id")
-        if mid == "":
-            raise InvalidOperationError("message_id must not be empty (None lets sparkqueue assign one)")
-        self._message_id = mid
-
-    @property
-    def correlation_id(self) -> str | None:
-        """The correlation id (a uuid.UUID is read back as str)."""
-        return self._correlation_id
-
-    @correlation_id.setter
-    def correlation_id(self, value: object) -> None:
-        text = limits.as_id_string(value, "correlation_id")
-        self._correlation_id = None if text is None else limits.check_utf8(text, "correlation_id")
-
-    @property
-    def session_id(self) -> str | None:
-        """The session the message belongs to (at most 128 characters)."""
-        return self._session_id
-
-    @session_id.setter
-    def session_id(self, value: object) -> None:
-        self._session_id = limits.check_key(value, "session_id")
-
-    @property
-    def partition_key(self) -> str | None:
-        """The partition key; when the message has a session_id it must be equal to it (ValueError otherwise)."""
-        return self._partition_key
-
-    @partition_key.setter
-    def partition_key(self, value: object) -> None:
-        key = limits.check_key(value, "partition_key")
-        if key is not None and self._session_id is not None and key != self._session_id:
-            raise InvalidOperationError(
-                f"partition_key {key!r} cannot differ from session_id {self._session_id!r}: the session id is the partition key"
-            )
-        self._partition_key = key
+        Reads stay plain attribute lookups: a send reads every field of every message.
+        """
+        if name == "partition_key":
+            value = _partition_key(value, self.session_id)
+        else:
+            check = _FIELD_CHECKS.get(name)
+            value = value if check is None else check(value, name)
+        object.__setattr__(self, name, value)
 
     def __str__(self) -> str:
         return self.body.decode("utf-8", errors="replace")
@@ -228,6 +192,23 @@ class Message:
         )
         props = _properties_json(self.application_properties) if self.application_properties else ""
         return len(self.body) + sum(len(s.encode("utf-8")) for s in strings if s) + len(props.encode("utf-8"))
+
+
+# The checks Message.__setattr__ applies (partition_key's also reads session_id: _partition_key).
+_FIELD_CHECKS: dict[str, Callable[[object, str], Any]] = {
+    "body": _body,
+    "message_id": _message_id,
+    "session_id": limits.check_key,
+    "correlation_id": _correlation_id,
+    "application_properties": lambda value, _: limits.check_application_properties(value),
+    "content_type": _text,
+    "subject": _text,
+    "to": _text,
+    "reply_to": _text,
+    "reply_to_session_id": _text,
+    "time_to_live": limits.check_ttl,
+    "scheduled_enqueue_time_utc": as_utc,
+}
 
 
 def message_label(message_id: str | None) -> str:
@@ -486,18 +467,16 @@ def to_rows(messages: Iterable[Message], settings: SendSettings, now: datetime) 
     for m in msgs:
         if not isinstance(m, Message):
             raise InvalidArgumentTypeError(f"expected Message, got {type(m).__name__}")
-    sessions = [m._session_id for m in msgs]
+    sessions = [m.session_id for m in msgs]
     if settings.requires_session and None in sessions:
         raise InvalidOperationError("the entity requires sessions: every message needs a session_id")
-    given = [m._message_id for m in msgs]
+    given = [m.message_id for m in msgs]
     fresh = iter(new_ids(given.count(None)))
     mids = [g if g is not None else next(fresh) for g in given]
     props = [_properties_json(m.application_properties) if m.application_properties else None for m in msgs]
     strings = {
         "session_id": sessions,
-        "partition_key": [m._partition_key for m in msgs],
-        "correlation_id": [m._correlation_id for m in msgs],
-        **{name: [getattr(m, name) for m in msgs] for name in _PLAIN_STRING_COLUMNS},
+        **{name: [getattr(m, name) for m in msgs] for name in _OTHER_STRING_COLUMNS},
     }
     bodies = pa.array([m.body for m in msgs], pa.binary())
     sizes = _sizes(bodies, [pa.array(given, pa.string()), *(pa.array(v, pa.string()) for v in strings.values())], props)
@@ -582,10 +561,8 @@ def _optional(values: list[Any], type_: pa.DataType) -> pa.Array:
     return pa.nulls(len(values), type_) if all(v is None for v in values) else pa.array(values, type_)
 
 
-# The string properties read through plain attributes (the others are validated properties with private fields).
-_PLAIN_STRING_COLUMNS = tuple(
-    c for c in STRING_PROPERTY_COLUMNS if c not in ("message_id", "session_id", "partition_key", "correlation_id")
-)
+# The string properties after message_id and session_id (which a send reads first).
+_OTHER_STRING_COLUMNS = tuple(c for c in STRING_PROPERTY_COLUMNS if c not in ("message_id", "session_id"))
 
 
 def _sizes(bodies: pa.Array, strings: list[pa.Array], props: list[str | None]) -> pa.Array:
