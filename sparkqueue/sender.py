@@ -191,7 +191,11 @@ def _in_given_order(sent_ids: list[str], stored: pa.Table) -> list[int]:
     A message the send dropped (a duplicate within the detection window) has no number. Messages
     sharing an id take that id's numbers in the order they were stored.
     """
+    stored_ids = stored.column("message_id").to_pylist()
+    seqs: list[int] = stored.column("sequence_number").to_pylist()
+    if stored_ids == sent_ids:  # one partition, nothing dropped: the common batch needs no mapping
+        return seqs
     by_id: dict[str, deque[int]] = {}
-    for mid, seq in zip(stored.column("message_id").to_pylist(), stored.column("sequence_number").to_pylist(), strict=True):
+    for mid, seq in zip(stored_ids, seqs, strict=True):
         by_id.setdefault(mid, deque()).append(seq)
     return [by_id[mid].popleft() for mid in sent_ids if by_id.get(mid)]
