@@ -246,7 +246,7 @@ class Receiver:
             if p >= entity.partition_count:
                 missing.extend(group)
                 continue
-            rows = entity.table.rows_by_sequence(dt, p, group, ROW_COLUMNS)
+            rows = entity.table.rows_by_sequence(dt, p, group, ROW_COLUMNS, entity.subscription)
             mask = pc.and_(
                 pc.and_(pc.equal(rows.column("state"), STATE_DEFERRED), pc.equal(rows.column("sub_queue"), self._sub_queue)),
                 pc.and_(pc.equal(rows.column("kind"), KIND_MESSAGE), entity.owns(rows)),

@@ -181,7 +181,7 @@ class Sender:
             if not one_per_message:
                 seqs: list[int] = stored.column("sequence_number").to_pylist()
                 return seqs  # every copy's number
-            stored = first_copies(stored)
+            stored = first_copies(stored, rows)
         return _in_given_order(rows.column("message_id").to_pylist(), stored)
 
 

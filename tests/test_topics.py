@@ -675,6 +675,36 @@ def test_topic_schedule_gives_one_number_per_message(ns: Namespace) -> None:
     assert ns.get_topic_runtime_properties("t").scheduled_message_count == 0
 
 
+def test_cancelling_a_rescheduled_topic_message_keeps_its_replacement(ns: Namespace) -> None:
+    """Schedule a replacement under the same id, then cancel the old number: only the old message goes."""
+    ns.create_topic("t", enable_partitioning=False)  # one partition: the two messages are numbered side by side
+    ns.create_subscription("t", "a")
+    ns.create_subscription("t", "b")
+    sender = ns.get_topic_sender("t")
+    when = datetime.now(UTC) + timedelta(minutes=5)
+    (old,) = sender.schedule_messages(Message("v1", message_id="reminder-42"), when)
+    (new,) = sender.schedule_messages(Message("v2", message_id="reminder-42"), when + timedelta(minutes=5))
+    sender.cancel_scheduled_messages(old)
+    for sub in ("a", "b"):
+        with ns.get_subscription_receiver("t", sub) as r:
+            assert [str(m) for m in peek_all(r)] == ["v2"], sub
+    sender.cancel_scheduled_messages(new)
+    assert ns.get_topic_runtime_properties("t").scheduled_message_count == 0
+
+
+def test_a_topic_schedule_number_outlives_forwarded_copies(ns: Namespace) -> None:
+    """The number of a scheduled topic message names a copy that stays (not one a forwarding subscription moved on)."""
+    ns.create_queue("archive")
+    ns.create_topic("t")
+    ns.create_subscription("t", "a-forwarder", forward_to="archive")  # its copy leaves at once (scheduled ones too)
+    ns.create_subscription("t", "b")
+    sender = ns.get_topic_sender("t")
+    (number,) = sender.schedule_messages(Message("x"), datetime.now(UTC) + timedelta(minutes=5))
+    sender.cancel_scheduled_messages(number)
+    assert ns.get_subscription_runtime_properties("t", "b").scheduled_message_count == 0
+    assert ns.get_queue_runtime_properties("archive").scheduled_message_count == 1  # forwarded: no longer the topic's
+
+
 def test_topic_schedule_numbers_unmatched_and_visible(ns: Namespace) -> None:
     """A message no subscription takes gets no number; cancelling a number of visible copies changes nothing."""
     ns.create_topic("t")

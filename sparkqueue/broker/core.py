@@ -242,7 +242,8 @@ class Broker:
                 sub = address.leaf
                 props = SubscriptionProperties.from_json(e.properties)
                 key, ttl = split_subscription_path(e.table_path)[1], props.default_message_time_to_live
-                out.append(Subscriber(key, tuple(rules.get(sub, ())), ttl, bool(props.requires_session)))
+                forwards = bool(props.forward_to)
+                out.append(Subscriber(key, tuple(rules.get(sub, ())), ttl, bool(props.requires_session), forwards))
         return out
 
     # ---- auto-forwarding ------------------------------------------------------------------------

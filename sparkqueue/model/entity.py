@@ -54,6 +54,7 @@ from sparkqueue.storage.table import (
     EntityTable,
     Expand,
     empty_changes,
+    fence_app_id,
     partition_of,
     sequence_number,
 )
@@ -283,7 +284,7 @@ class Entity:
             def attempt(p: int = p, group: list[int] = group) -> pa.Table:
                 dt = self.table.snapshot()
                 now = utcnow()
-                rows = self.table.rows_by_sequence(dt, p, group, ROW_COLUMNS)
+                rows = self.table.rows_by_sequence(dt, p, group, ROW_COLUMNS, self.subscription)
                 lock_free = pc.or_kleene(
                     pc.is_null(rows.column("locked_until_utc")),
                     pc.less_equal(rows.column("locked_until_utc"), pa.scalar(now, TIMESTAMP)),
@@ -346,7 +347,7 @@ class Entity:
 
         The rows come in item order, one per item whose lock holds (an item given twice, twice).
         """
-        rows = self.table.rows_by_sequence(dt, p, seqs, STATE_COLUMNS)
+        rows = self.table.rows_by_sequence(dt, p, seqs, STATE_COLUMNS, self.subscription)
         rows = keep_rows(rows, self.owns(rows))
         at = pc.index_in(seqs, value_set=rows.column("sequence_number"))  # each item's row; null where it has none
         present = pc.is_valid(at).to_numpy(zero_copy_only=False)
@@ -415,7 +416,7 @@ class Entity:
                 now = pa.scalar(utcnow(), TIMESTAMP)
                 if self.subscription == ANY_SUBSCRIPTION:
                     group = sorted({c for seq in group for c in self.topic_copies(dt, p, seq)})
-                rows = self.table.rows_by_sequence(dt, p, group, STATE_COLUMNS)
+                rows = self.table.rows_by_sequence(dt, p, group, STATE_COLUMNS, self.subscription)
                 rows = rows.filter(self.owns(rows))
                 mask = pc.and_(
                     pc.equal(rows.column("state"), STATE_ACTIVE),
@@ -432,23 +433,26 @@ class Entity:
     def topic_copies(self, dt: Snapshot, p: int, seq: int) -> list[int]:
         """Numbers of every copy of the topic message whose copy is numbered `seq` ([] when none is live).
 
-        A message's copies are the run of consecutive copies sharing its id (docs/semantics.md §5),
-        read in a window around `seq` that widens while the run reaches its edge.
+        A message's copies are the run of consecutive copies sharing its id and enqueue time
+        (docs/semantics.md §5), read in a window around `seq` that widens on a side only while the
+        run reaches that side's edge and the partition goes on beyond it.
         """
-        first, last = sequence_number(p, 0), sequence_number(p, SEQUENCE_MASK)
-        reach, seen = COPY_WINDOW, -1
+        first = sequence_number(p, 0)
+        top = sequence_number(p, dt.transaction_version(fence_app_id(p)) or 0)  # the partition's newest number
+        below = above = COPY_WINDOW
         while True:
-            lo, hi = max(seq - reach, first), min(seq + reach, last)
-            rows = live_copies(self.table.rows_between(dt, p, lo, hi, ["kind", "state", "subscription", "message_id"]))
+            lo, hi = max(seq - below, first), min(seq + above, top)
+            cols = ["kind", "state", "subscription", "message_id", "enqueued_time_utc"]
+            rows = live_copies(self.table.rows_between(dt, p, lo, hi, cols))
             run = copy_run(rows, seq)
             if run is None:
                 return []
             i, j = run
-            inside = (i > 0 or lo == first) and j < rows.num_rows
-            if inside or rows.num_rows == seen:  # the run ends inside the window, or there is nothing more around
+            open_below, open_above = i == 0 and lo > first, j == rows.num_rows and hi < top
+            if not (open_below or open_above):
                 copies: list[int] = rows.column("sequence_number").to_pylist()[i:j]
                 return copies
-            reach, seen = reach * 8, rows.num_rows
+            below, above = below * (8 if open_below else 1), above * (8 if open_above else 1)
 
     # ---- browse and count ----------------------------------------------------------------------
 

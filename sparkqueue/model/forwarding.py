@@ -269,7 +269,8 @@ def _settle_source(entity: Entity, p: int, changes: pa.Table) -> None:
     if changes.num_rows == 0:
         return
     dt = entity.table.snapshot()
-    live = entity.table.rows_by_sequence(dt, p, changes.column("sequence_number").to_pylist(), ["sequence_number"])
+    seqs = changes.column("sequence_number").to_pylist()
+    live = entity.table.rows_by_sequence(dt, p, seqs, ["sequence_number"], entity.subscription)
     still = changes.filter(pc.is_in(changes.column("sequence_number"), value_set=live.column("sequence_number")))
     if still.num_rows:
         entity.table.apply(dt, p, still)

@@ -331,7 +331,7 @@ class Sessions:
             if not mine or row is None:
                 return empty_rows()  # an ended session has no deferred message (it ended with no message at all)
             touch = lifecycle.changes(row, OP_SET)
-            rows = self.table.rows_by_sequence(dt, lock.partition, mine, ROW_COLUMNS)
+            rows = self.table.rows_by_sequence(dt, lock.partition, mine, ROW_COLUMNS, self.entity.subscription)
             until = rows.column("locked_until_utc")
             lock_free = pc.or_kleene(pc.is_null(until), pc.less_equal(until, pa.scalar(now, TIMESTAMP)))
             in_session = pc.fill_null(pc.equal(rows.column("session_id"), lock.session_id), False)

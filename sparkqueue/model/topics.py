@@ -22,6 +22,7 @@ from sparkqueue.storage.schema import (
     STATE_COMPLETED,
     STRING_PROPERTY_COLUMNS,
     SUB_QUEUE_DEAD_LETTER,
+    SUB_QUEUE_MAIN,
     TIMESTAMP,
     constant,
     with_columns,
@@ -58,6 +59,7 @@ class Subscriber:
     rules: tuple[Rule, ...]
     default_message_time_to_live: timedelta | None = None  # caps the TTL of the subscription's copies
     requires_session: bool = False  # copies without a session id are dead-lettered (SESSION_REQUIRED_REASON)
+    forwards: bool = False  # forward_to: its copies move on at once, so none of them names a message (by_message)
 
 
 def fan_out(rows: pa.Table, subscribers: list[Subscriber], record_ids: bool, max_message_bytes: int | None = None) -> pa.Table:
@@ -70,7 +72,7 @@ def fan_out(rows: pa.Table, subscribers: list[Subscriber], record_ids: bool, max
     """
     cap = max_message_bytes if max_message_bytes is not None else limits.MAX_MESSAGE_BYTES[limits.STANDARD]
     indexed = rows.append_column(_ORIGIN, pa.array(range(rows.num_rows), pa.int64()))
-    parts: list[pa.Table] = []
+    parts: list[tuple[pa.Table, bool]] = []  # (copies, whether they leave their subscription at once)
     for sub in subscribers:
         first = len(parts)
         plain: pa.Array | None = None
@@ -82,44 +84,62 @@ def fan_out(rows: pa.Table, subscribers: list[Subscriber], record_ids: bool, max
             matched = indexed.filter(hit)
             if matched.num_rows:
                 acted = checked_action_copies(matched, rule.action.apply(matched).select(indexed.schema.names), cap)
-                parts.append(_cap_ttl(_tag(acted, sub.key), sub))
+                parts.append((_cap_ttl(_tag(acted, sub.key), sub), sub.forwards))
         if plain is not None:
             matched = indexed.filter(plain)
             if matched.num_rows:
-                parts.append(_cap_ttl(_tag(matched, sub.key), sub))
+                parts.append((_cap_ttl(_tag(matched, sub.key), sub), sub.forwards))
         if sub.requires_session:
-            parts[first:] = [sessionless_dead_lettered(p, "subscription") for p in parts[first:]]
+            parts[first:] = [(sessionless_dead_lettered(p, "subscription"), f) for p, f in parts[first:]]
     out = [by_message(parts, rows)] if parts else []
     if record_ids:
         out.append(_markers(rows))
     return pa.concat_tables([p.cast(rows.schema) for p in out]) if out else rows.schema.empty_table()
 
 
-def by_message(parts: list[pa.Table], rows: pa.Table) -> pa.Table:
-    """The copies (with _ORIGIN) in message order, each message's together and those keeping its id first.
+def by_message(parts: list[tuple[pa.Table, bool]], rows: pa.Table) -> pa.Table:
+    """The copies (with _ORIGIN) in message order, each message's together, those that stay as sent first.
 
-    One message's copies then take consecutive sequence numbers and share its id: that run is
-    how one number names the message on a topic (first_copies, copy_run; docs/semantics.md §5).
+    One message's copies then take consecutive sequence numbers, and its first copy is one that
+    keeps the message's id and enqueue time in its subscription's main queue (unless it has none):
+    the number that names the message on a topic (first_copies, copy_run; docs/semantics.md §5).
+    Copies a rule action renamed or rescheduled, dead-lettered at fan-out, or of forwarding
+    subscriptions come after it.
     """
     schema = rows.schema.append(pa.field(_ORIGIN, pa.int64()))
-    copies = pa.concat_tables([p.cast(schema) for p in parts])
+    copies = pa.concat_tables([p.cast(schema) for p, _ in parts])
     if len(parts) > 1:
         origin = copies.column(_ORIGIN)
-        sent_id = pc.take(rows.column("message_id"), origin)
-        renamed = pc.fill_null(pc.not_equal(copies.column("message_id"), sent_id), True).cast(pa.int8())
-        keys = pa.table({"origin": origin, "renamed": renamed})
-        copies = copies.take(pc.sort_indices(keys, sort_keys=[("origin", "ascending"), ("renamed", "ascending")]))
+        forwarded = pa.chunked_array([constant(f, pa.bool_(), p.num_rows) for p, f in parts], pa.bool_())
+        same = pc.and_(_as_sent(copies, rows, origin), pc.equal(copies.column("sub_queue"), SUB_QUEUE_MAIN))
+        moved = pc.or_(pc.invert(same), forwarded).cast(pa.int8())
+        keys = pa.table({"origin": origin, "moved": moved})
+        copies = copies.take(pc.sort_indices(keys, sort_keys=[("origin", "ascending"), ("moved", "ascending")]))
     return copies.drop_columns([_ORIGIN])
 
 
-def first_copies(stored: pa.Table) -> pa.Table:
-    """Each message's first copy among the rows a topic send stored (in sequence order per partition, runs by id).
+def _as_sent(copies: pa.Table, rows: pa.Table, origin: pa.ChunkedArray) -> pa.ChunkedArray:
+    """Whether each copy keeps its message's id and enqueue time (no rule action renamed or rescheduled it)."""
+    same = [
+        pc.fill_null(pc.equal(copies.column(c), pc.take(rows.column(c), origin)), False)
+        for c in ("message_id", "enqueued_time_utc")
+    ]
+    return pc.and_(*same)
 
-    Its number names the message (cancel_scheduled_messages takes every copy of the run).
+
+def first_copies(stored: pa.Table, sent: pa.Table) -> pa.Table:
+    """Each message's first copy among the copies a topic send stored (sequence order per partition): its number names it.
+
+    A first copy keeps the id and enqueue time of a message in `sent` (the rows before fan-out) and
+    does not follow a copy with the same two (copy_run).
     """
+    pairs = set(zip(sent.column("message_id").to_pylist(), sent.column("enqueued_time_utc").to_pylist(), strict=True))
     seqs = stored.column("sequence_number").to_pylist()
-    ids = stored.column("message_id").to_pylist()
-    first = [i == 0 or ids[i] != ids[i - 1] or partition_of(seqs[i]) != partition_of(seqs[i - 1]) for i in range(len(seqs))]
+    keys = list(zip(stored.column("message_id").to_pylist(), stored.column("enqueued_time_utc").to_pylist(), strict=True))
+    first = [
+        keys[i] in pairs and (i == 0 or keys[i] != keys[i - 1] or partition_of(seqs[i]) != partition_of(seqs[i - 1]))
+        for i in range(len(seqs))
+    ]
     return stored.filter(pa.array(first, pa.bool_()))
 
 
@@ -134,18 +154,19 @@ def live_copies(rows: pa.Table) -> pa.Table:
 
 
 def copy_run(copies: pa.Table, seq: int) -> tuple[int, int] | None:
-    """Index range [i, j) in `copies` (live copies, in sequence order) of the run of copies sharing the id of copy `seq`.
+    """Index range [i, j) in `copies` (live copies, in sequence order) of the copies of the message whose copy is `seq`.
 
+    They are the run of consecutive copies sharing that copy's id and enqueue time (by_message).
     None when no live copy has that number.
     """
     seqs = copies.column("sequence_number").to_pylist()
     if seq not in seqs:
         return None
-    ids = copies.column("message_id").to_pylist()
+    keys = list(zip(copies.column("message_id").to_pylist(), copies.column("enqueued_time_utc").to_pylist(), strict=True))
     i = j = seqs.index(seq)
-    while i > 0 and ids[i - 1] == ids[j]:
+    while i > 0 and keys[i - 1] == keys[j]:
         i -= 1
-    while j < len(ids) and ids[j] == ids[i]:
+    while j < len(keys) and keys[j] == keys[i]:
         j += 1
     return i, j
 

@@ -50,6 +50,10 @@ class FileInfo:
             return False
         if session_id is not None and not _in_range(session_id, self.min_session, self.max_session):
             return False
+        return self.may_hold_subscription(subscription)
+
+    def may_hold_subscription(self, subscription: str | None) -> bool:
+        """False when the statistics prove the file holds no row of this subscription (None: a queue's rows)."""
         if subscription == ANY_SUBSCRIPTION:
             return True
         if subscription is None:

@@ -404,16 +404,29 @@ class EntityTable:
         return in_sequence(pa.concat_tables(picked)).slice(0, limit)
 
     def rows_by_sequence(
-        self, dt: Snapshot, partition: int, seqs: Sequence[int] | pa.Int64Array, columns: Sequence[str] | None = None
+        self,
+        dt: Snapshot,
+        partition: int,
+        seqs: Sequence[int] | pa.Int64Array,
+        columns: Sequence[str] | None = None,
+        subscription: str | None = ANY_SUBSCRIPTION,
     ) -> pa.Table:
-        """Current rows of the given sequence numbers in one partition (missing ones are absent), in sequence order."""
+        """Current rows of the given sequence numbers in one partition (missing ones are absent), in sequence order.
+
+        `subscription` (a subscription's key) skips the files of the topic's other subscriptions: a
+        send numbers a message's copies together, so every subscription's file spans the same numbers.
+        """
         cols = list(columns or FILE_SCHEMA.names)
         wanted = seqs if isinstance(seqs, pa.Array) else pa.array(list(seqs), pa.int64())
         if len(wanted) == 0:
             return self._read([], cols)
         bounds = pc.min_max(wanted)
         lo, hi = bounds["min"].as_py(), bounds["max"].as_py()
-        files = [f for f in self.files(dt, partition) if f.max_seq >= lo and f.min_seq <= hi]
+        files = [
+            f
+            for f in self.files(dt, partition)
+            if f.max_seq >= lo and f.min_seq <= hi and (subscription is None or f.may_hold_subscription(subscription))
+        ]
         t = self._read(files, cols)
         return in_sequence(keep_rows(t, pc.is_in(t.column("sequence_number"), value_set=wanted)))
 
