@@ -210,8 +210,8 @@ class Management:
         keys = [entry.name]
         if children is not None:
             keys += [e.name for e in self.broker.catalog.entries() if children(e.name)]  # to forget their cached settings
-        if self.broker.catalog.delete(keys[:1], self.broker.deadline(), children) == 0:
-            raise EntityNotFoundError(f"{entity_type} {name!r} does not exist")
+        if self.broker.catalog.delete(keys[:1], self.broker.deadline(), children, entry.table_path) == 0:
+            raise EntityNotFoundError(f"{entity_type} {name!r} does not exist (it was deleted meanwhile)")
         for k in keys:
             self.broker.forget(k)
         log.info("deleted %s %s", entity_type, name)

@@ -77,6 +77,12 @@ def _partition_key(value: object, session_id: str | None) -> str | None:
     return key
 
 
+def _properties(value: object, field_name: str) -> dict[str, Any] | None:
+    """Checked application properties: the caller's dict itself (as the SDK keeps it), or a copy with bytes names decoded."""
+    checked = limits.check_application_properties(value)
+    return value if isinstance(value, dict) and all(isinstance(k, str) for k in value) else checked
+
+
 def _text(value: object, field_name: str) -> str | None:
     """A string property (content_type, subject, to, reply_to, reply_to_session_id): None or a str with a UTF-8 form."""
     if value is None:
@@ -145,7 +151,7 @@ class Message:
         # The same checks as __setattr__, written straight to the instance: construction is a send's hot path too.
         fields = self.__dict__
         fields["body"] = _body(body, "body")
-        fields["application_properties"] = limits.check_application_properties(application_properties)
+        fields["application_properties"] = _properties(application_properties, "application_properties")
         fields["content_type"] = _text(content_type, "content_type")
         fields["subject"] = _text(subject, "subject")
         fields["to"] = _text(to, "to")
@@ -190,7 +196,7 @@ class Message:
             self.reply_to,
             self.reply_to_session_id,
         )
-        props = _properties_json(self.application_properties) if self.application_properties else ""
+        props = _properties_json(self.application_properties, strict=False) if self.application_properties else ""
         return len(self.body) + sum(len(s.encode("utf-8")) for s in strings if s) + len(props.encode("utf-8"))
 
 
@@ -200,7 +206,7 @@ _FIELD_CHECKS: dict[str, Callable[[object, str], Any]] = {
     "message_id": _message_id,
     "session_id": limits.check_key,
     "correlation_id": _correlation_id,
-    "application_properties": lambda value, _: limits.check_application_properties(value),
+    "application_properties": _properties,
     "content_type": _text,
     "subject": _text,
     "to": _text,
@@ -496,8 +502,16 @@ def to_rows(messages: Iterable[Message], settings: SendSettings, now: datetime) 
     return message_rows(columns, len(msgs), settings.default_message_time_to_live, now), keys
 
 
-def _properties_json(props: dict[str, Any]) -> str:
-    """Application properties as strict JSON, checked again: the dict may have been changed since it was assigned."""
+def _properties_json(props: dict[str, Any], *, strict: bool = True) -> str:
+    """Application properties as JSON; `strict` checks them again, as a send does (the dict may have changed since).
+
+    Not strict (a size estimate), a value JSON cannot hold still raises the check's clear error.
+    """
+    if not strict:
+        try:
+            return json.dumps(props, allow_nan=False)
+        except (TypeError, ValueError):
+            pass
     return json.dumps(limits.check_application_properties(props), allow_nan=False)
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
 import weakref
 from collections.abc import Mapping
 from datetime import timedelta
@@ -42,6 +43,7 @@ class Namespace(Management):
         self.storage_options = self.broker.storage_options
         self.store = self.broker.store
         self._handlers: weakref.WeakSet[Sender | Receiver] = weakref.WeakSet()  # open ones, closed with the namespace
+        self._handlers_lock = threading.Lock()
 
     def __enter__(self) -> Namespace:
         return self
@@ -55,17 +57,22 @@ class Namespace(Management):
         As the SDK's client does: a receiver's close releases its prefetched messages and its
         session lock at once, instead of leaving them locked until the lock expires.
         """
-        for handler in list(self._handlers):
+        with self._handlers_lock:
+            handlers = list(self._handlers)
+        for handler in handlers:
             try:
                 handler.close()
             except Exception as exc:  # one handler's storage error never keeps the others (or the namespace) open
-                log.warning("closing %r failed: %s", handler, exc)
-        self._handlers.clear()
+                log.warning("closing %r failed (a later close tries again): %s", handler, exc)
+            else:
+                with self._handlers_lock:
+                    self._handlers.discard(handler)
         self.broker.close()
 
     def _track(self, handler: _H) -> _H:
         """Remember a handler so that closing the namespace closes it."""
-        self._handlers.add(handler)
+        with self._handlers_lock:
+            self._handlers.add(handler)
         return handler
 
     def __repr__(self) -> str:

@@ -478,3 +478,22 @@ def test_action_setting_session_id_on_an_unpartitioned_topic(ns: Namespace) -> N
         (m,) = r.receive_messages(max_wait_time=1)
         assert (m.message_id, m.session_id) == ("m", "other")
         r.complete_message(m)
+
+
+@pytest.mark.parametrize(
+    "sql",
+    [
+        "SET sys.ScheduledEnqueueTimeUtc = 'soon'",
+        "SET sys.ScheduledEnqueueTimeUtc = 12345",
+        "SET sys.TimeToLive = 'forever'",
+        "SET sys.TimeToLive = TRUE",
+    ],
+)
+def test_an_action_setting_a_system_property_to_a_constant_of_another_type_is_refused(ns: Namespace, sql: str) -> None:
+    """A constant the property could not hold is refused when the rule is made (it would be stored as null: a
+    scheduled copy would then be delivered at once); nothing is created."""
+    ns.create_topic("t")
+    ns.create_subscription("t", "s")
+    with pytest.raises(FilterSyntaxError):
+        ns.create_rule("t", "s", "bad", action=SqlRuleAction(sql))
+    assert [r.name for r in ns.list_rules("t", "s")] == ["$Default"]

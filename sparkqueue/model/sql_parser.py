@@ -851,7 +851,13 @@ class _Parser:
             self.advance()
             target = self.writable_target()
             self.expect_op("=", f" after SET {target_name(target)}")
-            return SetStatement(target, self.condition())
+            value_token = self.tok
+            value = self.condition()
+            if isinstance(target, SysProp) and isinstance(value, Const) and value.kind not in _SETTABLE_FROM[target.prop.kind]:
+                raise self.error(
+                    f"sys.{target.prop.name} takes a {target.prop.kind} value, not the {value.kind} {value.value!r}", value_token
+                )
+            return SetStatement(target, value)
         if token.is_keyword("REMOVE"):
             self.advance()
             return RemoveStatement(self.writable_target())
@@ -864,6 +870,10 @@ class _Parser:
         if isinstance(target, SysProp) and not target.prop.settable:
             raise self.error(f"system property sys.{target.prop.name} is read-only", token)
         return target
+
+
+# The constant kinds a SET of a system property's kind accepts (filters._coerce converts them; others would store null).
+_SETTABLE_FROM = {"string": ("string", "number", "bool", "time", "null"), "number": ("number", "null"), "time": ("time", "null")}
 
 
 def _like_literal(char: str) -> str:

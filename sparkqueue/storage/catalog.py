@@ -209,14 +209,24 @@ class Catalog:
 
         return self._change(change, deadline, f"update {key}")
 
-    def delete(self, keys: list[str], deadline: Deadline, children: Callable[[str], bool] | None = None) -> int:
+    def delete(
+        self,
+        keys: list[str],
+        deadline: Deadline,
+        children: Callable[[str], bool] | None = None,
+        table_path: str | None = None,
+    ) -> int:
         """Delete keys, and the keys `children` accepts when one of them exists, in one commit; how many of `keys` went.
 
         The children are found in the rows the commit replaces, so one created concurrently goes too.
+        With `table_path`, a key goes only while it still names that table: an entity deleted and
+        created again meanwhile is another one, and stays.
         """
 
         def change(rows: pa.Table) -> tuple[pa.Table | None, int]:
             hit = pc.is_in(rows.column("name"), value_set=pa.array(keys, pa.string()))
+            if table_path is not None:
+                hit = pc.and_(hit, pc.equal(rows.column("table_path"), table_path))
             n = pc.sum(hit).as_py() or 0
             if not n:
                 return None, 0
