@@ -98,7 +98,7 @@ def fan_out(rows: pa.Table, subscribers: list[Subscriber], record_ids: bool, max
 
 
 def by_message(parts: list[tuple[pa.Table, bool]], rows: pa.Table) -> pa.Table:
-    """The copies (with _ORIGIN) in message order, each message's together, those that stay as sent first.
+    """The copies (with _ORIGIN); with scheduled messages, in message order, each message's together, those staying first.
 
     One message's copies then take consecutive sequence numbers, and its first copy is one that
     keeps the message's id and enqueue time in its subscription's main queue (unless it has none):
@@ -108,7 +108,8 @@ def by_message(parts: list[tuple[pa.Table, bool]], rows: pa.Table) -> pa.Table:
     """
     schema = rows.schema.append(pa.field(_ORIGIN, pa.int64()))
     copies = pa.concat_tables([p.cast(schema) for p, _ in parts])
-    if len(parts) > 1:
+    # Only a scheduled message can be cancelled: other sends keep each subscription's copies together (no sort).
+    if len(parts) > 1 and rows.column("scheduled_enqueue_time_utc").null_count < rows.num_rows:
         origin = copies.column(_ORIGIN)
         forwarded = pa.chunked_array([constant(f, pa.bool_(), p.num_rows) for p, f in parts], pa.bool_())
         same = pc.and_(_as_sent(copies, rows, origin), pc.equal(copies.column("sub_queue"), SUB_QUEUE_MAIN))
