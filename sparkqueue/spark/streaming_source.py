@@ -15,6 +15,11 @@ How a micro-batch flows (see docs/spark-streaming.md for the guarantee):
 3. The sink commits; Spark records the batch in the checkpoint's commit log; the next
    `latestOffset` (or `commit(end)`) completes the batch's messages and deletes its record.
 
+On an entity that requires sessions a batch holds whole sessions instead: the source accepts free
+sessions and takes their messages in order, records the session locks in the manifest, renews
+them, and completes the messages under them and releases the sessions after the commit, so a
+session's messages keep their order within and across batches (docs/spark-streaming.md, "Sessions").
+
 While a batch is in flight a thread in the source process renews its locks every third of the
 entity's lock duration. A lock lost anyway (the query was down longer than a lock duration) is
 handled on completion: the sequence numbers whose completion failed are kept in the stream's
@@ -46,15 +51,17 @@ import pyarrow.parquet as pq
 from pyspark.sql.datasource import DataSourceStreamReader, InputPartition
 from pyspark.sql.streaming.datasource import ReadAllAvailable, ReadLimit, ReadMaxRows, SupportsTriggerAvailableNow
 
-from sparkqueue.errors import InvalidOperationError, SparkQueueError
+from sparkqueue.errors import InvalidOperationError, OperationTimeoutError, SessionLockLostError, SparkQueueError
 from sparkqueue.model import lifecycle
 from sparkqueue.model.entity import Entity, SettleResult, utcnow
+from sparkqueue.model.sessions import SessionLock, Sessions
 from sparkqueue.spark.datasource import sub_queue_of
 from sparkqueue.spark.receive import RECEIVE_CHUNK, ReceiveJob, candidate_partitions, shares, stage_chunk
 from sparkqueue.spark.schema import received_arrow, staged_rows
 from sparkqueue.spark.staging import Staging, filesystem
 from sparkqueue.spark.streaming import EntityAddress, address_of, check_options, positive_int
 from sparkqueue.spark.worker import EntityRef
+from sparkqueue.storage.files import FILE_SCHEMA
 from sparkqueue.storage.schema import SUB_QUEUE_DEAD_LETTER
 from sparkqueue.storage.table import partition_of
 
@@ -69,6 +76,7 @@ SOURCE_OPTIONS = frozenset({"entity", "topic", "subscription", "sub_queue", "max
 ALL_AVAILABLE_CAP = 1_000_000  # a batch Spark asks to hold "everything" still locks at most this many
 SKIP_RETENTION = timedelta(days=14)  # how long a committed-but-not-completed message is remembered
 MAX_ROUNDS = 64
+SESSION_TAKE = 1_000  # messages of one session taken per call (a session is taken whole, up to the batch's limit)
 LOCK_THREADS = 4  # partitions locked (and completed) at once by the source's driver process
 ROWS_PER_TASK = 20_000  # a batch is read by one Spark task per this many messages (at most one per queue partition)
 MANIFEST = "_manifest.json"
@@ -86,21 +94,16 @@ class SourceConfig:
 
 
 def source_config(options: dict[str, str]) -> SourceConfig:
-    """Validate the source's (lower-cased) options; a session-requiring entity is refused with a clear error."""
+    """Validate the source's (lower-cased) options; the entity must exist."""
     check_options(options, SOURCE_OPTIONS, "streaming source")
     address = address_of(options, sink=False)
     sub_queue = sub_queue_of(options.get("sub_queue"))
     config = SourceConfig(address, sub_queue, positive_int(options, "maxMessagesPerTrigger", DEFAULT_MAX_MESSAGES_PER_TRIGGER))
     ns = address.namespace()
     try:
-        props = address.entity(ns).props
+        address.entity(ns)  # the entity must exist: a clear error before the query starts
     finally:
         ns.close()
-    if getattr(props, "requires_session", False) and sub_queue != SUB_QUEUE_DEAD_LETTER:
-        raise InvalidOperationError(
-            f"{address.display!r} requires sessions, which the streaming source does not read (messages of a session "
-            "must stay in order under one session lock); use a session receiver, or stream its dead-letter sub-queue"
-        )
     return config
 
 
@@ -232,6 +235,7 @@ class StreamState:
         self.fs, self.path = filesystem(self.uri)
         self.fs.create_dir(self.path, recursive=True)
         self.inflight: dict[int, list[Item]] = {}
+        self.held: dict[int, list[SessionLock]] = {}  # session batches: the session locks that cover their messages
         self.lock = threading.Lock()
         self.skip = self._load_skip()
         self._stopping = threading.Event()
@@ -244,6 +248,11 @@ class StreamState:
     def entity(self) -> Entity:
         """The streamed entity (settings at most a second old)."""
         return self.config.address.entity(self.ns)
+
+    @property
+    def by_session(self) -> bool:
+        """Whether batches hold whole sessions (a session-requiring entity's main queue; docs/spark-streaming.md)."""
+        return bool(getattr(self.entity().props, "requires_session", False)) and self.config.sub_queue != SUB_QUEUE_DEAD_LETTER
 
     def _available_count(self) -> int:
         props = self.entity().runtime_properties()
@@ -315,18 +324,23 @@ class StreamState:
         staging = self.batch_staging(n)
         self.fs.create_dir(f"{self.path}/batch-{n:012d}", recursive=True)
         items: list[Item] = []
+        held: list[SessionLock] = []
         while not items:
-            got = self._lock(staging, want, items)
+            got = self._lock_sessions(staging, want, items, held) if self.by_session else self._lock(staging, want, items)
             if self.budget is not None:
                 self.budget -= got
             if got == 0 or (self.budget is not None and self.budget <= 0):
                 break
         if not items:
+            self._release(held)
             self._remove_batch(n)
             return 0
-        self._write_json(f"{self.path}/batch-{n:012d}/{MANIFEST}", {"batch": n, "items": items, "at": utcnow().isoformat()})
+        manifest = {"batch": n, "items": items, "at": utcnow().isoformat(), "sessions": [_lock_record(h) for h in held]}
+        self._write_json(f"{self.path}/batch-{n:012d}/{MANIFEST}", manifest)
         with self.lock:
             self.inflight[n] = items
+            if held:
+                self.held[n] = held
         self._ensure_renewer()
         log.info("stream %s: batch %d holds %d messages of %s", self.stream_id, n, len(items), self.config.address.display)
         return len(items)
@@ -366,6 +380,74 @@ class StreamState:
             if total >= want:
                 break
         return total
+
+    def _lock_sessions(self, staging: Staging, want: int, items: list[Item], held: list[SessionLock]) -> int:
+        """Accept free sessions and take their messages, in order, until `want` (docs/spark-streaming.md, "Sessions").
+
+        Each session stays locked until the batch is completed (or discarded), so its next messages
+        go to a later batch only after these are completed: a session's order holds across batches.
+        Returns how many messages were taken (including those completed at once: see _drop_committed).
+        """
+        sessions = Sessions(self.entity())
+        total = 0
+        while total < want:
+            try:
+                lock, rows = sessions.accept(None, 0.0, prefetch=min(want - total, SESSION_TAKE))
+            except OperationTimeoutError:
+                break  # no free session with a message available now
+            held.append(lock)
+            taken = [rows]
+            while rows.num_rows and total + sum(t.num_rows for t in taken) < want:
+                ask = min(SESSION_TAKE, want - total - sum(t.num_rows for t in taken))
+                rows = sessions.receive(lock, ask, delete=False, wait_s=0.0)
+                taken.append(rows)
+            got = pa.concat_tables(taken)
+            if not got.num_rows:
+                continue
+            total += got.num_rows
+            pairs = list(zip(got.column("sequence_number").to_pylist(), got.column("lock_token").to_pylist(), strict=True))
+            kept = self._drop_committed(pairs, lock)
+            if kept:
+                keep = pa.array([s for s, _ in kept], pa.int64())
+                rows = got.filter(pc.is_in(got.column("sequence_number"), value_set=keep))
+                staging.write(f"part-p{lock.partition:05d}-s{len(held):05d}.parquet", rows.select(FILE_SCHEMA.names))
+                items += kept
+        return total
+
+    def _release(self, held: list[SessionLock]) -> None:
+        """Give sessions up at once (their unsettled messages come back, first in their session)."""
+        sessions = Sessions(self.entity())
+        for lock in held:
+            try:
+                sessions.release(lock)
+            except SparkQueueError as exc:  # its lock lapses at expiry instead
+                log.info("stream %s: releasing session %r failed (%s)", self.stream_id, lock.session_id, exc)
+
+    def _held_of(self, b: int) -> list[SessionLock]:
+        """The session locks batch b holds (in memory, else from its manifest)."""
+        with self.lock:
+            held = self.held.get(b)
+        if held is not None:
+            return held
+        m = self.manifest(b)
+        return [_lock_of(r) for r in (m or {}).get("sessions", [])]
+
+    def _settle_sessions(self, b: int, items: list[Item], op: str) -> list[bool]:
+        """Settle a session batch's items under the session locks that cover them; per item: did its session lock hold."""
+        sessions = Sessions(self.entity())
+        where = {s: i for i, (s, _) in enumerate(items)}
+        ok = [False] * len(items)
+        for lock in self._held_of(b):
+            mine = [(s, t) for s, t in items if partition_of(s) == lock.partition and s in where]
+            try:
+                result = sessions.settle(lock, mine, op) if mine else None
+                if result is not None:
+                    for (s, _), v in zip(mine, result.ok, strict=True):
+                        ok[where[s]] = v
+                sessions.release(lock)
+            except SessionLockLostError:
+                log.info("stream %s: session %r of batch %d lost its lock", self.stream_id, lock.session_id, b)
+        return ok
 
     def _thread_namespace(self) -> Namespace:
         """The calling thread's own namespace handle."""
@@ -419,14 +501,20 @@ class StreamState:
                 ok[i] = v
         return ok
 
-    def _drop_committed(self, pairs: list[Item]) -> list[Item]:
-        """Complete at once the messages whose output an earlier batch committed (their first completion lost the lock)."""
+    def _drop_committed(self, pairs: list[Item], session: SessionLock | None = None) -> list[Item]:
+        """Complete at once the messages whose output an earlier batch committed (their first completion lost the lock).
+
+        A session's messages are completed under its lock (`session`).
+        """
         if not self.skip:
             return pairs
         again = [(s, t) for s, t in pairs if str(s) in self.skip]
         if not again:
             return pairs
-        result = self._settle_on(self.ns, again, lifecycle.COMPLETE)
+        if session is not None:
+            result = Sessions(self.entity()).settle(session, again, lifecycle.COMPLETE)
+        else:
+            result = self._settle_on(self.ns, again, lifecycle.COMPLETE)
         for (s, _), ok in zip(again, result.ok, strict=True):
             if ok:
                 self.skip.pop(str(s), None)
@@ -450,6 +538,8 @@ class StreamState:
             items = [(int(s), str(t)) for s, t in m["items"]]
             with self.lock:
                 self.inflight.setdefault(n, items)
+                if m.get("sessions"):
+                    self.held.setdefault(n, [_lock_of(r) for r in m["sessions"]])
             tokens: dict[int, list[str]] = defaultdict(list)
             for s, t in items:
                 tokens[partition_of(s)].append(t)
@@ -471,9 +561,10 @@ class StreamState:
                 break
             with self.lock:
                 renewed = self.inflight.pop(b, None)  # the renewer leaves locks being completed alone
+            held = self._held_of(b)
             items = self._items(b)
             try:
-                done = self._settle(items, lifecycle.COMPLETE)
+                done = self._settle_sessions(b, items, lifecycle.COMPLETE) if held else self._settle(items, lifecycle.COMPLETE)
             except SparkQueueError as exc:  # e.g. a partition unavailable: keep the record, retry at the next call
                 if renewed is not None:  # and keep the locks renewed until then: another receiver must not take them
                     with self.lock:
@@ -492,6 +583,8 @@ class StreamState:
                     len(lost),
                     b,
                 )
+            with self.lock:
+                self.held.pop(b, None)
             self._remove_batch(b)
             log.info("stream %s: completed batch %d (%d messages)", self.stream_id, b, len(items) - len(lost))
 
@@ -502,8 +595,13 @@ class StreamState:
                 continue
             with self.lock:
                 self.inflight.pop(b, None)
+            held = self._held_of(b)
+            with self.lock:
+                self.held.pop(b, None)
             items = self._items(b)
-            if items:
+            if held:
+                self._release(held)  # the sessions and their messages come back at once
+            elif items:
                 try:
                     self._settle_on(self.ns, items, lifecycle.ABANDON)
                 except SparkQueueError as exc:
@@ -545,7 +643,9 @@ class StreamState:
                 if self._stopping.wait(interval):
                     return
                 with self.lock:
-                    items = [it for b in sorted(self.inflight) for it in self.inflight[b]]
+                    items = [it for b in sorted(self.inflight) if b not in self.held for it in self.inflight[b]]
+                    held = [lock for b in sorted(self.held) if b in self.inflight for lock in self.held[b]]
+                self._renew_sessions(ns, held)
                 if not items:
                     continue
                 try:
@@ -559,6 +659,19 @@ class StreamState:
         finally:
             ns.close()
 
+    def _renew_sessions(self, ns: Namespace, held: list[SessionLock]) -> None:
+        """Renew in-flight batches' session locks (which cover their messages' locks)."""
+        if not held:
+            return
+        sessions = Sessions(self.config.address.entity(ns))
+        for lock in held:
+            try:
+                sessions.renew(lock)
+            except SessionLockLostError:
+                log.info("stream %s: session %r no longer holds its lock", self.stream_id, lock.session_id)
+            except SparkQueueError as exc:
+                log.warning("stream %s: renewing session %r failed (%s); retrying", self.stream_id, lock.session_id, exc)
+
     def stop(self) -> None:
         """Stop renewing; close the namespace handle."""
         self._stopping.set()
@@ -568,3 +681,14 @@ class StreamState:
         for ns in self._thread_namespaces:
             ns.close()
         self.ns.close()
+
+
+def _lock_record(lock: SessionLock) -> list[Any]:
+    """A session lock as a batch manifest records it (a restarted source settles and releases with it)."""
+    return [lock.session_id, lock.partition, lock.token, lock.locked_until.isoformat()]
+
+
+def _lock_of(record: Sequence[Any]) -> SessionLock:
+    """The session lock a manifest recorded."""
+    session_id, partition, token, until = record
+    return SessionLock(str(session_id), int(partition), str(token), datetime.fromisoformat(str(until)))

@@ -116,10 +116,37 @@ def test_source_renews_the_locks_of_a_batch_that_outlasts_them(spark, tmp_path):
         assert ns.get_queue_runtime_properties("q").total_message_count == 0
 
 
-def test_source_refuses_a_session_queue_and_bad_options(spark, tmp_path):
+def test_source_streams_a_session_queue_in_session_order(spark, tmp_path):
+    """A session queue streams whole sessions under their locks: each message once, a session's messages in order
+    (within a batch and across batches), and every batch completed."""
     root = str(tmp_path / "ns")
     with Namespace(root) as ns:
         ns.create_queue("sq", requires_session=True)
+        with ns.get_queue_sender("sq") as s:
+            for k in range(6):  # rounds: a data file holds one message of every session
+                s.send_messages([Message(f"{k}", session_id=f"s{i:02d}", message_id=f"s{i:02d}-{k}") for i in range(25)])
+    seen: list[tuple[int, str, str, int]] = []
+
+    def collect(df, batch_id):
+        seen.extend((batch_id, r.session_id, r.message_id, r.sequence_number) for r in df.collect())
+
+    stream = spark.readStream.format("sparkqueue").option("namespace", root).option("maxMessagesPerTrigger", 40).load("sq")
+    query = stream.writeStream.foreachBatch(collect).option("checkpointLocation", str(tmp_path / "ck"))
+    query.trigger(availableNow=True).start().awaitTermination()
+    assert sorted(m for _, _, m, _ in seen) == sorted(f"s{i:02d}-{k}" for i in range(25) for k in range(6))
+    for sid in {s for _, s, _, _ in seen}:
+        mine = sorted((b, seq, m) for b, s, m, seq in seen if s == sid)
+        assert [m for _, _, m in mine] == [f"{sid}-{k}" for k in range(6)], sid  # batch then sequence order = sent order
+    assert max(b for b, _, _, _ in seen) >= 3  # 150 messages in batches of at most 40 (plus a session's remainder)
+    with Namespace(root) as ns:
+        assert ns.get_queue_runtime_properties("sq").total_message_count == 0
+        assert all(s.locked_until_utc is None for s in ns.list_queue_sessions("sq"))
+    assert batch_dirs(root) == []
+
+
+def test_source_refuses_bad_options(spark, tmp_path):
+    root = str(tmp_path / "ns")
+    with Namespace(root) as ns:
         ns.create_queue("q")
     send(root, "q", 1)
 
@@ -131,8 +158,6 @@ def test_source_refuses_a_session_queue_and_bad_options(spark, tmp_path):
         q = reader.load().writeStream.format("memory").queryName("never").option("checkpointLocation", checkpoint)
         q.trigger(availableNow=True).start().awaitTermination()
 
-    with pytest.raises(PySparkException, match="requires sessions"):
-        start(namespace=root, entity="sq")
     with pytest.raises(PySparkException, match="maxMessagesPerTrigger must be a positive integer"):
         start(namespace=root, entity="q", maxMessagesPerTrigger="0")
     with pytest.raises(PySparkException, match="set the namespace root"):
@@ -393,13 +418,20 @@ def run_job(path: Path, *extra: str) -> subprocess.CompletedProcess[str]:
 
 
 @pytest.mark.slow  # tens of seconds of Spark: CI runs it (SPARKQUEUE_SLOW=1)
-def test_stream_consumer_killed_mid_batch_restarts_with_each_output_once(tmp_path):
-    """SIGKILL after batch 1's output is written, before Spark commits it; locks lapse while the job is down (5 s)."""
+@pytest.mark.parametrize("sessions", [False, True])
+def test_stream_consumer_killed_mid_batch_restarts_with_each_output_once(tmp_path, sessions):
+    """SIGKILL after batch 1's output is written, before Spark commits it; locks lapse while the job is down (5 s).
+
+    With sessions, batches hold whole sessions (10 of 10 messages each) under session locks that lapse the same way.
+    """
     path = write_config(tmp_path, lock_s=5)
     root = str(tmp_path / "ns")
     with Namespace(root) as ns:
-        ns.create_queue("sq", lock_duration=timedelta(seconds=5))
-    send(root, "sq", 300)
+        ns.create_queue("sq", lock_duration=timedelta(seconds=5), requires_session=sessions)
+        with ns.get_queue_sender("sq") as s:
+            s.send_messages(
+                [Message(f"body-{i}", message_id=f"m-{i}", session_id=f"s{i % 30}" if sessions else None) for i in range(300)]
+            )
     crashed = run_job(path, "--crash-after-write", "1")
     assert crashed.returncode == -signal.SIGKILL, crashed.stderr[-3000:]
     out = DeltaTable(str(tmp_path / "out")).to_pyarrow_table(columns=["sequence_number", "message_id"])
