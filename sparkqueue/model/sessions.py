@@ -98,7 +98,13 @@ class Sessions:
     # ---- accept ------------------------------------------------------------------------------
 
     def accept(
-        self, session_id: str | None, wait_s: float, *, prefetch: int = 0, delete: bool = False
+        self,
+        session_id: str | None,
+        wait_s: float,
+        *,
+        prefetch: int = 0,
+        delete: bool = False,
+        exclude: frozenset[str] = frozenset(),
     ) -> tuple[SessionLock, pa.Table]:
         """Lock a named session, or (session_id None) the next session with available messages.
 
@@ -106,6 +112,7 @@ class Sessions:
         lock), so accepting and receiving the head of a session is one commit. With no free session
         within `wait_s`, NEXT_AVAILABLE_SESSION raises OperationTimeoutError (the SDK's session-pool
         loop ends on it); a named session held elsewhere raises SessionCannotBeLockedError.
+        `exclude`: sessions NEXT_AVAILABLE_SESSION passes over (a caller's own, whose locks may lapse).
         """
         if session_id is not None:
             return retry_commit(
@@ -114,7 +121,7 @@ class Sessions:
         give_up = time.monotonic() + wait_s
         poll = POLL_MIN_S
         while True:
-            got = self._accept_next(prefetch, delete)
+            got = self._accept_next(prefetch, delete, exclude)
             if got is not None:
                 return got
             if time.monotonic() >= give_up:
@@ -170,7 +177,9 @@ class Sessions:
             self._apply(dt, p, session_id, pa.concat_tables(parts))
         return lock, delivered
 
-    def _accept_next(self, prefetch: int, delete: bool) -> tuple[SessionLock, pa.Table] | None:
+    def _accept_next(
+        self, prefetch: int, delete: bool, exclude: frozenset[str] = frozenset()
+    ) -> tuple[SessionLock, pa.Table] | None:
         """Lock a free session that has an available message, trying partitions from a rotating start.
 
         A session's rows live in files of their own (docs/storage.md), so most candidates are read
@@ -185,7 +194,7 @@ class Sessions:
             if not self.entity.available(p):
                 continue
             dt = self.table.snapshot()
-            seen: set[str] = set()
+            seen: set[str] = set(exclude)
             got = self._try_sessions(dt, p, self._free_by_stats(dt, p), seen, prefetch, delete)
             if got is not None:
                 return got

@@ -35,6 +35,7 @@ import json
 import logging
 import random
 import threading
+import time
 import uuid
 from collections import defaultdict
 from collections.abc import Iterator, Sequence
@@ -77,6 +78,9 @@ ALL_AVAILABLE_CAP = 1_000_000  # a batch Spark asks to hold "everything" still l
 SKIP_RETENTION = timedelta(days=14)  # how long a committed-but-not-completed message is remembered
 MAX_ROUNDS = 64
 SESSION_TAKE = 1_000  # messages of one session taken per call (a session is taken whole, up to the batch's limit)
+MAX_SESSIONS_PER_BATCH = 256  # renewing (and completing) a session is a commit each: this bounds a round
+SESSIONS_JOURNAL = "_sessions.json"  # a batch's session locks as they are taken (released if the batch is never logged)
+Held = tuple[SessionLock, list[int]]  # a session lock and the sequence numbers the batch emits under it
 LOCK_THREADS = 4  # partitions locked (and completed) at once by the source's driver process
 ROWS_PER_TASK = 20_000  # a batch is read by one Spark task per this many messages (at most one per queue partition)
 MANIFEST = "_manifest.json"
@@ -235,7 +239,8 @@ class StreamState:
         self.fs, self.path = filesystem(self.uri)
         self.fs.create_dir(self.path, recursive=True)
         self.inflight: dict[int, list[Item]] = {}
-        self.held: dict[int, list[SessionLock]] = {}  # session batches: the session locks that cover their messages
+        self.held: dict[int, list[Held]] = {}  # session batches: the session locks that cover their messages
+        self.session_ops = threading.Lock()  # renewal never runs beside a completion or release of a batch's sessions
         self.lock = threading.Lock()
         self.skip = self._load_skip()
         self._stopping = threading.Event()
@@ -324,18 +329,22 @@ class StreamState:
         staging = self.batch_staging(n)
         self.fs.create_dir(f"{self.path}/batch-{n:012d}", recursive=True)
         items: list[Item] = []
-        held: list[SessionLock] = []
-        while not items:
-            got = self._lock_sessions(staging, want, items, held) if self.by_session else self._lock(staging, want, items)
-            if self.budget is not None:
-                self.budget -= got
-            if got == 0 or (self.budget is not None and self.budget <= 0):
-                break
+        held: list[Held] = []
+        try:
+            while not items:
+                got = self._lock_sessions(n, staging, want, items, held) if self.by_session else self._lock(staging, want, items)
+                if self.budget is not None:
+                    self.budget -= got
+                if got == 0 or (self.budget is not None and self.budget <= 0):
+                    break
+        except BaseException:
+            self._release(held)  # sessions taken so far come back at once (message locks lapse at expiry)
+            raise
         if not items:
             self._release(held)
             self._remove_batch(n)
             return 0
-        manifest = {"batch": n, "items": items, "at": utcnow().isoformat(), "sessions": [_lock_record(h) for h in held]}
+        manifest = {"batch": n, "items": items, "at": utcnow().isoformat(), "sessions": [_held_record(h) for h in held]}
         self._write_json(f"{self.path}/batch-{n:012d}/{MANIFEST}", manifest)
         with self.lock:
             self.inflight[n] = items
@@ -381,72 +390,98 @@ class StreamState:
                 break
         return total
 
-    def _lock_sessions(self, staging: Staging, want: int, items: list[Item], held: list[SessionLock]) -> int:
+    def _lock_sessions(self, n: int, staging: Staging, want: int, items: list[Item], held: list[Held]) -> int:
         """Accept free sessions and take their messages, in order, until `want` (docs/spark-streaming.md, "Sessions").
 
         Each session stays locked until the batch is completed (or discarded), so its next messages
         go to a later batch only after these are completed: a session's order holds across batches.
+        Nothing renews these locks before the batch is recorded, so taking stops after a third of
+        the lock duration and MAX_SESSIONS_PER_BATCH sessions, and never takes a session this batch
+        holds again. Each session is journaled as it is taken, so a batch never logged releases it.
         Returns how many messages were taken (including those completed at once: see _drop_committed).
         """
-        sessions = Sessions(self.entity())
+        entity = self.entity()
+        sessions = Sessions(entity)
+        stop_at = time.monotonic() + entity.policy.lock_duration.total_seconds() / 3
         total = 0
-        while total < want:
+        while total < want and len(held) < MAX_SESSIONS_PER_BATCH and time.monotonic() < stop_at:
+            mine = frozenset(lock.session_id for lock, _ in held)
             try:
-                lock, rows = sessions.accept(None, 0.0, prefetch=min(want - total, SESSION_TAKE))
+                lock, rows = sessions.accept(None, 0.0, prefetch=min(want - total, SESSION_TAKE), exclude=mine)
             except OperationTimeoutError:
                 break  # no free session with a message available now
-            held.append(lock)
+            emitted: list[int] = []
+            held.append((lock, emitted))  # from here on a failure releases it (receive)
             taken = [rows]
-            while rows.num_rows and total + sum(t.num_rows for t in taken) < want:
-                ask = min(SESSION_TAKE, want - total - sum(t.num_rows for t in taken))
-                rows = sessions.receive(lock, ask, delete=False, wait_s=0.0)
+            count = rows.num_rows
+            while rows.num_rows and total + count < want:
+                rows = sessions.receive(lock, min(SESSION_TAKE, want - total - count), delete=False, wait_s=0.0)
                 taken.append(rows)
+                count += rows.num_rows
             got = pa.concat_tables(taken)
-            if not got.num_rows:
-                continue
             total += got.num_rows
             pairs = list(zip(got.column("sequence_number").to_pylist(), got.column("lock_token").to_pylist(), strict=True))
             kept = self._drop_committed(pairs, lock)
+            emitted += [s for s, _ in kept]
             if kept:
                 keep = pa.array([s for s, _ in kept], pa.int64())
                 rows = got.filter(pc.is_in(got.column("sequence_number"), value_set=keep))
                 staging.write(f"part-p{lock.partition:05d}-s{len(held):05d}.parquet", rows.select(FILE_SCHEMA.names))
                 items += kept
+            self._write_json(f"{self.path}/batch-{n:012d}/{SESSIONS_JOURNAL}", [_held_record(h) for h in held])
         return total
 
-    def _release(self, held: list[SessionLock]) -> None:
+    def _release(self, held: list[Held]) -> None:
         """Give sessions up at once (their unsettled messages come back, first in their session)."""
         sessions = Sessions(self.entity())
-        for lock in held:
+        for lock, _ in held:
             try:
                 sessions.release(lock)
             except SparkQueueError as exc:  # its lock lapses at expiry instead
                 log.info("stream %s: releasing session %r failed (%s)", self.stream_id, lock.session_id, exc)
 
-    def _held_of(self, b: int) -> list[SessionLock]:
-        """The session locks batch b holds (in memory, else from its manifest)."""
+    def _held_of(self, b: int) -> list[Held]:
+        """The session locks batch b holds: in memory, else from its manifest, else from its journal (never logged)."""
         with self.lock:
             held = self.held.get(b)
         if held is not None:
             return held
         m = self.manifest(b)
-        return [_lock_of(r) for r in (m or {}).get("sessions", [])]
+        if m is not None:
+            return [_held_of_record(r) for r in m.get("sessions", [])]
+        try:
+            with self.fs.open_input_stream(f"{self.path}/batch-{b:012d}/{SESSIONS_JOURNAL}") as f:
+                return [_held_of_record(r) for r in json.loads(f.read())]
+        except (FileNotFoundError, OSError, ValueError):
+            return []
 
-    def _settle_sessions(self, b: int, items: list[Item], op: str) -> list[bool]:
-        """Settle a session batch's items under the session locks that cover them; per item: did its session lock hold."""
-        sessions = Sessions(self.entity())
+    def _settle_sessions(self, held: list[Held], items: list[Item], op: str) -> list[bool]:
+        """Settle a session batch's items, each under the session lock it was taken with, then release the sessions.
+
+        Per item: did it settle. Where a session's lock was lost, an item that no longer exists
+        counts as settled (a completion that landed before a restart, or another receiver's).
+        """
+        entity = self.entity()
+        sessions = Sessions(entity)
+        token_of = dict(items)
         where = {s: i for i, (s, _) in enumerate(items)}
         ok = [False] * len(items)
-        for lock in self._held_of(b):
-            mine = [(s, t) for s, t in items if partition_of(s) == lock.partition and s in where]
+        for lock, seqs in held:
+            mine = [(s, token_of[s]) for s in seqs if s in token_of]
             try:
-                result = sessions.settle(lock, mine, op) if mine else None
-                if result is not None:
+                if mine:
+                    result = sessions.settle(lock, mine, op)
                     for (s, _), v in zip(mine, result.ok, strict=True):
                         ok[where[s]] = v
                 sessions.release(lock)
             except SessionLockLostError:
-                log.info("stream %s: session %r of batch %d lost its lock", self.stream_id, lock.session_id, b)
+                log.info("stream %s: session %r lost its lock before its batch completed", self.stream_id, lock.session_id)
+                live = entity.table.rows_by_sequence(
+                    entity.table.snapshot(), lock.partition, [s for s, _ in mine], ["sequence_number"], entity.subscription
+                )
+                left = set(live.column("sequence_number").to_pylist())
+                for s, _ in mine:
+                    ok[where[s]] = s not in left
         return ok
 
     def _thread_namespace(self) -> Namespace:
@@ -539,7 +574,7 @@ class StreamState:
             with self.lock:
                 self.inflight.setdefault(n, items)
                 if m.get("sessions"):
-                    self.held.setdefault(n, [_lock_of(r) for r in m["sessions"]])
+                    self.held.setdefault(n, [_held_of_record(r) for r in m["sessions"]])
             tokens: dict[int, list[str]] = defaultdict(list)
             for s, t in items:
                 tokens[partition_of(s)].append(t)
@@ -564,7 +599,11 @@ class StreamState:
             held = self._held_of(b)
             items = self._items(b)
             try:
-                done = self._settle_sessions(b, items, lifecycle.COMPLETE) if held else self._settle(items, lifecycle.COMPLETE)
+                if held:
+                    with self.session_ops:
+                        done = self._settle_sessions(held, items, lifecycle.COMPLETE)
+                else:
+                    done = self._settle(items, lifecycle.COMPLETE)
             except SparkQueueError as exc:  # e.g. a partition unavailable: keep the record, retry at the next call
                 if renewed is not None:  # and keep the locks renewed until then: another receiver must not take them
                     with self.lock:
@@ -600,7 +639,8 @@ class StreamState:
                 self.held.pop(b, None)
             items = self._items(b)
             if held:
-                self._release(held)  # the sessions and their messages come back at once
+                with self.session_ops:
+                    self._release(held)  # the sessions and their messages come back at once
             elif items:
                 try:
                     self._settle_on(self.ns, items, lifecycle.ABANDON)
@@ -644,8 +684,7 @@ class StreamState:
                     return
                 with self.lock:
                     items = [it for b in sorted(self.inflight) if b not in self.held for it in self.inflight[b]]
-                    held = [lock for b in sorted(self.held) if b in self.inflight for lock in self.held[b]]
-                self._renew_sessions(ns, held)
+                self._renew_sessions(ns)
                 if not items:
                     continue
                 try:
@@ -659,18 +698,30 @@ class StreamState:
         finally:
             ns.close()
 
-    def _renew_sessions(self, ns: Namespace, held: list[SessionLock]) -> None:
-        """Renew in-flight batches' session locks (which cover their messages' locks)."""
-        if not held:
-            return
-        sessions = Sessions(self.config.address.entity(ns))
-        for lock in held:
-            try:
-                sessions.renew(lock)
-            except SessionLockLostError:
-                log.info("stream %s: session %r no longer holds its lock", self.stream_id, lock.session_id)
-            except SparkQueueError as exc:
-                log.warning("stream %s: renewing session %r failed (%s); retrying", self.stream_id, lock.session_id, exc)
+    def _renew_sessions(self, ns: Namespace) -> None:
+        """Renew the session locks of in-flight batches (they cover their messages' locks), one commit each.
+
+        Serialized with completions and releases (session_ops), and a lock is renewed only while its
+        batch is in flight and its session has not ended: a renewal after a completion ended the
+        session would lock it again, with nobody left to release it.
+        """
+        with self.session_ops:
+            with self.lock:
+                held = [lock for b in sorted(self.held) if b in self.inflight for lock, _ in self.held[b]]
+            if not held:
+                return
+            sessions = Sessions(self.config.address.entity(ns))
+            for lock in held:
+                if self._stopping.is_set():
+                    return
+                if lock.ended:
+                    continue
+                try:
+                    sessions.renew(lock)
+                except SessionLockLostError:
+                    log.info("stream %s: session %r no longer holds its lock", self.stream_id, lock.session_id)
+                except SparkQueueError as exc:
+                    log.warning("stream %s: renewing session %r failed (%s); retrying", self.stream_id, lock.session_id, exc)
 
     def stop(self) -> None:
         """Stop renewing; close the namespace handle."""
@@ -683,12 +734,13 @@ class StreamState:
         self.ns.close()
 
 
-def _lock_record(lock: SessionLock) -> list[Any]:
-    """A session lock as a batch manifest records it (a restarted source settles and releases with it)."""
-    return [lock.session_id, lock.partition, lock.token, lock.locked_until.isoformat()]
+def _held_record(held: Held) -> list[Any]:
+    """A session lock and its batch's sequence numbers, as a manifest (or journal) records them."""
+    lock, seqs = held
+    return [lock.session_id, lock.partition, lock.token, lock.locked_until.isoformat(), seqs]
 
 
-def _lock_of(record: Sequence[Any]) -> SessionLock:
-    """The session lock a manifest recorded."""
-    session_id, partition, token, until = record
-    return SessionLock(str(session_id), int(partition), str(token), datetime.fromisoformat(str(until)))
+def _held_of_record(record: Sequence[Any]) -> Held:
+    """The session lock (and sequence numbers) a manifest or journal recorded."""
+    session_id, partition, token, until, seqs = record
+    return SessionLock(str(session_id), int(partition), str(token), datetime.fromisoformat(str(until))), [int(x) for x in seqs]

@@ -521,6 +521,87 @@ def test_a_batch_whose_completion_fails_keeps_its_locks_renewed_until_it_complet
         assert ns.get_queue_runtime_properties("q").total_message_count == 0
 
 
+def _session_queue(root: str, sessions: int, per: int, lock: timedelta | None = None) -> None:
+    """A session queue holding `per` messages of each of `sessions` sessions, sent round by round."""
+    with Namespace(root) as ns:
+        ns.create_queue("sq", requires_session=True, **({"lock_duration": lock} if lock else {}))
+        with ns.get_queue_sender("sq") as s:
+            for k in range(per):
+                s.send_messages([Message(f"{k}", session_id=f"s{i:03d}") for i in range(sessions)])
+
+
+def test_a_session_batch_completes_each_session_under_its_own_lock(tmp_path):
+    """Sessions sharing a queue partition in one batch: every message completes, none is reported lost (no skip entry)."""
+    from sparkqueue.spark.streaming_source import StreamState, source_config
+
+    root = str(tmp_path / "ns")
+    _session_queue(root, 20, 3)
+    state = StreamState(source_config({"namespace": root, "path": "sq"}), "stream-1", available_now=False)
+    try:
+        assert state.receive(0, 30) == 30
+        held = state.held[0]
+        assert len({lock.session_id for lock, _ in held}) == 10
+        assert len({lock.partition for lock, _ in held}) < 10  # some partitions hold several of the batch's sessions
+        state.complete_through(0)
+        assert state.skip == {} and state.batches() == []
+    finally:
+        state.stop()
+    with Namespace(root) as ns:
+        assert ns.get_queue_runtime_properties("sq").total_message_count == 30
+        assert all(s.locked_until_utc is None for s in ns.list_queue_sessions("sq"))
+
+
+def test_a_session_batch_never_takes_a_session_twice_when_its_locks_lapse(tmp_path, monkeypatch):
+    """A batch that takes longer than the lock duration to fill stops taking sessions, and never re-takes its own."""
+    from sparkqueue.model import sessions as session_model
+    from sparkqueue.spark.streaming_source import StreamState, source_config
+
+    root = str(tmp_path / "ns")
+    _session_queue(root, 40, 1, lock=timedelta(seconds=1))
+    accept = session_model.Sessions.accept
+
+    def slow_accept(self, *args, **kwargs):
+        time.sleep(0.15)  # 40 accepts would take 6 s: locks of 1 s lapse on the way
+        return accept(self, *args, **kwargs)
+
+    monkeypatch.setattr(session_model.Sessions, "accept", slow_accept)
+    state = StreamState(source_config({"namespace": root, "path": "sq"}), "stream-1", available_now=False)
+    try:
+        emitted = state.receive(0, 1000)
+        seqs = [s for s, _ in state.inflight[0]]
+        assert 0 < emitted < 40 and len(seqs) == len(set(seqs)) == emitted
+        assert len({lock.session_id for lock, _ in state.held[0]}) == len(state.held[0])
+    finally:
+        state.stop()
+
+
+def test_a_session_batch_that_fails_while_taking_releases_its_sessions(tmp_path, monkeypatch):
+    """An error while a batch takes sessions releases those it took at once (another receiver need not wait for expiry)."""
+    from sparkqueue.errors import OperationTimeoutError
+    from sparkqueue.model import sessions as session_model
+    from sparkqueue.spark.streaming_source import StreamState, source_config
+
+    root = str(tmp_path / "ns")
+    _session_queue(root, 4, 3)
+    receive, calls = session_model.Sessions.receive, []
+
+    def failing_receive(self, *args, **kwargs):
+        calls.append(1)
+        if len(calls) == 3:
+            raise OperationTimeoutError("a commit deadline passed (test)")
+        return receive(self, *args, **kwargs)
+
+    monkeypatch.setattr(session_model.Sessions, "receive", failing_receive)
+    state = StreamState(source_config({"namespace": root, "path": "sq"}), "stream-1", available_now=False)
+    try:
+        with pytest.raises(OperationTimeoutError):
+            state.receive(0, 100)
+    finally:
+        state.stop()
+    with Namespace(root) as ns:
+        assert [s.locked_until_utc for s in ns.list_queue_sessions("sq")] == [None] * 4
+
+
 def test_stream_consumer_settings():
     from jobs import common, stream_consumer
     from sparkqueue.errors import InvalidOperationError
