@@ -7,8 +7,10 @@ an unavailable partition fails without changing anything (docs/semantics.md §1)
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
+import inspect
 import json
 import logging
 import shutil
@@ -189,6 +191,8 @@ class Management:
         cls = PROPERTY_TYPES[entity_type]
         if not isinstance(props, cls):
             raise InvalidArgumentTypeError(f"update_{entity_type} needs {cls.__name__}, got {type(props).__name__}")
+        name = self.broker.canonical(entity_type, name)  # a name in another case updates the entity as stored
+        props = dataclasses.replace(props, name=Address.of(entity_type, name).leaf)
         entity = self.broker.entity(entity_type, name)
         props = check_update(self._get(entity_type, name), props, self.broker.tier)
         self._require_all_partitions(entity, f"update {entity_type} {name!r}")
@@ -561,9 +565,47 @@ def _with_timeout(method: Callable[..., Any]) -> Callable[..., Any]:
     return call
 
 
+def _with_stored_names(method: Callable[..., Any]) -> Callable[..., Any]:
+    """Read the queue, topic and subscription names a management call is given as stored, if they differ only in case.
+
+    Service Bus names ignore case (Broker.canonical). A create keeps the spelling it is given for the entity it creates.
+    """
+    signature = inspect.signature(method)
+    names = [n for n in ("queue_name", "topic_name", "subscription_name") if n in signature.parameters]
+    if not names:
+        return method
+    created = method.__name__.removeprefix("create_") + "_name" if method.__name__.startswith("create_") else None
+
+    @functools.wraps(method)
+    def call(self: Management, *args: Any, **kwargs: Any) -> Any:
+        try:
+            bound = signature.bind(self, *args, **kwargs)
+        except TypeError:
+            return method(self, *args, **kwargs)  # Python's own error for a wrong call
+        given = bound.arguments
+        with contextlib.suppress(SparkQueueError):  # an invalid name: the call itself reports it
+            _store_names(self.broker, given, created)
+        return method(*bound.args, **bound.kwargs)
+
+    return call
+
+
+def _store_names(broker: Broker, given: dict[str, Any], created: str | None) -> None:
+    """Replace the names in a call's arguments by their stored spelling (see _with_stored_names)."""
+    queue, topic, sub = given.get("queue_name"), given.get("topic_name"), given.get("subscription_name")
+    if isinstance(queue, str) and created != "queue_name":
+        given["queue_name"] = broker.canonical(QUEUE, queue)
+    if not isinstance(topic, str):
+        return
+    if created != "topic_name":
+        given["topic_name"] = topic = broker.canonical(TOPIC, topic)
+    if isinstance(sub, str) and created != "subscription_name":
+        given["subscription_name"] = Address.of(SUBSCRIPTION, broker.canonical(SUBSCRIPTION, sub_entity_name(topic, sub))).leaf
+
+
 for _name, _method in list(vars(Management).items()):
     if not _name.startswith("_") and callable(_method):
-        setattr(Management, _name, _with_timeout(_method))
+        setattr(Management, _name, _with_timeout(_with_stored_names(_method)))
 
 
 def _same_entity_name(name: str) -> Callable[[str], bool]:

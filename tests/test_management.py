@@ -456,3 +456,38 @@ def test_enable_partitioning_has_no_effect_in_a_premium_update(premium_ns: Names
     got = premium_ns.get_queue("q")
     assert (got.enable_partitioning, got.max_delivery_count) == (False, 4)
     assert props.enable_partitioning is False  # the caller's object is not changed
+
+
+def test_names_in_another_case_find_the_entity_as_stored(ns: Namespace) -> None:
+    """As in Service Bus, a queue, topic or subscription named in another case is the entity as created, everywhere."""
+    ns.create_queue("Orders")
+    ns.create_topic("Events")
+    ns.create_subscription("events", "Audit")
+    ns.create_rule("EVENTS", "audit", "everything")
+    assert (ns.get_queue("orders").name, ns.get_topic("EVENTS").name) == ("Orders", "Events")
+    assert [s.name for s in ns.list_subscriptions("events")] == ["Audit"]
+    assert [r.name for r in ns.list_rules("Events", "AUDIT")] == ["$Default", "everything"]
+    with ns.get_queue_sender("ORDERS") as s:
+        s.send_messages(Message("order"))
+    with ns.get_topic_sender("events") as s:
+        s.send_messages(Message("event"))
+    with ns.get_queue_receiver("orders") as r:
+        r.complete_messages(drain(r, 1))
+    with ns.get_subscription_receiver("EVENTS", "audit") as r:
+        assert [str(m) for m in drain(r, 1)] == ["event"]  # $Default and "everything" match: one copy between them
+    ns.update_queue({"name": "ORDERS", "max_delivery_count": 3})
+    assert [(q.name, q.max_delivery_count) for q in ns.list_queues()] == [("Orders", 3)]
+    ns.delete_subscription("EVENTS", "AUDIT")  # its rules go with it
+    ns.create_subscription("Events", "Audit")
+    assert [r.name for r in ns.list_rules("Events", "Audit")] == ["$Default"]
+    ns.delete_topic("events")
+    ns.delete_queue("oRdErS")
+    assert ns.list_queues() == [] and ns.list_topics() == []
+
+
+def test_subscription_names_differing_only_in_case_are_looked_up_exactly(ns: Namespace) -> None:
+    """Subscription names are unique only with case: with two alike, each is reached by its own spelling only."""
+    ns.create_topic("t")
+    ns.create_subscription("t", "s")
+    ns.create_subscription("t", "S", max_delivery_count=4)
+    assert (ns.get_subscription("T", "s").max_delivery_count, ns.get_subscription("T", "S").max_delivery_count) == (10, 4)

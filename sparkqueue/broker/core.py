@@ -139,11 +139,35 @@ class Broker:
         return Deadline(effective(self.operation_timeout))
 
     def entry(self, entity_type: str, name: str) -> CatalogEntry:
+        """An entity's catalog row; a name that differs from the stored one only in case finds it too (canonical)."""
         entry = self.catalog.get(Address.of(entity_type, name).key)
+        if entry is None:
+            stored = self.canonical(entity_type, name)
+            entry = self.catalog.get(Address.of(entity_type, stored).key) if stored != name else None
         if entry is None:
             shown = Address.of(entity_type, name).path
             raise EntityNotFoundError(f"{entity_type} {shown!r} does not exist in namespace {self.root!r}")
         return entry
+
+    def canonical(self, entity_type: str, name: str) -> str:
+        """The stored spelling of an entity name given in another case, as Service Bus names ignore case; else `name`.
+
+        Queue and topic names are unique without case (docs/semantics.md §1). A subscription's topic
+        part is matched the same way, and its own part (unique only with case) when one alone matches.
+        """
+        if self.catalog.get(Address.of(entity_type, name).key) is not None:
+            return name  # stored as given: the common case, one lookup
+        if entity_type in (QUEUE, TOPIC):
+            lower = name.lower()
+            stored = (Address.parse(e.name).name for e in self.catalog.entries(entity_type))
+            return next((n for n in stored if n.lower() == lower), name)
+        if entity_type != SUBSCRIPTION:
+            return name
+        address = Address.of(SUBSCRIPTION, name)
+        topic, sub = self.canonical(TOPIC, address.topic), address.leaf
+        subs = [Address.parse(e.name).leaf for e in self.catalog.entries(SUBSCRIPTION) if Address.parse(e.name).topic == topic]
+        alike = [s for s in subs if s.lower() == sub.lower()]
+        return Address.subscription_of(topic, sub if sub in subs or len(alike) != 1 else alike[0]).name
 
     def forget(self, key: str) -> None:
         """Drop cached settings of an entity (after an update or delete)."""
@@ -159,6 +183,7 @@ class Broker:
             if cached is not None and time.monotonic() - cached.loaded_at < PROPERTIES_TTL_S:
                 return cached.entity
         entry = self.entry(entity_type, name)
+        name = Address.parse(entry.name).name  # as stored, when `name` differs in case
         props = PROPERTY_TYPES[entity_type].from_json(entry.properties)
         with self.lock:
             cached = self.cache.get(key)
@@ -207,9 +232,13 @@ class Broker:
             cached = self.rules.get(key)
         if cached is None or time.monotonic() - cached.loaded_at >= PROPERTIES_TTL_S:
             entries = self.catalog.entries()  # one read for the topic, its subscriptions and rules
-            topic = next((e for e in entries if e.name == key), None)
+            lower = key.lower()
+            topic = next((e for e in entries if e.name == key), None) or next(
+                (e for e in entries if e.entity_type == TOPIC and e.name.lower() == lower), None
+            )  # a name given in another case (canonical)
             if topic is None:
                 raise EntityNotFoundError(f"topic {name!r} does not exist in namespace {self.root!r}")
+            name = Address.parse(topic.name).name
             record_ids = TopicProperties.from_json(topic.properties).requires_duplicate_detection
             forwarding = []
             for e in entries:
