@@ -170,10 +170,12 @@ class Broker:
         return Address.subscription_of(topic, sub if sub in subs or len(alike) != 1 else alike[0]).name
 
     def forget(self, key: str) -> None:
-        """Drop cached settings of an entity (after an update or delete)."""
+        """Drop cached settings of an entity (after an update or delete), under every spelling it was looked up by."""
+        lower = key.lower()
         with self.lock:
-            self.cache.pop(key, None)
-            self.rules.pop(key, None)
+            for cache in (self.cache, self.rules):
+                for k in [k for k in cache if k.lower() == lower]:
+                    del cache[k]
 
     def entity(self, entity_type: str, name: str) -> Entity:
         """The entity with settings at most PROPERTIES_TTL_S old; raises EntityNotFoundError."""
