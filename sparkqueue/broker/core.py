@@ -54,6 +54,12 @@ PROPERTY_TYPES: dict[str, type[AnyEntityProperties]] = {
 }
 
 
+def _alike_entry(entries: Sequence[CatalogEntry], key: str) -> CatalogEntry | None:
+    """The entry whose key equals `key` but for case (queue and topic names are unique without it), or None."""
+    lower = key.lower()
+    return next((e for e in entries if e.name.lower() == lower), None)
+
+
 def sub_entity_name(topic_name: str, subscription_name: str) -> str:
     """Catalog name of a subscription: topic and subscription joined by '|' (neither may contain it)."""
     limits.check_name_type(topic_name, "topic")
@@ -142,7 +148,7 @@ class Broker:
         """An entity's catalog row; a name that differs from the stored one only in case finds it too (canonical)."""
         entry = self.catalog.get(Address.of(entity_type, name).key)
         if entry is None:
-            stored = self.canonical(entity_type, name)
+            stored = self._spelled_alike(entity_type, name)
             entry = self.catalog.get(Address.of(entity_type, stored).key) if stored != name else None
         if entry is None:
             shown = Address.of(entity_type, name).path
@@ -157,10 +163,13 @@ class Broker:
         """
         if self.catalog.get(Address.of(entity_type, name).key) is not None:
             return name  # stored as given: the common case, one lookup
+        return self._spelled_alike(entity_type, name)
+
+    def _spelled_alike(self, entity_type: str, name: str) -> str:
+        """canonical() for a name not stored as given (see there)."""
         if entity_type in (QUEUE, TOPIC):
-            lower = name.lower()
-            stored = (Address.parse(e.name).name for e in self.catalog.entries(entity_type))
-            return next((n for n in stored if n.lower() == lower), name)
+            found = _alike_entry(self.catalog.entries(entity_type), Address.of(entity_type, name).key)
+            return Address.parse(found.name).name if found is not None else name
         if entity_type != SUBSCRIPTION:
             return name
         address = Address.of(SUBSCRIPTION, name)
@@ -234,10 +243,7 @@ class Broker:
             cached = self.rules.get(key)
         if cached is None or time.monotonic() - cached.loaded_at >= PROPERTIES_TTL_S:
             entries = self.catalog.entries()  # one read for the topic, its subscriptions and rules
-            lower = key.lower()
-            topic = next((e for e in entries if e.name == key), None) or next(
-                (e for e in entries if e.entity_type == TOPIC and e.name.lower() == lower), None
-            )  # a name given in another case (canonical)
+            topic = next((e for e in entries if e.name == key), None) or _alike_entry(entries, key)  # canonical
             if topic is None:
                 raise EntityNotFoundError(f"topic {name!r} does not exist in namespace {self.root!r}")
             name = Address.parse(topic.name).name

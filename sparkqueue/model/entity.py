@@ -30,7 +30,7 @@ from sparkqueue.model.properties import (
     SubscriptionProperties,
     TopicProperties,
 )
-from sparkqueue.model.topics import copy_run, live_copies
+from sparkqueue.model.topics import COPY_KEY, copy_run, live_copies
 from sparkqueue.storage.files import MAX_FILE_ROWS
 from sparkqueue.storage.log import CommitConflict, Fence, Snapshot
 from sparkqueue.storage.retry import Deadline, backoff, retry_commit
@@ -442,8 +442,7 @@ class Entity:
         below = above = COPY_WINDOW
         while True:
             lo, hi = max(seq - below, first), min(seq + above, top)
-            cols = ["kind", "state", "subscription", "message_id", "enqueued_time_utc"]
-            rows = live_copies(self.table.rows_between(dt, p, lo, hi, cols))
+            rows = live_copies(self.table.rows_between(dt, p, lo, hi, ["kind", "state", "subscription", *COPY_KEY]))
             run = copy_run(rows, seq)
             if run is None:
                 return []

@@ -40,6 +40,8 @@ RULE_ACTION_REASON = "RuleActionViolation"
 SESSION_REQUIRED_REASON = "SessionIdRequired"
 _KEY_COLUMNS = ("message_id", "session_id", "partition_key")
 _ORIGIN = "__origin"  # fan-out's working column: the index of the message a copy came from (never stored)
+# What a message's copies share unless a rule action changed it: the run of them names the message (copy_run).
+COPY_KEY = ("message_id", "enqueued_time_utc")
 
 
 @dataclass(frozen=True)
@@ -121,10 +123,7 @@ def by_message(parts: list[tuple[pa.Table, bool]], rows: pa.Table) -> pa.Table:
 
 def _as_sent(copies: pa.Table, rows: pa.Table, origin: pa.ChunkedArray) -> pa.ChunkedArray:
     """Whether each copy keeps its message's id and enqueue time (no rule action renamed or rescheduled it)."""
-    same = [
-        pc.fill_null(pc.equal(copies.column(c), pc.take(rows.column(c), origin)), False)
-        for c in ("message_id", "enqueued_time_utc")
-    ]
+    same = [pc.fill_null(pc.equal(copies.column(c), pc.take(rows.column(c), origin)), False) for c in COPY_KEY]
     return pc.and_(*same)
 
 
@@ -134,9 +133,9 @@ def first_copies(stored: pa.Table, sent: pa.Table) -> pa.Table:
     A first copy keeps the id and enqueue time of a message in `sent` (the rows before fan-out) and
     does not follow a copy with the same two (copy_run).
     """
-    pairs = set(zip(sent.column("message_id").to_pylist(), sent.column("enqueued_time_utc").to_pylist(), strict=True))
+    pairs = set(_copy_keys(sent))
     seqs = stored.column("sequence_number").to_pylist()
-    keys = list(zip(stored.column("message_id").to_pylist(), stored.column("enqueued_time_utc").to_pylist(), strict=True))
+    keys = _copy_keys(stored)
     first = [
         keys[i] in pairs and (i == 0 or keys[i] != keys[i - 1] or partition_of(seqs[i]) != partition_of(seqs[i - 1]))
         for i in range(len(seqs))
@@ -163,13 +162,18 @@ def copy_run(copies: pa.Table, seq: int) -> tuple[int, int] | None:
     seqs = copies.column("sequence_number").to_pylist()
     if seq not in seqs:
         return None
-    keys = list(zip(copies.column("message_id").to_pylist(), copies.column("enqueued_time_utc").to_pylist(), strict=True))
+    keys = _copy_keys(copies)
     i = j = seqs.index(seq)
     while i > 0 and keys[i - 1] == keys[j]:
         i -= 1
     while j < len(keys) and keys[j] == keys[i]:
         j += 1
     return i, j
+
+
+def _copy_keys(rows: pa.Table) -> list[tuple[Any, ...]]:
+    """Each row's COPY_KEY values."""
+    return list(zip(*(rows.column(c).to_pylist() for c in COPY_KEY), strict=True))
 
 
 def check_session_action(action: Any, requires_session: bool, partition_count: int, subscription: str) -> None:

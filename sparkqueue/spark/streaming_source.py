@@ -285,11 +285,14 @@ class StreamState:
 
     def manifest(self, n: int) -> dict[str, Any] | None:
         """Batch n's manifest, or None when the batch was never fully recorded."""
-        path = f"{self.path}/batch-{n:012d}/{MANIFEST}"
+        manifest: dict[str, Any] | None = self._read_json(f"{self.path}/batch-{n:012d}/{MANIFEST}")
+        return manifest
+
+    def _read_json(self, path: str) -> Any:
+        """A JSON file the stream wrote (_write_json), or None when there is none."""
         try:
             with self.fs.open_input_stream(path) as f:
-                manifest: dict[str, Any] = json.loads(f.read())
-                return manifest
+                return json.loads(f.read())
         except (FileNotFoundError, OSError):
             return None
 
@@ -450,9 +453,8 @@ class StreamState:
         if m is not None:
             return [_held_of_record(r) for r in m.get("sessions", [])]
         try:
-            with self.fs.open_input_stream(f"{self.path}/batch-{b:012d}/{SESSIONS_JOURNAL}") as f:
-                return [_held_of_record(r) for r in json.loads(f.read())]
-        except (FileNotFoundError, OSError, ValueError):
+            return [_held_of_record(r) for r in self._read_json(f"{self.path}/batch-{b:012d}/{SESSIONS_JOURNAL}") or []]
+        except ValueError:
             return []
 
     def _settle_sessions(self, held: list[Held], items: list[Item], op: str) -> list[bool]:
@@ -654,11 +656,7 @@ class StreamState:
     # ---- skip list -------------------------------------------------------------------------------
 
     def _load_skip(self) -> dict[str, str]:
-        try:
-            with self.fs.open_input_stream(f"{self.path}/{SKIP_FILE}") as f:
-                skip = dict(json.loads(f.read()))
-        except (FileNotFoundError, OSError):
-            return {}
+        skip = dict(self._read_json(f"{self.path}/{SKIP_FILE}") or {})
         cutoff = utcnow() - SKIP_RETENTION
         return {s: at for s, at in skip.items() if datetime.fromisoformat(at) >= cutoff}
 

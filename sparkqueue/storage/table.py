@@ -413,8 +413,9 @@ class EntityTable:
     ) -> pa.Table:
         """Current rows of the given sequence numbers in one partition (missing ones are absent), in sequence order.
 
-        `subscription` (a subscription's key) skips the files of the topic's other subscriptions: a
-        send numbers a message's copies together, so every subscription's file spans the same numbers.
+        `subscription` (a subscription's key; None: a queue's rows) skips the files of the topic's other
+        subscriptions: a send numbers a message's copies together, so every subscription's file spans
+        the same numbers.
         """
         cols = list(columns or FILE_SCHEMA.names)
         wanted = seqs if isinstance(seqs, pa.Array) else pa.array(list(seqs), pa.int64())
@@ -422,20 +423,23 @@ class EntityTable:
             return self._read([], cols)
         bounds = pc.min_max(wanted)
         lo, hi = bounds["min"].as_py(), bounds["max"].as_py()
-        files = [
-            f
-            for f in self.files(dt, partition)
-            if f.max_seq >= lo and f.min_seq <= hi and (subscription is None or f.may_hold_subscription(subscription))
-        ]
-        t = self._read(files, cols)
+        t = self._read(self._files_between(dt, partition, lo, hi, subscription), cols)
         return in_sequence(keep_rows(t, pc.is_in(t.column("sequence_number"), value_set=wanted)))
 
     def rows_between(self, dt: Snapshot, partition: int, lo: int, hi: int, columns: Sequence[str]) -> pa.Table:
         """Current rows of one partition numbered lo..hi (inclusive), of every kind and state, in sequence order."""
         cols = list(dict.fromkeys(["sequence_number", *columns]))
-        t = self._read([f for f in self.files(dt, partition) if f.max_seq >= lo and f.min_seq <= hi], cols)
+        t = self._read(self._files_between(dt, partition, lo, hi), cols)
         seqs = t.column("sequence_number")
         return in_sequence(keep_rows(t, pc.and_(pc.greater_equal(seqs, lo), pc.less_equal(seqs, hi))))
+
+    def _files_between(
+        self, dt: Snapshot, partition: int, lo: int, hi: int, subscription: str | None = ANY_SUBSCRIPTION
+    ) -> list[FileInfo]:
+        """The partition's live files that may hold rows numbered lo..hi of `subscription` (None: a queue's rows)."""
+        return [
+            f for f in self.files(dt, partition) if f.max_seq >= lo and f.min_seq <= hi and f.may_hold_subscription(subscription)
+        ]
 
     def scan(
         self,
