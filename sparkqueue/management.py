@@ -234,8 +234,8 @@ class Management:
 
     def create_queue(self, queue_name: str, **settings: Any) -> QueueProperties:
         """Create a queue; settings are the SDK's keyword names (enable_partitioning, lock_duration, ...)."""
-        self._check_destinations(settings)
-        return self._create_with_table(QUEUE, limits.check_entity_name(queue_name), settings)  # type: ignore[return-value]
+        self._check_destinations(settings, limits.check_entity_name(queue_name))
+        return self._create_with_table(QUEUE, queue_name, settings)  # type: ignore[return-value]
 
     def get_queue(self, queue_name: str) -> QueueProperties:
         """The queue's settings."""
@@ -244,7 +244,7 @@ class Management:
     def update_queue(self, queue: QueueProperties | Mapping[str, Any], **settings: Any) -> None:
         """Apply changed settings (partitioning and sessions are fixed at creation); keywords override the given ones."""
         props = _as_properties(QueueProperties, queue, settings)
-        self._check_destinations(props.settings())
+        self._check_destinations(props.settings(), props.name)
         self._update(QUEUE, props.name, props)
 
     def delete_queue(self, queue_name: str) -> None:
@@ -532,11 +532,18 @@ class Management:
         if open_transaction(self.broker) is not None:
             raise InvalidOperationError("subscription rules cannot be added or removed inside a transaction")
 
-    def _check_destinations(self, settings: dict[str, Any]) -> None:
-        """forward_to targets must be valid entity names (they may be created later: a missing one dead-letters)."""
+    def _check_destinations(self, settings: dict[str, Any], queue_name: str | None = None) -> None:
+        """forward_to targets must be valid entity names (they may be created later: a missing one dead-letters).
+
+        A queue may not forward its messages to itself, in any spelling (Service Bus refuses it too):
+        every message would circle until its hop count dead-lettered it.
+        """
         for k in ("forward_to", "forward_dead_lettered_messages_to"):
             if settings.get(k) is not None:
                 limits.check_entity_name(settings[k], k)
+        target = settings.get("forward_to")
+        if queue_name is not None and isinstance(target, str) and target.lower() == queue_name.lower():
+            raise InvalidOperationError(f"queue {queue_name!r} cannot forward its messages to itself (forward_to)")
 
 
 def _check_rule(flt: Any, action: Any) -> None:

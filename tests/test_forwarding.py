@@ -89,15 +89,23 @@ def test_forwarding_loop_stops_at_hop_limit(ns: Namespace) -> None:
     assert queue_ids(ns, "a", dead_letter=True) == Counter({f"m{i}": 1 for i in range(3)})
 
 
-def test_self_forwarding_queue_dead_letters(ns: Namespace) -> None:
-    """A queue that forwards to itself dead-letters arriving messages once the hop limit is reached."""
-    ns.create_queue("self", forward_to="self")
-    ns.get_queue_sender("self").send_messages(Message("x", message_id="m"))
-    ns.forward_pending_messages()
-    assert queue_ids(ns, "self") == Counter()
-    with ns.get_queue_receiver("self", sub_queue=SubQueue.DEAD_LETTER) as dlq:
-        (m,) = drain(dlq, 1)
-    assert (m.message_id, m.dead_letter_reason) == ("m", HOP_LIMIT)
+def test_a_queue_cannot_forward_to_itself(ns: Namespace) -> None:
+    """As in Service Bus, forward_to naming the queue itself (in any case) is refused at create and update; nothing changes."""
+    with pytest.raises(InvalidOperationError, match="itself"):
+        ns.create_queue("self", forward_to="self")
+    assert [q.name for q in ns.list_queues()] == []
+    ns.create_queue("Self")
+    props = ns.get_queue("self")
+    props.forward_to = "SELF"
+    with pytest.raises(InvalidOperationError, match="itself"):
+        ns.update_queue(props)
+    with pytest.raises(InvalidOperationError, match="itself"):
+        ns.update_queue(ns.get_queue("Self"), forward_to="self")
+    assert ns.get_queue("Self").forward_to is None
+    props.forward_to = None
+    props.forward_dead_lettered_messages_to = "Self"  # dead letters back into the queue: allowed, bounded by the hop count
+    ns.update_queue(props)
+    assert ns.get_queue("Self").forward_dead_lettered_messages_to == "Self"
 
 
 # ---- partition keys -------------------------------------------------------------------------------
