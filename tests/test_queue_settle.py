@@ -313,6 +313,22 @@ def test_max_delivery_count_counts_expired_locks(ns: Namespace) -> None:
         assert _one(dlq).dead_letter_reason == "MaxDeliveryCountExceeded"
 
 
+def test_a_deferred_message_dead_lettered_by_its_delivery_count_is_an_active_dead_letter(ns: Namespace) -> None:
+    """Over max_delivery_count through receive_deferred_messages, the dead letter is active in the DLQ and receivable."""
+    ns.create_queue("q", enable_partitioning=False, max_delivery_count=2)
+    (seq,) = _send(ns, [Message("x", message_id="d")])
+    with ns.get_queue_receiver("q") as r:
+        r.defer_message(_one(r))
+        (m,) = r.receive_deferred_messages([seq])
+        r.abandon_message(m)
+        assert r.receive_deferred_messages([seq]) == []  # a third delivery: dead-lettered instead
+    assert _counts(ns) == (0, 0, 1, 0, 1)
+    with ns.get_queue_receiver("q", sub_queue=SubQueue.DEAD_LETTER) as dlq:
+        (peeked,) = dlq.peek_messages(5)
+        m = _one(dlq)
+    assert (peeked.state, m.message_id, m.dead_letter_reason) == ("active", "d", "MaxDeliveryCountExceeded")
+
+
 # ---- batch settlement ------------------------------------------------------------------------
 
 

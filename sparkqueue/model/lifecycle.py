@@ -87,8 +87,10 @@ def texts_of(value: Texts, positions: Sequence[int]) -> str | pa.Array | None:
 def _dead_letter_values(
     reason: str | pa.Array | None, description: str | pa.Array | None, now: datetime, source: str
 ) -> dict[str, Any]:
+    """A dead letter is active in its sub-queue, whatever it was (a deferred message dead-lettered by its delivery count too)."""
     return {
         "sub_queue": SUB_QUEUE_DEAD_LETTER,
+        "state": STATE_ACTIVE,
         "available_at_utc": now,
         "locked_until_utc": None,
         "lock_token": None,
@@ -192,7 +194,7 @@ def settle(
     if op == DEFER:
         return changes(rows, OP_SET, state=STATE_DEFERRED, available_at_utc=None, **released)
     if op == DEAD_LETTER:
-        return changes(rows, OP_SET, state=STATE_ACTIVE, **_dead_letter_values(reason, description, now, policy.source))
+        return changes(rows, OP_SET, **_dead_letter_values(reason, description, now, policy.source))
     if op == RENEW:
         until = now + policy.lock_duration
         avail = pc.if_else(deferred, pa.scalar(None, TIMESTAMP), pa.scalar(until, TIMESTAMP))
