@@ -26,8 +26,8 @@ from sparkqueue.message import ReceivedMessage, is_settled, lock_expired, mark_s
 from sparkqueue.model import lifecycle, limits
 from sparkqueue.model.deadlines import call_timeout, check_timeout
 from sparkqueue.model.entity import ROW_COLUMNS, Entity, utcnow
+from sparkqueue.model.properties import check_not_forwarding, check_status
 from sparkqueue.model.sessions import SessionLock, Sessions
-from sparkqueue.sender import check_status
 from sparkqueue.storage.schema import KIND_MESSAGE, STATE_DEFERRED, SUB_QUEUE_DEAD_LETTER, SUB_QUEUE_MAIN
 from sparkqueue.storage.table import SEQUENCE_MASK, partition_of
 from sparkqueue.storage.table import sequence_number as compose_sequence
@@ -99,6 +99,7 @@ class Receiver:
             if not requires_session:
                 raise InvalidOperationError(f"{entity.name!r} is not session-enabled; create it with requires_session=True")
             sid = None if session_id is NEXT_AVAILABLE_SESSION else limits.check_key(session_id, "session_id")
+            self._check_receivable()
             sessions = Sessions(entity)
             # The accept commit also locks the session's first messages (docs/storage.md); they wait in the cache.
             prefetch = SESSION_ACCEPT_PREFETCH if self.receive_mode == ReceiveMode.PEEK_LOCK else 0
@@ -161,7 +162,7 @@ class Receiver:
         if bound is not None:
             wait = min(wait, bound)
         self._check_open()
-        check_status(self._entity().props, "receive", self._entity().name)
+        self._check_receivable()
         with call_timeout(bound):
             out = self._receive(n, wait)
         if self.session is not None:
@@ -204,6 +205,13 @@ class Receiver:
         out.extend(got[:take])
         self._cache.extend(got[take:])
         return out
+
+    def _check_receivable(self) -> None:
+        """Refuse receives the entity's status disables, and receives from the main sub-queue of an auto-forwarding entity."""
+        entity = self._entity()
+        check_status(entity.props, "receive", entity.name)
+        if self._sub_queue == SUB_QUEUE_MAIN:
+            check_not_forwarding(entity.props, entity.name)
 
     @property
     def _deleting(self) -> bool:
@@ -402,6 +410,7 @@ class Receiver:
         from sparkqueue.spark.receive import receive_dataframe
 
         self._check_dataframe()
+        self._check_receivable()
         return receive_dataframe(
             self._ns.broker,
             self.entity_type,

@@ -8,12 +8,10 @@ from collections.abc import Mapping, Sequence
 from datetime import datetime
 from typing import TYPE_CHECKING
 
-from sparkqueue.constants import EntityStatus
 from sparkqueue.errors import (
     InvalidArgumentTypeError,
     InvalidOperationError,
     MessageSizeExceededError,
-    MessagingEntityDisabledError,
 )
 from sparkqueue.message import (
     Message,
@@ -29,6 +27,7 @@ from sparkqueue.model import limits
 from sparkqueue.model.addresses import TOPIC
 from sparkqueue.model.deadlines import call_timeout
 from sparkqueue.model.entity import utcnow
+from sparkqueue.model.properties import check_status
 from sparkqueue.model.topics import first_copies
 
 if TYPE_CHECKING:
@@ -62,17 +61,6 @@ def check_fits_one_batch(msgs: list[Message], tier: str) -> None:
             f"the {len(msgs)} messages total {total} bytes, more than one batch holds in the {tier} tier ({cap}); "
             "send them in several calls or batches (create_message_batch)"
         )
-
-
-def check_status(props: object, operation: str, name: str) -> None:
-    """Refuse sends or receives the entity's status disables (EntityStatus.DISABLED, SEND_DISABLED, RECEIVE_DISABLED)."""
-    status = getattr(props, "status", EntityStatus.ACTIVE)
-    refused = {
-        "send": (EntityStatus.DISABLED, EntityStatus.SEND_DISABLED),
-        "receive": (EntityStatus.DISABLED, EntityStatus.RECEIVE_DISABLED),
-    }
-    if status in refused[operation]:
-        raise MessagingEntityDisabledError(f"{name!r} is {status}: it does not accept {operation}s; set its status to Active")
 
 
 class Sender:

@@ -9,7 +9,8 @@ from datetime import UTC, datetime, timedelta
 import pytest
 from procs import drain, partition_for, peek_all
 
-from sparkqueue import Message, Namespace, SqlRuleFilter, SubQueue
+from sparkqueue import Message, Namespace, SqlRuleAction, SqlRuleFilter, SubQueue
+from sparkqueue.constants import EntityStatus
 from sparkqueue.errors import InvalidOperationError
 
 HOP_LIMIT = "MaxTransferHopCountExceeded"
@@ -106,6 +107,137 @@ def test_a_queue_cannot_forward_to_itself(ns: Namespace) -> None:
     props.forward_dead_lettered_messages_to = "Self"  # dead letters back into the queue: allowed, bounded by the hop count
     ns.update_queue(props)
     assert ns.get_queue("Self").forward_dead_lettered_messages_to == "Self"
+
+
+# ---- what cannot travel ---------------------------------------------------------------------------
+
+
+def _key_conflict_topic(ns: Namespace, **sub_settings: object) -> None:
+    """A topic whose subscription gives message 'a' a second copy with a session id its partition key contradicts."""
+    ns.create_topic("t", enable_partitioning=False)
+    ns.create_subscription("t", "s", **sub_settings)
+    ns.create_rule("t", "s", "tag", filter=SqlRuleFilter("sys.MessageId = 'a'"), action=SqlRuleAction("SET sys.SessionId = 'x'"))
+    with ns.get_topic_sender("t") as s:
+        s.send_messages([Message("a", message_id="a", partition_key="k"), Message("b", message_id="b")])
+
+
+def test_a_copy_whose_keys_conflict_is_dead_lettered_and_forwarding_goes_on(ns: Namespace) -> None:
+    """A copy no partition can take (session id != partition key) is dead-lettered at the source; later ones still travel."""
+    ns.create_queue("dst")
+    _key_conflict_topic(ns, forward_to="dst")
+    ns.get_topic_sender("t").send_messages(Message("c", message_id="c"))
+    assert queue_ids(ns, "dst") == Counter({"a": 1, "b": 1, "c": 1})
+    with ns.get_subscription_receiver("t", "s", sub_queue=SubQueue.DEAD_LETTER) as dlq:
+        (m,) = drain(dlq, 1)
+    assert (m.message_id, m.session_id, m.dead_letter_reason) == ("a", "x", "ForwardingPartitionKeyConflict")
+    assert sub_ids(ns, "t", "s") == Counter()
+
+
+def test_dead_letters_whose_keys_conflict_stay_receivable_and_the_others_travel(ns: Namespace) -> None:
+    """forward_dead_lettered_messages_to leaves a dead letter it cannot place in the DLQ, where it stays receivable."""
+    ns.create_queue("dst")
+    _key_conflict_topic(ns, forward_dead_lettered_messages_to="dst")
+    with ns.get_subscription_receiver("t", "s") as r:
+        for m in drain(r, 3):
+            r.dead_letter_message(m, reason="bad")
+    assert queue_ids(ns, "dst") == Counter({"a": 1, "b": 1})
+    with ns.get_subscription_receiver("t", "s", sub_queue=SubQueue.DEAD_LETTER) as dlq:
+        (m,) = drain(dlq, 1)
+    assert (m.message_id, m.session_id) == ("a", "x")
+
+
+@pytest.mark.parametrize("status", [EntityStatus.DISABLED, EntityStatus.SEND_DISABLED])
+def test_a_disabled_destination_dead_letters_at_the_source(ns: Namespace, status: EntityStatus) -> None:
+    """As in Service Bus, a destination that takes no sends gets nothing: the source dead-letters; its dead letters wait."""
+    ns.create_queue("dst", status=status)
+    ns.create_queue("src", forward_to="dst", forward_dead_lettered_messages_to="dst")
+    ns.get_queue_sender("src").send_messages(Message("x", message_id="m"))
+    assert ns.get_queue_runtime_properties("dst").total_message_count == 0
+    with ns.get_queue_receiver("src", sub_queue=SubQueue.DEAD_LETTER) as dlq:
+        (m,) = drain(dlq, 1)
+    assert (m.message_id, m.dead_letter_reason) == ("m", "ForwardingDestinationDisabled")
+
+
+def test_a_forwarded_copy_takes_the_destination_default_ttl(ns: Namespace) -> None:
+    """A copy's TTL is capped by the destination's default_message_time_to_live (a queue's, or a topic's) as a send there."""
+    ns.create_queue("dst", default_message_time_to_live=timedelta(seconds=30))
+    ns.create_topic("t", default_message_time_to_live=timedelta(seconds=20))
+    ns.create_subscription("t", "s")
+    ns.create_queue("to-q", forward_to="dst")
+    ns.create_queue("to-t", forward_to="t")
+    ns.get_queue_sender("to-q").send_messages(Message("q", time_to_live=timedelta(hours=1)))
+    ns.get_queue_sender("to-t").send_messages(Message("t"))
+    with ns.get_queue_receiver("dst") as r:
+        (m,) = peek_all(r)
+    with ns.get_subscription_receiver("t", "s") as r:
+        (n,) = peek_all(r)
+    assert m.time_to_live == timedelta(seconds=30)
+    assert m.expires_at_utc == m.enqueued_time_utc + timedelta(seconds=30)
+    assert n.time_to_live == timedelta(seconds=20)
+    assert n.expires_at_utc == n.enqueued_time_utc + timedelta(seconds=20)
+
+
+def test_an_expired_message_is_not_forwarded(ns: Namespace) -> None:
+    """A message that expired before it could travel expires at the source (dead-lettered there if it says so)."""
+    ns.create_queue("dst")
+    ns.create_queue("src", dead_lettering_on_message_expiration=True)
+    old = Message("old", message_id="old", time_to_live=timedelta(seconds=1))
+    ns.get_queue_sender("src").send_messages([old, Message("new")])
+    time.sleep(1.2)
+    props = ns.get_queue("src")
+    props.forward_to = "dst"
+    ns.update_queue(props)
+    ns.forward_pending_messages()
+    assert [m.body for m in peek_all(ns.get_queue_receiver("dst"))] == [b"new"]
+    with ns.get_queue_receiver("src", sub_queue=SubQueue.DEAD_LETTER) as dlq:
+        (m,) = drain(dlq, 1)
+    assert (m.message_id, m.dead_letter_reason) == ("old", "TTLExpiredException")
+
+
+def test_messages_a_receive_dead_letters_are_forwarded(ns: Namespace) -> None:
+    """Dead letters made by a receive (max delivery count) are forwarded at once, as dead_letter_message's are."""
+    ns.create_queue("dst")
+    ns.create_queue("src", max_delivery_count=1, forward_dead_lettered_messages_to="dst")
+    ns.get_queue_sender("src").send_messages(Message("x", message_id="m"))
+    with ns.get_queue_receiver("src") as r:
+        (m,) = drain(r, 1)
+        r.abandon_message(m)
+        assert r.receive_messages(max_wait_time=0.3) == []  # a second delivery would pass the count: dead-lettered
+    with ns.get_queue_receiver("dst") as r:
+        (m,) = drain(r, 1)
+    assert (m.message_id, m.dead_letter_reason) == ("m", "MaxDeliveryCountExceeded")
+
+
+def test_a_forwarding_entity_refuses_receivers_but_its_dead_letters_stay_receivable(ns: Namespace) -> None:
+    """As in Service Bus, nothing receives from an auto-forwarding queue or subscription; peek and the DLQ still work."""
+    ns.create_queue("dst")
+    ns.create_queue("src", forward_to="dst")
+    ns.create_topic("t")
+    ns.create_subscription("t", "s", forward_to="dst", requires_session=True)
+    with ns.get_queue_receiver("src") as r, pytest.raises(InvalidOperationError, match="forwards"):
+        r.receive_messages(max_wait_time=0.1)
+    with pytest.raises(InvalidOperationError, match="forwards"):
+        ns.get_subscription_receiver("t", "s", session_id="x")
+    with ns.get_queue_receiver("src", sub_queue=SubQueue.DEAD_LETTER) as dlq:
+        assert dlq.receive_messages(max_wait_time=0.1) == []
+    assert peek_all(ns.get_queue_receiver("src")) == []
+
+
+def test_an_abandon_forwards_what_a_receiver_held_when_forward_to_was_set(ns: Namespace) -> None:
+    """Messages locked before forward_to was set travel when their holder abandons them; nothing is left behind."""
+    ns.create_queue("dst")
+    ns.create_queue("src", enable_partitioning=False)
+    ns.get_queue_sender("src").send_messages([Message("m1", message_id="m1"), Message("m2", message_id="m2")])
+    with ns.get_queue_receiver("src") as r:
+        (m,) = r.receive_messages(max_wait_time=1)
+        props = ns.get_queue("src")
+        props.forward_to = "dst"
+        ns.update_queue(props)
+        ns.forward_pending_messages()  # m1 is locked: forwarding keeps order, so it waits
+        assert queue_ids(ns, "dst") == Counter()
+        r.abandon_message(m)
+    assert queue_ids(ns, "dst") == Counter({"m1": 1, "m2": 1})
+    assert queue_ids(ns, "src") == Counter()
 
 
 # ---- partition keys -------------------------------------------------------------------------------

@@ -209,7 +209,8 @@ class Broker:
             else:
                 path, sub_key = entry.table_path, ANY_SUBSCRIPTION if entity_type == TOPIC else None
                 owner = key
-            entity = Entity(props, self.table(path, props.partition_count, owner), self.operation_timeout, sub_key)
+            table = self.table(path, props.partition_count, owner)
+            entity = Entity(props, table, self.operation_timeout, sub_key, self._forward_dead_letters)
             self.cache[key] = _Cached(entity, entry.table_path, time.monotonic())
             return entity
 
@@ -303,6 +304,15 @@ class Broker:
                 continue
             for dest in forward(source, self.resolve, parts):
                 todo.extend((e, None) for e in self.forwarding_entities(dest))
+
+    def _forward_dead_letters(self, entity: Entity, partitions: list[int]) -> None:
+        """Forward what a receive just dead-lettered, when the entity forwards its dead letters; the receive stands regardless."""
+        if not getattr(entity.props, "forward_dead_lettered_messages_to", None):
+            return
+        try:
+            self.pump(entity, partitions)
+        except SparkQueueError as exc:  # they wait as dead letters for the next forward (forward_pending_messages)
+            log.warning("forwarding dead letters of %s deferred: %s", entity.name, exc)
 
     def forwarding_entities(self, name: str) -> list[Entity]:
         """The entities under a destination name that forward further: the queue, or the topic's subscriptions."""
@@ -398,10 +408,12 @@ class Broker:
             result = Sessions(entity).settle(session, items, op, reason, description)
         else:
             result = entity.settle(items, op, reason, description)
-        if op == lifecycle.DEAD_LETTER:
+        # Forward the dead letters (forward_dead_lettered_messages_to), and what an abandon unblocked on an entity
+        # whose forward_to was set while a receiver held its messages (model/forwarding.py forwards in order).
+        if op == lifecycle.DEAD_LETTER or (op == lifecycle.ABANDON and getattr(entity.props, "forward_to", None)):
             held = sorted({partition_of(seq) for (seq, _), ok in zip(items, result.ok, strict=True) if ok})
             if held:
-                self.pump(entity, held)  # forward the dead letters (forward_dead_lettered_messages_to)
+                self.pump(entity, held)
         return result
 
     # ---- transactions ---------------------------------------------------------------------------

@@ -98,15 +98,26 @@ class Entity:
     """A queue or subscription: send, receive, settle, peek and count, over all its partitions."""
 
     def __init__(
-        self, props: AnyEntityProperties, table: EntityTable, operation_timeout: float, subscription: str | None = None
+        self,
+        props: AnyEntityProperties,
+        table: EntityTable,
+        operation_timeout: float,
+        subscription: str | None = None,
+        on_dead_letters: Callable[[Entity, list[int]], None] | None = None,
     ) -> None:
         self.table = table
+        self.on_dead_letters = on_dead_letters  # the namespace forwards what a receive dead-lettered (model/forwarding.py)
         self.props = props
         self.subscription = subscription  # a subscription's rows live in its topic's table
         self.partition_count = table.partition_count
         self.operation_timeout = operation_timeout
         self._send_rr = RoundRobin(self.partition_count)
         self._recv_start = itertools.count(random.randrange(self.partition_count))
+
+    def dead_lettered(self, partitions: list[int]) -> None:
+        """Report that a receive dead-lettered messages in these partitions (max delivery count, expiry)."""
+        if self.on_dead_letters is not None and partitions:
+            self.on_dead_letters(self, partitions)
 
     @property
     def props(self) -> AnyEntityProperties:
@@ -246,6 +257,7 @@ class Entity:
         out: list[pa.Table] = []
         attempt = 0
         fresh = True
+        dead = False
         while limit > 0 and attempt < LOCK_ATTEMPTS_PER_PARTITION:
             if not fresh:
                 dt = self.table.snapshot()
@@ -268,17 +280,21 @@ class Entity:
                 continue
             except PartitionUnavailableError:
                 break
+            dead = dead or d.dead_lettered > 0
             if d.delivered.num_rows:
                 out.append(d.delivered)
                 limit -= d.delivered.num_rows
                 whole_after = None if whole_after is None else max(0, whole_after - d.delivered.num_rows)
             if d.delivered.num_rows == cands.num_rows:
                 break  # nothing was expired or dead-lettered: the candidates were all it would give now
+        if dead:
+            self.dead_lettered([p])
         return pa.concat_tables(out) if out else empty_rows()
 
     def receive_deferred(self, sub_queue: str, seqs: Sequence[int], *, delete: bool) -> pa.Table:
         """Lock (or delete) the deferred messages with these sequence numbers; others are skipped."""
         out = []
+        dead: list[int] = []  # partitions where a delivery count dead-lettered a message instead
         for p, group in _by_partition(seqs).items():
 
             def attempt(p: int = p, group: list[int] = group) -> pa.Table:
@@ -298,9 +314,12 @@ class Entity:
                     return rows
                 d = lifecycle.deliver(rows, now, self.policy, delete=delete)
                 self.table.apply(dt, p, d.changes)
+                if d.dead_lettered:
+                    dead.append(p)
                 return d.delivered
 
             out.append(retry_commit(attempt, self.deadline(), f"receive deferred from {self.name}"))
+        self.dead_lettered(sorted(set(dead)))
         return pa.concat_tables(out) if out else empty_rows()
 
     # ---- settle ------------------------------------------------------------------------------

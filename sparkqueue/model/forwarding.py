@@ -5,8 +5,9 @@ partition messages are forwarded in sequence order, a leading run at a time: (1)
 appended to the destination with a Delta txn recording the highest source sequence number
 forwarded, (2) the originals are deleted at the source. A process that dies between (1) and (2)
 leaves originals whose sequence numbers the destination already records; the next forwarder
-only deletes them. Messages that must not travel (hop limit, missing or full destination) are
-dead-lettered at the source in step (2) instead.
+only deletes them. Messages that must not travel (hop limit, a session id contradicting the
+partition key, a missing, full or disabled destination) are dead-lettered, and expired ones
+expire, at the source in step (2) instead.
 
 Dead letters enter their sub-queue in any sequence order, so for them a sequence-number fence
 cannot tell what was forwarded: each batch is first claimed at the source (see
@@ -25,10 +26,11 @@ from datetime import datetime
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from sparkqueue.errors import EntityNotFoundError, QuotaExceededError, SparkQueueError
+from sparkqueue.errors import EntityNotFoundError, MessagingEntityDisabledError, QuotaExceededError, SparkQueueError
 from sparkqueue.model import lifecycle, limits
 from sparkqueue.model.entity import ROW_COLUMNS, Entity, utcnow
 from sparkqueue.model.partitioning import partition_key
+from sparkqueue.model.properties import check_status
 from sparkqueue.model.topics import sessionless_dead_lettered
 from sparkqueue.storage.log import Fence, Snapshot
 from sparkqueue.storage.retry import retry_commit
@@ -50,6 +52,8 @@ MAX_HOPS = 4
 HOP_LIMIT_REASON = "MaxTransferHopCountExceeded"
 MISSING_REASON = "ForwardingDestinationNotFound"
 FULL_REASON = "ForwardingDestinationQuotaExceeded"
+DISABLED_REASON = "ForwardingDestinationDisabled"
+KEYS_REASON = "ForwardingPartitionKeyConflict"  # a rule action gave a copy a session id its partition key contradicts
 BATCH = 1000
 CLAIM_PREFIX = "forward:"  # lock token of dead letters claimed by a forwarder (never a receiver's token)
 
@@ -100,7 +104,14 @@ def _app_id(entity: Entity, route: Route, p: int) -> str:
 
 
 def _forward_batch(entity: Entity, route: Route, p: int, resolve: Resolver) -> int:
-    """Forward (or dead-letter) one leading run of a source partition; returns how many messages left the source."""
+    """Forward (or dead-letter) one leading run of a source partition; returns how many messages left the source.
+
+    Every message of the run leaves: those past the hop limit or whose keys no partition can take
+    are dead-lettered, those the destination already holds (an earlier forwarder died before
+    removing them) are removed, expired ones expire as at a receive, and the rest travel, or are
+    dead-lettered when the destination is missing, full or disabled. Only a destination that is
+    unavailable for now (a partition down, a timeout) leaves the run for a later attempt.
+    """
     if route.sub_queue == SUB_QUEUE_DEAD_LETTER:
         return _forward_dead_letters(entity, route, p, resolve)
     dt = entity.table.snapshot()
@@ -109,26 +120,50 @@ def _forward_batch(entity: Entity, route: Route, p: int, resolve: Resolver) -> i
     if run.num_rows == 0:
         return 0
     app = _app_id(entity, route, p)
-    failure: str | None = None
-    hops = pc.add(run.column("transfer_hop_count"), 1)
-    over = pc.greater(hops, MAX_HOPS)
-    travel = run.filter(pc.invert(over))
-    top = pc.max(run.column("sequence_number")).as_py()
+    dest: Entity | None = None
     try:
         dest, expand = resolve(route.destination)
-        if travel.num_rows:
-            _deliver(dest, expand, _copies(travel, now), Fence(app, top))
+        done = dest.table.snapshot().transaction_version(app)
     except EntityNotFoundError:
-        failure = MISSING_REASON
-    except QuotaExceededError:
-        failure = FULL_REASON
-    except SparkQueueError as exc:  # destination unavailable: leave everything for a later attempt
+        done = None
+    except SparkQueueError as exc:  # destination unavailable for now: leave everything for a later attempt
         log.warning("forwarding %s -> %s deferred: %s", entity.name, route.destination, exc)
         return 0
-    changes = _source_changes(entity, run, over, failure, now)
+    # Hop limit and key conflicts are decided by the rows alone, so every attempt decides them alike.
+    over = pc.greater(pc.add(run.column("transfer_hop_count"), 1), MAX_HOPS)
+    conflict = pc.and_(pc.invert(over), _key_conflicts(run))
+    movable = pc.invert(pc.or_(over, conflict))
+    held = pc.less_equal(run.column("sequence_number"), -1 if done is None else done)  # delivered by an earlier attempt
+    expired = pc.and_(pc.and_(movable, pc.invert(held)), lifecycle.expired_rows(run, now))
+    travels = pc.and_(pc.and_(movable, pc.invert(held)), pc.invert(expired))
+    failure = MISSING_REASON if dest is None else None
+    try:
+        if dest is not None:
+            check_status(dest.props, "send", dest.name)
+            travel = run.filter(travels)
+            if travel.num_rows:
+                top = pc.max(run.column("sequence_number")).as_py()
+                _deliver(dest, expand, _copies(travel, now, dest), Fence(app, top))
+    except QuotaExceededError:
+        failure = FULL_REASON
+    except MessagingEntityDisabledError:
+        failure = DISABLED_REASON
+    except SparkQueueError as exc:
+        log.warning("forwarding %s -> %s deferred: %s", entity.name, route.destination, exc)
+        return 0
+    dead = [(over, HOP_LIMIT_REASON), (conflict, KEYS_REASON)] + ([(travels, failure)] if failure else [])
+    gone = pc.and_(movable, held) if failure else pc.or_(pc.and_(movable, held), travels)
+    changes = _source_changes(entity, run, expired, dead, gone, now)
     retry_commit(lambda: _settle_source(entity, p, changes), entity.deadline(), f"forward from {entity.name}")
     log.debug("%d message(s) left %s for %s (partition %d)", changes.num_rows, entity.name, route.destination, p)
     return int(changes.num_rows)
+
+
+def _key_conflicts(rows: pa.Table) -> pa.Array:
+    """Per row: a session id and a different partition key, which no send accepts (model.partitioning.partition_key)."""
+    sessions, keys = rows.column("session_id"), rows.column("partition_key")
+    both = pc.and_(pc.is_valid(sessions), pc.is_valid(keys))
+    return pc.and_(both, pc.fill_null(pc.not_equal(sessions, keys), False))
 
 
 def _forward_dead_letters(entity: Entity, route: Route, p: int, resolve: Resolver) -> int:
@@ -142,7 +177,8 @@ def _forward_dead_letters(entity: Entity, route: Route, p: int, resolve: Resolve
     """
     try:
         dest, expand = resolve(route.destination)
-    except EntityNotFoundError:
+        check_status(dest.props, "send", dest.name)
+    except (EntityNotFoundError, MessagingEntityDisabledError):  # they stay receivable dead letters here
         return 0
     except SparkQueueError as exc:
         log.warning("forwarding dead letters %s -> %s deferred: %s", entity.name, route.destination, exc)
@@ -155,7 +191,7 @@ def _forward_dead_letters(entity: Entity, route: Route, p: int, resolve: Resolve
         now = utcnow()
         app = f"{_app_id(entity, route, p)}.{token.removeprefix(CLAIM_PREFIX)}"
         try:
-            _deliver(dest, expand, _copies(batch, now), Fence(app, 1))
+            _deliver(dest, expand, _copies(batch, now, dest), Fence(app, 1))
             changes, moved = lifecycle.changes(batch, lifecycle.removal(entity.policy)), int(batch.num_rows)
         except (EntityNotFoundError, QuotaExceededError):  # release the claim: they stay dead letters here
             changes, moved = lifecycle.changes(batch, OP_SET, lock_token=None, locked_until_utc=None, available_at_utc=now), 0
@@ -169,7 +205,10 @@ def _forward_dead_letters(entity: Entity, route: Route, p: int, resolve: Resolve
 
 
 def _claim(entity: Entity, p: int) -> tuple[pa.Table, str, bool]:
-    """Claim dead letters of a partition for forwarding: (rows, claim token, whether it is an earlier claim)."""
+    """Claim dead letters of a partition for forwarding: (rows, claim token, whether it is an earlier claim).
+
+    Dead letters that cannot travel (past the hop limit, keys no partition takes) are never claimed: they stay.
+    """
     dt = entity.table.snapshot()
     now = utcnow()
     rows = entity.table.scan(dt, p, ROW_COLUMNS, subscription=entity.subscription)
@@ -179,7 +218,7 @@ def _claim(entity: Entity, p: int) -> tuple[pa.Table, str, bool]:
         token = rows.filter(claimed).column("lock_token")[0].as_py()
         return rows.filter(pc.fill_null(pc.equal(rows.column("lock_token"), token), False)), token, True
     free = pc.invert(pc.fill_null(pc.greater(rows.column("locked_until_utc"), pa.scalar(now, TIMESTAMP)), False))
-    can_travel = pc.less_equal(pc.add(rows.column("transfer_hop_count"), 1), MAX_HOPS)
+    can_travel = pc.and_(pc.less_equal(pc.add(rows.column("transfer_hop_count"), 1), MAX_HOPS), pc.invert(_key_conflicts(rows)))
     batch = rows.filter(pc.and_(free, can_travel)).slice(0, BATCH)
     if batch.num_rows == 0:
         return batch, "", False
@@ -202,9 +241,17 @@ def _leading_run(entity: Entity, dt: Snapshot, p: int, sub_queue: str, now: date
     return rows.slice(0, min(end, BATCH))
 
 
-def _copies(rows: pa.Table, now: datetime) -> pa.Table:
-    """Destination rows: the same message one hop further, unlocked and not yet delivered."""
+def _copies(rows: pa.Table, now: datetime, dest: Entity) -> pa.Table:
+    """Destination rows: the same message one hop further, unlocked and not yet delivered.
+
+    Its TTL counts from its enqueue at the destination (as at a send, not from the first entity's),
+    capped by the destination's default_message_time_to_live as a send there is.
+    """
     n = rows.num_rows
+    ttl = rows.column("time_to_live_ms").cast(pa.int64())
+    cap = limits.ttl_ms(getattr(dest.props, "default_message_time_to_live", None))
+    if cap is not None:
+        ttl = pc.min_element_wise(ttl, pa.scalar(cap, pa.int64()), skip_nulls=True)
     out = rows.append_column(ENTITY_SCHEMA.field(PARTITION_COLUMN), constant(0, pa.int32(), n)).select(ENTITY_SCHEMA.names)
     sched = out.column("scheduled_enqueue_time_utc")
     visible = pc.if_else(pc.fill_null(pc.greater(sched, pa.scalar(now, TIMESTAMP)), False), sched, pa.scalar(now, TIMESTAMP))
@@ -215,8 +262,8 @@ def _copies(rows: pa.Table, now: datetime) -> pa.Table:
         "subscription": pa.nulls(n, pa.string()),
         "state": constant(STATE_ACTIVE, pa.string(), n),
         "enqueued_time_utc": constant(now, TIMESTAMP, n),
-        # a message's TTL counts from its enqueue at the destination (as at send), not from the first entity's
-        "expires_at_utc": limits.expiries(visible, rows.column("time_to_live_ms").cast(pa.int64())),
+        "time_to_live_ms": ttl.cast(rows.schema.field("time_to_live_ms").type),
+        "expires_at_utc": limits.expiries(visible, ttl),
         "locked_until_utc": pa.nulls(n, TIMESTAMP),
         "lock_token": pa.nulls(n, pa.string()),
         "delivery_count": constant(0, pa.int32(), n),
@@ -245,22 +292,21 @@ def _deliver(dest: Entity, expand: Expand | None, rows: pa.Table, once: Fence) -
     dest.send(rows, keys, expand, once)
 
 
-def _source_changes(entity: Entity, run: pa.Table, over: pa.Array, failure: str | None, now: datetime) -> pa.Table:
-    """Remove what travelled; dead-letter at the source what exceeded the hop limit or could not be delivered."""
+def _source_changes(
+    entity: Entity, run: pa.Table, expired: pa.Array, dead: list[tuple[pa.Array, str]], gone: pa.Array, now: datetime
+) -> pa.Table:
+    """The run's changes at the source: expiry, dead letters (each mask with its reason), and removal of what travelled."""
     policy = entity.policy
-    gone = run.filter(pc.invert(over)) if failure is None else run.slice(0, 0)
-    stuck = run.filter(over) if failure is None else run
     parts = []
-    if gone.num_rows:
-        parts.append(lifecycle.changes(gone, lifecycle.removal(policy)))
-    if stuck.num_rows:
-        reason = failure or HOP_LIMIT_REASON
-        in_dlq = pc.equal(stuck.column("sub_queue"), SUB_QUEUE_DEAD_LETTER)
-        # Dead letters that cannot be forwarded stay where they are; arriving messages are dead-lettered.
-        fresh = stuck.filter(pc.invert(in_dlq))
-        if fresh.num_rows:
+    if pc.any(expired).as_py():
+        parts.append(lifecycle.expire(run.filter(expired), now, policy))
+    for mask, reason in dead:
+        stuck = run.filter(mask)
+        if stuck.num_rows:
             desc = f"The message could not be forwarded: {reason}."
-            parts.append(lifecycle.settle(fresh, lifecycle.DEAD_LETTER, now, policy, reason, desc))
+            parts.append(lifecycle.settle(stuck, lifecycle.DEAD_LETTER, now, policy, reason, desc))
+    if pc.any(gone).as_py():
+        parts.append(lifecycle.changes(run.filter(gone), lifecycle.removal(policy)))
     return pa.concat_tables(parts) if parts else empty_changes()
 
 

@@ -110,22 +110,32 @@ class Delivery:
     expired: int = 0
 
 
+def expired_rows(rows: pa.Table, now: datetime) -> pa.Array:
+    """Per row: an active message of the main sub-queue past its expiry (deferred messages and dead letters never expire)."""
+    in_main = pc.equal(rows.column("sub_queue"), SUB_QUEUE_MAIN)
+    active = pc.and_(in_main, pc.equal(rows.column("state"), STATE_ACTIVE))
+    return pc.and_(active, pc.fill_null(pc.less_equal(rows.column("expires_at_utc"), pa.scalar(now, TIMESTAMP)), False))
+
+
+def expire(rows: pa.Table, now: datetime, policy: Policy) -> pa.Table:
+    """Change rows for expired messages: dead-lettered (TTLExpiredException) or removed, as the entity's setting says."""
+    if policy.dead_lettering_on_message_expiration:
+        desc = "The message expired before it could be delivered."
+        return changes(rows, OP_SET, **_dead_letter_values(TTL_EXPIRED_REASON, desc, now, policy.source))
+    return changes(rows, removal(policy))
+
+
 def deliver(rows: pa.Table, now: datetime, policy: Policy, *, delete: bool) -> Delivery:
     """Lock (or, with delete=True, remove) candidate rows; expire and dead-letter those that must not be delivered."""
     in_main = pc.equal(rows.column("sub_queue"), SUB_QUEUE_MAIN)
-    active = pc.and_(in_main, pc.equal(rows.column("state"), STATE_ACTIVE))  # deferred rows never expire
-    expired = pc.and_(active, pc.fill_null(pc.less_equal(rows.column("expires_at_utc"), pa.scalar(now, TIMESTAMP)), False))
+    expired = expired_rows(rows, now)
     next_count = pc.add(rows.column("delivery_count"), 1)
     over = pc.and_(pc.and_(in_main, pc.invert(expired)), pc.greater(next_count, policy.max_delivery_count))
     ok = pc.invert(pc.or_(expired, over))
     parts: list[pa.Table] = []
     exp_rows = rows.filter(expired)
     if exp_rows.num_rows:
-        if policy.dead_lettering_on_message_expiration:
-            desc = "The message expired before it could be delivered."
-            parts.append(changes(exp_rows, OP_SET, **_dead_letter_values(TTL_EXPIRED_REASON, desc, now, policy.source)))
-        else:
-            parts.append(changes(exp_rows, removal(policy)))
+        parts.append(expire(exp_rows, now, policy))
     over_rows = rows.filter(over)
     if over_rows.num_rows:
         desc = f"Message could not be consumed after {policy.max_delivery_count} delivery attempts."

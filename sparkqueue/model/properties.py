@@ -10,7 +10,7 @@ from datetime import datetime, timedelta
 from typing import Any, ClassVar, Self
 
 from sparkqueue.constants import EntityStatus
-from sparkqueue.errors import InvalidArgumentTypeError, InvalidOperationError
+from sparkqueue.errors import InvalidArgumentTypeError, InvalidOperationError, MessagingEntityDisabledError
 from sparkqueue.model import limits
 
 NEVER = None  # default_message_time_to_live: messages never expire
@@ -346,3 +346,24 @@ def check_update(old: EntityProperties, new: EntityProperties, tier: str) -> Ent
             raise InvalidOperationError(f"{f} is fixed at creation and cannot be changed by an update")
     new.validate(tier)
     return new
+
+
+def check_status(props: object, operation: str, name: str) -> None:
+    """Refuse sends or receives the entity's status disables (EntityStatus.DISABLED, SEND_DISABLED, RECEIVE_DISABLED)."""
+    status = getattr(props, "status", EntityStatus.ACTIVE)
+    refused = {
+        "send": (EntityStatus.DISABLED, EntityStatus.SEND_DISABLED),
+        "receive": (EntityStatus.DISABLED, EntityStatus.RECEIVE_DISABLED),
+    }
+    if status in refused[operation]:
+        raise MessagingEntityDisabledError(f"{name!r} is {status}: it does not accept {operation}s; set its status to Active")
+
+
+def check_not_forwarding(props: object, name: str) -> None:
+    """Refuse receiving from a queue or subscription that auto-forwards (as Service Bus does): its messages move on at once."""
+    target = getattr(props, "forward_to", None)
+    if target:
+        raise InvalidOperationError(
+            f"cannot receive from {name!r}: it forwards its messages to {target!r}; receive from there "
+            "(its dead-letter sub-queue stays receivable)"
+        )

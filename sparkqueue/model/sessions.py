@@ -159,10 +159,12 @@ class Sessions:
         rows = _cleared(rows.filter(pc.or_(stale, together)), now)  # an earlier holder's message locks end with its lock
         delivered = empty_rows()
         parts: list[pa.Table] = []
+        dead = 0
         if prefetch > 0 and rows.num_rows:
             head = _next_messages(rows, now, prefetch)
             if head.num_rows:
                 d = lifecycle.deliver(head, now, self.entity.policy, delete=delete)
+                dead = d.dead_lettered
                 delivered = _session_until(d.delivered, until)
                 parts.append(_session_until_changes(d.changes, until))
                 rows = rows.filter(pc.invert(pc.is_in(rows.column("sequence_number"), value_set=head.column("sequence_number"))))
@@ -175,6 +177,8 @@ class Sessions:
         else:
             parts.insert(0, lifecycle.changes(row, OP_SET, lock_token=token, locked_until_utc=until))
             self._apply(dt, p, session_id, pa.concat_tables(parts))
+        if dead:
+            self.entity.dead_lettered([p])
         return lock, delivered
 
     def _accept_next(
@@ -267,6 +271,8 @@ class Sessions:
         changes = _session_until_changes(d.changes, lock.locked_until)
         self._apply(dt, lock.partition, lock.session_id, pa.concat_tables([changes, touch]), new_row, anchor=_first_seq(changes))
         lock.ended = False
+        if d.dead_lettered:
+            self.entity.dead_lettered([lock.partition])
         return _session_until(d.delivered, lock.locked_until)
 
     def guard(self, lock: SessionLock) -> Guard:
@@ -352,6 +358,8 @@ class Sessions:
             d = lifecycle.deliver(rows, now, self.entity.policy, delete=delete)
             changes = _session_until_changes(d.changes, lock.locked_until)
             self._apply(dt, lock.partition, lock.session_id, pa.concat_tables([changes, touch]))
+            if d.dead_lettered:
+                self.entity.dead_lettered([lock.partition])
             return _session_until(d.delivered, lock.locked_until)
 
         return retry_commit(attempt, self.entity.deadline(), "receive deferred session messages")
