@@ -538,8 +538,7 @@ def message_rows(
     if ttl.null_count == n and scheduled.null_count == n:  # the common case: constant columns
         visible, expires = constant(now, TIMESTAMP, n), pa.nulls(n, TIMESTAMP)
     else:
-        now_s = pa.scalar(now, TIMESTAMP)
-        visible = pc.if_else(pc.fill_null(pc.greater(scheduled, now_s), False), scheduled, now_s)
+        visible = limits.visible_at(scheduled, now)
         expires = limits.expiries(visible, ttl)
     cols: dict[str, Any] = {
         "partition_id": constant(0, pa.int32(), n) if partition is None else partition,

@@ -378,7 +378,10 @@ class Receiver:
         tx = open_transaction(self._ns.broker)
         if tx is None:
             self._settled(messages, op, None)  # before the call: an abandon that failed after landing still rewinds
-        res = self._ns.broker.settle(self.entity_type, self.entity_name, items, op, reason, description, session=lock)
+        owners = [(m.session_id, m.partition_key) for m in messages]  # a transaction checks them against its key
+        res = self._ns.broker.settle(
+            self.entity_type, self.entity_name, items, op, reason, description, session=lock, owners=owners
+        )
         if res is None:  # recorded by the open transaction: applied, all of it, when it commits
             assert tx is not None
             tx.on_commit(lambda: self._settled(messages, op, [True] * len(messages)))

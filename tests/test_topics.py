@@ -467,6 +467,19 @@ def test_topic_duplicate_detection_when_no_subscription_matched(ns: Namespace) -
     assert ns.get_topic_runtime_properties("t").total_message_count == 1
 
 
+def test_topic_duplicate_detection_ignores_ids_a_rule_action_set(ns: Namespace) -> None:
+    """Only ids the topic accepted are duplicates: an id a rule action gave a copy does not drop a new message with it."""
+    ns.create_topic("t", requires_duplicate_detection=True, enable_partitioning=False)
+    ns.create_subscription("t", "s")
+    ns.delete_rule("t", "s", "$Default")
+    ns.create_rule("t", "s", "rename", filter=SqlRuleFilter("1 = 1"), action=SqlRuleAction("SET sys.MessageId = 'fixed'"))
+    sender = ns.get_topic_sender("t")
+    sender.send_messages(Message("first", message_id="m1"))
+    assert len(sender.send_messages(Message("second", message_id="fixed"))) == 1
+    assert sender.send_messages(Message("again", message_id="m1")) == []
+    assert ids_in(ns, "t", "s") == Counter({"fixed": 2})
+
+
 def test_topic_without_duplicate_detection_keeps_repeats(ns: Namespace) -> None:
     """Without duplicate detection a repeated message_id is delivered again."""
     ns.create_topic("t")

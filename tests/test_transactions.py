@@ -53,6 +53,14 @@ def _keys_in_different_partitions() -> tuple[str, str]:
     raise AssertionError("no two keys in different partitions")
 
 
+def _key_beside(key: str, prefix: str) -> str:
+    """Another key (starting with `prefix`) that selects the same partition as `key`."""
+    from sparkqueue.model.partitioning import partition_for_key
+
+    home = partition_for_key(key, PARTITIONS)
+    return next(f"{prefix}{i}" for i in range(10_000) if partition_for_key(f"{prefix}{i}", PARTITIONS) == home)
+
+
 def _sleep_past(until: datetime, margin_s: float = 0.25) -> None:
     wait = (until - datetime.now(UTC)).total_seconds() + margin_s
     if wait > 0:
@@ -142,12 +150,52 @@ def test_nothing_is_visible_before_the_commit(q: Namespace) -> None:
         assert _peek_ids(ns) == ["new0", "new1", "new2"]
 
 
+def test_sends_take_effect_at_the_commit(q: Namespace) -> None:
+    """A transaction's messages are enqueued when it commits: their enqueue time and expiry count from then.
+
+    A scheduled message still becomes visible at its scheduled time.
+    """
+    ns = q
+    later = datetime.now(UTC) + timedelta(hours=1)
+    with ns.get_queue_sender("q") as s, ns.transaction():
+        s.send_messages(Message("ttl", message_id="ttl", partition_key="k", time_to_live=timedelta(seconds=30)))
+        s.send_messages(Message("sch", message_id="sch", partition_key="k", scheduled_enqueue_time_utc=later))
+        time.sleep(0.3)
+        with Namespace(ns.root) as other:  # another namespace's send is applied at once
+            other.get_queue_sender("q").send_messages(Message("other", message_id="other"))
+        before_commit = datetime.now(UTC)
+    with ns.get_queue_receiver("q") as r:
+        got = {m.message_id: m for m in r.peek_messages(10, sequence_number=0)}
+    assert got["ttl"].enqueued_time_utc >= max(before_commit, got["other"].enqueued_time_utc)
+    assert got["ttl"].expires_at_utc == got["ttl"].enqueued_time_utc + timedelta(seconds=30)
+    assert got["sch"].enqueued_time_utc == later
+
+
 def test_empty_transaction_is_a_no_op(q: Namespace) -> None:
     """A transaction with no operations commits nothing and raises nothing."""
     ns = q
     with ns.transaction():
         pass
     assert _peek_ids(ns) == ["m0"]
+
+
+def test_a_transaction_commits_once(q: Namespace) -> None:
+    """commit() inside the block finishes the transaction: the exit commits nothing again, nothing more is
+    recorded, and a commit of a finished transaction raises."""
+    ns = q
+    with ns.get_queue_sender("q") as s:
+        with ns.transaction() as tx:
+            s.send_messages(Message("x", message_id="x", partition_key="k"))
+            assert len(tx.commit()) == 1
+            with pytest.raises(InvalidOperationError, match="already finished"):
+                s.send_messages(Message("y", message_id="y", partition_key="k"))
+        with pytest.raises(InvalidOperationError, match="already finished"):
+            tx.commit()
+        with ns.transaction() as tx2:
+            s.send_messages(Message("z", message_id="z", partition_key="k"))
+        with pytest.raises(InvalidOperationError, match="already finished"):
+            tx2.commit()
+    assert _peek_ids(ns) == ["m0", "x", "z"]
 
 
 # ---- nothing applied --------------------------------------------------------------------------------
@@ -200,6 +248,25 @@ def test_superseded_lock_at_commit_applies_nothing(ns: Namespace) -> None:
         assert _peek_ids(ns) == ["m0"]
         thief.complete_message(stolen)  # the thief's lock is intact
     assert _peek_ids(ns) == []
+
+
+def test_a_failed_commit_finishes_the_transaction(ns: Namespace) -> None:
+    """A commit that failed is not tried again with the old operations: entering or committing it again raises."""
+    ns.create_queue("q", lock_duration=timedelta(seconds=1))
+    with ns.get_queue_sender("q") as s:
+        s.send_messages(Message("m0", message_id="m0", partition_key="k"))
+    with ns.get_queue_receiver("q") as r, ns.get_queue_sender("q") as s:
+        (m0,) = _take(r, 1)
+        tx = ns.transaction()
+        with pytest.raises(MessageLockLostError), tx:
+            s.send_messages(Message("n", message_id="n", partition_key="k"))
+            r.complete_message(m0)
+            _sleep_past(m0.locked_until_utc)
+        with pytest.raises(InvalidOperationError, match="already finished"), tx:
+            pass
+        with pytest.raises(InvalidOperationError, match="already finished"):
+            tx.commit()
+    assert _peek_ids(ns) == ["m0"]
 
 
 def test_failed_transaction_can_be_retried(q: Namespace) -> None:
@@ -281,6 +348,35 @@ def test_different_sessions_are_refused(ns: Namespace) -> None:
     assert ns.get_queue_runtime_properties("plain").total_message_count == 0
 
 
+def test_settled_messages_of_another_session_or_key_are_refused(ns: Namespace) -> None:
+    """A settled message counts as a message of the transaction: its session and partition key must be the ones the
+    transaction sends with (in either order), even when both select one partition; nothing is applied."""
+    ns.create_queue("sq", requires_session=True)
+    ns.create_queue("q")
+    other_session, other_key = _key_beside("s1", "s-"), _key_beside("k", "k-")
+    with ns.get_queue_sender("sq") as s:
+        s.send_messages(Message("a", message_id="a", session_id="s1"))
+    with ns.get_queue_sender("q") as s:
+        s.send_messages(Message("b", message_id="b", partition_key="k"))
+    cases = [
+        ("sq", ns.get_queue_receiver("sq", session_id="s1"), Message("x", message_id="x", session_id=other_session)),
+        ("q", ns.get_queue_receiver("q"), Message("x", message_id="x", partition_key=other_key)),
+        ("q", ns.get_queue_receiver("q"), Message("x", message_id="x", session_id="k")),  # same key, in a session
+    ]
+    for queue, receiver, message in cases:
+        with receiver as r, ns.get_queue_sender(queue) as s:
+            (m,) = _take(r, 1)
+            with pytest.raises(InvalidOperationError), ns.transaction():
+                r.complete_message(m)
+                s.send_messages(message)
+            with pytest.raises(InvalidOperationError), ns.transaction():
+                s.send_messages(message)
+                r.complete_message(m)
+            r.abandon_message(m)  # still locked by us: the transactions recorded nothing
+    assert ns.get_queue_runtime_properties("sq").total_message_count == 1
+    assert _peek_ids(ns, "q") == ["b"]
+
+
 def test_one_session_transaction_commits(ns: Namespace) -> None:
     """Several messages of one session in one transaction are stored together, in order."""
     ns.create_queue("sq", requires_session=True)
@@ -300,6 +396,19 @@ def test_two_entities_are_refused(ns: Namespace) -> None:
         sb.send_messages(Message("2", partition_key="k"))
     assert ns.get_queue_runtime_properties("a").total_message_count == 0
     assert ns.get_queue_runtime_properties("b").total_message_count == 0
+
+
+def test_one_queue_named_in_two_cases_is_one_entity(ns: Namespace) -> None:
+    """Names ignore case (docs/semantics.md §1): a settlement through "Q" and a send through "q" commit together."""
+    ns.create_queue("Q")
+    with ns.get_queue_sender("Q") as s:
+        s.send_messages(Message("m0", message_id="m0", partition_key="k"))
+    with ns.get_queue_receiver("Q") as r, ns.get_queue_sender("q") as s:
+        (m0,) = _take(r, 1)
+        with ns.transaction():
+            r.complete_message(m0)
+            s.send_messages(Message("n", message_id="n", partition_key="k"))
+    assert _peek_ids(ns, "Q") == ["n"]
 
 
 def test_settled_message_outside_the_keys_partition_is_refused(ns: Namespace) -> None:

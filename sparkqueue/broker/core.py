@@ -389,12 +389,14 @@ class Broker:
         description: lifecycle.Texts = None,
         *,
         session: SessionLock | None = None,
+        owners: Sequence[tuple[str | None, str | None]] = (),
     ) -> SettleResult | None:
         """The one settle path: apply `op` to (sequence_number, lock_token) items, then forward what was dead-lettered.
 
         A held session's items settle under its lock, in its own files (model/sessions.py). A dead
         letter's reason and description are one text, or a list with one per item. Inside an open
-        transaction the settlement is recorded for its commit instead, and None is returned.
+        transaction the settlement is recorded for its commit instead, and None is returned; `owners`
+        (the messages' session_id and partition_key) are checked against its key and session.
         """
         entity = self.entity(entity_type, name)
         tx = open_transaction(self)
@@ -402,7 +404,7 @@ class Broker:
             if op == lifecycle.RENEW:
                 raise InvalidOperationError("locks cannot be renewed inside a transaction")
             guard = Sessions(entity).guard(session) if session is not None else None  # checked at commit
-            tx.add_settle(entity_type, name, items, op, reason, description, guard)
+            tx.add_settle(entity_type, name, items, op, reason, description, guard, owners)
             return None
         if session is not None:
             result = Sessions(entity).settle(session, items, op, reason, description)

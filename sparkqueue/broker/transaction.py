@@ -9,7 +9,7 @@ context, outside any transaction; code run in a copy of the context (`asyncio.to
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from contextvars import ContextVar, Token
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -71,19 +71,21 @@ class Transaction:
         if self._token is not None:
             _OPEN.reset(self._token)
             self._token = None
-        if exc_type is None:
+        if exc_type is None and not self._done:  # a commit inside the block finished it already
             self.commit()
-        else:
+        elif exc_type is not None:
             log.debug("transaction discarded after %s", exc_type)
         self._done = True
 
     # ---- recording (called by Broker.send and Broker.settle) ---------------------------------------
 
     def _bind(self, entity_type: str, name: str) -> Entity:
-        """The one entity of the transaction; a second entity is an error."""
+        """The one entity of the transaction (by its stored name: any spelling of it is the same); a second is an error."""
         if self._done:
             raise InvalidOperationError("the transaction has already finished")
         key = (entity_type, name)
+        if key != self._entity_key:  # the first operation, or another spelling of the entity: look its name up
+            key = (entity_type, self.broker.canonical(entity_type, name))
         if self._entity_key is None:
             self._entity_key = key
             self._entity = self.broker.entity(entity_type, name)
@@ -97,24 +99,32 @@ class Transaction:
     def add_send(self, entity_type: str, name: str, rows: pa.Table, keys: Sequence[str | None]) -> None:
         """Record message rows to send; each needs the transaction's one partition key (and session)."""
         self._bind(entity_type, name)
-        sessions = rows.column("session_id").to_pylist()
-        key0, session0, sent = self._key, self._session, self._sent  # recorded only once every check passed
-        for key, session in zip(keys, sessions, strict=True):
-            if key is None:
-                raise InvalidOperationError(
-                    "every message sent in a transaction needs a partition key: set session_id or partition_key "
-                    "(or message_id on a duplicate-detecting entity)"
-                )
+        if None in keys:
+            raise InvalidOperationError(
+                "every message sent in a transaction needs a partition key: set session_id or partition_key "
+                "(or message_id on a duplicate-detecting entity)"
+            )
+        joined = self._joined(zip(keys, rows.column("session_id").to_pylist(), strict=True))
+        self._check_size(rows.num_rows)
+        self._key, self._session = joined
+        self._sent += rows.num_rows
+        self._rows.append(rows)
+
+    def _joined(self, messages: Iterable[tuple[str | None, str | None]]) -> tuple[str | None, str | None]:
+        """The transaction's (partition key, session) once keyed messages' (key, session) join it; checked, not recorded.
+
+        InvalidOperationError when a key or session differs from the transaction's (docs/semantics.md §7).
+        """
+        key0, session0 = self._key, self._session
+        for key, session in messages:
             if key0 is not None and key != key0:
                 raise InvalidOperationError(
                     f"all messages of a transaction must share one partition key; got {key!r} after {key0!r}"
                 )
-            if sent and session != session0:
+            if key0 is not None and session != session0:
                 raise InvalidOperationError("the messages of a transaction may not belong to different sessions")
-            key0, session0, sent = key, session, sent + 1
-        self._check_size(sent - self._sent)
-        self._key, self._session, self._sent = key0, session0, sent
-        self._rows.append(rows)
+            key0, session0 = key, session
+        return key0, session0
 
     def add_settle(
         self,
@@ -125,9 +135,16 @@ class Transaction:
         reason: lifecycle.Texts,
         description: lifecycle.Texts,
         guard: Guard | None = None,
+        owners: Sequence[tuple[str | None, str | None]] = (),
     ) -> None:
-        """Record a settlement of (sequence_number, lock_token) items; all must be in the transaction's partition."""
+        """Record a settlement of (sequence_number, lock_token) items; all must be in the transaction's partition.
+
+        `owners` holds the settled messages' (session_id, partition_key): a keyed one must have the
+        transaction's key and session, as a message it sends.
+        """
         self._bind(entity_type, name)
+        keyed = [(session if session is not None else key, session) for session, key in owners]
+        joined = self._joined(k for k in keyed if k[0] is not None)  # an unkeyed message only has to be in the partition
         seqs = [seq for seq, _ in items]
         seen = set(self._settled)
         for seq in seqs:
@@ -141,6 +158,7 @@ class Transaction:
             raise InvalidOperationError("the messages settled in a transaction must all be in one partition")
         self._check_size(len(items))
         self._settle_partition = parts.pop() if parts else None
+        self._key, self._session = joined
         self._settles.append(PendingSettle(op, list(items), reason, description, guard))
         self._settled.update(seqs)
 
@@ -157,8 +175,15 @@ class Transaction:
     # ---- commit ---------------------------------------------------------------------------------
 
     def commit(self) -> list[int]:
-        """Apply everything in one commit; returns the sequence numbers of the sent messages."""
-        if self._entity is None:
+        """Apply everything in one commit; returns the sequence numbers of the sent messages.
+
+        Commits once: the transaction is finished afterwards, also when the commit failed (its
+        operations are not applied later); inside the block, its exit then commits nothing more.
+        """
+        if self._done:
+            raise InvalidOperationError("the transaction has already finished; start a new one with ns.transaction()")
+        self._done = True
+        if self._entity is None or not (self._rows or self._settles):
             return []
         entity = self._entity
         partition = self._partition(entity)
@@ -180,9 +205,10 @@ class Transaction:
 
     def _partition(self, entity: Entity) -> int:
         """The one partition the transaction writes: its key's, which must also hold the settled messages."""
-        if self._key is None:
+        if not self._sent:  # settlements only: a settled message's key need not select its partition (rule actions)
             assert self._settle_partition is not None
             return self._settle_partition
+        assert self._key is not None
         p = partition_for_key(self._key, entity.partition_count)
         if self._settle_partition is not None and self._settle_partition != p:
             raise InvalidOperationError(

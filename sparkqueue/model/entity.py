@@ -19,7 +19,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from sparkqueue.errors import MessageLockLostError, PartitionUnavailableError
-from sparkqueue.model import lifecycle
+from sparkqueue.model import lifecycle, limits
 from sparkqueue.model.addresses import Address
 from sparkqueue.model.deadlines import effective
 from sparkqueue.model.partitioning import RoundRobin, partition_for_key
@@ -47,6 +47,7 @@ from sparkqueue.storage.schema import (
     TIMESTAMP,
     constant,
     keep_rows,
+    with_columns,
 )
 from sparkqueue.storage.table import (
     SEQUENCE_BITS,
@@ -404,6 +405,7 @@ class Entity:
         def attempt() -> pa.Table | None:
             dt = self.table.snapshot()
             now = utcnow()
+            sent = enqueued_at(new_rows, now) if new_rows is not None else None  # the sends take effect now
             parts = []
             for st in settles:
                 touch = st.guard(dt, partition, now) if st.guard is not None else None  # SessionLockLostError
@@ -418,7 +420,7 @@ class Entity:
                 texts = lifecycle.texts_of(st.reason, every), lifecycle.texts_of(st.description, every)
                 parts.append(lifecycle.settle(good, st.op, now, self.policy, *texts))
             changes = pa.concat_tables(parts) if parts else empty_changes()
-            return self.table.apply(dt, partition, changes, new_rows, self.dedupe_since(), expand)
+            return self.table.apply(dt, partition, changes, sent, self.dedupe_since(), expand)
 
         return retry_commit(attempt, self.deadline(), f"transaction on {self.name}")
 
@@ -507,6 +509,13 @@ class Entity:
                 info.size_in_bytes = self.table.partition_bytes(dt, p)
             parts.append(info)
         return RuntimeProperties.aggregate(self.name, parts)
+
+
+def enqueued_at(rows: pa.Table, now: datetime) -> pa.Table:
+    """Message rows made earlier, stamped as a send `now` stores them (message.message_rows): enqueue, visibility, expiry."""
+    visible = limits.visible_at(rows.column("scheduled_enqueue_time_utc"), now)
+    expires = limits.expiries(visible, rows.column("time_to_live_ms"))
+    return with_columns(rows, enqueued_time_utc=visible, available_at_utc=visible, expires_at_utc=expires)
 
 
 def _count_into(info: PartitionRuntimeProperties, rows: pa.Table, now: pa.Scalar) -> None:

@@ -177,13 +177,23 @@ def check_ttl(value: object, field: str) -> timedelta | None:
 def expiries(at: Any, ttl_ms: Any) -> Any:
     """`at` + TTL (timestamps, milliseconds: arrays or a scalar TTL); null without a TTL or past the latest storable instant.
 
-    The one expiry rule of every send, topic copy and rule action (message.message_rows, model/topics.py).
+    The one expiry rule of every send, transaction commit, topic copy and rule action (message.message_rows,
+    model/entity.py, model/topics.py).
     """
     at_us = at.cast(pa.int64())
     room_ms = pc.divide(pc.subtract(pa.scalar(LATEST_US, pa.int64()), at_us), 1000)
     fits = pc.fill_null(pc.less_equal(ttl_ms, room_ms), False)
     total = pc.add(at_us, pc.multiply(ttl_ms, 1000))  # wraps where it does not fit: masked out below
     return pc.if_else(fits, total, pa.scalar(None, pa.int64())).cast(TIMESTAMP)
+
+
+def visible_at(scheduled: Any, now: datetime) -> Any:
+    """When messages sent `now` become visible, and count as enqueued: at their scheduled time when that is later, else now.
+
+    The one rule of every send and of a transaction's commit (message.message_rows, model/entity.py).
+    """
+    now_s = pa.scalar(now, TIMESTAMP)
+    return pc.if_else(pc.fill_null(pc.greater(scheduled, now_s), False), scheduled, now_s)
 
 
 def ttl_ms(ttl: timedelta | None) -> int | None:

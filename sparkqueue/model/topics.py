@@ -17,6 +17,7 @@ import pyarrow.compute as pc
 from sparkqueue.errors import InvalidOperationError
 from sparkqueue.model import limits
 from sparkqueue.storage.schema import (
+    ID_RECORD,
     KIND_MESSAGE,
     STATE_ACTIVE,
     STATE_COMPLETED,
@@ -30,8 +31,8 @@ from sparkqueue.storage.schema import (
 from sparkqueue.storage.table import partition_of
 
 # Subscription key of the rows that only record an accepted message id, so a duplicate-detecting
-# topic detects repeats even of messages no subscription took. Subscription names cannot start with '$'.
-ACCEPTED_MARKER = "$accepted"
+# topic detects repeats even of messages no subscription took (and only of ids the topic accepted).
+ACCEPTED_MARKER = ID_RECORD
 # A copy a rule action would leave invalid (too large, an id over 128 characters, a TTL that is not
 # positive, a property JSON cannot hold) is dead-lettered in its subscription, unmodified, with this reason.
 RULE_ACTION_REASON = "RuleActionViolation"

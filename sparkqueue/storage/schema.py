@@ -19,6 +19,9 @@ KIND_SESSION = "session"
 
 # Scope of a topic's own operations: the rows of every subscription.
 ANY_SUBSCRIPTION = "*"
+# Subscription key of a topic's id records, the rows that record its accepted message ids (duplicate
+# detection reads only these and a queue's rows). Subscription names cannot start with '$'.
+ID_RECORD = "$accepted"
 
 # Sub-queues.
 SUB_QUEUE_MAIN = "main"

@@ -32,6 +32,7 @@ from sparkqueue.storage.log import AddFile, CommitConflict, DeltaLog, Fence, Rem
 from sparkqueue.storage.schema import (
     ANY_SUBSCRIPTION,
     ENTITY_SCHEMA,
+    ID_RECORD,
     KIND_MESSAGE,
     PARTITION_COLUMN,
     STATE_ACTIVE,
@@ -329,18 +330,31 @@ class EntityTable:
             )
 
     def _drop_duplicates(self, dt: Snapshot, p: int, part: pa.Table, since: datetime) -> pa.Table:
-        """Remove rows whose message_id repeats within the batch or was accepted since `since`."""
+        """Remove rows whose message_id repeats within the batch or was accepted since `since`.
+
+        Accepted ids are a queue's rows and a topic's id records (ID_RECORD), not its subscriptions'
+        copies, whose ids a rule action may have changed.
+        """
         seen: set[str] = set()
         keep = []
         for mid in part.column("message_id").to_pylist():
             keep.append(mid not in seen)
             seen.add(mid)
         part = part.filter(pa.array(keep))
-        files = [f for f in self.files(dt, p) if f.max_enqueued is None or f.max_enqueued >= since]
+        files = [
+            f
+            for f in self.files(dt, p)
+            if (f.max_enqueued is None or f.max_enqueued >= since)
+            and (f.may_hold_subscription(None) or f.may_hold_subscription(ID_RECORD))
+        ]
         if not files:
             return part
-        existing = self._read(files, ["message_id", "enqueued_time_utc"])
-        recent = existing.filter(pc.greater_equal(existing.column("enqueued_time_utc"), pa.scalar(since, TIMESTAMP)))
+        existing = self._read(files, ["message_id", "enqueued_time_utc", "subscription"])
+        sub = existing.column("subscription")
+        accepted = pc.or_(pc.is_null(sub), pc.fill_null(pc.equal(sub, ID_RECORD), False))
+        recent = existing.filter(
+            pc.and_(accepted, pc.greater_equal(existing.column("enqueued_time_utc"), pa.scalar(since, TIMESTAMP)))
+        )
         dup = pc.is_in(part.column("message_id"), value_set=recent.column("message_id"))
         return part.filter(pc.invert(dup))
 
