@@ -378,7 +378,7 @@ class Receiver:
         tx = open_transaction(self._ns.broker)
         if tx is None:
             self._settled(messages, op, None)  # before the call: an abandon that failed after landing still rewinds
-        owners = [(m.session_id, m.partition_key) for m in messages]  # a transaction checks them against its key
+        owners = [(m.session_id, m.partition_key) for m in messages] if tx is not None else ()  # checked against its key
         res = self._ns.broker.settle(
             self.entity_type, self.entity_name, items, op, reason, description, session=lock, owners=owners
         )
