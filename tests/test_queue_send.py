@@ -508,6 +508,19 @@ def test_duplicate_detection_on_non_partitioned_queue(ns: Namespace) -> None:
     assert _stored_count(ns) == 3
 
 
+def test_a_session_state_row_is_no_accepted_message_id(ns: Namespace) -> None:
+    """Duplicate detection counts messages only: a message whose id is a session state row's internal id is stored."""
+    ns.create_queue("q", enable_partitioning=False, requires_session=True, requires_duplicate_detection=True)
+    with ns.get_queue_sender("q") as s:
+        s.send_messages(Message("x", session_id="a"))
+    with ns.get_queue_receiver("q", session_id="a") as r:
+        r.session.set_state(b"kept")
+    with ns.get_queue_sender("q") as s:
+        s.send_messages(Message("y", session_id="a", message_id="$session/a"))
+    with ns.get_queue_receiver("q", session_id="a") as r:
+        assert sorted(m.body for m in r.receive_messages(5, max_wait_time=1)) == [b"x", b"y"]
+
+
 @pytest.mark.slow
 def test_id_is_accepted_again_after_the_detection_window(ns: Namespace) -> None:
     """Once the detection window (20 s here) has passed since the first send, the same id is stored again."""

@@ -332,8 +332,8 @@ class EntityTable:
     def _drop_duplicates(self, dt: Snapshot, p: int, part: pa.Table, since: datetime) -> pa.Table:
         """Remove rows whose message_id repeats within the batch or was accepted since `since`.
 
-        Accepted ids are a queue's rows and a topic's id records (ID_RECORD), not its subscriptions'
-        copies, whose ids a rule action may have changed.
+        Accepted ids are a queue's message rows and a topic's id records (ID_RECORD), not its
+        subscriptions' copies, whose ids a rule action may have changed, nor session state rows.
         """
         seen: set[str] = set()
         keep = []
@@ -349,9 +349,10 @@ class EntityTable:
         ]
         if not files:
             return part
-        existing = self._read(files, ["message_id", "enqueued_time_utc", "subscription"])
+        existing = self._read(files, ["message_id", "enqueued_time_utc", "subscription", "kind"])
         sub = existing.column("subscription")
         accepted = pc.or_(pc.is_null(sub), pc.fill_null(pc.equal(sub, ID_RECORD), False))
+        accepted = pc.and_(accepted, pc.equal(existing.column("kind"), KIND_MESSAGE))  # not a session's state row
         recent = existing.filter(
             pc.and_(accepted, pc.greater_equal(existing.column("enqueued_time_utc"), pa.scalar(since, TIMESTAMP)))
         )
