@@ -35,9 +35,12 @@ from sparkqueue.model.addresses import QUEUE, RULE, SUBSCRIPTION, TOPIC, Address
 from sparkqueue.model.deadlines import call_timeout
 from sparkqueue.model.filters import (
     CorrelationRuleFilter,
+    RuleFilter,
     SqlRuleAction,
     SqlRuleFilter,
     TrueRuleFilter,
+    action_from_dict,
+    filter_from_dict,
 )
 from sparkqueue.model.properties import (
     EntityProperties,
@@ -84,6 +87,7 @@ def _as_properties(cls: type[EntityProperties], value: object, overrides: dict[s
         props = cls(**dict(value))
     else:
         raise InvalidArgumentTypeError(f"expected {cls.__name__} or a dict of its fields, got {type(value).__name__}")
+    limits.check_name_type(props.name, cls.entity_type)
     for k, v in overrides.items():
         if k == "name" or k not in {f.name for f in dataclasses.fields(cls)}:
             raise InvalidOperationError(f"unknown {cls.entity_type} setting {k!r}")
@@ -182,6 +186,10 @@ class Management:
             raise PartitionUnavailableError(
                 f"cannot {what}: partition(s) {down} of {entity.name!r} are unavailable; nothing was changed"
             )
+
+    def _require_topic_partitions(self, topic_name: str, what: str) -> None:
+        """Subscriptions and rules live in their topic's table and fan-out: all its partitions must be available."""
+        self._require_all_partitions(self.broker.entity(TOPIC, topic_name), what)
 
     def _get(self, entity_type: str, name: str) -> EntityProperties:
         return PROPERTY_TYPES[entity_type].from_json(self.broker.entry(entity_type, name).properties)
@@ -308,6 +316,7 @@ class Management:
         self._check_destinations(settings)
         topic = self.get_topic(topic_name)
         topic_entry = self.broker.entry(TOPIC, topic_name)
+        self._require_topic_partitions(topic_name, f"create subscription {topic_name}/{subscription_name}")
         settings = {
             **settings,
             "topic_name": topic_name,
@@ -385,9 +394,9 @@ class Management:
         self._no_rule_changes_in_transaction()
         limits.check_child_name(rule_name, "rule")
         sub_entry = self.broker.entry(SUBSCRIPTION, sub_entity_name(topic_name, subscription_name))
-        flt = filter if filter is not None else TrueRuleFilter()
-        _check_rule(flt, action)
+        flt, action = _stored_rule(filter if filter is not None else TrueRuleFilter(), action)
         self._check_action_fits(topic_name, subscription_name, action)
+        self._require_topic_partitions(topic_name, f"create rule {rule_name!r} on {topic_name}/{subscription_name}")
         now = datetime.now(UTC)
         key = Address.of(RULE, rule_entity_name(topic_name, subscription_name, rule_name)).key
         entry = CatalogEntry(key, RULE, "", _rule_json(flt, action), now, now)
@@ -422,11 +431,11 @@ class Management:
             raise InvalidOperationError(f"unknown rule setting(s): {', '.join(sorted(unknown))}")
         flt = settings.get("filter", rule.filter)
         action = settings.get("action", rule.action)
-        flt = flt if flt is not None else TrueRuleFilter()
-        _check_rule(flt, action)
+        flt, action = _stored_rule(flt if flt is not None else TrueRuleFilter(), action)
         key = Address.of(RULE, rule_entity_name(topic_name, subscription_name, rule.name)).key
         self.broker.entry(RULE, rule_entity_name(topic_name, subscription_name, rule.name))
         self._check_action_fits(topic_name, subscription_name, action)
+        self._require_topic_partitions(topic_name, f"update rule {rule.name!r} of {topic_name}/{subscription_name}")
         if not self.broker.catalog.update(key, _rule_json(flt, action), self.broker.deadline()):
             raise EntityNotFoundError(f"rule {rule.name!r} does not exist on {topic_name}/{subscription_name}")
         self.broker.forget(Address.of(TOPIC, topic_name).key)
@@ -435,6 +444,7 @@ class Management:
         """Remove a rule from a subscription."""
         self._no_rule_changes_in_transaction()
         key = Address.of(RULE, rule_entity_name(topic_name, subscription_name, rule_name)).key
+        self._require_topic_partitions(topic_name, f"delete rule {rule_name!r} of {topic_name}/{subscription_name}")
         if self.broker.catalog.delete([key], self.broker.deadline()) == 0:
             raise EntityNotFoundError(f"rule {rule_name!r} does not exist on {topic_name}/{subscription_name}")
         self.broker.forget(Address.of(TOPIC, topic_name).key)
@@ -546,19 +556,23 @@ class Management:
             raise InvalidOperationError(f"queue {queue_name!r} cannot forward its messages to itself (forward_to)")
 
 
-def _check_rule(flt: Any, action: Any) -> None:
-    """A rule's filter and action must be of the SDK's types (their text was bounded when they were parsed)."""
+def _stored_rule(flt: Any, action: Any) -> tuple[RuleFilter, SqlRuleAction | None]:
+    """The filter and action as the catalog will hold them: of the SDK's types, rebuilt from their descriptions.
+
+    Rebuilding (as reading the catalog does) checks fields changed after construction, so a stored rule always parses.
+    """
     if not isinstance(flt, (SqlRuleFilter, CorrelationRuleFilter)):
         raise InvalidArgumentTypeError(
             f"filter must be a SqlRuleFilter, CorrelationRuleFilter, TrueRuleFilter or FalseRuleFilter, got {type(flt).__name__}"
         )
     if action is not None and not isinstance(action, SqlRuleAction):
         raise InvalidArgumentTypeError(f"action must be a SqlRuleAction or None, got {type(action).__name__}")
+    return filter_from_dict(flt.to_dict()), action_from_dict(action.to_dict()) if action is not None else None
 
 
 def _rule_json(flt: Any, action: Any) -> str:
     """A rule's catalog JSON."""
-    return json.dumps({"filter": flt.to_dict(), "action": action.to_dict() if action is not None else None})
+    return json.dumps({"filter": flt.to_dict(), "action": action.to_dict() if action is not None else None}, allow_nan=False)
 
 
 def _with_timeout(method: Callable[..., Any]) -> Callable[..., Any]:

@@ -5,15 +5,17 @@ import json
 import os
 import subprocess
 import sys
+import uuid
 from concurrent.futures import ThreadPoolExecutor
-from datetime import timedelta
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from sparkqueue import Message, Namespace
+from sparkqueue import CorrelationRuleFilter, Message, Namespace
 from sparkqueue.cli import ops
+from sparkqueue.cli.app import CliError, property_value
 
 CLI_TIMEOUT_S = 120
 
@@ -416,3 +418,56 @@ def test_relative_root_works_from_another_directory(tmp_path: Path) -> None:
     for root in (str(home / "cli-data"), "../home/cli-data"):
         shown = as_json(run(elsewhere, "--root", root, "show", "q", "--json"))
         assert shown["runtime"]["active_message_count"] == 3
+
+
+def test_purge_and_any_session_on_a_session_queue(root: Path) -> None:
+    """purge of a session queue purges every session and exits 0, also when empty; receive and peek with
+    --session '*' on an empty queue wait --wait and report no messages, exit 0, as without sessions."""
+    with Namespace(root) as ns:
+        ns.create_queue("sq", requires_session=True)
+        with ns.get_queue_sender("sq") as s:
+            s.send_messages([Message(f"m{i}", session_id=f"s{i % 3}") for i in range(7)])
+    assert "Purged 7 message(s)" in ok(root, "purge", "sq")
+    with Namespace(root) as ns:
+        assert ns.get_queue_runtime_properties("sq").active_message_count == 0
+    empty = ok_all(
+        root,
+        ("purge", "sq"),
+        ("receive", "sq", "--session", "*", "--wait", "1"),
+        ("peek", "sq", "--session", "*"),
+        ("receive", "sq", "--session", "*", "--json"),
+    )
+    assert "Purged 0 message(s)" in empty[0]
+    assert "No messages in queue 'sq'." in empty[1] and "No messages in queue 'sq'." in empty[2]
+    assert as_json(empty[3]) == []
+
+
+def test_stdin_send_failing_midway_says_how_many_were_sent(root: Path) -> None:
+    """A bad record read from stdin after some batches were sent fails with an error saying how many were sent."""
+    with Namespace(root) as ns:
+        ns.create_queue("q")
+    lines = "".join(f'{{"body": "m{i}"}}\n' for i in range(3)) + '{"body": "x", "bogus": 1}\n'
+    p = sq(root, "send", "q", "--file", "-", "--jsonl", "--batch", "2", stdin=lines)
+    assert p.returncode == 1 and "line 4" in p.stderr, p.stderr
+    assert "the first 2 message(s) were already sent to queue 'q'" in p.stderr, p.stderr
+    with Namespace(root) as ns:
+        assert ns.get_queue_runtime_properties("q").active_message_count == 2
+
+
+def test_rule_list_shows_typed_correlation_properties(root: Path) -> None:
+    """rule list (table) shows datetime, timedelta and UUID correlation properties as --json does."""
+    when, uid = datetime(2024, 1, 2, 3, 4, 5, tzinfo=UTC), uuid.UUID(int=7)
+    with Namespace(root) as ns:
+        ns.create_topic("t")
+        ns.create_subscription("t", "s")
+        props = {"when": when, "wait": timedelta(seconds=3), "id": uid}
+        ns.create_rule("t", "s", "typed", filter=CorrelationRuleFilter(properties=props))
+    table = ok(root, "rule", "list", "t", "s")
+    assert f'when = "{when.isoformat()}"' in table and "wait = 3.0" in table and f'id = "{uid}"' in table, table
+
+
+@pytest.mark.parametrize("item", ["a=1e999", "a=-1e999"])
+def test_property_out_of_range_for_a_number_is_refused(item: str) -> None:
+    """--property a=1e999 would be an infinity, which no rule can store: a one-line CLI error."""
+    with pytest.raises(CliError, match="out of range"):
+        property_value(item)

@@ -603,6 +603,35 @@ def test_correlation_filter_errors(kwargs: dict[str, Any], message: str) -> None
         CorrelationRuleFilter(**kwargs)
 
 
+_PLUS_5 = dt.timezone(dt.timedelta(hours=5))
+
+
+@pytest.mark.parametrize(
+    "value",
+    [float("nan"), float("inf"), float("-inf"), dt.datetime(1, 1, 1, tzinfo=_PLUS_5)],
+    ids=["nan", "inf", "-inf", "datetime-before-year-1-utc"],
+)
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda v: CorrelationRuleFilter(properties={"a": v}),
+        lambda v: SqlRuleFilter("a = @p", {"p": v}),
+        lambda v: SqlRuleAction("SET b = @p", {"p": v}),
+    ],
+    ids=["correlation-property", "filter-parameter", "action-parameter"],
+)
+def test_values_json_or_utc_cannot_hold_are_refused(make: Any, value: object) -> None:
+    """NaN and infinities (no JSON form) and datetimes outside UTC's range raise InvalidOperationError, a ValueError."""
+    with pytest.raises(InvalidOperationError):
+        make(value)
+
+
+@pytest.mark.parametrize("make", [lambda: SqlRuleFilter("a = 1", ["p", 1]), lambda: CorrelationRuleFilter(properties=[("a", 1)])])
+def test_parameters_and_properties_must_be_dicts(make: Any) -> None:
+    with pytest.raises(InvalidOperationError, match="must be a dict"):
+        make()
+
+
 def test_correlation_filter_is_keyword_only() -> None:
     with pytest.raises(TypeError):
         CorrelationRuleFilter("c1")  # type: ignore[misc]

@@ -3,17 +3,20 @@ namespace's lifecycle and tiers (docs/semantics.md §1, §10, §11)."""
 
 from __future__ import annotations
 
+import dataclasses
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
+from typing import Any
 
 import pytest
 from procs import drain, drain_all, key_for_partition
 
-from sparkqueue import Message, Namespace
+from sparkqueue import Message, Namespace, SqlRuleFilter
 from sparkqueue.broker import sub_entity_name
 from sparkqueue.errors import (
     EntityAlreadyExistsError,
     EntityNotFoundError,
+    InvalidArgumentTypeError,
     InvalidOperationError,
     PartitionUnavailableError,
     QuotaExceededError,
@@ -329,6 +332,42 @@ def test_delete_with_an_unavailable_partition_fails(ns: Namespace) -> None:
         assert len(drain(r, 4)) == 4
     ns.delete_queue("q")
     assert ns.list_queues() == []
+
+
+@pytest.mark.parametrize(
+    "change",
+    [
+        lambda ns: ns.create_subscription("t", "s2"),
+        lambda ns: ns.create_rule("t", "s", "r2", filter=SqlRuleFilter("a = 1")),
+        lambda ns: ns.update_rule("t", "s", ns.get_rule("t", "s", "r"), filter=SqlRuleFilter("b = 2")),
+        lambda ns: ns.delete_rule("t", "s", "r"),
+    ],
+    ids=["create_subscription", "create_rule", "update_rule", "delete_rule"],
+)
+def test_subscription_and_rule_changes_need_every_topic_partition(ns: Namespace, change: Any) -> None:
+    """Subscriptions and rules live in their topic's table: with a partition down their management changes nothing."""
+    ns.create_topic("t")
+    ns.create_subscription("t", "s")
+    ns.create_rule("t", "s", "r", filter=SqlRuleFilter("a = 2"))
+    ns.fault_injector("t", "topic").fail(3, ("read", "write"))
+    with pytest.raises(PartitionUnavailableError):
+        change(ns)
+    ns.fault_injector("t", "topic").heal()
+    assert [s.name for s in ns.list_subscriptions("t")] == ["s"]
+    rules = {r.name: r.filter for r in ns.list_rules("t", "s")}
+    assert sorted(rules) == ["$Default", "r"] and rules["r"] == SqlRuleFilter("a = 2")
+    change(ns)  # allowed again once the partition is back
+
+
+@pytest.mark.parametrize("name", [5, None], ids=repr)
+def test_update_with_a_name_that_is_not_a_string_is_refused(ns: Namespace, name: object) -> None:
+    """A name of the wrong type in update_queue's dict or properties raises InvalidArgumentTypeError (a TypeError)."""
+    ns.create_queue("q")
+    with pytest.raises(InvalidArgumentTypeError):
+        ns.update_queue({"name": name, "max_delivery_count": 3})
+    with pytest.raises(InvalidArgumentTypeError):
+        ns.update_queue(dataclasses.replace(ns.get_queue("q"), name=name, max_delivery_count=3))
+    assert ns.get_queue("q").max_delivery_count == 10
 
 
 # ---- namespace -------------------------------------------------------------------------------

@@ -497,3 +497,72 @@ def test_an_action_setting_a_system_property_to_a_constant_of_another_type_is_re
     with pytest.raises(FilterSyntaxError):
         ns.create_rule("t", "s", "bad", action=SqlRuleAction(sql))
     assert [r.name for r in ns.list_rules("t", "s")] == ["$Default"]
+
+
+def _set_field(obj: object, field: str, value: object) -> None:
+    setattr(obj, field, value)
+
+
+MUTATIONS = {
+    "sql-syntax": ("filter", "sql_expression", "a = = ("),
+    "sql-unbound-parameter": ("filter", "sql_expression", "a = @p"),
+    "sql-parameters-not-a-dict": ("filter", "parameters", ["p", 1]),
+    "sql-parameter-nan": ("filter", "parameters", {"p": float("nan")}),
+    "correlation-property-list": ("correlation", "properties", {"k": [1]}),
+    "correlation-field-int": ("correlation", "correlation_id", 5),
+    "correlation-emptied": ("correlation", "label", None),
+    "action-syntax": ("action", "sql_expression", "SET"),
+    "action-parameter-object": ("action", "parameters", {"p": object()}),
+}
+
+
+@pytest.mark.parametrize("via", ["update_rule", "create_rule"])
+@pytest.mark.parametrize("mutation", list(MUTATIONS.values()), ids=list(MUTATIONS))
+def test_a_filter_or_action_changed_after_construction_is_checked_when_stored(
+    ns: Namespace, via: str, mutation: tuple[str, str, object]
+) -> None:
+    """create_rule and update_rule check the filter and action as stored (rebuilt from their descriptions): a field
+    changed after construction raises as the constructor would, and the rules and the topic keep working."""
+    part, field, value = mutation
+    ns.create_topic("t")
+    ns.create_subscription("t", "s")
+    ns.create_rule("t", "s", "r", filter=SqlRuleFilter("a = 1"), action=SqlRuleAction("SET b = 1"))
+    rule = ns.get_rule("t", "s", "r")
+    flt = CorrelationRuleFilter(label="x") if part == "correlation" else rule.filter
+    _set_field(rule.action if part == "action" else flt, field, value)
+    with pytest.raises(InvalidOperationError):
+        if via == "update_rule":
+            ns.update_rule("t", "s", rule, filter=flt)
+        else:
+            ns.create_rule("t", "s", "r2", filter=flt, action=rule.action)
+    stored = {r.name: (r.filter, r.action) for r in ns.list_rules("t", "s")}
+    assert stored == {"$Default": (TrueRuleFilter(), None), "r": (SqlRuleFilter("a = 1"), SqlRuleAction("SET b = 1"))}
+    ns.get_topic_sender("t").send_messages(Message("x", message_id="after", application_properties={"a": 1}))
+    assert ids_in(ns, "t", "s") == Counter({"after": 2})
+
+
+def test_the_stored_rule_is_the_one_returned(ns: Namespace) -> None:
+    """create_rule returns the rule as stored: later changes to the objects given change neither."""
+    ns.create_topic("t")
+    ns.create_subscription("t", "s")
+    flt = SqlRuleFilter("a = 1")
+    created = ns.create_rule("t", "s", "r", filter=flt)
+    flt.sql_expression = "a = = ("
+    assert created.filter == ns.get_rule("t", "s", "r").filter == SqlRuleFilter("a = 1")
+
+
+@pytest.mark.parametrize(
+    "sql", ["SET sys.MessageId = NULL", "REMOVE sys.MessageId", "SET sys.MessageId = user.missing", "SET sys.MessageId = 1 / 0"]
+)
+def test_an_action_leaving_no_message_id_dead_letters_the_copy(ns: Namespace, sql: str) -> None:
+    """A copy whose action left sys.MessageId null is dead-lettered unmodified (RuleActionViolation); the send succeeds."""
+    ns.create_topic("t")
+    ns.create_subscription("t", "s")
+    ns.create_subscription("t", "other")
+    ns.create_rule("t", "s", "drop-id", action=SqlRuleAction(sql))
+    ns.get_topic_sender("t").send_messages(Message("x", message_id="m"))
+    assert ids_in(ns, "t", "s") == ids_in(ns, "t", "other") == Counter({"m": 1})  # the $Default copies
+    with ns.get_subscription_receiver("t", "s", sub_queue=SubQueue.DEAD_LETTER) as r:
+        (dead,) = peek_all(r)
+    assert (dead.message_id, dead.dead_letter_reason) == ("m", "RuleActionViolation")
+    assert "removed the message id" in (dead.dead_letter_error_description or "")

@@ -167,6 +167,7 @@ BAD_SETTINGS: list[dict[str, Any]] = [
     {"max_size_in_megabytes": 10240},
     {"max_size_in_megabytes": "1024"},
     {"max_size_in_megabytes": True},
+    {"max_size_in_megabytes": 1024.0},
     {"max_delivery_count": 0},
     {"max_delivery_count": -3},
     {"max_delivery_count": 2.5},

@@ -131,10 +131,8 @@ def handle_errors(fn: Callable[P, R]) -> Callable[P, R]:
             return fn(*args, **kwargs)
         except (typer.Exit, typer.Abort, typer.BadParameter, SystemExit):
             raise
-        except (SparkQueueError, CliError) as e:
-            fail(str(e))
-        except OSError as e:
-            fail(f"{e.strerror or e}: {e.filename}" if e.filename else str(e))
+        except (SparkQueueError, CliError, OSError) as e:
+            fail(error_text(e))
         except KeyboardInterrupt:
             err.print(Text("Interrupted", style="yellow"))
             raise typer.Exit(130) from None
@@ -144,6 +142,15 @@ def handle_errors(fn: Callable[P, R]) -> Callable[P, R]:
             fail(f"{type(e).__name__}: {e} (run with --verbose for the traceback)")
 
     return wrapper
+
+
+def error_text(e: Exception) -> str:
+    """An error in one line: sparkqueue's and the CLI's as they are, file I/O by its reason, others named by their type."""
+    if isinstance(e, (SparkQueueError, CliError)):
+        return str(e)
+    if isinstance(e, OSError):
+        return f"{e.strerror or e}: {e.filename}" if e.filename else str(e)
+    return f"{type(e).__name__}: {e}"
 
 
 def state(ctx: typer.Context) -> State:
@@ -519,15 +526,24 @@ def send(
         raise typer.BadParameter(f"file {str(file)!r} does not exist or is not a file", param_hint="'--file' / '-f'")
     ns = state(ctx).namespace()
     target = ops.resolve(ns, name)
+    result = ops.SendResult()
     with ops.sender(ns, target) as s:
-        if str(file) == "-":
-            stream, total = typer.get_binary_stream("stdin"), None
-            with progress_bar(f"Sending to {target.display}", total) as advance:
-                result = ops.send_stream(s, stream, "<stdin>", jsonl=jsonl, batch=batch, progress=advance)
-        else:
-            total = ops.count_messages(file, jsonl=jsonl, check=s)  # validate everything before sending anything
-            with file.open("rb") as stream, progress_bar(f"Sending to {target.display}", total) as advance:
-                result = ops.send_stream(s, stream, str(file), jsonl=jsonl, batch=batch, progress=advance)
+        try:
+            if str(file) == "-":
+                stream, total = typer.get_binary_stream("stdin"), None
+                with progress_bar(f"Sending to {target.display}", total) as advance:
+                    ops.send_stream(s, stream, "<stdin>", jsonl=jsonl, batch=batch, progress=advance, result=result)
+            else:
+                total = ops.count_messages(file, jsonl=jsonl, check=s)  # validate everything before sending anything
+                with file.open("rb") as stream, progress_bar(f"Sending to {target.display}", total) as advance:
+                    ops.send_stream(s, stream, str(file), jsonl=jsonl, batch=batch, progress=advance, result=result)
+        except Exception as e:  # midway: say what was sent, so it is not sent twice
+            if not result.read:
+                raise
+            raise CliError(
+                f"{error_text(e)}; the first {result.read} message(s) were already sent to {target.label} and the rest "
+                f"were not: do not send those {result.read} again"
+            ) from e
     if target.kind == TOPIC:
         copies = "1 copy" if result.stored == 1 else f"{result.stored} copies"
         done(f"Sent {result.read} message(s) to {target.label} ({copies} in subscriptions).")
@@ -676,6 +692,8 @@ def property_value(item: str) -> tuple[str, Any]:
         value = raw
     if not isinstance(value, (str, int, float, bool)):
         value = raw  # objects, arrays and null: compared as the text given
+    if isinstance(value, float) and not math.isfinite(value):
+        raise CliError(f"--property {item!r}: {raw} is out of range for a number")
     return name.strip(), value
 
 

@@ -17,6 +17,7 @@ from sparkqueue.errors import (
     InvalidOperationError,
     MessageLockLostError,
     MessageSizeExceededError,
+    OperationTimeoutError,
     SessionCannotBeLockedError,
 )
 from sparkqueue.message import as_message
@@ -126,8 +127,12 @@ def receiver(
     dead_letter: bool = False,
     mode: ReceiveMode = ReceiveMode.PEEK_LOCK,
     session: str | None = None,
+    wait: float | None = None,
 ) -> Receiver:
-    """A receiver of a queue or subscription (or its dead-letter sub-queue, or one session)."""
+    """A receiver of a queue or subscription (or its dead-letter sub-queue, or one session).
+
+    `wait`: seconds to wait for a session with messages ('*'); OperationTimeoutError when none comes.
+    """
     if target.kind == TOPIC:
         raise _topic_is_not_readable(ns, target)
     session_id: Any = NEXT_AVAILABLE_SESSION if session == ANY_SESSION else session
@@ -135,6 +140,7 @@ def receiver(
         "receive_mode": mode,
         "sub_queue": SubQueue.DEAD_LETTER if dead_letter else None,
         "session_id": session_id,
+        "max_wait_time": wait or None,
     }
     if session is None and not dead_letter and getattr(settings(ns, target), "requires_session", False):
         raise InvalidOperationError(
@@ -169,7 +175,9 @@ def peek(
 ) -> list[ReceivedMessage]:
     """Browse up to `count` messages without locking them (peek may return fewer per call, so loop)."""
     out: list[ReceivedMessage] = []
-    with receiver(ns, target, dead_letter=dead_letter, session=session) as r:
+    with _session_receiver(ns, target, dead_letter=dead_letter, session=session, wait=0) as r:
+        if r is None:
+            return out
         start = from_sequence
         while len(out) < count:
             got = r.peek_messages(count - len(out), sequence_number=start)
@@ -192,7 +200,9 @@ def receive(
 ) -> list[ReceivedMessage]:
     """Receive up to `count` messages (waiting up to `wait` s for the first), then pass them to `handle` to settle."""
     out: list[ReceivedMessage] = []
-    with receiver(ns, target, dead_letter=dead_letter, session=session) as r:
+    with _session_receiver(ns, target, dead_letter=dead_letter, session=session, wait=wait) as r:
+        if r is None:
+            return out
         while len(out) < count:
             got = r.receive_messages(max_message_count=count - len(out), max_wait_time=None if out or wait <= 0 else wait)
             if not got:
@@ -201,6 +211,26 @@ def receive(
         if out:
             handle(r, out)
     return out
+
+
+@contextlib.contextmanager
+def _session_receiver(
+    ns: Namespace, target: Target, *, dead_letter: bool, session: str | None, wait: float
+) -> Iterator[Receiver | None]:
+    """The receiver, or None when no session ('*') with available messages could be locked within `wait` s.
+
+    An empty queue then reads like one without sessions: no messages, not an error.
+    """
+    try:
+        r = receiver(ns, target, dead_letter=dead_letter, session=session, wait=wait)
+    except OperationTimeoutError:
+        if session != ANY_SESSION:
+            raise
+        yield None
+        return
+    r.max_wait_time = 0.0  # the wait was for a session; each receive below says how long it waits
+    with r:
+        yield r
 
 
 # ---- sending from a file ---------------------------------------------------------------------------
@@ -329,10 +359,20 @@ def count_messages(path: Path, *, jsonl: bool, check: Sender) -> int:
 
 
 def send_stream(
-    s: Sender, stream: IO[bytes], source: str, *, jsonl: bool, batch: int, progress: Progress = _no_progress
+    s: Sender,
+    stream: IO[bytes],
+    source: str,
+    *,
+    jsonl: bool,
+    batch: int,
+    progress: Progress = _no_progress,
+    result: SendResult | None = None,
 ) -> SendResult:
-    """Send a file's messages in batches of `batch` (each batch is one atomic send)."""
-    result = SendResult()
+    """Send a file's messages in batches of `batch` (each batch is one atomic send), counted in `result` as they go.
+
+    A failure midway leaves the batches before it sent: the caller's `result` says how many.
+    """
+    result = result if result is not None else SendResult()
     pending: list[Message] = []
 
     def flush() -> None:
@@ -366,7 +406,7 @@ def purge(ns: Namespace, target: Target, *, dead_letter: bool, batch: int = 500,
     while True:  # one session at a time, until no session has available messages
         try:
             r = receiver(ns, target, mode=ReceiveMode.RECEIVE_AND_DELETE, session=ANY_SESSION)
-        except SessionCannotBeLockedError:
+        except (SessionCannotBeLockedError, OperationTimeoutError):  # no session with available messages is free
             return total
         with r:
             got = _drain(r, batch, progress)

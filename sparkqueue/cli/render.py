@@ -377,9 +377,8 @@ def filter_text(flt: Any) -> str:
     if hasattr(flt, "sql_expression"):
         return str(flt.sql_expression)
     fields = {k: v for k, v in rule_filter_dict(flt).items() if k not in ("type", "properties") and v is not None}
-    parts = [f"{k} = {json.dumps(v)}" for k, v in fields.items()]
-    parts += [f"{k} = {json.dumps(v)}" for k, v in (getattr(flt, "properties", None) or {}).items()]
-    return " AND ".join(parts)
+    pairs = [*fields.items(), *(getattr(flt, "properties", None) or {}).items()]
+    return " AND ".join(f"{k} = {json_text(jsonable(v))}" for k, v in pairs)  # typed values shown as --json shows them
 
 
 def rule_filter_dict(flt: Any) -> dict[str, Any]:

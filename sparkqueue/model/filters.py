@@ -46,7 +46,7 @@ from typing import Any, TypeAlias
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from sparkqueue.errors import FilterSyntaxError, InvalidOperationError
+from sparkqueue.errors import FilterSyntaxError, InvalidArgumentTypeError, InvalidOperationError
 from sparkqueue.model.sql_parser import (
     SYSTEM_PROPERTIES,
     And,
@@ -627,14 +627,23 @@ def _decode_value(value: object) -> object:
     return value
 
 
-def _encode_mapping(values: Mapping[str, object] | None) -> dict[str, object] | None:
-    """Encode a parameters/properties mapping (None stays None)."""
-    return None if values is None else {key: _encode_value(item) for key, item in values.items()}
+def _encode_mapping(values: Mapping[str, object] | None) -> Any:
+    """Encode a parameters/properties mapping (None, or a non-mapping set later, stays as is: the constructor refuses it)."""
+    return {key: _encode_value(item) for key, item in values.items()} if isinstance(values, Mapping) else values
 
 
-def _decode_mapping(values: Mapping[str, object] | None) -> dict[str, object] | None:
-    """Decode a parameters/properties mapping (None stays None)."""
-    return None if values is None else {key: _decode_value(item) for key, item in values.items()}
+def _decode_mapping(values: Mapping[str, object] | None) -> Any:
+    """Decode a parameters/properties mapping (anything else stays as is)."""
+    return {key: _decode_value(item) for key, item in values.items()} if isinstance(values, Mapping) else values
+
+
+def _as_dict(values: object, what: str) -> dict[str, Any] | None:
+    """A copy of a parameters/properties mapping (None stays None); InvalidArgumentTypeError for anything else."""
+    if values is None:
+        return None
+    if not isinstance(values, Mapping):
+        raise InvalidArgumentTypeError(f"{what} must be a dict, got {type(values).__name__}")
+    return dict(values)
 
 
 # --------------------------------------------------------------------------- public API
@@ -649,8 +658,7 @@ class SqlRuleFilter:
     _tree: Node = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
-        if self.parameters is not None:
-            self.parameters = dict(self.parameters)
+        self.parameters = _as_dict(self.parameters, f"{type(self).__name__}.parameters")
         self._tree = parse_condition(self.sql_expression, self.parameters)
 
     def evaluate(self, batch: Batch) -> pa.Array:
@@ -735,8 +743,7 @@ class CorrelationRuleFilter:
     _tree: Node = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
-        if self.properties is not None:
-            self.properties = dict(self.properties)
+        self.properties = _as_dict(self.properties, "CorrelationRuleFilter.properties")
         conditions = self._field_conditions() + self._property_conditions()
         if not conditions:
             raise InvalidOperationError("CorrelationRuleFilter needs at least one field or property to match")
@@ -792,8 +799,7 @@ class SqlRuleAction:
     _statements: tuple[Statement, ...] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
-        if self.parameters is not None:
-            self.parameters = dict(self.parameters)
+        self.parameters = _as_dict(self.parameters, f"{type(self).__name__}.parameters")
         self._statements = parse_action(self.sql_expression, self.parameters)
 
     def apply(self, batch: Batch) -> pa.Table:

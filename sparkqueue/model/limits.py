@@ -249,8 +249,10 @@ def check_bool(value: object, field: str) -> bool:
 
 
 def check_size_mb(value: object, tier: str) -> int:
-    """max_size_in_megabytes: one of the tier's allowed sizes."""
-    if isinstance(value, bool) or value not in SIZES_MB[tier]:
+    """max_size_in_megabytes: an int (as check_int: 1024.0 would be stored as a float), one of the tier's allowed sizes."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise InvalidArgumentTypeError(f"max_size_in_megabytes must be an int, got {type(value).__name__}")
+    if value not in SIZES_MB[tier]:
         raise InvalidOperationError(f"max_size_in_megabytes must be one of {SIZES_MB[tier]} in the {tier} tier, got {value!r}")
     return int(value)
 

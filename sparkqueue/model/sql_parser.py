@@ -33,6 +33,7 @@ is a FilterSyntaxError when the rule is created.
 from __future__ import annotations
 
 import datetime as dt
+import math
 import uuid
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -311,11 +312,13 @@ def _kind_of_value(value: object) -> str:
 
 
 def normalize_value(value: object) -> object:
-    """Convert a parameter/property value to the engine's domain; TypeError/ValueError if unsupported.
+    """Convert a parameter/property value to the engine's domain; TypeError/ValueError if unsupported (or not finite).
 
     Datetimes become aware UTC (naive ones are taken as UTC), timedeltas become milliseconds
     (like ``sys.TimeToLive``) and UUIDs become strings.
     """
+    if isinstance(value, float) and not math.isfinite(value):
+        raise ValueError(f"{value} is not a finite number (NaN and infinities cannot be stored as JSON)")
     if value is None or isinstance(value, bool | str | float):
         return value
     if isinstance(value, int):
@@ -324,7 +327,10 @@ def normalize_value(value: object) -> object:
         return value
     if isinstance(value, dt.datetime):
         aware = value if value.tzinfo is not None else value.replace(tzinfo=dt.UTC)
-        return aware.astimezone(dt.UTC)
+        try:
+            return aware.astimezone(dt.UTC)
+        except OverflowError:
+            raise ValueError(f"datetime {value} is outside the range of UTC times") from None
     if isinstance(value, dt.timedelta):
         millis = value / dt.timedelta(milliseconds=1)
         return int(millis) if millis.is_integer() else millis

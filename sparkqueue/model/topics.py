@@ -194,7 +194,11 @@ def check_session_action(action: Any, requires_session: bool, partition_count: i
 
 
 def checked_action_copies(original: pa.Table, acted: pa.Table, max_bytes: int) -> pa.Table:
-    """Rule-action copies with enqueue time, size and expiry recomputed; a copy made invalid is dead-lettered unmodified."""
+    """Rule-action copies with enqueue time, size and expiry recomputed; a copy made invalid is dead-lettered unmodified.
+
+    A message id the action left null reads as "" (the schema holds no null id), which _violations refuses.
+    """
+    acted = with_columns(acted, message_id=pc.fill_null(acted.column("message_id"), ""))
     acted = _recompute_size(_recompute_expiry(_recompute_schedule(original, acted.cast(original.schema))))
     problems = _violations(acted, max_bytes)
     if not any(problems):
