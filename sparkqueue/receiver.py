@@ -220,6 +220,7 @@ class Receiver:
         """
         seqs = self._seqs(sequence_numbers)
         self._check_open()
+        check_status(self._entity().props, "receive", self._entity().name)  # a receive too: refused while disabled
         with call_timeout(timeout):
             self._require_deferred(seqs)
             if self.session is not None:  # only the held session's deferred messages, under its lock

@@ -9,8 +9,14 @@ from datetime import UTC, datetime, timedelta
 import pytest
 from procs import drain, drain_all, key_for_partition, peek_all, sleep_past
 
-from sparkqueue import Message, Namespace, ReceivedMessage, ReceiveMode, SubQueue
-from sparkqueue.errors import InvalidOperationError, MessageLockLostError, MessageNotFoundError, PartitionUnavailableError
+from sparkqueue import EntityStatus, Message, Namespace, ReceivedMessage, ReceiveMode, SubQueue
+from sparkqueue.errors import (
+    InvalidOperationError,
+    MessageLockLostError,
+    MessageNotFoundError,
+    MessagingEntityDisabledError,
+    PartitionUnavailableError,
+)
 from sparkqueue.receiver import Receiver
 
 
@@ -427,6 +433,22 @@ def test_expired_locked_message_expires_at_next_receive(ns: Namespace) -> None:
         assert r.receive_messages(max_message_count=1, max_wait_time=0.3) == []
     with ns.get_queue_receiver("q", sub_queue=SubQueue.DEAD_LETTER) as dlq:
         assert _one(dlq).dead_letter_reason == "TTLExpiredException"
+
+
+@pytest.mark.parametrize("status", [EntityStatus.RECEIVE_DISABLED, EntityStatus.DISABLED])
+def test_receive_deferred_is_refused_while_receives_are_disabled(ns: Namespace, status: EntityStatus) -> None:
+    """receive_deferred_messages is a receive: a Disabled or ReceiveDisabled queue refuses it and keeps the message."""
+    ns.create_queue("q")
+    (seq,) = _send(ns, [Message("d")])
+    with ns.get_queue_receiver("q") as r:
+        r.defer_message(_one(r))
+    ns.update_queue(ns.get_queue("q"), status=status)
+    with (
+        ns.get_queue_receiver("q", receive_mode=ReceiveMode.RECEIVE_AND_DELETE) as rd,
+        pytest.raises(MessagingEntityDisabledError),
+    ):
+        rd.receive_deferred_messages([seq])
+    assert _counts(ns) == (0, 1, 0, 0, 1)
 
 
 def test_receive_deferred_in_receive_and_delete_mode_removes_it(ns: Namespace) -> None:
