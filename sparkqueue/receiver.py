@@ -134,7 +134,7 @@ class Receiver:
         elif self._cache and self.receive_mode == ReceiveMode.PEEK_LOCK:
             cached = list(self._cache)
             # A release of prefetched messages, not a settlement: applied at once, never joining an open transaction.
-            self._entity().settle([(m.sequence_number, m.lock_token or "") for m in cached], lifecycle.ABANDON)
+            self._entity().settle(self._sub_queue, [(m.sequence_number, m.lock_token or "") for m in cached], lifecycle.ABANDON)
         self._cache.clear()
         self._closed = True
 
@@ -371,7 +371,9 @@ class Receiver:
         tx = open_transaction(self._ns.broker)
         if tx is None:
             self._settled(messages, op, None)  # before the call: an abandon that failed after landing still rewinds
-        res = self._ns.broker.settle(self.entity_type, self.entity_name, items, op, reason, description, session=lock)
+        res = self._ns.broker.settle(
+            self.entity_type, self.entity_name, items, op, reason, description, sub_queue=self._sub_queue, session=lock
+        )
         if res is None:  # recorded by the open transaction: applied, all of it, when it commits
             assert tx is not None
             tx.on_commit(lambda: self._settled(messages, op, [True] * len(messages)))
@@ -438,7 +440,9 @@ class Receiver:
         self._check_dataframe()
         if self.receive_mode == ReceiveMode.RECEIVE_AND_DELETE:
             raise InvalidOperationError("messages received in RECEIVE_AND_DELETE mode are already settled")
-        return settle_dataframe(self._ns.broker, self.entity_type, self.entity_name, df, op, reason, error_description)
+        return settle_dataframe(
+            self._ns.broker, self.entity_type, self.entity_name, df, op, reason, error_description, sub_queue=self._sub_queue
+        )
 
     def _check_dataframe(self) -> None:
         """DataFrame calls need an open receiver without a session (sessions use the message API)."""

@@ -157,6 +157,24 @@ def test_dlq_supports_abandon_and_peek(ns: Namespace) -> None:
         assert m2.lock_token != m1.lock_token
 
 
+def test_a_receiver_settles_only_messages_of_its_own_sub_queue(ns: Namespace) -> None:
+    """The dead-letter sub-queue is an entity of its own: a message settled through the other sub-queue's receiver
+    raises MessageLockLostError and nothing changes, either way."""
+    ns.create_queue("q")
+    _send(ns, [Message("dead"), Message("live")])
+    with ns.get_queue_receiver("q") as main, ns.get_queue_receiver("q", sub_queue=SubQueue.DEAD_LETTER) as dlq:
+        main.dead_letter_message(_one(main), reason="r")
+        dead, live = _one(dlq), _one(main)
+        for receiver, m in ((main, dead), (dlq, live)):
+            for settle in (receiver.complete_message, receiver.dead_letter_message, receiver.renew_message_lock):
+                with pytest.raises(MessageLockLostError):
+                    settle(m)
+        assert _counts(ns) == (1, 0, 1, 0, 2)
+        dlq.complete_message(dead)  # each still holds its own lock
+        main.complete_message(live)
+    assert _counts(ns) == (0, 0, 0, 0, 0)
+
+
 def test_dlq_ignores_ttl(ns: Namespace) -> None:
     """A dead-lettered message does not expire from the DLQ even after its time_to_live."""
     ns.create_queue("q")

@@ -378,11 +378,13 @@ class Broker:
         reason: lifecycle.Texts = None,
         description: lifecycle.Texts = None,
         *,
+        sub_queue: str,
         session: SessionLock | None = None,
     ) -> SettleResult | None:
         """The one settle path: apply `op` to (sequence_number, lock_token) items, then forward what was dead-lettered.
 
-        A held session's items settle under its lock, in its own files (model/sessions.py). A dead
+        Only rows of the receiver's `sub_queue` are settled; an item of the other is reported as not
+        held. A held session's items settle under its lock, in its own files (model/sessions.py). A dead
         letter's reason and description are one text, or a list with one per item. Inside an open
         transaction the settlement is recorded for its commit instead, and None is returned.
         """
@@ -392,12 +394,12 @@ class Broker:
             if op == lifecycle.RENEW:
                 raise InvalidOperationError("locks cannot be renewed inside a transaction")
             guard = Sessions(entity).guard(session) if session is not None else None  # checked at commit
-            tx.add_settle(entity_type, name, items, op, reason, description, guard)
+            tx.add_settle(entity_type, name, sub_queue, items, op, reason, description, guard)
             return None
         if session is not None:
             result = Sessions(entity).settle(session, items, op, reason, description)
         else:
-            result = entity.settle(items, op, reason, description)
+            result = entity.settle(sub_queue, items, op, reason, description)
         if op == lifecycle.DEAD_LETTER:
             held = sorted({partition_of(seq) for (seq, _), ok in zip(items, result.ok, strict=True) if ok})
             if held:

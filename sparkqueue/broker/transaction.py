@@ -120,13 +120,14 @@ class Transaction:
         self,
         entity_type: str,
         name: str,
+        sub_queue: str,
         items: Sequence[tuple[int, str]],
         op: str,
         reason: lifecycle.Texts,
         description: lifecycle.Texts,
         guard: Guard | None = None,
     ) -> None:
-        """Record a settlement of (sequence_number, lock_token) items; all must be in the transaction's partition."""
+        """Record a settlement of (sequence_number, lock_token) items of `sub_queue`, all in the transaction's partition."""
         self._bind(entity_type, name)
         seqs = [seq for seq, _ in items]
         seen = set(self._settled)
@@ -141,7 +142,7 @@ class Transaction:
             raise InvalidOperationError("the messages settled in a transaction must all be in one partition")
         self._check_size(len(items))
         self._settle_partition = parts.pop() if parts else None
-        self._settles.append(PendingSettle(op, list(items), reason, description, guard))
+        self._settles.append(PendingSettle(op, list(items), sub_queue, reason, description, guard))
         self._settled.update(seqs)
 
     def on_commit(self, callback: Callable[[], None]) -> None:

@@ -304,7 +304,9 @@ class Sessions:
             now = utcnow()
             row, rows = self._read(dt, lock.partition, lock.session_id)
             row = self._check(row, lock, now)
-            by_seq = {s: j for j, s in enumerate(rows.column("sequence_number").to_pylist())}
+            # The session's dead letters are another entity's (its dead-letter sub-queue): never settled here.
+            main = zip(rows.column("sequence_number").to_pylist(), rows.column("sub_queue").to_pylist(), strict=True)
+            by_seq = {s: j for j, (s, q) in enumerate(main) if q == SUB_QUEUE_MAIN}
             present = [k for k, (seq, _) in enumerate(items) if seq in by_seq]
             cur = rows.take(pa.array([by_seq[items[k][0]] for k in present], pa.int64()))
             held = lifecycle.lock_valid(cur, [items[k][1] for k in present], now)
