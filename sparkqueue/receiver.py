@@ -133,8 +133,9 @@ class Receiver:
             self.session._release([m.sequence_number for m in self._cache])
         elif self._cache and self.receive_mode == ReceiveMode.PEEK_LOCK:
             cached = list(self._cache)
-            # A release of prefetched messages, not a settlement: applied at once, never joining an open transaction.
-            self._entity().settle(self._sub_queue, [(m.sequence_number, m.lock_token or "") for m in cached], lifecycle.ABANDON)
+            # A release of prefetched messages, not a settlement: applied at once, never joining an open transaction;
+            # never handed out, so their delivery is undone.
+            self._entity().settle(self._sub_queue, [(m.sequence_number, m.lock_token or "") for m in cached], lifecycle.RELEASE)
         self._cache.clear()
         self._closed = True
 

@@ -184,6 +184,20 @@ def test_closing_a_receiver_releases_its_prefetched_messages(ns: Namespace) -> N
     assert str(taken) == "m0"
 
 
+def test_closing_a_receiver_gives_back_its_prefetched_messages_undelivered(ns: Namespace) -> None:
+    """Prefetched messages a close releases were never handed out: their delivery does not count (nor dead-letters them)."""
+    ns.create_queue("q", enable_partitioning=False, max_delivery_count=1)
+    _send(ns, [Message(f"m{i}") for i in range(4)])
+    a = ns.get_queue_receiver("q", prefetch_count=10)
+    (taken,) = a.receive_messages(max_message_count=1, max_wait_time=2)
+    a.complete_message(taken)
+    a.close()
+    with ns.get_queue_receiver("q") as b:
+        got = b.receive_messages(max_message_count=5, max_wait_time=2)
+    assert sorted((str(m), m.delivery_count) for m in got) == [("m1", 0), ("m2", 0), ("m3", 0)]
+    assert ns.get_queue_runtime_properties("q").dead_letter_message_count == 0
+
+
 def test_messages_of_a_partition_come_in_sequence_order(ns: Namespace) -> None:
     """Within a partition, messages are received in sequence-number order."""
     ns.create_queue("q")

@@ -426,10 +426,11 @@ class Sessions:
                 return
             locked = rows.filter(_held(rows))
             unused = pc.is_in(locked.column("sequence_number"), value_set=pa.array(list(undelivered), pa.int64()))
-            count = pc.if_else(unused, pc.subtract(locked.column("delivery_count"), 1), locked.column("delivery_count"))
-            locked = locked.set_column(locked.schema.get_field_index("delivery_count"), "delivery_count", count.cast(pa.int32()))
-            release = lifecycle.changes(row, OP_SET, lock_token=None, locked_until_utc=None)
-            parts = [release, lifecycle.changes(_cleared(locked, now), OP_SET)] if locked.num_rows else [release]
+            parts = [lifecycle.changes(row, OP_SET, lock_token=None, locked_until_utc=None)]
+            for mask, op in ((unused, lifecycle.RELEASE), (pc.invert(unused), lifecycle.ABANDON)):
+                some = locked.filter(mask)
+                if some.num_rows:
+                    parts.append(lifecycle.settle(some, op, now, self.entity.policy))
             self._apply(dt, lock.partition, lock.session_id, pa.concat_tables(parts))
 
         retry_commit(attempt, self.entity.deadline(), "release session")
