@@ -21,6 +21,7 @@ from sparkqueue.errors import (
     MessageLockLostError,
     MessageNotFoundError,
     MessageSizeExceededError,
+    SparkQueueError,
 )
 from sparkqueue.message import ReceivedMessage, is_settled, lock_expired, mark_settled, received_messages
 from sparkqueue.model import lifecycle, limits
@@ -126,18 +127,38 @@ class Receiver:
         self.close()
 
     def close(self) -> None:
-        """Release prefetched messages, and the session lock, so other receivers get them at once."""
+        """Release prefetched messages, and the session lock, so other receivers get them at once.
+
+        Never raises, as the SDK's close: what cannot be released (entity deleted, partition down)
+        is logged, and its locks lapse at expiry.
+        """
         if self._closed:
             return
-        if self.session is not None:
-            self.session._release([m.sequence_number for m in self._cache])
-        elif self._cache and self.receive_mode == ReceiveMode.PEEK_LOCK:
-            cached = list(self._cache)
-            # A release of prefetched messages, not a settlement: applied at once, never joining an open transaction;
-            # never handed out, so their delivery is undone.
-            self._entity().settle(self._sub_queue, [(m.sequence_number, m.lock_token or "") for m in cached], lifecycle.RELEASE)
-        self._cache.clear()
-        self._closed = True
+        try:
+            if self.session is not None:
+                self.session._release([m.sequence_number for m in self._cache])
+            elif self._cache and self.receive_mode == ReceiveMode.PEEK_LOCK:
+                self._release_cache()
+        except Exception as exc:
+            log.warning("closing a receiver of %r released nothing (%r); its locks lapse at expiry", self.entity_name, exc)
+        finally:
+            self._cache.clear()
+            self._closed = True
+
+    def _release_cache(self) -> None:
+        """Give back the prefetched messages with their delivery undone (never handed out), partition by partition.
+
+        A release, not a settlement: applied at once, never joining an open transaction.
+        """
+        entity = self._entity()
+        by_partition: dict[int, list[tuple[int, str]]] = {}
+        for m in self._cache:
+            by_partition.setdefault(partition_of(m.sequence_number), []).append((m.sequence_number, m.lock_token or ""))
+        for items in by_partition.values():
+            try:
+                entity.settle(self._sub_queue, items, lifecycle.RELEASE)
+            except SparkQueueError as exc:  # the other partitions' messages are still released
+                log.warning("closing a receiver of %r left %d message(s) locked until expiry (%r)", entity.name, len(items), exc)
 
     def __iter__(self) -> Iterator[ReceivedMessage]:
         """The receiver is its own iterator: messages as they arrive, ending after max_wait_time with none."""
