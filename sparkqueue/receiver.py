@@ -21,6 +21,7 @@ from sparkqueue.errors import (
     MessageLockLostError,
     MessageNotFoundError,
     MessageSizeExceededError,
+    SparkQueueError,
 )
 from sparkqueue.message import ReceivedMessage, is_settled, lock_expired, mark_settled, received_messages
 from sparkqueue.model import lifecycle, limits
@@ -127,17 +128,38 @@ class Receiver:
         self.close()
 
     def close(self) -> None:
-        """Release prefetched messages, and the session lock, so other receivers get them at once."""
+        """Release prefetched messages, and the session lock, so other receivers get them at once.
+
+        Never raises, as the SDK's close: what cannot be released (entity deleted, partition down)
+        is logged, and its locks lapse at expiry.
+        """
         if self._closed:
             return
-        if self.session is not None:
-            self.session._release([m.sequence_number for m in self._cache])
-        elif self._cache and self.receive_mode == ReceiveMode.PEEK_LOCK:
-            cached = list(self._cache)
-            # A release of prefetched messages, not a settlement: applied at once, never joining an open transaction.
-            self._entity().settle([(m.sequence_number, m.lock_token or "") for m in cached], lifecycle.ABANDON)
-        self._cache.clear()
-        self._closed = True
+        try:
+            if self.session is not None:
+                self.session._release([m.sequence_number for m in self._cache])
+            elif self._cache and self.receive_mode == ReceiveMode.PEEK_LOCK:
+                self._release_cache()
+        except Exception as exc:
+            log.warning("closing a receiver of %r released nothing (%r); its locks lapse at expiry", self.entity_name, exc)
+        finally:
+            self._cache.clear()
+            self._closed = True
+
+    def _release_cache(self) -> None:
+        """Give back the prefetched messages with their delivery undone (never handed out), partition by partition.
+
+        A release, not a settlement: applied at once, never joining an open transaction.
+        """
+        entity = self._entity()
+        by_partition: dict[int, list[tuple[int, str]]] = {}
+        for m in self._cache:
+            by_partition.setdefault(partition_of(m.sequence_number), []).append((m.sequence_number, m.lock_token or ""))
+        for items in by_partition.values():
+            try:
+                entity.settle(self._sub_queue, items, lifecycle.RELEASE)
+            except SparkQueueError as exc:  # the other partitions' messages are still released
+                log.warning("closing a receiver of %r left %d message(s) locked until expiry (%r)", entity.name, len(items), exc)
 
     def __iter__(self) -> Iterator[ReceivedMessage]:
         """The receiver is its own iterator: messages as they arrive, ending after max_wait_time with none."""
@@ -228,6 +250,7 @@ class Receiver:
         """
         seqs = self._seqs(sequence_numbers)
         self._check_open()
+        self._check_receivable()  # a receive too: refused while disabled or auto-forwarding
         with call_timeout(timeout):
             self._require_deferred(seqs)
             if self.session is not None:  # only the held session's deferred messages, under its lock
@@ -380,7 +403,15 @@ class Receiver:
             self._settled(messages, op, None)  # before the call: an abandon that failed after landing still rewinds
         owners = [(m.session_id, m.partition_key) for m in messages] if tx is not None else ()  # checked against its key
         res = self._ns.broker.settle(
-            self.entity_type, self.entity_name, items, op, reason, description, session=lock, owners=owners
+            self.entity_type,
+            self.entity_name,
+            items,
+            op,
+            reason,
+            description,
+            sub_queue=self._sub_queue,
+            session=lock,
+            owners=owners,
         )
         if res is None:  # recorded by the open transaction: applied, all of it, when it commits
             assert tx is not None
@@ -449,7 +480,9 @@ class Receiver:
         self._check_dataframe()
         if self.receive_mode == ReceiveMode.RECEIVE_AND_DELETE:
             raise InvalidOperationError("messages received in RECEIVE_AND_DELETE mode are already settled")
-        return settle_dataframe(self._ns.broker, self.entity_type, self.entity_name, df, op, reason, error_description)
+        return settle_dataframe(
+            self._ns.broker, self.entity_type, self.entity_name, df, op, reason, error_description, sub_queue=self._sub_queue
+        )
 
     def _check_dataframe(self) -> None:
         """DataFrame calls need an open receiver without a session (sessions use the message API)."""

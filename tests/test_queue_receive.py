@@ -4,6 +4,7 @@ peeking and iteration (docs/semantics.md §5, §10, §11)."""
 from __future__ import annotations
 
 import glob
+import logging
 import threading
 import time
 from datetime import UTC, datetime, timedelta
@@ -182,6 +183,52 @@ def test_closing_a_receiver_releases_its_prefetched_messages(ns: Namespace) -> N
         got = b.receive_messages(max_message_count=5)
     assert sorted(str(m) for m in got) == ["m1", "m2", "m3"]
     assert str(taken) == "m0"
+
+
+def test_closing_a_receiver_gives_back_its_prefetched_messages_undelivered(ns: Namespace) -> None:
+    """Prefetched messages a close releases were never handed out: their delivery does not count (nor dead-letters them)."""
+    ns.create_queue("q", enable_partitioning=False, max_delivery_count=1)
+    _send(ns, [Message(f"m{i}") for i in range(4)])
+    a = ns.get_queue_receiver("q", prefetch_count=10)
+    (taken,) = a.receive_messages(max_message_count=1, max_wait_time=2)
+    a.complete_message(taken)
+    a.close()
+    with ns.get_queue_receiver("q") as b:
+        got = b.receive_messages(max_message_count=5, max_wait_time=2)
+    assert sorted((str(m), m.delivery_count) for m in got) == [("m1", 0), ("m2", 0), ("m3", 0)]
+    assert ns.get_queue_runtime_properties("q").dead_letter_message_count == 0
+
+
+def test_close_does_not_raise_after_the_queue_was_deleted(ns: Namespace, caplog: pytest.LogCaptureFixture) -> None:
+    """As the SDK's close, closing never raises: a deleted queue's prefetched messages are logged, and the receiver closes."""
+    ns.create_queue("q", enable_partitioning=False)
+    _send(ns, [Message(f"m{i}") for i in range(3)])
+    r = ns.get_queue_receiver("q", prefetch_count=5)
+    assert len(r.receive_messages(max_message_count=1, max_wait_time=2)) == 1
+    ns.delete_queue("q")
+    time.sleep(1.1)  # past the process's cached settings
+    with caplog.at_level(logging.WARNING, logger="sparkqueue.receiver"):
+        r.close()
+    assert r.closed
+    assert "lapse at expiry" in caplog.text
+
+
+def test_close_with_a_partition_down_releases_the_other_partitions(ns: Namespace, caplog: pytest.LogCaptureFixture) -> None:
+    """Closing with an unavailable partition does not raise: the other partitions' prefetched messages are released."""
+    ns.create_queue("q")
+    _send(ns, [Message(f"{p}-{i}", partition_key=key_for_partition(p, "c")) for p in (3, 7) for i in range(2)])
+    r = ns.get_queue_receiver("q", prefetch_count=10)
+    (taken,) = r.receive_messages(max_message_count=1, max_wait_time=2)  # the other three wait in the cache
+    faults = ns.fault_injector("q")
+    faults.fail(3, ("read", "write"))
+    with caplog.at_level(logging.WARNING, logger="sparkqueue.receiver"):
+        r.close()
+    assert r.closed
+    assert "locked until expiry" in caplog.text
+    with ns.get_queue_receiver("q") as b:
+        assert sorted(str(m) for m in drain_all(b)) == sorted({"7-0", "7-1"} - {str(taken)})
+        faults.heal()
+        assert drain_all(b) == []  # partition 3's prefetched messages stay locked until their lock expires
 
 
 def test_messages_of_a_partition_come_in_sequence_order(ns: Namespace) -> None:

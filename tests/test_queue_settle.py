@@ -9,8 +9,14 @@ from datetime import UTC, datetime, timedelta
 import pytest
 from procs import drain, drain_all, key_for_partition, peek_all, sleep_past
 
-from sparkqueue import Message, Namespace, ReceivedMessage, ReceiveMode, SubQueue
-from sparkqueue.errors import InvalidOperationError, MessageLockLostError, MessageNotFoundError, PartitionUnavailableError
+from sparkqueue import EntityStatus, Message, Namespace, ReceivedMessage, ReceiveMode, SubQueue
+from sparkqueue.errors import (
+    InvalidOperationError,
+    MessageLockLostError,
+    MessageNotFoundError,
+    MessagingEntityDisabledError,
+    PartitionUnavailableError,
+)
 from sparkqueue.receiver import Receiver
 
 
@@ -149,6 +155,24 @@ def test_dlq_supports_abandon_and_peek(ns: Namespace) -> None:
         m2 = _one(dlq)
         assert m2.sequence_number == m1.sequence_number
         assert m2.lock_token != m1.lock_token
+
+
+def test_a_receiver_settles_only_messages_of_its_own_sub_queue(ns: Namespace) -> None:
+    """The dead-letter sub-queue is an entity of its own: a message settled through the other sub-queue's receiver
+    raises MessageLockLostError and nothing changes, either way."""
+    ns.create_queue("q")
+    _send(ns, [Message("dead"), Message("live")])
+    with ns.get_queue_receiver("q") as main, ns.get_queue_receiver("q", sub_queue=SubQueue.DEAD_LETTER) as dlq:
+        main.dead_letter_message(_one(main), reason="r")
+        dead, live = _one(dlq), _one(main)
+        for receiver, m in ((main, dead), (dlq, live)):
+            for settle in (receiver.complete_message, receiver.dead_letter_message, receiver.renew_message_lock):
+                with pytest.raises(MessageLockLostError):
+                    settle(m)
+        assert _counts(ns) == (1, 0, 1, 0, 2)
+        dlq.complete_message(dead)  # each still holds its own lock
+        main.complete_message(live)
+    assert _counts(ns) == (0, 0, 0, 0, 0)
 
 
 def test_dlq_ignores_ttl(ns: Namespace) -> None:
@@ -443,6 +467,22 @@ def test_expired_locked_message_expires_at_next_receive(ns: Namespace) -> None:
         assert r.receive_messages(max_message_count=1, max_wait_time=0.3) == []
     with ns.get_queue_receiver("q", sub_queue=SubQueue.DEAD_LETTER) as dlq:
         assert _one(dlq).dead_letter_reason == "TTLExpiredException"
+
+
+@pytest.mark.parametrize("status", [EntityStatus.RECEIVE_DISABLED, EntityStatus.DISABLED])
+def test_receive_deferred_is_refused_while_receives_are_disabled(ns: Namespace, status: EntityStatus) -> None:
+    """receive_deferred_messages is a receive: a Disabled or ReceiveDisabled queue refuses it and keeps the message."""
+    ns.create_queue("q")
+    (seq,) = _send(ns, [Message("d")])
+    with ns.get_queue_receiver("q") as r:
+        r.defer_message(_one(r))
+    ns.update_queue(ns.get_queue("q"), status=status)
+    with (
+        ns.get_queue_receiver("q", receive_mode=ReceiveMode.RECEIVE_AND_DELETE) as rd,
+        pytest.raises(MessagingEntityDisabledError),
+    ):
+        rd.receive_deferred_messages([seq])
+    assert _counts(ns) == (0, 1, 0, 0, 1)
 
 
 def test_receive_deferred_in_receive_and_delete_mode_removes_it(ns: Namespace) -> None:

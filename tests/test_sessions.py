@@ -503,6 +503,21 @@ def test_session_operations_leave_the_locks_of_its_dead_letters_alone(ns: Namesp
         assert [m.message_id for m in _consume_all(c)] == ["m2"]
 
 
+def test_a_session_receiver_does_not_settle_its_sessions_dead_letters(ns: Namespace) -> None:
+    """A session's dead letter belongs to the dead-letter sub-queue: completing it through the session receiver
+    raises MessageLockLostError and leaves it there, locked by its dead-letter receiver."""
+    _session_queue(ns)
+    _send(ns, "s1", ["m0", "m1"])
+    with ns.get_queue_receiver("q", session_id="s1") as r, ns.get_queue_receiver("q", sub_queue=SubQueue.DEAD_LETTER) as dlq:
+        r.dead_letter_message(_take(r, 1)[0])
+        (dead,) = _take(dlq, 1)
+        with pytest.raises(MessageLockLostError):
+            r.complete_message(dead)
+        assert ns.get_queue_runtime_properties("q").dead_letter_message_count == 1
+        dlq.complete_message(dead)
+    assert ns.get_queue_runtime_properties("q").dead_letter_message_count == 0
+
+
 def test_completing_a_message_twice_in_one_call_does_not_end_a_session_with_messages_left(ns: Namespace) -> None:
     """The last-completion rule counts messages, not items: a message given twice leaves the session held."""
     _session_queue(ns)

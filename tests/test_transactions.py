@@ -269,6 +269,26 @@ def test_a_failed_commit_finishes_the_transaction(ns: Namespace) -> None:
     assert _peek_ids(ns) == ["m0"]
 
 
+def test_a_dead_letter_settled_through_the_main_receiver_applies_nothing(q: Namespace) -> None:
+    """A transaction settles only rows of each receiver's sub-queue: a dead letter completed through the main queue's
+    receiver raises MessageLockLostError at the commit, and nothing (not even the send) is applied."""
+    ns = q
+    with (
+        ns.get_queue_receiver("q") as main,
+        ns.get_queue_receiver("q", sub_queue=SubQueue.DEAD_LETTER) as dlq,
+        ns.get_queue_sender("q") as s,
+    ):
+        main.dead_letter_message(_take(main, 1)[0])
+        (dead,) = _take(dlq, 1)
+        with pytest.raises(MessageLockLostError), ns.transaction():
+            s.send_messages(Message("new", message_id="new", partition_key="k"))
+            main.complete_message(dead)
+        assert _peek_ids(ns) == [] and _peek_ids(ns, sub_queue=SubQueue.DEAD_LETTER) == ["m0"]
+        with ns.transaction():
+            dlq.complete_message(dead)  # its own receiver still holds the lock
+    assert _peek_ids(ns, sub_queue=SubQueue.DEAD_LETTER) == []
+
+
 def test_failed_transaction_can_be_retried(q: Namespace) -> None:
     """After a discarded transaction the same operations succeed in a new one."""
     ns = q

@@ -388,12 +388,14 @@ class Broker:
         reason: lifecycle.Texts = None,
         description: lifecycle.Texts = None,
         *,
+        sub_queue: str,
         session: SessionLock | None = None,
         owners: Sequence[tuple[str | None, str | None]] = (),
     ) -> SettleResult | None:
         """The one settle path: apply `op` to (sequence_number, lock_token) items, then forward what was dead-lettered.
 
-        A held session's items settle under its lock, in its own files (model/sessions.py). A dead
+        Only rows of the receiver's `sub_queue` are settled; an item of the other is reported as not
+        held. A held session's items settle under its lock, in its own files (model/sessions.py). A dead
         letter's reason and description are one text, or a list with one per item. Inside an open
         transaction the settlement is recorded for its commit instead, and None is returned; `owners`
         (the messages' session_id and partition_key) are checked against its key and session.
@@ -404,12 +406,12 @@ class Broker:
             if op == lifecycle.RENEW:
                 raise InvalidOperationError("locks cannot be renewed inside a transaction")
             guard = Sessions(entity).guard(session) if session is not None else None  # checked at commit
-            tx.add_settle(entity_type, name, items, op, reason, description, guard, owners)
+            tx.add_settle(entity_type, name, sub_queue, items, op, reason, description, guard, owners)
             return None
         if session is not None:
             result = Sessions(entity).settle(session, items, op, reason, description)
         else:
-            result = entity.settle(items, op, reason, description)
+            result = entity.settle(sub_queue, items, op, reason, description)
         # Forward the dead letters (forward_dead_lettered_messages_to), and what an abandon unblocked on an entity
         # whose forward_to was set while a receiver held its messages (model/forwarding.py forwards in order).
         if op == lifecycle.DEAD_LETTER or (op == lifecycle.ABANDON and getattr(entity.props, "forward_to", None)):

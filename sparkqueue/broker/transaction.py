@@ -130,6 +130,7 @@ class Transaction:
         self,
         entity_type: str,
         name: str,
+        sub_queue: str,
         items: Sequence[tuple[int, str]],
         op: str,
         reason: lifecycle.Texts,
@@ -137,7 +138,7 @@ class Transaction:
         guard: Guard | None = None,
         owners: Sequence[tuple[str | None, str | None]] = (),
     ) -> None:
-        """Record a settlement of (sequence_number, lock_token) items; all must be in the transaction's partition.
+        """Record a settlement of (sequence_number, lock_token) items of `sub_queue`, all in the transaction's partition.
 
         `owners` holds the settled messages' (session_id, partition_key): a keyed one must have the
         transaction's key and session, as a message it sends.
@@ -159,7 +160,7 @@ class Transaction:
         self._check_size(len(items))
         self._settle_partition = parts.pop() if parts else None
         self._key, self._session = joined
-        self._settles.append(PendingSettle(op, list(items), reason, description, guard))
+        self._settles.append(PendingSettle(op, list(items), sub_queue, reason, description, guard))
         self._settled.update(seqs)
 
     def on_commit(self, callback: Callable[[], None]) -> None:

@@ -82,6 +82,7 @@ class PendingSettle:
 
     op: str
     items: list[tuple[int, str]]
+    sub_queue: str  # the settling receiver's: rows of the other sub-queue are another entity's
     reason: lifecycle.Texts = None
     description: lifecycle.Texts = None
     guard: Guard | None = None  # a session receiver's lock check (and session-row touch), run inside the commit
@@ -327,12 +328,13 @@ class Entity:
 
     def settle(
         self,
+        sub_queue: str,
         items: Sequence[tuple[int, str]],
         op: str,
         reason: lifecycle.Texts = None,
         description: lifecycle.Texts = None,
     ) -> SettleResult:
-        """Settle (sequence_number, lock_token) pairs; an item whose lock is not current is reported, not applied.
+        """Settle (sequence_number, lock_token) pairs of `sub_queue`; an item whose lock is not current is reported, not applied.
 
         A dead letter's reason and description are one text, or a list with one per item.
         """
@@ -349,7 +351,7 @@ class Entity:
                 dt = self.table.snapshot()
                 now = utcnow()
                 take = pa.array(idx)
-                good, valid = self.locked_rows(dt, p, seqs.take(take), tokens.take(take), now)
+                good, valid = self.locked_rows(dt, p, sub_queue, seqs.take(take), tokens.take(take), now)
                 held = idx[valid].tolist()  # the items of `good`, in its order
                 if good.num_rows:
                     texts = lifecycle.texts_of(reason, held), lifecycle.texts_of(description, held)
@@ -362,13 +364,16 @@ class Entity:
             retry_commit(attempt, self.deadline(), f"{op} on {self.name}")
         return SettleResult(ok.tolist(), until)
 
-    def locked_rows(self, dt: Snapshot, p: int, seqs: pa.Array, tokens: pa.Array, now: datetime) -> tuple[pa.Table, np.ndarray]:
-        """Rows of one partition whose lock the items (`seqs[i]`, `tokens[i]`) hold now, and a per-item verdict.
+    def locked_rows(
+        self, dt: Snapshot, p: int, sub_queue: str, seqs: pa.Array, tokens: pa.Array, now: datetime
+    ) -> tuple[pa.Table, np.ndarray]:
+        """Rows of one partition and sub-queue whose lock the items (`seqs[i]`, `tokens[i]`) hold now, and a per-item verdict.
 
-        The rows come in item order, one per item whose lock holds (an item given twice, twice).
+        The rows come in item order, one per item whose lock holds (an item given twice, twice). A
+        row of the other sub-queue counts as not held: the dead-letter sub-queue is an entity of its own.
         """
         rows = self.table.rows_by_sequence(dt, p, seqs, STATE_COLUMNS, self.subscription)
-        rows = keep_rows(rows, self.owns(rows))
+        rows = keep_rows(rows, pc.and_(self.owns(rows), pc.equal(rows.column("sub_queue"), sub_queue)))
         at = pc.index_in(seqs, value_set=rows.column("sequence_number"))  # each item's row; null where it has none
         present = pc.is_valid(at).to_numpy(zero_copy_only=False)
         cur = rows.take(at.drop_null())
@@ -411,7 +416,7 @@ class Entity:
                 touch = st.guard(dt, partition, now) if st.guard is not None else None  # SessionLockLostError
                 if touch is not None and touch.num_rows:
                     parts.append(touch)
-                good, valid = self.locked_rows(dt, partition, *_item_arrays(st.items), now)
+                good, valid = self.locked_rows(dt, partition, st.sub_queue, *_item_arrays(st.items), now)
                 if not valid.all():
                     raise MessageLockLostError(
                         "a message settled in the transaction lost its lock (expired or superseded); nothing was applied"

@@ -38,6 +38,8 @@ DEFER = "defer"
 DEAD_LETTER = "dead_letter"
 RENEW = "renew"
 SETTLE_OPS = (COMPLETE, ABANDON, DEFER, DEAD_LETTER, RENEW)
+# Not a settlement: a receiver gives back messages locked for it but never handed to the application (prefetched).
+RELEASE = "release"
 
 # A dead-letter reason or description: one text for every settled item, or one per item (Spark's per-row columns).
 Texts = str | None | Sequence[str | None]
@@ -189,7 +191,7 @@ def settle(
     reason: str | pa.Array | None = None,
     description: str | pa.Array | None = None,
 ) -> pa.Table:
-    """Change rows for settling locked rows with `op` (complete, abandon, defer, dead_letter, renew).
+    """Change rows for settling locked rows with `op` (complete, abandon, defer, dead_letter, renew, release).
 
     A dead letter's reason and description are one text for all rows, or an array with one per row.
     """
@@ -197,9 +199,12 @@ def settle(
     deferred = pc.equal(rows.column("state"), STATE_DEFERRED)
     if op == COMPLETE:
         return changes(rows, removal(policy))
-    if op == ABANDON:
+    if op in (ABANDON, RELEASE):
         # An abandoned deferred message stays deferred: only receive_deferred_messages reaches it.
         avail = pc.if_else(deferred, pa.scalar(None, TIMESTAMP), pa.scalar(now, TIMESTAMP))
+        if op == RELEASE:  # an abandon that also undoes the delivery the application never saw
+            count = pc.subtract(rows.column("delivery_count"), 1).cast(pa.int32())
+            return changes(rows, OP_SET, available_at_utc=avail, delivery_count=count, **released)
         return changes(rows, OP_SET, available_at_utc=avail, **released)
     if op == DEFER:
         return changes(rows, OP_SET, state=STATE_DEFERRED, available_at_utc=None, **released)

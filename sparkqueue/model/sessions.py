@@ -310,7 +310,9 @@ class Sessions:
             now = utcnow()
             row, rows = self._read(dt, lock.partition, lock.session_id)
             row = self._check(row, lock, now)
-            by_seq = {s: j for j, s in enumerate(rows.column("sequence_number").to_pylist())}
+            # The session's dead letters are another entity's (its dead-letter sub-queue): never settled here.
+            main = zip(rows.column("sequence_number").to_pylist(), rows.column("sub_queue").to_pylist(), strict=True)
+            by_seq = {s: j for j, (s, q) in enumerate(main) if q == SUB_QUEUE_MAIN}
             present = [k for k, (seq, _) in enumerate(items) if seq in by_seq]
             cur = rows.take(pa.array([by_seq[items[k][0]] for k in present], pa.int64()))
             held = lifecycle.lock_valid(cur, [items[k][1] for k in present], now)
@@ -432,10 +434,11 @@ class Sessions:
                 return
             locked = rows.filter(_held(rows))
             unused = pc.is_in(locked.column("sequence_number"), value_set=pa.array(list(undelivered), pa.int64()))
-            count = pc.if_else(unused, pc.subtract(locked.column("delivery_count"), 1), locked.column("delivery_count"))
-            locked = locked.set_column(locked.schema.get_field_index("delivery_count"), "delivery_count", count.cast(pa.int32()))
-            release = lifecycle.changes(row, OP_SET, lock_token=None, locked_until_utc=None)
-            parts = [release, lifecycle.changes(_cleared(locked, now), OP_SET)] if locked.num_rows else [release]
+            parts = [lifecycle.changes(row, OP_SET, lock_token=None, locked_until_utc=None)]
+            for mask, op in ((unused, lifecycle.RELEASE), (pc.invert(unused), lifecycle.ABANDON)):
+                some = locked.filter(mask)
+                if some.num_rows:
+                    parts.append(lifecycle.settle(some, op, now, self.entity.policy))
             self._apply(dt, lock.partition, lock.session_id, pa.concat_tables(parts))
 
         retry_commit(attempt, self.entity.deadline(), "release session")

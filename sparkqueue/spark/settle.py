@@ -4,7 +4,7 @@ A lock token begins with its message's sequence number (model.ids), whose top 16
 partition: Spark routes each token to its partition's task without reading the table. A task
 settles its tokens in sequence order, in commits of `SETTLE_CHUNK`, and records per token
 whether the lock held ("ok") or not ("lock_lost": expired, superseded, already settled, or not a
-token of this entity) in a staging file; the returned DataFrame reads those records, so
+token of this entity and sub-queue) in a staging file; the returned DataFrame reads those records, so
 evaluating it again never settles again.
 """
 
@@ -53,6 +53,7 @@ class SettleJob:
     op: str
     partition_count: int
     staging: Staging
+    sub_queue: str  # the receiver's: a token of the other sub-queue's message is `lock_lost`
     chunk: int = SETTLE_CHUNK
 
 
@@ -65,6 +66,8 @@ def settle_dataframe(
     reason: str | None = None,
     error_description: str | None = None,
     spark: SparkSession | None = None,
+    *,
+    sub_queue: str,
 ) -> DataFrame:
     """Settle the messages whose lock tokens `df` holds; returns a DataFrame of (lock_token, status).
 
@@ -84,7 +87,8 @@ def settle_dataframe(
     session = active_session(spark or df.sparkSession)
     entity = broker.entity(entity_type, name)
     cleanup_staging(broker.root)
-    job = SettleJob(EntityRef.of(broker, entity_type, name), op, entity.partition_count, Staging.create(broker.root, "settle"))
+    ref = EntityRef.of(broker, entity_type, name)
+    job = SettleJob(ref, op, entity.partition_count, Staging.create(broker.root, "settle"), sub_queue)
     tasks = task_count(session, job.partition_count)
     received = Staging.of_receive(df)
     with spark_errors():
@@ -209,7 +213,7 @@ def settle_tokens(job: SettleJob, tokens: pa.Array, reasons: pa.Array, descripti
             per_row = job.op == lifecycle.DEAD_LETTER
             reason = reasons.take(chunk).to_pylist() if per_row else None
             description = descriptions.take(chunk).to_pylist() if per_row else None
-            result = broker.settle(ref.entity_type, ref.name, items, job.op, reason, description)
+            result = broker.settle(ref.entity_type, ref.name, items, job.op, reason, description, sub_queue=job.sub_queue)
             assert result is not None  # a task runs outside any transaction
             held[positions[start : start + job.chunk]] = result.ok
     status = np.where(held[first], STATUS_OK, STATUS_LOCK_LOST)

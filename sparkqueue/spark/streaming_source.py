@@ -501,7 +501,7 @@ class StreamState:
     def _settle_on(self, ns: Namespace, items: list[Item], op: str) -> SettleResult:
         """Settle through the broker's one settle path (a stream's threads hold no transaction)."""
         address = self.config.address
-        result = ns.broker.settle(address.entity_type, address.name, items, op)
+        result = ns.broker.settle(address.entity_type, address.name, items, op, sub_queue=self.config.sub_queue)
         assert result is not None
         return result
 
