@@ -465,6 +465,12 @@ class Management:
         Safe beside live senders and receivers: compaction only replaces files nobody changed
         meanwhile. Tombstones are kept for the entity's duplicate-detection window.
         """
+        if not isinstance(vacuum_retention, timedelta):  # checked before any table is touched
+            kind = type(vacuum_retention).__name__
+            raise InvalidArgumentTypeError(f"vacuum_retention must be a datetime.timedelta, got {kind}")
+        if vacuum_retention < timedelta(0):
+            raise InvalidOperationError(f"vacuum_retention must not be negative, got {vacuum_retention}")
+        vacuum = limits.check_bool(vacuum, "vacuum")
         self.broker.forward_pending_messages()
         reports: dict[str, maintenance.MaintenanceReport] = {}
         entries = self.broker.catalog.entries()
@@ -473,7 +479,7 @@ class Management:
                 continue
             name = Address.parse(e.name).name
             try:
-                report = self._maintain(e.entity_type, name, entries, vacuum_retention if vacuum else None)
+                report = self._maintain(e.entity_type, name, vacuum_retention if vacuum else None)
             except SparkQueueError as exc:  # one faulty entity never blocks the others
                 log.error("maintenance of %s %s skipped: %s", e.entity_type, name, exc)
                 reports[f"{e.entity_type}:{name}"] = maintenance.MaintenanceReport(error=str(exc))
@@ -489,19 +495,21 @@ class Management:
             )
         return reports
 
-    def _maintain(
-        self, entity_type: str, name: str, entries: list[CatalogEntry], vacuum_retention: timedelta | None
-    ) -> maintenance.MaintenanceReport:
+    def _maintain(self, entity_type: str, name: str, vacuum_retention: timedelta | None) -> maintenance.MaintenanceReport:
         """Compact, checkpoint and (when a retention is given) vacuum one queue's or topic's table."""
         entity = self.broker.entity(entity_type, name)
         window = getattr(entity.props, "duplicate_detection_history_time_window", None) or timedelta(0)
         live = None
-        if entity_type == TOPIC:
-            live = {
-                split_subscription_path(s.table_path)[1]
-                for s in entries
-                if s.entity_type == SUBSCRIPTION and Address.parse(s.name).topic == name
-            } | {ACCEPTED_MARKER}  # the topic's own id records: kept for its duplicate-detection window
+        if entity_type == TOPIC:  # read now, not when the run started: a subscription created since is no orphan
+
+            def keys() -> set[str]:
+                return {
+                    split_subscription_path(s.table_path)[1]
+                    for s in self.broker.catalog.entries()
+                    if s.entity_type == SUBSCRIPTION and Address.parse(s.name).topic == name
+                } | {ACCEPTED_MARKER}  # the topic's own id records: kept for its duplicate-detection window
+
+            live = maintenance.LiveSubscriptions.read(keys)
         report = maintenance.compact(entity.table, drop_before=datetime.now(UTC) - window, live_subscriptions=live)
         maintenance.checkpoint(entity.table, report)
         if vacuum_retention is not None:

@@ -15,6 +15,7 @@ import sys
 import time
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
+from typing import Any
 
 import pyarrow.compute as pc
 import pytest
@@ -272,8 +273,79 @@ def test_run_maintenance_drops_expired_tombstones(ns: Namespace, root: str) -> N
         assert len(s.send_messages([Message("x", message_id=i) for i in ids])) == 20
 
 
-def test_run_maintenance_drops_rows_of_deleted_subscriptions(ns: Namespace, root: str) -> None:
+@pytest.mark.parametrize("retention", ["1h", 3600, float("nan"), timedelta(days=-1), None])
+def test_a_bad_vacuum_retention_changes_nothing(ns: Namespace, root: str, retention: object) -> None:
+    """run_maintenance checks vacuum_retention before it touches a table: a clear error, and not one file changed."""
+    ns.create_queue("q")
+    with ns.get_queue_sender("q") as s:
+        for i in range(5):
+            s.send_messages(Message(f"m{i}"))
+    before = sorted(p.relative_to(root).as_posix() for p in Path(root).rglob("*") if p.is_file())
+    with pytest.raises(ValueError, match="vacuum_retention"):
+        ns.run_maintenance(vacuum_retention=retention)  # type: ignore[arg-type]
+    assert sorted(p.relative_to(root).as_posix() for p in Path(root).rglob("*") if p.is_file()) == before
+
+
+def test_a_subscription_created_after_the_catalog_read_is_no_orphan(ns: Namespace, root: str) -> None:
+    """Compaction drops rows of subscriptions its catalog read missed only if they are older than the read (less CLOCK_MARGIN)."""
+    ns.create_topic("t", enable_partitioning=False)
+    ns.create_subscription("t", "old")
+    stale = maintenance.LiveSubscriptions(frozenset({"old.x"}), datetime.now(UTC))  # read before "new" was created
+    ns.create_subscription("t", "new")
+    with ns.get_topic_sender("t") as s:
+        for i in range(5):
+            s.send_messages(Message(f"m{i}"))
+    report = maintenance.compact(EntityTable(_table_path(root, "topic"), 1), live_subscriptions=stale)
+    assert report.rows_dropped == 0
+    assert len(peek_all(ns.get_subscription_receiver("t", "new"))) == 5
+
+
+def _maintain_without_margin(root: str, running: Any, stop: Any, runs: Any) -> None:
+    """Run maintenance in a loop with no clock margin (one machine), so only the order of read and clock protects."""
+    maintenance.CLOCK_MARGIN = timedelta(0)
+    ns = Namespace(root)
+    while not stop.is_set():
+        ns.run_maintenance(vacuum=False)
+        runs.value += 1
+        running.set()
+
+
+def _create_and_send(root: str, count: int) -> None:
+    """Create subscriptions one by one, sending three messages to the topic after each."""
+    ns = Namespace(root)
+    for i in range(count):
+        ns.create_subscription("t", f"s{i:02d}")
+        with ns.get_topic_sender("t") as s:
+            s.send_messages([Message(f"{i}-{k}") for k in range(3)])
+        time.sleep(0.1)  # let maintenance runs fall between creations, sends and the next creation
+
+
+def test_maintenance_racing_subscription_creation_loses_nothing(root: str) -> None:
+    """A maintenance process running throughout never drops a copy of a subscription created while it runs."""
+    ns = Namespace(root)
+    for q in range(4):  # entities maintained before the topic widen the window between catalog read and compaction
+        ns.create_queue(f"a{q}", enable_partitioning=False)
+        ns.get_queue_sender(f"a{q}").send_messages([Message("x") for _ in range(20)])
+    ns.create_topic("t", enable_partitioning=False)
+    running, stop, runs = CTX.Event(), CTX.Event(), CTX.Value("i", 0)
+    maint = CTX.Process(target=_maintain_without_margin, args=(root, running, stop, runs))
+    maint.start()
+    try:
+        assert running.wait(60)
+        before = runs.value
+        _create_and_send(root, 15)
+        assert runs.value - before >= 5  # maintenance ran throughout
+    finally:
+        stop.set()
+        maint.join(60)
+    assert maint.exitcode == 0
+    counts = {i: len(peek_all(ns.get_subscription_receiver("t", f"s{i:02d}"), batch=200)) for i in range(15)}
+    assert counts == {i: 3 * (15 - i) for i in range(15)}
+
+
+def test_run_maintenance_drops_rows_of_deleted_subscriptions(ns: Namespace, root: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """Copies held for a deleted subscription are removed from the topic's table; the others stay receivable."""
+    monkeypatch.setattr(maintenance, "CLOCK_MARGIN", timedelta(0))  # one machine: its rows are orphans at once
     ns.create_topic("t")
     ns.create_subscription("t", "keep")
     ns.create_subscription("t", "gone")

@@ -17,7 +17,7 @@ import logging
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from datetime import datetime, timedelta
+from datetime import UTC, datetime, timedelta
 from urllib.parse import unquote
 
 import pyarrow as pa
@@ -37,6 +37,26 @@ TARGET_BYTES = MAX_FILE_BYTES
 SMALL_FRACTION = 0.25  # a file under a quarter of the target is "small"
 DEFAULT_VACUUM_RETENTION = timedelta(hours=1)
 ORPHAN_RETENTION = timedelta(minutes=10)  # a live writer commits within seconds; files this old and not live are not its
+CLOCK_MARGIN = timedelta(minutes=5)  # how far the clocks of machines sharing a namespace may disagree
+
+
+@dataclass(frozen=True)
+class LiveSubscriptions:
+    """A topic's subscriptions as one catalog read found them, and before when a row of any other is an orphan.
+
+    A subscription created after the read has no row enqueued before the read (its copies are made
+    by sends that found it), so only rows enqueued before the read, less CLOCK_MARGIN for other
+    machines' clocks, of a subscription the read did not find belong to a deleted one.
+    """
+
+    keys: frozenset[str]
+    orphans_before: datetime
+
+    @classmethod
+    def read(cls, keys: Callable[[], set[str]]) -> LiveSubscriptions:
+        """The subscription keys `keys()` reads now; the instant is taken before the read."""
+        before = datetime.now(UTC) - CLOCK_MARGIN
+        return cls(frozenset(keys()), before)
 
 
 @dataclass
@@ -58,7 +78,7 @@ def compact(
     table: EntityTable,
     *,
     drop_before: datetime | None = None,
-    live_subscriptions: set[str] | None = None,
+    live_subscriptions: LiveSubscriptions | None = None,
     report: MaintenanceReport | None = None,
 ) -> MaintenanceReport:
     """Compact every partition; optionally drop tombstones enqueued before `drop_before` and orphaned subscription rows."""
@@ -87,7 +107,9 @@ def compact(
     return report
 
 
-def _groups(files: list[FileInfo], drop_before: datetime | None = None, live: set[str] | None = None) -> Iterator[list[FileInfo]]:
+def _groups(
+    files: list[FileInfo], drop_before: datetime | None = None, live: LiveSubscriptions | None = None
+) -> Iterator[list[FileInfo]]:
     """Per kind and subscription, runs of small files (in sequence order) within the target size.
 
     Files of different subscriptions interleave in sequence order (a topic send writes one file per
@@ -117,17 +139,17 @@ def _groups(files: list[FileInfo], drop_before: datetime | None = None, live: se
 
 
 def _emit(
-    run: list[FileInfo], klass: tuple[str, str | None], drop_before: datetime | None, live: set[str] | None
+    run: list[FileInfo], klass: tuple[str, str | None], drop_before: datetime | None, live: LiveSubscriptions | None
 ) -> Iterator[list[FileInfo]]:
     """A run worth rewriting: several files, or one that may hold rows to drop."""
     if len(run) > 1 or (len(run) == 1 and _may_drop(run[0], klass, drop_before, live)):
         yield run
 
 
-def _may_drop(f: FileInfo, klass: tuple[str, str | None], drop_before: datetime | None, live: set[str] | None) -> bool:
+def _may_drop(f: FileInfo, klass: tuple[str, str | None], drop_before: datetime | None, live: LiveSubscriptions | None) -> bool:
     """Could the file hold a row of a deleted subscription or a tombstone enqueued before `drop_before`?"""
-    if live is not None and klass[1] is not None and klass[1] not in live:
-        return True
+    if live is not None and klass[1] is not None and klass[1] not in live.keys:
+        return f.min_enqueued is None or f.min_enqueued < live.orphans_before
     if drop_before is None or f.min_enqueued is None or f.min_enqueued >= drop_before:
         return False
     return f.min_state is None or f.max_state is None or f.min_state <= STATE_COMPLETED <= f.max_state
@@ -142,7 +164,7 @@ def _klass(f: FileInfo) -> tuple[str, str | None] | None:
     return f.min_kind, f.min_subscription
 
 
-def _droppable(drop_before: datetime | None, live: set[str] | None) -> Callable[[pa.Table], pa.Array] | None:
+def _droppable(drop_before: datetime | None, live: LiveSubscriptions | None) -> Callable[[pa.Table], pa.Array] | None:
     """A mask of rows compaction may drop: expired tombstones and rows of subscriptions that no longer exist."""
     if drop_before is None and live is None:
         return None
@@ -154,8 +176,9 @@ def _droppable(drop_before: datetime | None, live: set[str] | None) -> Callable[
             out = pc.or_(out, pc.and_(pc.equal(rows.column("state"), STATE_COMPLETED), old))
         if live is not None:
             sub = rows.column("subscription")
-            kept = pc.fill_null(pc.is_in(sub, value_set=pa.array(sorted(live), pa.string())), False)
-            orphan = pc.and_(pc.is_valid(sub), pc.invert(kept))
+            kept = pc.fill_null(pc.is_in(sub, value_set=pa.array(sorted(live.keys), pa.string())), False)
+            before = pc.less(rows.column("enqueued_time_utc"), pa.scalar(live.orphans_before, TIMESTAMP))
+            orphan = pc.and_(pc.and_(pc.is_valid(sub), pc.invert(kept)), pc.fill_null(before, False))
             out = pc.or_(out, orphan)
         return out
 
