@@ -240,6 +240,26 @@ def test_an_abandon_forwards_what_a_receiver_held_when_forward_to_was_set(ns: Na
     assert queue_ids(ns, "src") == Counter()
 
 
+def test_a_send_that_landed_stands_when_forwarding_after_it_fails(ns: Namespace, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A forwarding failure after a send or settle landed is logged, not raised (a caller would repeat the send)."""
+    import sparkqueue.broker.core as core
+    from sparkqueue.errors import OperationTimeoutError
+
+    ns.create_queue("dst")
+    ns.create_queue("src", forward_to="dst")
+
+    def failing(*args: object, **kwargs: object) -> list[str]:
+        raise OperationTimeoutError("forwarding timed out")
+
+    monkeypatch.setattr(core, "forward", failing)
+    (seq,) = ns.get_queue_sender("src").send_messages(Message("x", message_id="m"))
+    assert seq > 0
+    monkeypatch.undo()
+    assert queue_ids(ns, "dst") == Counter()
+    ns.forward_pending_messages()
+    assert queue_ids(ns, "dst") == Counter({"m": 1})
+
+
 # ---- partition keys -------------------------------------------------------------------------------
 
 

@@ -305,14 +305,21 @@ class Broker:
             for dest in forward(source, self.resolve, parts):
                 todo.extend((e, None) for e in self.forwarding_entities(dest))
 
-    def _forward_dead_letters(self, entity: Entity, partitions: list[int]) -> None:
-        """Forward what a receive just dead-lettered, when the entity forwards its dead letters; the receive stands regardless."""
-        if not getattr(entity.props, "forward_dead_lettered_messages_to", None):
-            return
+    def forward_now(self, entity: Entity, partitions: list[int]) -> None:
+        """Forward right after an operation that landed (send, settle, receive): a failure is logged, never raised.
+
+        The operation stands whatever forwarding does, so its caller must not see an error and
+        repeat it; what is left waits for the next forward (forward_pending_messages, maintenance).
+        """
         try:
             self.pump(entity, partitions)
-        except SparkQueueError as exc:  # they wait as dead letters for the next forward (forward_pending_messages)
-            log.warning("forwarding dead letters of %s deferred: %s", entity.name, exc)
+        except SparkQueueError as exc:
+            log.warning("forwarding from %s deferred: %s", entity.name, exc)
+
+    def _forward_dead_letters(self, entity: Entity, partitions: list[int]) -> None:
+        """Forward what a receive just dead-lettered, when the entity forwards its dead letters."""
+        if getattr(entity.props, "forward_dead_lettered_messages_to", None):
+            self.forward_now(entity, partitions)
 
     def forwarding_entities(self, name: str) -> list[Entity]:
         """The entities under a destination name that forward further: the queue, or the topic's subscriptions."""
@@ -371,11 +378,12 @@ class Broker:
 
     def after_send(self, entity_type: str, name: str, stored_partitions: list[int]) -> None:
         """Forward what a send just stored, when the queue or any of the topic's subscriptions forwards."""
-        if entity_type == QUEUE:
-            self.pump(self.entity(QUEUE, name), stored_partitions)
-        else:
-            for e in self.forwarding_subscriptions(name):
-                self.pump(e, stored_partitions)
+        try:
+            sources = [self.entity(QUEUE, name)] if entity_type == QUEUE else self.forwarding_subscriptions(name)
+        except EntityNotFoundError:  # deleted since the send landed: nothing to forward from
+            return
+        for e in sources:
+            self.forward_now(e, stored_partitions)
 
     # ---- settle ---------------------------------------------------------------------------------
 
@@ -417,7 +425,7 @@ class Broker:
         if op == lifecycle.DEAD_LETTER or (op == lifecycle.ABANDON and getattr(entity.props, "forward_to", None)):
             held = sorted({partition_of(seq) for (seq, _), ok in zip(items, result.ok, strict=True) if ok})
             if held:
-                self.pump(entity, held)
+                self.forward_now(entity, held)
         return result
 
     # ---- transactions ---------------------------------------------------------------------------

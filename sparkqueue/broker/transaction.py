@@ -195,7 +195,7 @@ class Transaction:
         for callback in self._committed:
             callback()
         if any(st.op == lifecycle.DEAD_LETTER for st in self._settles):
-            self.broker.pump(entity, [partition])  # forward the dead letters, as Broker.settle does
+            self.broker.forward_now(entity, [partition])  # forward the dead letters, as Broker.settle does
         if stored is None:
             return []
         stored = without_markers(stored)
