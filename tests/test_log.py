@@ -332,3 +332,233 @@ def test_sync_flushes_files_written_around_the_store_and_reports_one_that_vanish
     assert store.get("partition_id=3/a.parquet") == b"x" * 4096
     with pytest.raises(StorageError, match="vanished before it was made durable"):
         store.sync(["partition_id=3/a.parquet", "partition_id=3/gone.parquet"])
+
+
+# ---- a gap after a live handle's version ---------------------------------------------------------
+
+
+def test_a_live_handle_reports_an_entry_missing_after_its_version_and_never_commits_into_the_gap(table: EntityTable) -> None:
+    """Entry v gone while v+1 exists: update raises the fresh load's error, so no commit takes version v."""
+    live = EntityTable(table.uri, 16)  # a handle opened before the damage, as a running process has
+    stale = live.snapshot()
+    snap = table.snapshot()
+    for p in range(3):
+        table.log.commit(snap, [table.data.write(p, _rows(p, 1, 1))], [], [Fence(f"sparkqueue.seq.{p}", 1)])
+    gone = Path(table.uri, "_delta_log", f"{stale.version + 1:020d}.json")
+    gone.unlink()
+    with pytest.raises(StorageCorruptedError, match=f"log entries {stale.version + 1} are missing") as fresh_error:
+        _second_handle(table).load()
+    with pytest.raises(StorageCorruptedError) as live_error:
+        live.snapshot()
+    assert str(live_error.value) == str(fresh_error.value)
+    with pytest.raises(StorageCorruptedError, match="missing"):
+        live.log.precheck(stale, [], {})  # what a change does before writing its files
+    with pytest.raises(StorageCorruptedError, match="missing"):
+        live.snapshot()  # and again on the next operation: the handle's snapshot did not move past the gap
+    assert not gone.exists()  # no fork: the hole is still a hole
+
+
+def test_a_commit_rebasing_over_a_gap_reports_it_instead_of_filling_it(table: EntityTable) -> None:
+    """A commit that loses its put replays the winners; an entry missing among them is damage, not the log's end."""
+    other = _second_handle(table)
+    theirs = other.load()
+    snap = table.snapshot()
+    for p in range(3):
+        table.log.commit(snap, [table.data.write(p, _rows(p, 1, 1))], [], [Fence(f"sparkqueue.seq.{p}", 1)])
+    gone = Path(table.uri, "_delta_log", f"{theirs.version + 2:020d}.json")
+    gone.unlink()
+    with pytest.raises(StorageCorruptedError, match=f"log entries {theirs.version + 2} are missing"):
+        other.commit(theirs, [table.data.write(9, _rows(9, 1, 1))], [], [Fence("sparkqueue.seq.9", 1)])
+    assert not gone.exists()
+
+
+class _EntryLandsAfterItsRead(LocalStore):
+    """A store whose first read of one entry misses it, as a read just before a writer commits it does."""
+
+    def __init__(self, root: str, late: str) -> None:
+        super().__init__(root)
+        self.late: str | None = late
+
+    def get(self, path: str) -> bytes:
+        if path == self.late:
+            self.late = None
+            raise FileNotFoundError(path)
+        return super().get(path)
+
+
+def test_entries_landing_between_the_two_reads_of_an_update_are_not_a_gap(table: EntityTable) -> None:
+    """v read as absent, then v and v+1 land: the check of v+1 reloads and reaches the newest version, raising nothing."""
+    store = _EntryLandsAfterItsRead(table.uri, "")
+    other = DeltaLog(store, FileIndex)
+    theirs = other.load()
+    snap = table.snapshot()
+    for p in range(2):
+        table.log.commit(snap, [table.data.write(p, _rows(p, 1, 1))], [], [Fence(f"sparkqueue.seq.{p}", 1)])
+    store.late = f"_delta_log/{theirs.version + 1:020d}.json"
+    other.update(theirs)
+    assert store.late is None  # the first read did miss it
+    assert theirs.version == snap.version and theirs.txns == snap.txns
+
+
+# ---- reader protocol: what sparkqueue cannot read correctly is refused, never read as usual -------------
+
+
+def _append_entry(uri: str, actions: list[dict[str, object]]) -> int:
+    """Write the next log entry as another Delta writer would; returns its version."""
+    log_dir = Path(uri, "_delta_log")
+    version = max(int(n[:20]) for n in os.listdir(log_dir) if n.endswith(".json")) + 1
+    body = "".join(json.dumps(a) + "\n" for a in [{"commitInfo": {"timestamp": 0, "operation": "X"}}, *actions])
+    (log_dir / f"{version:020d}.json").write_text(body)
+    return version
+
+
+_DV = {"storageType": "i", "pathOrInlineDv": "wi5b=000010000siXQKl0rr91000f", "offset": 1, "sizeInBytes": 36, "cardinality": 1}
+_DV_PROTOCOL = {
+    "minReaderVersion": 3,
+    "minWriterVersion": 7,
+    "readerFeatures": ["deletionVectors"],
+    "writerFeatures": ["deletionVectors"],
+}
+
+
+def test_a_table_whose_rows_are_deleted_by_deletion_vectors_is_refused_on_load_and_on_update(table: EntityTable) -> None:
+    snap = table.snapshot()
+    table.log.commit(snap, [table.data.write(0, _rows(0, 1, 3))], [], [Fence("sparkqueue.seq.0", 3)])
+    other = _second_handle(table)
+    theirs = other.load()
+    (add,) = [dict(a) for a in snap.files.actions()]
+    remove = {k: add[k] for k in ("path", "partitionValues", "size")}
+    _append_entry(
+        table.uri,
+        [
+            {"protocol": _DV_PROTOCOL},
+            {"remove": {**remove, "deletionTimestamp": 0, "dataChange": True}},
+            {"add": {**add, "deletionVector": _DV}},
+        ],
+    )
+    with pytest.raises(StorageError, match=r"deletionVectors.*deletion vector") as exc:
+        _second_handle(table).load()
+    assert table.uri in str(exc.value) and not isinstance(exc.value, StorageCorruptedError)
+    before = theirs.version
+    for _ in range(2):  # the snapshot is not moved onto the entry, so every later update refuses too
+        with pytest.raises(StorageError, match="deletionVectors"):
+            other.update(theirs)
+        assert theirs.version == before
+    with pytest.raises(StorageError, match="deletionVectors"):
+        table.snapshot()
+
+
+def test_an_added_file_with_a_deletion_vector_is_refused_whatever_the_protocol_says(table: EntityTable) -> None:
+    snap = table.snapshot()
+    add = table.data.write(0, _rows(0, 1, 3)).action(0)
+    _append_entry(table.uri, [{"add": {**add, "deletionVector": _DV}}])
+    with pytest.raises(StorageError, match="1 file\\(s\\) with a deletion vector"):
+        table.log.update(snap)
+    with pytest.raises(StorageError, match="deletion vector"):
+        _second_handle(table).load()
+
+
+@pytest.mark.parametrize(
+    ("protocol", "refused"),
+    [
+        (
+            {"minReaderVersion": 3, "minWriterVersion": 7, "readerFeatures": ["someFutureFeature"]},
+            "reader feature someFutureFeature",
+        ),
+        (
+            {"minReaderVersion": 3, "minWriterVersion": 7, "readerFeatures": ["timestampNtz", "v2Checkpoint"]},
+            "reader feature v2Checkpoint",
+        ),
+        ({"minReaderVersion": 4, "minWriterVersion": 7}, "reader version 4"),
+    ],
+)
+def test_reader_features_and_versions_sparkqueue_does_not_read_are_refused_on_load_and_on_update(
+    table: EntityTable, protocol: dict[str, object], refused: str
+) -> None:
+    snap = table.snapshot()
+    _append_entry(table.uri, [{"protocol": protocol}])
+    with pytest.raises(StorageError, match=refused):
+        table.log.update(snap)
+    with pytest.raises(StorageError, match=refused):
+        _second_handle(table).load()
+
+
+@pytest.mark.parametrize(
+    ("configuration", "refused"),
+    [
+        ({"delta.enableDeletionVectors": "true"}, "reader feature deletionVectors"),
+        ({"delta.columnMapping.mode": "name"}, "columnMapping"),
+    ],
+)
+def test_tables_delta_rs_creates_with_features_sparkqueue_cannot_read_are_refused(
+    tmp_path: Path, configuration: dict[str, str], refused: str
+) -> None:
+    uri = str(tmp_path / "t")
+    DeltaTable.create(uri, schema=ENTITY_SCHEMA, partition_by=[PARTITION_COLUMN], configuration=configuration)
+    with pytest.raises(StorageError, match=refused):
+        DeltaLog(LocalStore(uri), FileIndex).load()
+
+
+def test_a_checkpoint_with_an_unreadable_protocol_is_refused(tmp_path: Path) -> None:
+    from deltalake import write_deltalake
+
+    uri = str(tmp_path / "t")
+    DeltaTable.create(
+        uri, schema=ENTITY_SCHEMA, partition_by=[PARTITION_COLUMN], configuration={"delta.enableDeletionVectors": "true"}
+    )
+    write_deltalake(uri, _rows(0, 1, 2).append_column(PARTITION_COLUMN, pa.array([0, 0], pa.int32())), mode="append")
+    DeltaTable(uri).create_checkpoint()
+    for n in os.listdir(f"{uri}/_delta_log"):
+        if n.endswith(".json"):
+            os.unlink(f"{uri}/_delta_log/{n}")  # only the checkpoint tells the protocol
+    with pytest.raises(StorageError, match="deletionVectors"):
+        DeltaLog(LocalStore(uri), FileIndex).load()
+
+
+class _AnyFiles:
+    """The live files of any table (a FileSet for log.py): path to add action."""
+
+    def __init__(self) -> None:
+        self.adds: dict[str, object] = {}
+
+    def add(self, action: dict[str, object]) -> None:
+        self.adds[str(action["path"])] = action
+
+    def remove(self, path: str) -> None:
+        self.adds.pop(path, None)
+
+    def actions(self) -> list[object]:
+        return list(self.adds.values())
+
+    def __contains__(self, path: object) -> bool:
+        return path in self.adds
+
+    def __len__(self) -> int:
+        return len(self.adds)
+
+    def copy(self) -> _AnyFiles:
+        other = _AnyFiles()
+        other.adds = dict(self.adds)
+        return other
+
+
+def test_tables_delta_rs_writes_with_timestamp_ntz_and_its_checkpoints_still_open(tmp_path: Path) -> None:
+    """delta-rs marks a timestamp-without-zone column as reader feature timestampNtz (protocol 3/7): sparkqueue reads it."""
+    from deltalake import write_deltalake
+
+    uri = str(tmp_path / "t")
+    schema = pa.schema([("a", pa.int64()), ("t", pa.timestamp("us"))])
+    DeltaTable.create(uri, schema=schema)
+    rows = pa.table({"a": [1, 2], "t": pa.array([0, 1], pa.timestamp("us"))}, schema=schema)
+    write_deltalake(uri, rows, mode="append")
+    DeltaTable(uri).create_checkpoint()
+    log = DeltaLog(LocalStore(uri), _AnyFiles)
+    snap = log.load()
+    assert snap.protocol["readerFeatures"] == ["timestampNtz"] and snap.version == 1 and len(snap.files) == 1
+    write_deltalake(uri, rows, mode="append")
+    log.update(snap)
+    assert snap.version == 2 and len(snap.files) == 2
+    for n in os.listdir(f"{uri}/_delta_log"):
+        if n.endswith(".json") and int(n[:20]) <= 1:
+            os.unlink(f"{uri}/_delta_log/{n}")
+    assert len(DeltaLog(LocalStore(uri), _AnyFiles).load().files) == 2  # from the checkpoint delta-rs wrote

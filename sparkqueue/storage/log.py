@@ -39,6 +39,10 @@ _ENTRY = re.compile(r"^(\d{20})\.(json|checkpoint\.parquet|checkpoint\.(\d+)\.(\
 # vectors, no column mapping, no change data feed, no row tracking.
 WRITABLE_READER_FEATURES = frozenset({"timestampNtz"})
 WRITABLE_WRITER_FEATURES = frozenset({"timestampNtz", "invariants", "appendOnly", "checkConstraints"})
+# What sparkqueue reads correctly: reader version 1, 2 without column mapping (checked on the
+# metadata), or 3 with only these reader features. A feature that changes how files are read
+# (deletionVectors, columnMapping, v2Checkpoint, typeWidening, variantType, any unknown one) is refused.
+READABLE_READER_FEATURES = frozenset({"timestampNtz"})
 
 
 DEFAULT_LOG_RETENTION_S = 30 * 86400.0  # Delta's default logRetentionDuration
@@ -267,7 +271,7 @@ class DeltaLog:
         try:
             snap = self._checkpoint(base, [parts[base][i] for i in sorted(parts[base])]) if base >= 0 else self._empty()
             for v in range(base + 1, newest + 1):
-                snap.apply(v, self._entry(v))
+                snap.apply(v, self._readable(self._entry(v), v))
         except FileNotFoundError as exc:
             raise _Trimmed from exc
         snap.verified_at = started
@@ -275,21 +279,36 @@ class DeltaLog:
         return snap
 
     def update(self, snap: Snapshot) -> Snapshot:
-        """Move `snap` to the newest version in place (reading only new entries), or reload it when it is too old to trust."""
+        """Move `snap` to the newest version in place (reading only new entries), or reload it when it is too old to trust.
+
+        The first absent entry v is the end of the log only when v+1 is absent too. An entry
+        after an absent one is a gap (v went missing: damage) or v and v+1 landed between the two
+        reads; a reload from a listing tells them apart, raising the StorageCorruptedError a fresh
+        load raises for the gap. Without this a live handle read the table as of v-1 and its next
+        commit took version v by put-if-absent, forking the history under the entries after it.
+        Unreadable actions raise before they are applied, so `snap` stays where it was and every
+        later update raises again.
+        """
         started = time.monotonic()
         if started - snap.verified_at > self.safe_gap_s(snap):
-            fresh = self.load()
-            snap.__dict__.update(fresh.__dict__)
-            return snap
+            return self._reload(snap)
         v = snap.version + 1
         while True:
             try:
                 actions = self._entry(v)
             except FileNotFoundError:
+                if self.store.exists(f"{LOG_DIR}/{v + 1:020d}.json"):
+                    return self._reload(snap)
                 break
-            snap.apply(v, actions)
+            snap.apply(v, self._readable(actions, v))
             v += 1
         snap.verified_at = started
+        return snap
+
+    def _reload(self, snap: Snapshot) -> Snapshot:
+        """Replace `snap` in place by a snapshot loaded from a listing."""
+        fresh = self.load()
+        snap.__dict__.update(fresh.__dict__)
         return snap
 
     def _entry(self, version: int) -> list[dict[str, Any]]:
@@ -322,12 +341,39 @@ class DeltaLog:
                 for row in t.column(name).to_pylist():
                     if row is not None:
                         actions.append({name: _checkpoint_action(name, row)})
-        snap.apply(version, actions)
+        snap.apply(version, self._readable(actions, version))
         return snap
 
     def _check_readable(self, snap: Snapshot) -> None:
         if not snap.protocol or not snap.metadata:
             raise StorageCorruptedError(f"table {self.store.uri}: the log has no protocol or metadata action")
+
+    def _readable(self, actions: list[dict[str, Any]], version: int) -> list[dict[str, Any]]:
+        """`actions` when sparkqueue reads what they describe correctly; StorageError naming the table and feature otherwise.
+
+        A newer writer may upgrade the table at any version: each protocol and metadata action and
+        each added file is checked before it is applied, on load (checkpoint and entries) and on update.
+        """
+        problems: list[str] = []
+        deleted = []
+        for a in actions:
+            if "add" in a:
+                if a["add"].get("deletionVector") is not None:
+                    deleted.append(a["add"].get("path"))
+            elif "protocol" in a:
+                problems += _unreadable_protocol(a["protocol"])
+            elif "metaData" in a:
+                mode = (a["metaData"].get("configuration") or {}).get("delta.columnMapping.mode", "none")
+                if mode != "none":
+                    problems.append(f"delta.columnMapping.mode={mode}")
+        if deleted:
+            problems.append(f"{len(deleted)} file(s) with a deletion vector (first {deleted[0]})")
+        if problems:
+            raise StorageError(
+                f"table {self.store.uri} uses Delta features sparkqueue cannot read correctly "
+                f"(version {version}): {'; '.join(dict.fromkeys(problems))}"
+            )
+        return actions
 
     # ---- writing --------------------------------------------------------------------------------
 
@@ -414,6 +460,20 @@ class DeltaLog:
                 log.debug("version %d of %s was taken; rebasing", version, self.store.uri)
                 self.update(snap)
         raise CommitConflict(f"the commit lost {MAX_REBASES} races in a row")
+
+
+def _unreadable_protocol(protocol: Mapping[str, Any]) -> list[str]:
+    """What in a protocol action sparkqueue cannot read correctly (empty when nothing)."""
+    try:
+        reader_v = int(protocol.get("minReaderVersion", 1))
+    except (TypeError, ValueError):
+        return [f"reader version {protocol.get('minReaderVersion')!r}"]
+    if reader_v > 3:
+        return [f"reader version {reader_v}"]
+    if reader_v < 3:
+        return []  # 1, or 2 (column mapping, refused on the metadata when a mode is set); features need 3
+    unknown = sorted(set(protocol.get("readerFeatures") or []) - READABLE_READER_FEATURES)
+    return [f"reader feature {f}" for f in unknown]
 
 
 def _check_unmoved(snap: Snapshot, base_meta: int, removed: Sequence[str], expected: Mapping[str, int | None]) -> None:

@@ -123,6 +123,17 @@ class LocalStore(Store):
         with _translate(self.uri, path), open(self._path(path), "rb") as f:
             return f.read()
 
+    def exists(self, path: str) -> bool:
+        """True when the file exists: one stat, no read (DeltaLog.update asks on every call: kept to a bare stat)."""
+        try:
+            os.stat(self._path(path))
+        except FileNotFoundError:
+            return False
+        except OSError:
+            with _translate(self.uri, path):
+                raise
+        return True
+
     def put(self, path: str, data: bytes) -> None:
         """Write a new or replaced file: to a fresh name, fsynced, then moved into place (readers never see half a file)."""
         target = self._path(path)
@@ -246,6 +257,17 @@ class ObjectStore(Store):
 
         with _translate(self.uri, path):
             return bytes(obstore.get(self._store, path).bytes())
+
+    def exists(self, path: str) -> bool:
+        """True when the object exists: one HEAD request, no body."""
+        import obstore
+
+        try:
+            with _translate(self.uri, path):
+                obstore.head(self._store, path)
+        except FileNotFoundError:
+            return False
+        return True
 
     def put(self, path: str, data: bytes) -> None:
         import obstore
