@@ -7,11 +7,15 @@ on a local disk and (where the damage can be made there) on Azurite.
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import subprocess
 import sys
+from datetime import timedelta
 from pathlib import Path
 
+import pyarrow as pa
+import pyarrow.parquet as pq
 import pytest
 from azurite import Store
 from procs import drain_all, key_for_partition
@@ -86,6 +90,43 @@ def test_an_emptied_catalog_entry_is_reported(tmp_path: Path) -> None:
     newest.write_bytes(b"")
     with pytest.raises(StorageCorruptedError):
         Namespace(tmp_path / "ns")
+
+
+def _foreign_parquet() -> bytes:
+    """A readable Parquet file that is not what the table holds."""
+    sink = pa.BufferOutputStream()
+    pq.write_table(pa.table({"x": [1, 2, 3]}), sink)
+    return bytes(sink.getvalue().to_pybytes())
+
+
+def _damaged(data: bytes, damage: str) -> bytes:
+    return {"truncated": data[: len(data) // 2], "zeroed": bytes(len(data)), "empty": b"", "foreign": _foreign_parquet()}[damage]
+
+
+@pytest.mark.parametrize("damage", ["truncated", "zeroed", "empty", "foreign"])
+def test_a_damaged_catalog_file_is_an_error_naming_it_and_nothing_touches_it(store: Store, damage: str) -> None:
+    """A live catalog file that cannot be read as the catalog raises StorageCorruptedError naming the catalog and the file.
+
+    Never a raw Arrow error, never an empty namespace; check, repair and maintenance leave the file as it is.
+    """
+    with store.open() as ns:
+        ns.create_queue("q")
+        ns.get_queue_sender("q").send_messages(Message("x"))
+        catalog = ns.broker.catalog
+        (live,) = [a["path"] for a in catalog.log.load().files.actions()]
+        catalog.store.put(live, _damaged(catalog.store.get(live), damage))
+        bad = catalog.store.get(live)
+    calls = {
+        "list": lambda ns: ns.list_queues(),
+        "send": lambda ns: ns.get_queue_sender("q").send_messages(Message("y")),
+        "check": lambda ns: ns.check(),
+        "repair": lambda ns: ns.check(repair=True),
+        "maintenance": lambda ns: ns.run_maintenance(vacuum_retention=timedelta(0)),
+    }
+    for what, call in calls.items():
+        with pytest.raises(StorageCorruptedError, match=rf"catalog .*{re.escape(live)} is damaged"), store.open() as ns:
+            call(ns)
+        assert catalog.store.get(live) == bad, what
 
 
 def test_a_deleted_data_file_makes_only_its_partition_unavailable(store: Store) -> None:
