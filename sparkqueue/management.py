@@ -487,6 +487,7 @@ class Management:
                 report.files_after,
                 report.rows_dropped,
             )
+        reports["catalog"] = maintenance.maintain_catalog(self.broker.catalog, vacuum_retention if vacuum else None)
         return reports
 
     def _maintain(

@@ -1,7 +1,8 @@
 """The namespace catalog: one small Delta table mapping entity names to their tables and settings.
 
 The catalog's rows live in one Parquet file; every change writes the new rows to a new file and
-commits it with the removal of the old one (log.py). Two concurrent changes both remove the same
+commits it with the removal of the old one (log.py), which maintenance vacuums later
+(maintenance.maintain_catalog, with the log entries behind its checkpoint). Two concurrent changes both remove the same
 file, so the second one's commit conflicts, re-reads and re-applies: a create of a name that the
 winner inserted inserts nothing, and exactly one creator wins.
 
@@ -130,6 +131,11 @@ class Catalog:
                 self.open()
             assert self._snap is not None
             return self.log.update(self._snap)
+
+    def snapshot(self) -> Snapshot:
+        """A private copy of the catalog's newest snapshot (for maintenance: checkpoint and vacuum)."""
+        with self._lock:
+            return self._snapshot().copy()
 
     def _rows(self, snap: Snapshot | None = None) -> pa.Table:
         """The whole catalog (it is small), typed as CATALOG_SCHEMA; read again only when its version moved."""
