@@ -493,6 +493,7 @@ class Management:
                 report.files_after,
                 report.rows_dropped,
             )
+        reports["catalog"] = maintenance.maintain_catalog(self.broker.catalog, vacuum_retention if vacuum else None)
         return reports
 
     def _maintain(self, entity_type: str, name: str, vacuum_retention: timedelta | None) -> maintenance.MaintenanceReport:

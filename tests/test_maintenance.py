@@ -419,6 +419,39 @@ def test_maintenance_trims_the_delta_log(ns: Namespace, root: str) -> None:
         assert len(s.send_messages(Message("after", message_id="after"))) == 1
 
 
+def test_run_maintenance_vacuums_the_catalog_and_trims_its_log(ns: Namespace, root: str) -> None:
+    """Every catalog change writes the whole catalog to a new file: maintenance deletes the replaced files once past
+    the vacuum retention and the log entries behind its checkpoint once past the log retention; nothing else changes."""
+    for i in range(30):
+        ns.create_queue(f"q{i:02d}")
+    catalog = f"{root}/_catalog"
+
+    def files() -> list[str]:
+        return glob.glob(f"{catalog}/*.parquet")
+
+    assert len(files()) >= 30
+    report = ns.run_maintenance()["catalog"]  # default retention: files replaced just now stay for old readers
+    assert report.error is None and report.vacuumed_files == 0 and len(files()) >= 30
+    forty_days_ago = time.time() - 40 * 86400  # past the catalog's log retention (Delta's default, 30 days)
+    for f in glob.glob(f"{catalog}/**", recursive=True):
+        os.utime(f, (forty_days_ago, forty_days_ago))
+    assert ns.run_maintenance(vacuum=False)["catalog"].vacuumed_files == 0
+    assert len(files()) >= 30
+    report = ns.run_maintenance(vacuum_retention=timedelta(0))["catalog"]
+    assert report.error is None and report.vacuumed_files >= 29 and report.checkpointed_version is not None
+    (live,) = files()
+    assert report.files_after == 1
+    entries = [int(Path(f).name[:20]) for f in glob.glob(f"{catalog}/_delta_log/*.json")]
+    assert entries and min(entries) >= report.checkpointed_version
+    assert DeltaTable(catalog).to_pyarrow_table().num_rows == 30  # an independent reader sees the whole catalog
+    with Namespace(root) as fresh:
+        assert [q.name for q in fresh.list_queues()] == [f"q{i:02d}" for i in range(30)]
+        fresh.create_queue("after")
+    assert len(ns.list_queues()) == 31
+    assert os.path.exists(live)  # the default retention keeps the file "after" replaced
+    assert ns.run_maintenance()["catalog"].vacuumed_files == 0
+
+
 def test_vacuum_removes_unreferenced_files(ns: Namespace, root: str) -> None:
     """With retention 0, vacuum deletes every data file the table no longer references; the default retention keeps them."""
     ns.create_queue("q")

@@ -659,7 +659,7 @@ def check(
     ] = False,
     as_json: AsJson = False,
 ) -> None:
-    """Look for damaged storage (torn log entries, missing data files); --repair fixes what is safe to fix."""
+    """Look for damaged storage (torn log entries, missing or unreadable data files); --repair fixes what is safe to fix."""
     ns = state(ctx).namespace()
     findings = ns.check(repair=repair)
     if as_json:

@@ -1,7 +1,8 @@
 """The namespace catalog: one small Delta table mapping entity names to their tables and settings.
 
 The catalog's rows live in one Parquet file; every change writes the new rows to a new file and
-commits it with the removal of the old one (log.py). Two concurrent changes both remove the same
+commits it with the removal of the old one (log.py), which maintenance vacuums later
+(maintenance.maintain_catalog, with the log entries behind its checkpoint). Two concurrent changes both remove the same
 file, so the second one's commit conflicts, re-reads and re-applies: a create of a name that the
 winner inserted inserts nothing, and exactly one creator wins.
 
@@ -131,6 +132,11 @@ class Catalog:
             assert self._snap is not None
             return self.log.update(self._snap)
 
+    def snapshot(self) -> Snapshot:
+        """A private copy of the catalog's newest snapshot (for maintenance: checkpoint and vacuum)."""
+        with self._lock:
+            return self._snapshot().copy()
+
     def _rows(self, snap: Snapshot | None = None) -> pa.Table:
         """The whole catalog (it is small), typed as CATALOG_SCHEMA; read again only when its version moved."""
         with self._lock:
@@ -138,17 +144,28 @@ class Catalog:
             if self._read is not None and self._read[0] == snap.version:
                 return self._read[1]
             paths = sorted(snap.files.adds)
-        parts = [pq.read_table(pa.BufferReader(self._get(p))).select(CATALOG_SCHEMA.names).cast(CATALOG_SCHEMA) for p in paths]
+        parts = [self._read_file(p) for p in paths]
         rows = pa.concat_tables(parts) if parts else CATALOG_SCHEMA.empty_table()
         with self._lock:
             self._read = (snap.version, rows)
         return rows
 
-    def _get(self, path: str) -> bytes:
+    def _read_file(self, path: str) -> pa.Table:
+        """The rows of one live catalog file; StorageCorruptedError naming the catalog and the file if missing or unreadable.
+
+        A catalog read as empty would open an empty namespace over orphaned entity tables: a truncated,
+        zeroed or foreign file is damage, never "no entities".
+        """
         try:
-            return self.store.get(path)
+            data = self.store.get(path)
         except FileNotFoundError as exc:
             raise StorageCorruptedError(f"namespace catalog {self.uri}: live file {path} is missing") from exc
+        try:
+            return pq.read_table(pa.BufferReader(data)).select(CATALOG_SCHEMA.names).cast(CATALOG_SCHEMA)
+        except (pa.ArrowException, OSError, KeyError) as exc:  # not Parquet, torn, or not the catalog's columns
+            raise StorageCorruptedError(
+                f"namespace catalog {self.uri}: live file {path} is damaged ({len(data)} bytes: {exc}); restore it from a backup"
+            ) from exc
 
     def entries(self, entity_type: str | None = None) -> list[CatalogEntry]:
         """All rows (of one entity type when given), sorted by name."""

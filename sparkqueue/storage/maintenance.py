@@ -8,6 +8,9 @@
   window has passed, and copies of deleted subscriptions.
 - Checkpoints bound the log replay; vacuum deletes unreferenced files (including files of
   commits that never happened, e.g. a writer killed mid-operation) after a safe retention.
+- The namespace catalog gets the same checkpoint, log trim and vacuum (`maintain_catalog`): every
+  catalog change writes the whole catalog to a new file, so without them its files and log grow
+  with the square of the entity count.
 """
 
 from __future__ import annotations
@@ -18,16 +21,19 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
+from typing import Protocol
 from urllib.parse import unquote
 
 import pyarrow as pa
 import pyarrow.compute as pc
 
+from sparkqueue.errors import SparkQueueError
 from sparkqueue.storage.checkpoint import trim_log, write_checkpoint
 from sparkqueue.storage.files import MAX_FILE_BYTES, MAX_FILE_ROWS, remove_action
 from sparkqueue.storage.index import FileInfo
-from sparkqueue.storage.log import LOG_DIR, CommitConflict
+from sparkqueue.storage.log import LOG_DIR, CommitConflict, Snapshot
 from sparkqueue.storage.schema import STATE_COMPLETED, TIMESTAMP, constant
+from sparkqueue.storage.store import Store
 from sparkqueue.storage.table import EntityTable
 
 log = logging.getLogger(__name__)
@@ -57,6 +63,15 @@ class LiveSubscriptions:
         """The subscription keys `keys()` reads now; the instant is taken before the read."""
         before = datetime.now(UTC) - CLOCK_MARGIN
         return cls(frozenset(keys()), before)
+
+
+class MaintainedTable(Protocol):
+    """What checkpoint and vacuum need of a table: its store and its newest snapshot (an EntityTable, the Catalog)."""
+
+    @property
+    def store(self) -> Store: ...
+
+    def snapshot(self) -> Snapshot: ...
 
 
 @dataclass
@@ -207,7 +222,7 @@ def _rewrite(table: EntityTable, p: int, group: list[FileInfo], droppable: Calla
     return dropped
 
 
-def checkpoint(table: EntityTable, report: MaintenanceReport | None = None) -> MaintenanceReport:
+def checkpoint(table: MaintainedTable, report: MaintenanceReport | None = None) -> MaintenanceReport:
     """Write a checkpoint at the current version and delete log files past the log retention."""
     report = report or MaintenanceReport()
     snap = table.snapshot()
@@ -218,7 +233,7 @@ def checkpoint(table: EntityTable, report: MaintenanceReport | None = None) -> M
 
 
 def vacuum(
-    table: EntityTable, retention: timedelta = DEFAULT_VACUUM_RETENTION, report: MaintenanceReport | None = None
+    table: MaintainedTable, retention: timedelta = DEFAULT_VACUUM_RETENTION, report: MaintenanceReport | None = None
 ) -> MaintenanceReport:
     """Delete files the table no longer references: removed more than `retention` ago, or never committed.
 
@@ -248,7 +263,7 @@ def vacuum(
     return report
 
 
-def _removals(table: EntityTable) -> dict[str, float]:
+def _removals(table: MaintainedTable) -> dict[str, float]:
     """When each file removed by a commit still in the log was removed (seconds since the epoch)."""
     out: dict[str, float] = {}
     for e in table.store.list(f"{LOG_DIR}/"):
@@ -267,3 +282,23 @@ def _removals(table: EntityTable) -> dict[str, float]:
                 continue
             out[unquote(remove["path"])] = float(remove.get("deletionTimestamp") or e.mtime_s * 1000) / 1000
     return out
+
+
+def maintain_catalog(catalog: MaintainedTable, vacuum_retention: timedelta | None) -> MaintenanceReport:
+    """Checkpoint the namespace catalog, trim its log behind the checkpoint and (with a retention) vacuum it.
+
+    Every catalog change replaces the catalog's one file, so this is all it needs: nothing to
+    compact. Vacuum goes first, while the log still holds the removals the trim may delete (and a
+    retention vacuum cannot use fails before anything changed). A failure is logged and returned
+    in the report's `error`, as for an entity table.
+    """
+    report = MaintenanceReport()
+    try:
+        if vacuum_retention is not None:
+            vacuum(catalog, vacuum_retention, report)
+        checkpoint(catalog, report)
+        report.files_before = report.files_after = len(catalog.snapshot().files)
+    except SparkQueueError as exc:
+        log.error("maintenance of the namespace catalog %s skipped: %s", catalog.store.uri, exc)
+        report.error = str(exc)
+    return report

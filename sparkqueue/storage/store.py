@@ -55,6 +55,10 @@ class Store(ABC):
     def get(self, path: str) -> bytes:
         """The object's bytes; FileNotFoundError when it does not exist."""
 
+    def get_range(self, path: str, start: int, end: int) -> bytes:
+        """Bytes [start, end) of an object (fewer when it ends first); FileNotFoundError when it does not exist."""
+        return self.get(path)[start:end]
+
     @abstractmethod
     def put(self, path: str, data: bytes) -> None:
         """Write (or replace) an object durably."""
@@ -133,6 +137,11 @@ class LocalStore(Store):
             with _translate(self.uri, path):
                 raise
         return True
+
+    def get_range(self, path: str, start: int, end: int) -> bytes:
+        with _translate(self.uri, path), open(self._path(path), "rb") as f:
+            f.seek(start)
+            return f.read(max(0, end - start))
 
     def put(self, path: str, data: bytes) -> None:
         """Write a new or replaced file: to a fresh name, fsynced, then moved into place (readers never see half a file)."""
@@ -268,6 +277,12 @@ class ObjectStore(Store):
         except FileNotFoundError:
             return False
         return True
+
+    def get_range(self, path: str, start: int, end: int) -> bytes:
+        import obstore
+
+        with _translate(self.uri, path):
+            return bytes(obstore.get_range(self._store, path, start=start, end=end))
 
     def put(self, path: str, data: bytes) -> None:
         import obstore

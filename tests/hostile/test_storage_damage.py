@@ -7,17 +7,22 @@ on a local disk and (where the damage can be made there) on Azurite.
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import subprocess
 import sys
+from datetime import timedelta
 from pathlib import Path
 
+import pyarrow as pa
+import pyarrow.parquet as pq
 import pytest
 from azurite import Store
 from procs import drain_all, key_for_partition
 
 from sparkqueue import Message, Namespace
 from sparkqueue.errors import StorageCorruptedError
+from sparkqueue.storage import check
 
 
 def _queue_table(ns: Namespace, name: str = "q") -> object:
@@ -86,6 +91,87 @@ def test_an_emptied_catalog_entry_is_reported(tmp_path: Path) -> None:
     newest.write_bytes(b"")
     with pytest.raises(StorageCorruptedError):
         Namespace(tmp_path / "ns")
+
+
+def _foreign_parquet() -> bytes:
+    """A readable Parquet file that is not what the table holds."""
+    sink = pa.BufferOutputStream()
+    pq.write_table(pa.table({"x": [1, 2, 3]}), sink)
+    return bytes(sink.getvalue().to_pybytes())
+
+
+def _damaged(data: bytes, damage: str) -> bytes:
+    return {"truncated": data[: len(data) // 2], "zeroed": bytes(len(data)), "empty": b"", "foreign": _foreign_parquet()}[damage]
+
+
+@pytest.mark.parametrize("damage", ["truncated", "zeroed", "empty", "foreign"])
+def test_a_damaged_catalog_file_is_an_error_naming_it_and_nothing_touches_it(store: Store, damage: str) -> None:
+    """A live catalog file that cannot be read as the catalog raises StorageCorruptedError naming the catalog and the file.
+
+    Never a raw Arrow error, never an empty namespace; check, repair and maintenance leave the file as it is.
+    """
+    with store.open() as ns:
+        ns.create_queue("q")
+        ns.get_queue_sender("q").send_messages(Message("x"))
+        catalog = ns.broker.catalog
+        (live,) = [a["path"] for a in catalog.log.load().files.actions()]
+        catalog.store.put(live, _damaged(catalog.store.get(live), damage))
+        bad = catalog.store.get(live)
+    calls = {
+        "list": lambda ns: ns.list_queues(),
+        "send": lambda ns: ns.get_queue_sender("q").send_messages(Message("y")),
+        "check": lambda ns: ns.check(),
+        "repair": lambda ns: ns.check(repair=True),
+        "maintenance": lambda ns: ns.run_maintenance(vacuum_retention=timedelta(0)),
+    }
+    for what, call in calls.items():
+        with pytest.raises(StorageCorruptedError, match=rf"catalog .*{re.escape(live)} is damaged"), store.open() as ns:
+            call(ns)
+        assert catalog.store.get(live) == bad, what
+
+
+@pytest.mark.parametrize("damage", ["truncated", "zeroed", "foreign", "other rows"])
+def test_check_reports_an_unreadable_data_file_and_repair_leaves_it(store: Store, damage: str) -> None:
+    """check() reads every live file's Parquet footer: one it cannot parse, or one counting other rows than the
+    log says, is reported. Repair leaves it (its bytes may still be saved); deleted, it is dropped as missing."""
+    with store.open() as ns:
+        ns.create_queue("q", enable_partitioning=False)
+        with ns.get_queue_sender("q") as s:
+            s.send_messages([Message(f"a{i}") for i in range(3)])
+            s.send_messages([Message(f"b{i}") for i in range(5)])
+        table = _queue_table(ns)
+        first, second = sorted(table.snapshot().files, key=lambda f: f.min_seq)  # type: ignore[attr-defined]
+        data = table.store.get(first.path)  # type: ignore[attr-defined]
+        bad = table.store.get(second.path) if damage == "other rows" else _damaged(data, damage)  # type: ignore[attr-defined]
+        table.store.put(first.path, bad)  # type: ignore[attr-defined]
+    with store.open() as ns:
+        (found,) = ns.check()
+        assert first.path in found.problem and "unreadable" in found.problem and not found.repaired
+        if damage == "other rows":
+            assert "counts 5 rows, its add action 3" in found.problem
+        (again,) = ns.check(repair=True)
+        assert not again.repaired
+        assert table.store.get(first.path) == bad  # type: ignore[attr-defined]
+        table.store.delete(first.path)  # what the operator does once the file is saved or given up
+        (dropped,) = ns.check(repair=True)
+        assert dropped.repaired and "missing" in dropped.problem
+        assert ns.check() == []
+        assert ns.get_queue_runtime_properties("q").active_message_count == 5
+
+
+def test_check_reads_a_footer_larger_than_its_first_read(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A footer beyond the first ranged read of a file's tail is read whole: intact files are not reported."""
+    monkeypatch.setattr(check, "FOOTER_READ", 16)
+    with Namespace(tmp_path / "ns") as ns:
+        ns.create_queue("q")
+        with ns.get_queue_sender("q") as s:
+            s.send_messages([Message(f"m{i}", partition_key=f"k{i}") for i in range(40)])
+        assert ns.check() == []
+        table = _queue_table(ns)
+        victim = next(iter(table.snapshot().files))  # type: ignore[attr-defined]
+        table.store.put(victim.path, b"\0" * victim.size_bytes)  # type: ignore[attr-defined]
+        (found,) = ns.check()
+        assert victim.path in found.problem and "footer cannot be read" in found.problem
 
 
 def test_a_deleted_data_file_makes_only_its_partition_unavailable(store: Store) -> None:
