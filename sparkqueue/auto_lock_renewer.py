@@ -147,8 +147,11 @@ class AutoLockRenewer:
             clean = not lock_expired(renewable.locked_until_utc)
         except Exception as exc:  # a lost lock, a closed receiver, an unavailable partition: report it
             log.debug("auto lock renewal failed: %r", exc)
-            error = AutoLockRenewFailed("failed to auto-renew the lock", error=exc)
-            renewable.auto_renew_error = error
+            if receiver.closed:
+                clean = True  # the receiver closed while a renewal ran (its lock was released): a stop that was asked for
+            else:
+                error = AutoLockRenewFailed("failed to auto-renew the lock", error=exc)
+                renewable.auto_renew_error = error
         finally:
             if callback is not None and not clean:
                 try:

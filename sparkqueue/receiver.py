@@ -137,6 +137,7 @@ class Receiver:
             return
         try:
             if self.session is not None:
+                self.session._closed = True  # its state and lock calls are refused from now on, as the receiver's
                 self.session._release([m.sequence_number for m in self._cache])
             elif self._cache and self.receive_mode == ReceiveMode.PEEK_LOCK:
                 self._release_cache()
@@ -200,10 +201,15 @@ class Receiver:
         if self.session is not None and self._cache and lock_expired(self.session.locked_until_utc):
             self._cache.clear()  # the session lock is gone: the next holder gets them; the receive below raises
         if self.session is not None and self.session._rewind:
-            # A message was abandoned: it comes back before the later messages waiting in the cache.
-            self.session._rewind = False
+            # A message was abandoned: it comes back before the later messages waiting in the cache. The store's
+            # first n available messages merged with the cache give this receive's first n exactly; the rewind
+            # ends only once the store holds nothing earlier than a cached message (a short fetch, or one
+            # reaching past the cache), so each of several abandoned messages comes back in its turn.
             rows = self.session._sessions.receive(self.session._lock, n, delete=self._deleting, wait_s=0.0)
-            merged = sorted([*received_messages(rows, utcnow()), *self._cache], key=lambda m: m.sequence_number)
+            got = received_messages(rows, utcnow())
+            if len(got) < n or not self._cache or got[-1].sequence_number > self._cache[-1].sequence_number:
+                self.session._rewind = False
+            merged = sorted([*got, *self._cache], key=lambda m: m.sequence_number)
             self._cache = deque(merged)
         while self._cache and len(out) < n:
             m = self._cache.popleft()
@@ -286,6 +292,8 @@ class Receiver:
                 mask = pc.and_(mask, pc.fill_null(pc.equal(rows.column("session_id"), self.session.session_id), False))
             found = set(rows.filter(mask).column("sequence_number").to_pylist())
             missing.extend(s for s in group if s not in found)
+        if missing and self.session is not None:
+            self.session._sessions.check(self.session._lock)  # a lost session lock is reported first, as in the SDK
         if missing:
             shown = ", ".join(map(str, missing[:5])) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
             raise MessageNotFoundError(
@@ -517,7 +525,8 @@ class ReceiverSession:
         self._max_state_bytes = limits.MAX_MESSAGE_BYTES[tier]  # Service Bus bounds session state by the message size
         self.auto_renew_error: BaseException | None = None
         self._delivered: list[weakref.ref[ReceivedMessage]] = []  # handed-out messages whose lock is this session's
-        self._rewind = False  # a message was abandoned: the next receive looks before the cached messages
+        self._rewind = False  # a message was abandoned: the next receives look before the cached messages
+        self._closed = False  # its receiver was closed: the session lock was released
 
     @property
     def session_id(self) -> str:
@@ -531,6 +540,7 @@ class ReceiverSession:
 
     def get_state(self, *, timeout: float | None = None) -> bytes | None:
         """The session state (None when never set or cleared)."""
+        self._check_open()
         with call_timeout(timeout):
             return self._sessions.get_state(self._lock)
 
@@ -544,11 +554,13 @@ class ReceiverSession:
             raise MessageSizeExceededError(
                 f"session state of {len(state)} bytes exceeds the {self._max_state_bytes} bytes a session state may hold"
             )
+        self._check_open()
         with call_timeout(timeout):
             self._sessions.set_state(self._lock, bytes(state) if state is not None else None)
 
     def renew_lock(self, *, timeout: float | None = None) -> datetime:
         """Extend the session lock by the entity's lock_duration; returns the new expiry."""
+        self._check_open()
         with call_timeout(timeout):
             until = self._sessions.renew(self._lock)
         for ref in self._delivered:
@@ -564,6 +576,11 @@ class ReceiverSession:
             if m.lock_token is not None:
                 m.locked_until_utc = self._lock.locked_until
                 self._delivered.append(weakref.ref(m))
+
+    def _check_open(self) -> None:
+        """Refuse calls once the receiver is closed, with the receiver's own error (the SDK's closed handler refuses them)."""
+        if self._closed:
+            raise InvalidOperationError("the receiver is closed and its session released; accept the session again")
 
     def _release(self, undelivered: Sequence[int] = ()) -> None:
         self._sessions.release(self._lock, undelivered)

@@ -5,6 +5,7 @@ test_sessions_concurrency.py."""
 
 from __future__ import annotations
 
+import threading
 import time
 from datetime import UTC, datetime, timedelta
 
@@ -19,7 +20,7 @@ from sparkqueue.errors import (
     SessionCannotBeLockedError,
     SessionLockLostError,
 )
-from sparkqueue.receiver import Receiver
+from sparkqueue.receiver import Receiver, ReceiverSession
 
 SHORT = timedelta(seconds=2)  # short, yet long enough for a loaded machine to act within one lock
 
@@ -255,6 +256,86 @@ def test_closed_receiver_cannot_settle_after_another_took_the_session(ns: Namesp
     assert ns.get_queue_runtime_properties("q").total_message_count == 0
 
 
+def test_a_closed_receivers_session_refuses_state_and_lock_calls(ns: Namespace) -> None:
+    """After close, the session's calls raise InvalidOperationError (as the receiver's) and never lock it again."""
+    _session_queue(ns)
+    _send(ns, "s1", ["a"])
+    r = ns.get_queue_receiver("q", session_id="s1")
+    r.complete_message(_take(r, 1)[0])  # the hold ends: the session has no row left
+    sess = r.session
+    assert sess is not None
+    r.close()
+    for call in (lambda: sess.set_state(b"x"), sess.renew_lock, sess.get_state):
+        with pytest.raises(InvalidOperationError):
+            call()
+    with ns.get_queue_receiver("q", session_id="s1") as r2:  # free at once: nothing re-locked it
+        assert r2.session is not None and r2.session.get_state() is None
+    _send(ns, "s2", ["b", "c"])
+    r = ns.get_queue_receiver("q", session_id="s2")
+    sess = r.session
+    assert sess is not None
+    r.close()
+    with pytest.raises(InvalidOperationError):
+        sess.set_state(b"x")
+    with pytest.raises(SessionLockLostError):  # the model refuses a released lock too
+        sess._sessions.renew(sess._lock)
+    with ns.get_queue_receiver("q", session_id="s2") as r2:
+        assert [m.message_id for m in _take(r2, 2)] == ["b", "c"]
+
+
+def test_a_renewal_racing_close_never_locks_the_session_again(ns: Namespace) -> None:
+    """A renewing thread (as an AutoLockRenewer's) racing close: the session is free right after close, every time."""
+    _session_queue(ns, lock=timedelta(seconds=30))
+    give_up = time.monotonic() + 4.0
+    trials = 0
+    while time.monotonic() < give_up or trials < 5:
+        trials += 1
+        _send(ns, "S", ["x"])
+        r = ns.get_queue_receiver("q", session_id="S")
+        r.complete_message(_take(r, 1)[0])  # the hold ends: a renewal would make the row again
+        sess = r.session
+        assert sess is not None
+        stop = threading.Event()
+
+        def renew(s: ReceiverSession = sess, done: threading.Event = stop) -> None:
+            while not done.is_set():
+                try:
+                    s.renew_lock()
+                except (InvalidOperationError, SessionLockLostError):
+                    return
+
+        t = threading.Thread(target=renew)
+        t.start()
+        time.sleep(0.005 * (trials % 4))
+        r.close()
+        stop.set()
+        t.join()
+        ns.get_queue_receiver("q", session_id="S").close()  # SessionCannotBeLockedError if the renewal re-locked it
+
+
+def test_peek_and_receive_deferred_after_the_session_lock_is_lost_raise_session_lock_lost(ns: Namespace) -> None:
+    """As in the SDK, a session receiver's peek and deferred receive check the session lock first."""
+    _session_queue(ns, lock=SHORT)
+    _send(ns, "s1", ["m0", "m1"])
+    r = ns.get_queue_receiver("q", session_id="s1")
+    (m,) = _take(r, 1)
+    r.defer_message(m)
+    assert [p.message_id for p in r.peek_messages(5)] == ["m0", "m1"]
+    assert r.session is not None
+    _sleep_past(r.session.locked_until_utc)
+    with pytest.raises(SessionLockLostError):
+        r.peek_messages(5)
+    with pytest.raises(SessionLockLostError):
+        r.receive_deferred_messages([m.sequence_number])
+    with pytest.raises(SessionLockLostError):  # an unknown number too: the lock is checked first
+        r.receive_deferred_messages([m.sequence_number + 1000])
+    with ns.get_queue_receiver("q", session_id="s1") as r2:
+        with pytest.raises(SessionLockLostError):  # taken by another receiver
+            r.peek_messages(5, sequence_number=0)
+        assert [p.message_id for p in r2.peek_messages(5)] == ["m0", "m1"]
+    r.close()
+
+
 def test_completing_the_last_message_of_a_stateless_session_ends_the_hold(ns: Namespace) -> None:
     """The completion that empties a stateless session releases it (docs/semantics.md §6): another receiver may
     take it at once; the former holder's next operation then raises SessionLockLostError, never acting beside it."""
@@ -457,6 +538,44 @@ def test_message_whose_lock_expired_is_redelivered_before_later_ones(ns: Namespa
         got = _take(r2, 2)
         assert [m.message_id for m in got] == ["m1", "m2"]
         assert got[0].delivery_count == 1  # handed out once before
+
+
+def test_several_abandoned_messages_each_come_back_before_later_ones(ns: Namespace) -> None:
+    """Strict FIFO across several abandons: each abandoned message comes back before any later (cached) one."""
+    _session_queue(ns)
+    _send(ns, "s1", [f"m{i}" for i in range(5)])
+    with ns.get_queue_receiver("q", session_id="s1") as r:
+        m0, m1 = _take(r, 2)
+        r.abandon_message(m0)
+        r.abandon_message(m1)
+        assert [m.message_id for m in _consume_all(r)] == ["m0", "m1", "m2", "m3", "m4"]
+    _send(ns, "s2", [f"n{i}" for i in range(5)])
+    with ns.get_queue_receiver("q", session_id="s2") as r:
+        n0, _n1, n2 = _take(r, 3)
+        r.abandon_message(n2)
+        r.abandon_message(n0)  # n1 is still held
+        got = [m.message_id for m in r.receive_messages(1) + r.receive_messages(1) + r.receive_messages(2)]
+        assert got == ["n0", "n2", "n3", "n4"]
+
+
+def test_new_holder_gets_an_abandoned_message_first_behind_a_thousand_scheduled_ones(ns: Namespace) -> None:
+    """The accept's head is the session's earliest available message even behind a full file of other rows.
+
+    An accept keeps a session's first KEEP_TOGETHER rows together; an abandoned message behind them
+    (here: 1,000 scheduled messages first) still comes before the earlier holder's later messages.
+    """
+    _session_queue(ns, lock=SHORT)
+    with ns.get_queue_sender("q") as s:
+        later = datetime.now(UTC) + timedelta(days=1)
+        s.schedule_messages([Message(f"s{i}", session_id="S") for i in range(1000)], later)
+    _send(ns, "S", [f"m{i}" for i in range(6)])
+    a = ns.get_queue_receiver("q", session_id="S")
+    got = _take(a, 4)
+    assert [m.message_id for m in got] == ["m0", "m1", "m2", "m3"]
+    a.abandon_message(got[0])
+    _sleep_past(a.session.locked_until_utc)  # a's locks on m1..m5 lapse with its session lock
+    with ns.get_queue_receiver("q", session_id="S") as b:
+        assert [m.message_id for m in _consume_all(b)] == [f"m{i}" for i in range(6)]
 
 
 def test_dead_lettered_and_deferred_messages_step_out_of_the_sequence(ns: Namespace) -> None:

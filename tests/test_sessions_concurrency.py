@@ -14,6 +14,7 @@ import multiprocessing as mp
 import os
 import random
 import signal
+import threading
 import time
 from collections import defaultdict
 from datetime import timedelta
@@ -23,7 +24,12 @@ from typing import Any
 import pytest
 
 from sparkqueue import NEXT_AVAILABLE_SESSION, Message, Namespace
-from sparkqueue.errors import OperationTimeoutError, SessionCannotBeLockedError, SessionLockLostError
+from sparkqueue.errors import (
+    InvalidOperationError,
+    OperationTimeoutError,
+    SessionCannotBeLockedError,
+    SessionLockLostError,
+)
 
 CTX = mp.get_context("spawn")
 JOIN_S = 120
@@ -154,6 +160,53 @@ def child_racing_acceptor(root: str, queue: str, rounds: int, barrier: Any, out_
                     _record(out_path, {"round": r, "acceptor": "accepted"})
             except SessionCannotBeLockedError:
                 _record(out_path, {"round": r, "acceptor": "refused"})
+            barrier.wait(timeout=60)
+
+
+def child_closing_renewed_holder(root: str, queue: str, rounds: int, barrier: Any, out_path: str) -> None:
+    """Per round: end session c<r>'s hold, then close the receiver while a thread keeps renewing its session lock."""
+    with Namespace(root) as ns:
+        for r in range(rounds):
+            receiver = ns.get_queue_receiver(queue, session_id=f"c{r}")
+            (first,) = receiver.receive_messages(max_message_count=1, max_wait_time=5)
+            receiver.complete_message(first)  # the last one: the session ends (its row goes); a renewal makes it again
+            session = receiver.session
+            assert session is not None
+            stop = threading.Event()
+
+            def renew(s: Any = session, done: threading.Event = stop) -> None:
+                while not done.is_set():  # as an AutoLockRenewer's thread, racing close
+                    try:
+                        s.renew_lock()
+                    except (InvalidOperationError, SessionLockLostError):
+                        return
+
+            t = threading.Thread(target=renew)
+            t.start()
+            barrier.wait(timeout=60)
+            time.sleep(0.003 * (r % 5))
+            receiver.close()
+            stop.set()
+            t.join()
+            _record(out_path, {"round": r, "holder": "closed"})
+            barrier.wait(timeout=60)
+
+
+def child_acceptor_after_close(root: str, queue: str, rounds: int, barrier: Any, out_path: str) -> None:
+    """Per round: accept session c<r> by name as its holder closes: it must be free within a few seconds (lock: 60 s)."""
+    with Namespace(root) as ns:
+        for r in range(rounds):
+            barrier.wait(timeout=60)
+            give_up = time.monotonic() + 4.0
+            got = "refused"
+            while time.monotonic() < give_up:
+                try:
+                    with ns.get_queue_receiver(queue, session_id=f"c{r}"):
+                        got = "accepted"
+                        break
+                except SessionCannotBeLockedError:
+                    time.sleep(0.02)
+            _record(out_path, {"round": r, "acceptor": got})
             barrier.wait(timeout=60)
 
 
@@ -350,6 +403,33 @@ def test_an_ended_session_made_again_by_its_holder_and_by_an_accept_at_once_has_
         got in ({"holder": "renewed", "acceptor": "refused"}, {"holder": "lost", "acceptor": "accepted"})
         for got in by_round.values()
     )
+
+
+def test_a_renewal_racing_close_in_another_thread_never_locks_the_session_again(root: str, tmp_path: Path) -> None:
+    """A holder closing while its renewer thread renews, and another process accepting at once: the session is free.
+
+    The closed holder's renewal can never make the session's row again after close (it would lock every
+    other receiver out until the lock's expiry, here 60 s).
+    """
+    rounds = 12
+    with Namespace(root) as ns:
+        ns.create_queue("q", requires_session=True, lock_duration=timedelta(seconds=60))
+        with ns.get_queue_sender("q") as s:
+            s.send_messages([Message("only", session_id=f"c{r}") for r in range(rounds)])
+    out = str(tmp_path / "out.jsonl")
+    barrier = CTX.Barrier(2)
+    _join_all(
+        [
+            _start(child_closing_renewed_holder, root, "q", rounds, barrier, out),
+            _start(child_acceptor_after_close, root, "q", rounds, barrier, out),
+        ]
+    )
+    by_round: dict[int, dict[str, str]] = {}
+    for line in _lines(out):
+        by_round.setdefault(line.pop("round"), {}).update(line)
+    assert len(by_round) == rounds
+    refused = [r for r, got in by_round.items() if got.get("acceptor") != "accepted"]
+    assert not refused, f"rounds {refused}: the closed holder's renewal locked the session again"
 
 
 @pytest.mark.parametrize(

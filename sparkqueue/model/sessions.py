@@ -20,9 +20,10 @@ from __future__ import annotations
 import itertools
 import logging
 import random
+import threading
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import datetime
 
 import pyarrow as pa
@@ -74,6 +75,12 @@ class SessionLock:
     token: str
     locked_until: datetime
     ended: bool = False  # the holder's completion emptied the stateless session and removed its row (docs/semantics.md §6)
+    # Set for good by `Sessions.release` (the receiver closed): every later operation under the lock raises
+    # SessionLockLostError, and none of them can make the session's row again (an ended session has no row to clear).
+    released: bool = False
+    # Serializes this process's commits under the lock with its release: a renewal (AutoLockRenewer thread) racing
+    # close either commits before the release reads the row (which then releases what it made) or sees `released`.
+    mutex: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
 
 
 @dataclass(frozen=True)
@@ -152,22 +159,24 @@ class Sessions:
         token = new_ids(1)[0]
         until = now + self.entity.policy.lock_duration
         lock = SessionLock(session_id, p, token, until)
-        if need_messages and _next_messages(_cleared(rows, now), now, 1).num_rows == 0:
-            raise SessionCannotBeLockedError(f"session {session_id!r} has no available message any more")  # drained meanwhile
         stale = _held(rows)
         together = pc.less(pa.array(range(rows.num_rows), pa.int64()), KEEP_TOGETHER)
-        rows = _cleared(rows.filter(pc.or_(stale, together)), now)  # an earlier holder's message locks end with its lock
+        rows = _cleared(rows, now)  # an earlier holder's message locks end with its lock
+        if need_messages and _next_messages(rows, now, 1).num_rows == 0:
+            raise SessionCannotBeLockedError(f"session {session_id!r} has no available message any more")  # drained meanwhile
+        # The head comes from all of the session's rows: an abandoned message may sit behind KEEP_TOGETHER rows
+        # (dead letters, deferred, scheduled) while the earlier holder's later messages are among the stale ones.
+        head = _next_messages(rows, now, prefetch) if prefetch > 0 else empty_rows()
+        rows = rows.filter(pc.or_(pc.or_(stale, together), _picked(rows, head)))
         delivered = empty_rows()
         parts: list[pa.Table] = []
         dead = 0
-        if prefetch > 0 and rows.num_rows:
-            head = _next_messages(rows, now, prefetch)
-            if head.num_rows:
-                d = lifecycle.deliver(head, now, self.entity.policy, delete=delete)
-                dead = d.dead_lettered
-                delivered = _session_until(d.delivered, until)
-                parts.append(_session_until_changes(d.changes, until))
-                rows = rows.filter(pc.invert(pc.is_in(rows.column("sequence_number"), value_set=head.column("sequence_number"))))
+        if head.num_rows:
+            d = lifecycle.deliver(head, now, self.entity.policy, delete=delete)
+            dead = d.dead_lettered
+            delivered = _session_until(d.delivered, until)
+            parts.append(_session_until_changes(d.changes, until))
+            rows = rows.filter(pc.invert(_picked(rows, head)))
         if rows.num_rows:
             parts.append(lifecycle.changes(rows, OP_SET))  # unchanged rows move along: the session stays together
         if row is None:
@@ -260,6 +269,10 @@ class Sessions:
             poll = min(POLL_MAX_S, poll * 2)
 
     def _receive_once(self, lock: SessionLock, max_count: int, delete: bool) -> pa.Table:
+        with lock.mutex:  # never after the release (see SessionLock.mutex)
+            return self._receive_locked(lock, max_count, delete)
+
+    def _receive_locked(self, lock: SessionLock, max_count: int, delete: bool) -> pa.Table:
         dt = self.table.snapshot()
         now = utcnow()
         row, rows = self._read(dt, lock.partition, lock.session_id)
@@ -306,6 +319,10 @@ class Sessions:
         ok = [False] * len(items)
 
         def attempt() -> None:
+            with lock.mutex:  # never after the release (see SessionLock.mutex)
+                settle_once()
+
+        def settle_once() -> None:
             dt = self.table.snapshot()
             now = utcnow()
             row, rows = self._read(dt, lock.partition, lock.session_id)
@@ -342,6 +359,10 @@ class Sessions:
         mine = [s for s in seqs if partition_of(s) == lock.partition]
 
         def attempt() -> pa.Table:
+            with lock.mutex:  # never after the release (see SessionLock.mutex)
+                return deferred_once()
+
+        def deferred_once() -> pa.Table:
             dt = self.table.snapshot()
             now = utcnow()
             row = self._hold(dt, lock, now)  # raises SessionLockLostError when the lock is gone
@@ -372,6 +393,10 @@ class Sessions:
         """Extend the session lock by lock_duration, and with it the locks of the messages delivered under it."""
 
         def attempt() -> datetime:
+            with lock.mutex:  # a renewal racing the release never makes the row again after it (see SessionLock.mutex)
+                return renew_once()
+
+        def renew_once() -> datetime:
             dt = self.table.snapshot()
             now = utcnow()
             row = self._hold(dt, lock, now)
@@ -398,6 +423,10 @@ class Sessions:
         """Replace (or clear, with None) the session state, in one commit with the session lock check."""
 
         def attempt() -> None:
+            with lock.mutex:  # never after the release (see SessionLock.mutex)
+                set_once()
+
+        def set_once() -> None:
             dt = self.table.snapshot()
             now = utcnow()
             row = self._hold(dt, lock, now)
@@ -416,13 +445,19 @@ class Sessions:
         (prefetched with the accept): their delivery count is restored. A session left with no
         state and no messages is forgotten (its row deleted), so finished sessions do not pile up;
         accepting it again starts afresh.
+
+        The lock is released for good first, even when nothing is left to write (an ended session
+        has no row): every later operation under it raises SessionLockLostError, and an operation
+        of another thread (a renewal) either committed before this reads the row, or never commits.
         """
+        with lock.mutex:
+            lock.released = True
 
         def attempt() -> None:
             dt = self.table.snapshot()
             now = utcnow()
             try:
-                row = self._hold(dt, lock, now)
+                row = self._check(self._row(dt, lock.partition, lock.session_id), lock, now, releasing=True)
             except SessionLockLostError:
                 return
             if row is None:
@@ -444,12 +479,21 @@ class Sessions:
         retry_commit(attempt, self.entity.deadline(), "release session")
 
     def peek(self, lock: SessionLock, from_seq: int | None, max_count: int) -> pa.Table:
-        """Up to max_count of the held session's messages (main sub-queue) from `from_seq`, in sequence order."""
-        dt = self.table.snapshot()
-        rows = self.table.scan(
-            dt, lock.partition, ROW_COLUMNS, from_seq=from_seq, subscription=self.entity.subscription, session_id=lock.session_id
-        )
-        return rows.filter(pc.equal(rows.column("sub_queue"), SUB_QUEUE_MAIN)).slice(0, max_count).select(ROW_COLUMNS)
+        """Up to max_count of the held session's messages (main sub-queue) from `from_seq`, in sequence order.
+
+        SessionLockLostError once the lock is lost, as in the SDK: the session's row comes from the same
+        read of its files as its messages, so the check costs nothing more.
+        """
+        row, rows = self._read(self.table.snapshot(), lock.partition, lock.session_id)
+        self._check(row, lock, utcnow())
+        mask = pc.equal(rows.column("sub_queue"), SUB_QUEUE_MAIN)
+        if from_seq is not None:
+            mask = pc.and_(mask, pc.greater_equal(rows.column("sequence_number"), from_seq))
+        return rows.filter(mask).slice(0, max_count).select(ROW_COLUMNS)
+
+    def check(self, lock: SessionLock) -> None:
+        """SessionLockLostError unless `lock` still holds its session."""
+        self._hold(self.table.snapshot(), lock, utcnow())
 
     def list(self) -> list[SessionInfo]:
         """Every session that has a session row or messages, with its state and counts."""
@@ -558,8 +602,13 @@ class Sessions:
         """
         return self._check(self._row(dt, lock.partition, lock.session_id), lock, now)
 
-    def _check(self, row: pa.Table | None, lock: SessionLock, now: datetime) -> pa.Table | None:
-        """`row` (the session's row as read, or None) provided `lock` still holds it: see `_hold`."""
+    def _check(self, row: pa.Table | None, lock: SessionLock, now: datetime, *, releasing: bool = False) -> pa.Table | None:
+        """`row` (the session's row as read, or None) provided `lock` still holds it: see `_hold`.
+
+        A released lock (`Sessions.release`) holds nothing any more, except for the release itself (`releasing`).
+        """
+        if lock.released and not releasing:
+            raise SessionLockLostError(f"the lock on session {lock.session_id!r} was released; accept the session again")
         if row is None and lock.ended:
             if lock.locked_until <= now:
                 raise SessionLockLostError(f"the lock on session {lock.session_id!r} expired; accept the session again")
@@ -624,6 +673,11 @@ class Sessions:
             "transfer_hop_count": 0,
         }
         return pa.Table.from_pylist([values], schema=ENTITY_SCHEMA)
+
+
+def _picked(rows: pa.Table, some: pa.Table) -> pa.Array:
+    """Which of `rows` are among `some` (by sequence number)."""
+    return pc.is_in(rows.column("sequence_number"), value_set=some.column("sequence_number"))
 
 
 def _first_seq(changes: pa.Table) -> int | None:
