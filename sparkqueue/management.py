@@ -349,13 +349,24 @@ class Management:
 
     def get_subscription(self, topic_name: str, subscription_name: str) -> SubscriptionProperties:
         """The subscription's settings."""
-        return self._get(SUBSCRIPTION, sub_entity_name(topic_name, subscription_name))  # type: ignore[return-value]
+        props: SubscriptionProperties = self._get(SUBSCRIPTION, sub_entity_name(topic_name, subscription_name))  # type: ignore[assignment]
+        return _sized_as(props, self.get_topic(topic_name))
+
+    def _check_topic_size(self, topic_name: str, props: EntityProperties) -> None:
+        """A subscription's size must be its topic's: its copies live in the topic's table, under the topic's quota."""
+        topic = self.get_topic(topic_name)
+        if getattr(props, "max_size_in_megabytes", None) != topic.max_size_in_megabytes:
+            raise InvalidOperationError(
+                f"a subscription's max_size_in_megabytes is its topic's ({topic.max_size_in_megabytes}); "
+                f"change it with update_topic, got {getattr(props, 'max_size_in_megabytes', None)!r}"
+            )
 
     def update_subscription(
         self, topic_name: str, subscription: SubscriptionProperties | Mapping[str, Any], **settings: Any
     ) -> None:
         """Apply changed subscription settings (sessions are fixed at creation); keywords override the given ones."""
         props = _as_properties(SubscriptionProperties, subscription, settings)
+        self._check_topic_size(topic_name, props)
         self._check_destinations(props.settings())
         self._update(SUBSCRIPTION, sub_entity_name(topic_name, props.name), props)
         self.broker.forget(Address.of(TOPIC, topic_name).key)  # fan-out caches the subscriptions' TTL and forwarding
@@ -368,9 +379,9 @@ class Management:
 
     def list_subscriptions(self, topic_name: str) -> list[SubscriptionProperties]:
         """The topic's subscriptions, by name."""
-        self.broker.entry(TOPIC, limits.check_name_type(topic_name, "topic"))
+        topic = self.get_topic(limits.check_name_type(topic_name, "topic"))
         return [
-            SubscriptionProperties.from_json(e.properties)
+            _sized_as(SubscriptionProperties.from_json(e.properties), topic)
             for e in self.broker.catalog.entries(SUBSCRIPTION)
             if Address.parse(e.name).topic == topic_name
         ]
@@ -577,6 +588,11 @@ def _stored_rule(flt: Any, action: Any) -> tuple[RuleFilter, SqlRuleAction | Non
     if action is not None and not isinstance(action, SqlRuleAction):
         raise InvalidArgumentTypeError(f"action must be a SqlRuleAction or None, got {type(action).__name__}")
     return filter_from_dict(flt.to_dict()), action_from_dict(action.to_dict()) if action is not None else None
+
+
+def _sized_as(props: SubscriptionProperties, topic: TopicProperties) -> SubscriptionProperties:
+    """A subscription's settings showing its topic's current size, the one that applies (recorded at creation, it goes stale)."""
+    return dataclasses.replace(props, max_size_in_megabytes=topic.max_size_in_megabytes)
 
 
 def _rule_json(flt: Any, action: Any) -> str:

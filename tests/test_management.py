@@ -486,6 +486,21 @@ def test_a_subscription_never_changes_its_topics_size_quota(ns: Namespace) -> No
     assert table.max_partition_bytes == 5120 * 1024 * 1024
 
 
+def test_a_subscription_shows_its_topics_size_and_refuses_another(ns: Namespace) -> None:
+    """A subscription's max_size_in_megabytes is its topic's as it is now; an update naming another is refused."""
+    ns.create_topic("t")
+    ns.create_subscription("t", "s", max_delivery_count=5)
+    ns.update_topic(ns.get_topic("t"), max_size_in_megabytes=5120)
+    props = ns.get_subscription("t", "s")
+    assert props.max_size_in_megabytes == 5120
+    assert [x.max_size_in_megabytes for x in ns.list_subscriptions("t")] == [5120]
+    with pytest.raises(InvalidOperationError, match="update_topic"):
+        ns.update_subscription("t", props, max_size_in_megabytes=2048, max_delivery_count=7)
+    assert ns.get_subscription("t", "s").max_delivery_count == 5
+    ns.update_subscription("t", props, max_delivery_count=7)  # its size as read: accepted
+    assert (ns.get_subscription("t", "s").max_delivery_count, ns.get_subscription("t", "s").max_size_in_megabytes) == (7, 5120)
+
+
 def test_enable_partitioning_has_no_effect_in_a_premium_update(premium_ns: Namespace) -> None:
     """Premium entities are never partitioned: True in an update is taken as False, as at creation, without an error."""
     premium_ns.create_queue("q", enable_partitioning=True)
