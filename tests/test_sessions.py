@@ -785,6 +785,16 @@ def test_finished_session_without_state_is_no_longer_listed(ns: Namespace) -> No
         assert "done" in _sessions(ns)  # listed while locked
 
 
+def test_an_empty_session_whose_holder_never_released_it_is_not_listed_after_its_lock(ns: Namespace) -> None:
+    """A session with no messages and no state whose holder vanished (its lock lapsed) is not listed as a session."""
+    _session_queue(ns, lock=SHORT)
+    r = ns.get_queue_receiver("q", session_id="ghost")  # a named session with nothing in it yet
+    assert r.session is not None
+    assert "ghost" in _sessions(ns)  # listed while held
+    _sleep_past(r.session.locked_until_utc)  # the holder is gone without closing (as if killed)
+    assert "ghost" not in _sessions(ns)
+
+
 def test_list_sessions_shows_an_expired_lock_as_free(ns: Namespace) -> None:
     """A session whose lock expired is listed with locked_until_utc None."""
     _session_queue(ns, lock=SHORT)

@@ -517,6 +517,8 @@ class Sessions:
                 until = r.get("locked_until_utc")
                 held = until if until is not None and until > now and r.get("lock_token") else None
                 c = counts.get(sid, [0, 0])
+                if c == [0, 0] and r.get("body") is None and held is None:
+                    continue  # a finished session whose holder never released it (killed): nothing to show
                 out[sid] = SessionInfo(sid, r.get("body"), held, c[0], c[1])
         return [out[k] for k in sorted(out)]
 
