@@ -67,7 +67,7 @@ class DefaultSource(DataSource):
         return layout
 
     def reader(self, schema: StructType) -> DataSourceReader:
-        """A reader pinned to the table's current version (with partition pruning when filter pushdown is on)."""
+        """A reader pinned to the table's current version."""
         reader: DataSourceReader = _plain(lambda: _implementation().make_reader(dict(self.options)))
         return reader
 

@@ -15,7 +15,6 @@ DEFAULT_CONF: dict[str, str] = {
     "spark.pyspark.python": sys.executable,
     "spark.pyspark.driver.python": sys.executable,
     "spark.sql.session.timeZone": "UTC",
-    "spark.sql.python.filterPushdown.enabled": "true",
     "spark.sql.execution.arrow.pyspark.enabled": "true",
     "spark.python.worker.reuse": "true",
     "spark.python.daemon.module": "sparkqueue.spark.daemon",  # workers fork with sparkqueue already imported
@@ -26,7 +25,7 @@ DEFAULT_CONF: dict[str, str] = {
 def spark_session(
     master: str | None = "local[2]", app_name: str = "sparkqueue", conf: Mapping[str, str] | None = None
 ) -> SparkSession:
-    """A SparkSession configured for sparkqueue (workers on this interpreter, UTC, pushdown on), data source registered.
+    """A SparkSession configured for sparkqueue (workers on this interpreter, UTC, Arrow), data source registered.
 
     master=None leaves the master to the launcher (spark-submit --master).
     """

@@ -10,10 +10,9 @@ an interpreter where sparkqueue is installed (PYSPARK_PYTHON / spark.pyspark.pyt
 
 The reader pins the table version when the query is planned and reads that version's Parquet
 files directly (delta-rs writes no deletion vectors or column mapping), one reader partition
-per Delta partition. A filter on `partition_id` (= or IN) prunes whole partitions when
-`spark.sql.python.filterPushdown.enabled` is true; without it Spark applies every filter itself
-(Spark rejects a reader that implements pushFilters while pushdown is off, so the reader only
-offers it when on). Rows are the live messages of the sub-queue
+per Delta partition. Spark applies every filter itself: the reader takes no pushed filters,
+because Spark keeps one reader per loaded DataFrame and a partition set pushed by one query
+would narrow the next query on the same DataFrame. Rows are the live messages of the sub-queue
 (completed tombstones excluded) in the received-message layout, with `state` active, deferred
 or scheduled; lock columns show current locks.
 
@@ -26,8 +25,7 @@ reads the same table; `row_filter(...)` gives the predicate that selects an enti
 from __future__ import annotations
 
 import logging
-import sys
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterator
 
 import pyarrow as pa
 import pyarrow.compute as pc
@@ -37,9 +35,6 @@ from pyspark.sql.datasource import (
     DataSourceReader,
     DataSourceStreamReader,
     DataSourceStreamWriter,
-    EqualTo,
-    Filter,
-    In,
     InputPartition,
 )
 from pyspark.sql.types import StructType
@@ -55,7 +50,6 @@ from sparkqueue.storage.index import FileIndex
 from sparkqueue.storage.log import DeltaLog
 from sparkqueue.storage.schema import (
     KIND_MESSAGE,
-    PARTITION_COLUMN,
     STATE_COMPLETED,
     SUB_QUEUE_DEAD_LETTER,
     SUB_QUEUE_MAIN,
@@ -171,28 +165,8 @@ class SparkQueueDataSource(DataSource):
 
 
 def make_reader(options: dict[str, str]) -> DataSourceReader:
-    """The entity's reader: one that prunes partitions by pushed filters when the session pushes filters, else a plain one."""
-    return PruningEntityReader(options) if _pushdown_enabled() else EntityReader(options)
-
-
-def _pushdown_enabled() -> bool:
-    """False when the Spark worker planning this read has filter pushdown off; True otherwise.
-
-    With pushdown on and filters to push, Spark asks for the reader in its pushdown worker
-    (pyspark/sql/worker/data_source_pushdown_filters.py) and calls pushFilters; otherwise its
-    planning worker (plan_data_source_read.py) reads the session's
-    `spark.sql.python.filterPushdown.enabled` into its local `enable_pushdown` before it asks for
-    the reader, and rejects a reader implementing pushFilters when that is off. The data source is
-    not told, so this looks for that local in the caller's frames.
-    """
-    frame = sys._getframe(1)
-    for _ in range(8):
-        frame = frame.f_back  # type: ignore[assignment]
-        if frame is None:
-            return True
-        if "enable_pushdown" in frame.f_locals:
-            return bool(frame.f_locals["enable_pushdown"])
-    return True
+    """The entity's reader (pinned to the table's current version)."""
+    return EntityReader(options)
 
 
 class EntityReader(DataSourceReader):
@@ -211,14 +185,11 @@ class EntityReader(DataSourceReader):
         snap = DeltaLog(open_store(self.table_uri, self.storage_options), FileIndex).load()
         self.version = snap.version
         self.files = _files_by_partition(snap.files)
-        self.wanted: set[int] | None = None
         log.debug("reading %s at version %d (%d partitions)", self.table_uri, self.version, len(self.files))
 
     def partitions(self) -> list[InputPartition]:
         """One input partition per Delta partition holding files (at least one, possibly empty)."""
-        parts: list[InputPartition] = [
-            EntityPartition(p, paths) for p, paths in sorted(self.files.items()) if self.wanted is None or p in self.wanted
-        ]
+        parts: list[InputPartition] = [EntityPartition(p, paths) for p, paths in sorted(self.files.items())]
         return parts or [EntityPartition(-1, [])]
 
     def read(self, partition: InputPartition) -> Iterator[pa.RecordBatch]:
@@ -237,19 +208,6 @@ class EntityReader(DataSourceReader):
             t = t.filter(mask)
             if t.num_rows:
                 yield from received_arrow(staged_rows(t.sort_by("sequence_number"), now)).to_batches()
-
-
-class PruningEntityReader(EntityReader):
-    """An EntityReader that prunes partitions by the filters Spark pushes (when filter pushdown is on)."""
-
-    def pushFilters(self, filters: list[Filter]) -> Iterable[Filter]:  # noqa: N802 - pyspark's name
-        """Prune partitions on `partition_id = v` and `partition_id IN (...)`; other filters stay with Spark."""
-        for f in filters:
-            if isinstance(f, (EqualTo, In)) and f.attribute == (PARTITION_COLUMN,):
-                values = {f.value} if isinstance(f, EqualTo) else set(f.value)
-                self.wanted = values if self.wanted is None else self.wanted & values
-            else:
-                yield f
 
 
 def _files_by_partition(index: FileIndex) -> dict[int, list[str]]:

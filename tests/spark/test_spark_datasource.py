@@ -50,19 +50,28 @@ def test_reads_live_messages_with_state_without_locking(spark, ns, numbered):
     assert all(row.partition_id == partition_for_key(row.partition_key, 16) for row in rows)
 
 
-def test_partition_filter_prunes_reader_partitions(spark, ns, numbered):
+@pytest.mark.parametrize("pushdown", ["true", "false"])
+def test_a_filtered_query_never_narrows_the_next_one_on_the_same_dataframe(spark, ns, numbered, pushdown):
+    """Spark keeps one reader per loaded DataFrame: a filter of one query must not cut the rows of the next, pushdown or not."""
     ns.create_queue("q")
     with ns.get_queue_sender("q") as s:
         s.send_dataframe(numbered(320).withColumn("partition_key", sf.concat(sf.lit("k"), (sf.col("id") % 64).cast("string"))))
-    df = read(spark, ns, "q")
-    holding = sum(1 for p in ns.get_queue_runtime_properties("q").partitions if p.total_message_count)
-    assert holding > 10 and df.rdd.getNumPartitions() == holding  # one reader partition per Delta partition with files
-    one = df.where(sf.col("partition_id") == 3)
-    assert one.rdd.getNumPartitions() == 1
-    assert one.count() == ns.get_queue_runtime_properties("q").partitions[3].active_message_count > 0
-    two = df.where(sf.col("partition_id").isin(1, 2))
-    assert two.rdd.getNumPartitions() == 2
-    assert {row.partition_id for row in two.select("partition_id").distinct().collect()} == {1, 2}
+    per = {p.partition_id: p.active_message_count for p in ns.get_queue_runtime_properties("q").partitions}
+    before = spark.conf.get("spark.sql.python.filterPushdown.enabled", "false")
+    spark.conf.set("spark.sql.python.filterPushdown.enabled", pushdown)
+    try:
+        df = read(spark, ns, "q")
+        holding = sum(1 for n in per.values() if n)
+        assert holding > 10 and df.rdd.getNumPartitions() == holding  # one reader partition per Delta partition with files
+        assert df.where(sf.col("partition_id") == 3).count() == per[3] > 0
+        assert df.count() == 320
+        assert df.where(sf.col("partition_id") == 5).count() == per[5]
+        assert df.where("partition_id = 3 OR state = 'deferred'").count() == per[3]
+        two = df.where(sf.col("partition_id").isin(1, 2)).select("partition_id")
+        assert {row.partition_id for row in two.collect()} == {1, 2}
+        assert len(df.collect()) == 320
+    finally:
+        spark.conf.set("spark.sql.python.filterPushdown.enabled", before)
 
 
 def test_dead_letters_and_subscriptions(spark, ns, numbered):
