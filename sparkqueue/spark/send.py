@@ -57,6 +57,7 @@ from sparkqueue.model import limits
 from sparkqueue.model.addresses import QUEUE
 from sparkqueue.model.entity import utcnow
 from sparkqueue.model.partitioning import partition_for_key
+from sparkqueue.model.properties import check_status
 from sparkqueue.spark.session import (
     bucket_key,
     check_dataframe,
@@ -135,6 +136,7 @@ def send_dataframe(
     check_dataframe(df, "send_dataframe")
     refuse_in_transaction(broker)
     entity = broker.entity(entity_type, name)
+    check_status(entity.props, "send", entity.name)
     available = tuple(p for p in range(entity.partition_count) if entity.available(p))
     if not available:
         raise PartitionUnavailableError(f"no partition of {entity.name!r} is available; nothing was sent")
@@ -424,8 +426,15 @@ def _ttl_us(types: dict[str, st.DataType]) -> Column:
         return sf.lit(None).cast("long")
     if isinstance(dtype, st.DayTimeIntervalType):
         return sf.expr("unix_micros(timestamp_micros(0) + time_to_live)")
-    if isinstance(dtype, st.NumericType):
-        return (sf.col("time_to_live").cast("double") * 1_000_000).cast("long")
+    if isinstance(dtype, st.NumericType):  # as the core: NaN and infinities refused, TTL_NEVER and more is no expiry
+        seconds = sf.col("time_to_live").cast("double")
+        bad = sf.isnan(seconds) | (sf.abs(seconds) == float("inf"))
+        return (
+            sf.when(bad, _fail(InvalidOperationError, "time_to_live must be a finite number of seconds, got ", seconds))
+            .when(seconds >= limits.TTL_NEVER.total_seconds(), sf.lit(None))
+            .otherwise((seconds * 1_000_000).cast("long"))
+            .cast("long")
+        )
     raise InvalidOperationError(f"time_to_live must be seconds (a number) or a day-time interval, got {dtype.simpleString()}")
 
 
@@ -453,7 +462,8 @@ def _checked_size(settings: SendSettings) -> Column:
     user_id = sf.col("_user_message_id")  # a generated id means nothing to the user: name the row as the core does
     which = sf.when(user_id.isNull(), sf.lit("a message")).otherwise(sf.concat(sf.lit("message '"), user_id, sf.lit("'")))
     checks: list[tuple[Column, Column]] = [
-        (sf.col("body").isNull(), _fail(InvalidOperationError, "body must be bytes or str, got null (", which, ")"))
+        (sf.col("body").isNull(), _fail(InvalidOperationError, "body must be bytes or str, got null (", which, ")")),
+        (user_id == "", _fail(InvalidOperationError, "message_id must not be empty (null lets sparkqueue assign one)")),
     ]
     for name, col in (("message_id", "_user_message_id"), ("session_id", "session_id"), ("partition_key", "partition_key")):
         length = sf.char_length(sf.col(col))

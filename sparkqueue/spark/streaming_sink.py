@@ -38,6 +38,7 @@ from pyspark.sql.types import StructType
 from sparkqueue.errors import InvalidOperationError, SparkQueueError
 from sparkqueue.message import Message, message_label, to_rows
 from sparkqueue.model.entity import utcnow
+from sparkqueue.model.properties import check_status
 from sparkqueue.spark.session import task_error
 from sparkqueue.spark.staging import Staging, cleanup_staging, filesystem, remove_dirs
 from sparkqueue.spark.streaming import EntityAddress, address_of, check_options, idempotence_key
@@ -110,6 +111,7 @@ class QueueStreamWriter(DataSourceStreamArrowWriter):
         try:
             ns = _worker_namespace(self.config.address)
             entity = self.config.address.entity(ns)
+            check_status(entity.props, "send", entity.name)  # as a sender: refused while sends are disabled
             settings = send_settings(ns.tier, entity.props)
             staging: Staging | None = None
             count = 0

@@ -16,10 +16,12 @@ from deltalake import DeltaTable
 from pyspark.sql import functions as sf
 
 from sparkqueue import Namespace
+from sparkqueue.constants import EntityStatus
 from sparkqueue.errors import (
     InvalidArgumentTypeError,
     InvalidOperationError,
     MessageSizeExceededError,
+    MessagingEntityDisabledError,
     OperationTimeoutError,
     PartitionUnavailableError,
 )
@@ -189,6 +191,10 @@ def test_oversize_message_fails_before_anything_is_stored(spark, ns, numbered):
         ({}, {"session_id": "a", "partition_key": "b"}, "differs from session_id"),
         ({}, {"partition_key": "k" * 129}, "at most 128"),
         ({}, {"time_to_live": -1.0}, "must be positive"),
+        ({}, {"time_to_live": float("nan")}, "finite number of seconds"),
+        ({}, {"time_to_live": float("inf")}, "finite number of seconds"),
+        ({}, {"message_id": ""}, "message_id must not be empty"),
+        ({"requires_duplicate_detection": True}, {"message_id": ""}, "message_id must not be empty"),
     ],
 )
 def test_invalid_rows_raise_the_core_error_and_store_nothing(spark, ns, numbered, settings, extra, match):
@@ -201,6 +207,21 @@ def test_invalid_rows_raise_the_core_error_and_store_nothing(spark, ns, numbered
     with ns.get_queue_sender("q") as s, pytest.raises(InvalidOperationError, match=match):
         s.send_dataframe(df)
     assert ns.get_queue_runtime_properties("q").total_message_count == 0
+
+
+@pytest.mark.parametrize("status", [EntityStatus.DISABLED, EntityStatus.SEND_DISABLED])
+def test_a_send_to_an_entity_whose_sends_are_disabled_is_refused(spark, ns, numbered, status):
+    """As send_messages: MessagingEntityDisabledError, nothing stored, on both send paths and for topics."""
+    ns.create_queue("q", status=status)
+    ns.create_topic("t", status=status)
+    ns.create_subscription("t", "s")
+    keyed = numbered(10).withColumn("partition_key", sf.lit("k"))
+    for name, df in (("q", numbered(10)), ("q", keyed), ("t", numbered(10))):
+        sender = ns.get_queue_sender(name) if name == "q" else ns.get_topic_sender(name)
+        with sender as s, pytest.raises(MessagingEntityDisabledError):
+            s.send_dataframe(df)
+    assert ns.get_queue_runtime_properties("q").total_message_count == 0
+    assert ns.get_subscription_runtime_properties("t", "s").total_message_count == 0
 
 
 def test_wrong_column_types_fail_on_the_driver(spark, ns):

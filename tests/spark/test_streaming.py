@@ -23,6 +23,7 @@ from deltalake import DeltaTable
 from pyspark.errors import PySparkException
 
 from sparkqueue import Message, Namespace, SqlRuleFilter
+from sparkqueue.constants import EntityStatus
 from sparkqueue.spark.streaming_source import STREAMS_DIR
 
 pytestmark = pytest.mark.spark
@@ -166,6 +167,44 @@ def test_source_refuses_bad_options(spark, tmp_path):
         start(namespace=root, entity="q", subQueue="deadletter")  # sub_queue, misspelt: refused, not ignored
     with Namespace(root) as ns:
         assert ns.get_queue_runtime_properties("q").active_message_count == 1  # nothing was received
+
+
+def test_source_refuses_an_entity_that_takes_no_receives(spark, tmp_path):
+    """As a receiver: a ReceiveDisabled queue, and an auto-forwarding one, refuse the stream; nothing is received."""
+    root = str(tmp_path / "ns")
+    with Namespace(root) as ns:
+        ns.create_queue("off", status=EntityStatus.RECEIVE_DISABLED)
+        ns.create_queue("dst")
+        ns.create_queue("fwd")
+    send(root, "off", 2)
+    send(root, "fwd", 2)
+    with Namespace(root) as ns:
+        props = ns.get_queue("fwd")
+        props.forward_to = "dst"  # set after the messages arrived: they wait to travel
+        ns.update_queue(props)
+    for name, match in (("off", "ReceiveDisabled"), ("fwd", "forwards its messages")):
+        checkpoint = str(tmp_path / f"c-{name}")
+        reader = spark.readStream.format("sparkqueue").option("namespace", root).option("entity", name).load()
+        q = reader.writeStream.format("memory").queryName(f"never_{name}").option("checkpointLocation", checkpoint)
+        with pytest.raises(PySparkException, match=match):
+            q.trigger(availableNow=True).start().awaitTermination()
+    with Namespace(root) as ns:
+        assert ns.get_queue_runtime_properties("off").active_message_count == 2
+        assert ns.get_queue_runtime_properties("fwd").active_message_count == 2
+
+
+def test_sink_refuses_an_entity_whose_sends_are_disabled(spark, tmp_path):
+    """As a sender: a SendDisabled queue fails the query, and nothing is stored."""
+    root = str(tmp_path / "ns")
+    with Namespace(root) as ns:
+        ns.create_queue("out", status=EntityStatus.SEND_DISABLED)
+    src = sink_source(spark, tmp_path)
+    stream = spark.readStream.schema("body string, partition_key string").parquet(str(src / "f0"))
+    w = stream.writeStream.format("sparkqueue").option("namespace", root).option("checkpointLocation", str(tmp_path / "c"))
+    with pytest.raises(PySparkException, match="SendDisabled"):
+        w.trigger(availableNow=True).start("out").awaitTermination(120)
+    with Namespace(root) as ns:
+        assert ns.get_queue_runtime_properties("out").total_message_count == 0
 
 
 def sink_source(spark, tmp_path: Path, properties: bool = False) -> Path:
