@@ -507,11 +507,15 @@ class Entity:
         for p in range(self.partition_count):
             info = PartitionRuntimeProperties(partition_id=p, available=self.available(p))
             if info.available:
-                rows = self.table.scan(
-                    dt, p, ["sub_queue", "state", "scheduled_enqueue_time_utc"], subscription=self.subscription
-                )
-                _count_into(info, rows, now)
-                info.size_in_bytes = self.table.partition_bytes(dt, p)
+                try:
+                    rows = self.table.scan(
+                        dt, p, ["sub_queue", "state", "scheduled_enqueue_time_utc"], subscription=self.subscription
+                    )
+                except PartitionUnavailableError:  # damage found by this very read: reported as the partition's status
+                    info.available = False
+                else:
+                    _count_into(info, rows, now)
+                    info.size_in_bytes = self.table.partition_bytes(dt, p)
             parts.append(info)
         return RuntimeProperties.aggregate(self.name, parts)
 

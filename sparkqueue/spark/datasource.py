@@ -89,7 +89,7 @@ def resolve(
     """
     from sparkqueue.namespace import Namespace
 
-    ns = namespace if isinstance(namespace, Namespace) else Namespace(str(namespace), storage_options=storage_options)
+    ns = namespace if isinstance(namespace, Namespace) else streaming.open_namespace(str(namespace), storage_options)
     if entity_type not in (None, QUEUE, SUBSCRIPTION):
         raise InvalidOperationError(f"entity_type must be 'queue' or 'subscription', got {entity_type!r}")
     topic, sub = Address.split_path(name)

@@ -25,9 +25,11 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from sparkqueue.broker import sub_entity_name
-from sparkqueue.errors import InvalidOperationError
+from sparkqueue.errors import EntityNotFoundError, InvalidOperationError
 from sparkqueue.model.addresses import QUEUE, SUBSCRIPTION, TOPIC, Address
+from sparkqueue.storage.catalog import MARKER
 from sparkqueue.storage.log import Fence
+from sparkqueue.storage.store import open_store, resolve_root
 
 if TYPE_CHECKING:
     from pyspark.sql.datasource import DataSourceStreamReader, DataSourceStreamWriter
@@ -74,8 +76,14 @@ def storage_options_of(options: Mapping[str, str]) -> dict[str, str]:
 
 
 def open_namespace(root: str, storage_options: Mapping[str, str] | None = None) -> Namespace:
-    """A namespace handle for the root (storage options passed only when there are any)."""
+    """A handle on the existing namespace at `root` (storage options passed only when there are any).
+
+    A reader or writer never creates a namespace: a mistyped root is an error, not a new empty one.
+    """
     from sparkqueue.namespace import Namespace
+
+    if not open_store(resolve_root(root), storage_options).exists(MARKER):
+        raise EntityNotFoundError(f"there is no sparkqueue namespace at {root!r}; create it with Namespace(root) first")
 
     if storage_options:
         return Namespace(root, storage_options=dict(storage_options))

@@ -202,6 +202,22 @@ def test_a_deleted_data_file_makes_only_its_partition_unavailable(store: Store) 
         assert ns.get_queue_runtime_properties("q").availability_status == "Available"
 
 
+def test_runtime_properties_report_damage_found_by_their_own_read_as_limited(tmp_path: Path) -> None:
+    """The first call in a fresh process (every CLI run) reports the damaged partition as unavailable instead of raising."""
+    with Namespace(str(tmp_path / "ns")) as ns:
+        ns.create_queue("q")
+        with ns.get_queue_sender("q") as s:
+            s.send_messages([Message(f"m{i}", partition_key=key_for_partition(p)) for p in (2, 7) for i in range(3)])
+        table = _queue_table(ns)
+        (victim,) = [f for f in table.snapshot().files if f.partition == 7]  # type: ignore[attr-defined]
+        table.store.delete(victim.path)  # type: ignore[attr-defined]
+    with Namespace(str(tmp_path / "ns")) as ns:
+        rp = ns.get_queue_runtime_properties("q")
+        assert rp.availability_status == "Limited"
+        assert [p.partition_id for p in rp.partitions if not p.available] == [7]
+        assert rp.active_message_count == 3
+
+
 def test_maintenance_and_forwarding_skip_a_damaged_entity_and_do_the_rest(tmp_path: Path) -> None:
     with Namespace(tmp_path / "ns") as ns:
         ns.create_queue("bad")

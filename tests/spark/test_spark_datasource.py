@@ -74,6 +74,18 @@ def test_a_filtered_query_never_narrows_the_next_one_on_the_same_dataframe(spark
         spark.conf.set("spark.sql.python.filterPushdown.enabled", before)
 
 
+def test_a_mistyped_namespace_root_is_an_error_and_creates_nothing(spark, tmp_path):
+    """Readers and streams never create a namespace: a root without one is refused, and nothing appears there."""
+    missing = tmp_path / "nosuch"
+    with pytest.raises(Exception, match="no sparkqueue namespace"):
+        spark.read.format("sparkqueue").option("namespace", str(missing)).load("q").count()
+    with pytest.raises(Exception, match="no sparkqueue namespace"):
+        stream = spark.readStream.format("sparkqueue").option("namespace", str(missing)).option("entity", "q").load()
+        q = stream.writeStream.format("memory").queryName("nosuch").option("checkpointLocation", str(tmp_path / "c"))
+        q.trigger(availableNow=True).start().awaitTermination(120)
+    assert not missing.exists()
+
+
 def test_dead_letters_and_subscriptions(spark, ns, numbered):
     ns.create_topic("t")
     ns.create_subscription("t", "s1")
