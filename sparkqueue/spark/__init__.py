@@ -7,7 +7,7 @@ optional for the core library):
 - `receiver.receive_dataframe(max_message_count)` -> DataFrame of locked messages
 - `receiver.complete_dataframe(df)`, `abandon_dataframe(df)`, `defer_dataframe(df)`,
   `dead_letter_dataframe(df, reason=None, error_description=None)` -> DataFrame (lock_token, status)
-- `spark.read.format("sparkqueue").option("namespace", root).load(entity)` after `register(spark)`
+- `spark.read.format("sparkqueue").option("namespace", root).load(entity)` (Spark discovers the data source)
 - `spark.readStream.format("sparkqueue")...load(entity)`: peek-locked micro-batches, completed after the
   sink commits them; `df.writeStream.format("sparkqueue")...start(entity)`: each micro-batch sent once
   (streaming_source.py, streaming_sink.py, docs/spark-streaming.md)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 import sys
 from collections.abc import Mapping
@@ -9,6 +10,8 @@ from collections.abc import Mapping
 from pyspark.sql import SparkSession
 
 from sparkqueue.spark.datasource import register
+
+log = logging.getLogger(__name__)
 
 # Settings every sparkqueue session needs (workers run this interpreter, so sparkqueue imports there).
 DEFAULT_CONF: dict[str, str] = {
@@ -37,5 +40,14 @@ def spark_session(
     for key, value in {**DEFAULT_CONF, **(conf or {})}.items():
         builder = builder.config(key, value)
     spark = builder.getOrCreate()
+    workers = getattr(spark.sparkContext, "pythonExec", None)
+    if workers and os.path.realpath(workers) != os.path.realpath(sys.executable):
+        # getOrCreate returned a session started before, whose workers run another interpreter: stop it first
+        log.warning(
+            "spark_session() reused a running SparkSession whose Python workers run %s, not %s; sparkqueue's DataFrame "
+            "calls need workers that import sparkqueue: call spark.stop() and spark_session() again",
+            workers,
+            sys.executable,
+        )
     register(spark)
     return spark
