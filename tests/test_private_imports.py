@@ -92,7 +92,6 @@ def _on_self(value: ast.expr) -> bool:
 THIRD_PARTY: dict[str, str] = {
     "sparkqueue.cli.app: <object>._exit": "os._exit: leave without running atexit hooks (a documented os function)",
     "sparkqueue.shutdown: <object>._current_frames": "sys._current_frames: the threads' stacks for a shutdown report",
-    "sparkqueue.spark.datasource: <object>._getframe": "sys._getframe: the caller's module, for the registration hint",
     "sparkqueue.spark.datasource: <object>._jsparkSession": "PySpark has no public check for a registered source",
     "sparkqueue.spark.session: <object>._active_spark_context": "PySpark's only handle on a running SparkContext",
 }
