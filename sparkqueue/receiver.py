@@ -27,7 +27,7 @@ from sparkqueue.message import ReceivedMessage, is_settled, lock_expired, mark_s
 from sparkqueue.model import lifecycle, limits
 from sparkqueue.model.deadlines import call_timeout, check_timeout
 from sparkqueue.model.entity import ROW_COLUMNS, Entity, utcnow
-from sparkqueue.model.properties import check_not_forwarding, check_status
+from sparkqueue.model.properties import check_receivable
 from sparkqueue.model.sessions import SessionLock, Sessions
 from sparkqueue.storage.schema import KIND_MESSAGE, STATE_DEFERRED, SUB_QUEUE_DEAD_LETTER, SUB_QUEUE_MAIN
 from sparkqueue.storage.table import SEQUENCE_MASK, partition_of
@@ -237,9 +237,7 @@ class Receiver:
     def _check_receivable(self) -> None:
         """Refuse receives the entity's status disables, and receives from the main sub-queue of an auto-forwarding entity."""
         entity = self._entity()
-        check_status(entity.props, "receive", entity.name)
-        if self._sub_queue == SUB_QUEUE_MAIN:
-            check_not_forwarding(entity.props, entity.name)
+        check_receivable(entity.props, entity.name, dead_letters=self._sub_queue == SUB_QUEUE_DEAD_LETTER)
 
     @property
     def _deleting(self) -> bool:

@@ -367,3 +367,10 @@ def check_not_forwarding(props: object, name: str) -> None:
             f"cannot receive from {name!r}: it forwards its messages to {target!r}; receive from there "
             "(its dead-letter sub-queue stays receivable)"
         )
+
+
+def check_receivable(props: object, name: str, dead_letters: bool) -> None:
+    """Refuse receives the status disables, and receives from the main sub-queue of an auto-forwarding entity."""
+    check_status(props, "receive", name)
+    if not dead_letters:
+        check_not_forwarding(props, name)

@@ -55,7 +55,7 @@ from pyspark.sql.streaming.datasource import ReadAllAvailable, ReadLimit, ReadMa
 from sparkqueue.errors import InvalidOperationError, OperationTimeoutError, SessionLockLostError, SparkQueueError
 from sparkqueue.model import lifecycle
 from sparkqueue.model.entity import Entity, SettleResult, utcnow
-from sparkqueue.model.properties import check_not_forwarding, check_status
+from sparkqueue.model.properties import check_receivable
 from sparkqueue.model.sessions import SessionLock, Sessions
 from sparkqueue.spark.datasource import sub_queue_of
 from sparkqueue.spark.receive import RECEIVE_CHUNK, ReceiveJob, candidate_partitions, shares, stage_chunk
@@ -106,17 +106,11 @@ def source_config(options: dict[str, str]) -> SourceConfig:
     config = SourceConfig(address, sub_queue, positive_int(options, "maxMessagesPerTrigger", DEFAULT_MAX_MESSAGES_PER_TRIGGER))
     ns = address.namespace()
     try:
-        check_receivable(address.entity(ns), sub_queue)  # it must exist and take receives: an error before the query starts
+        entity = address.entity(ns)  # it must exist and take receives: an error before the query starts
+        check_receivable(entity.props, entity.name, dead_letters=sub_queue == SUB_QUEUE_DEAD_LETTER)
     finally:
         ns.close()
     return config
-
-
-def check_receivable(entity: Entity, sub_queue: str) -> None:
-    """Receives as a receiver takes them: refused while the entity's status disables them, or from an auto-forwarding entity."""
-    check_status(entity.props, "receive", entity.name)
-    if sub_queue != SUB_QUEUE_DEAD_LETTER:
-        check_not_forwarding(entity.props, entity.name)
 
 
 class BatchPartition(InputPartition):
@@ -337,7 +331,8 @@ class StreamState:
             want = min(want, self.budget)
         if want <= 0:
             return 0
-        check_receivable(self.entity(), self.config.sub_queue)  # each batch: the settings may have changed
+        entity = self.entity()  # checked at each batch: the settings may have changed
+        check_receivable(entity.props, entity.name, dead_letters=self.config.sub_queue == SUB_QUEUE_DEAD_LETTER)
         staging = self.batch_staging(n)
         self.fs.create_dir(f"{self.path}/batch-{n:012d}", recursive=True)
         items: list[Item] = []
