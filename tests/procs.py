@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import random
+import threading
 import time
 from datetime import UTC, datetime
 from typing import Any
@@ -15,8 +16,15 @@ from typing import Any
 import mmh3
 
 from sparkqueue import Message, Namespace, ReceivedMessage, ReceiveMode
-from sparkqueue.errors import EntityAlreadyExistsError, EntityNotFoundError, MessageLockLostError, QuotaExceededError
-from sparkqueue.receiver import Receiver
+from sparkqueue.errors import (
+    EntityAlreadyExistsError,
+    EntityNotFoundError,
+    InvalidOperationError,
+    MessageLockLostError,
+    QuotaExceededError,
+    SessionLockLostError,
+)
+from sparkqueue.receiver import Receiver, ReceiverSession
 
 PARTITIONS = 16
 
@@ -357,3 +365,18 @@ def send_dying_at_commit(root: str, queue: str, count: int) -> None:
     with Namespace(root) as ns, ns.get_queue_sender(queue) as sender:
         DeltaLog.commit = die  # type: ignore[method-assign]  # the process dies exactly between the two steps
         sender.send_messages([Message(f"x{k}", message_id=f"x{k}", partition_key=f"x{k}") for k in range(count)])
+
+
+def renewing(session: ReceiverSession, stop: threading.Event) -> threading.Thread:
+    """A started thread renewing the session lock until `stop` is set or the lock is refused, as an AutoLockRenewer's."""
+
+    def renew() -> None:
+        while not stop.is_set():
+            try:
+                session.renew_lock()
+            except (InvalidOperationError, SessionLockLostError):
+                return
+
+    thread = threading.Thread(target=renew)
+    thread.start()
+    return thread

@@ -10,6 +10,7 @@ import time
 from datetime import UTC, datetime, timedelta
 
 import pytest
+from procs import renewing
 
 from sparkqueue import NEXT_AVAILABLE_SESSION, Message, Namespace, ReceivedMessage, ReceiveMode, SubQueue
 from sparkqueue.errors import (
@@ -20,7 +21,7 @@ from sparkqueue.errors import (
     SessionCannotBeLockedError,
     SessionLockLostError,
 )
-from sparkqueue.receiver import Receiver, ReceiverSession
+from sparkqueue.receiver import Receiver
 
 SHORT = timedelta(seconds=2)  # short, yet long enough for a loaded machine to act within one lock
 
@@ -296,16 +297,7 @@ def test_a_renewal_racing_close_never_locks_the_session_again(ns: Namespace) -> 
         sess = r.session
         assert sess is not None
         stop = threading.Event()
-
-        def renew(s: ReceiverSession = sess, done: threading.Event = stop) -> None:
-            while not done.is_set():
-                try:
-                    s.renew_lock()
-                except (InvalidOperationError, SessionLockLostError):
-                    return
-
-        t = threading.Thread(target=renew)
-        t.start()
+        t = renewing(sess, stop)
         time.sleep(0.005 * (trials % 4))
         r.close()
         stop.set()

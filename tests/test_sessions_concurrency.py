@@ -22,10 +22,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from procs import renewing
 
 from sparkqueue import NEXT_AVAILABLE_SESSION, Message, Namespace
 from sparkqueue.errors import (
-    InvalidOperationError,
     OperationTimeoutError,
     SessionCannotBeLockedError,
     SessionLockLostError,
@@ -173,16 +173,7 @@ def child_closing_renewed_holder(root: str, queue: str, rounds: int, barrier: An
             session = receiver.session
             assert session is not None
             stop = threading.Event()
-
-            def renew(s: Any = session, done: threading.Event = stop) -> None:
-                while not done.is_set():  # as an AutoLockRenewer's thread, racing close
-                    try:
-                        s.renew_lock()
-                    except (InvalidOperationError, SessionLockLostError):
-                        return
-
-            t = threading.Thread(target=renew)
-            t.start()
+            t = renewing(session, stop)  # as an AutoLockRenewer's thread, racing close
             barrier.wait(timeout=60)
             time.sleep(0.003 * (r % 5))
             receiver.close()
@@ -378,25 +369,31 @@ def test_racing_accepts_lock_each_session_once(root: str, tmp_path: Path) -> Non
 # ---- many receivers over many sessions --------------------------------------------------------------------
 
 
-def test_an_ended_session_made_again_by_its_holder_and_by_an_accept_at_once_has_one_holder(root: str, tmp_path: Path) -> None:
-    """The holder of an ended session renewing while another process accepts it: one of them holds it, never both."""
-    rounds = 30
+def _race_rounds(
+    root: str, tmp_path: Path, prefix: str, rounds: int, holder: Any, rival: Any, lock: timedelta | None = None
+) -> dict[int, dict[str, str]]:
+    """A session queue with one message in each session <prefix><round>; two children race round by round.
+
+    Returns what each child recorded per round (every round recorded).
+    """
     with Namespace(root) as ns:
-        ns.create_queue("q", requires_session=True)
+        ns.create_queue("q", requires_session=True, **({"lock_duration": lock} if lock else {}))
         with ns.get_queue_sender("q") as s:
-            s.send_messages([Message("first", session_id=f"e{r}") for r in range(rounds)])
+            s.send_messages([Message(f"{prefix}{r}", session_id=f"{prefix}{r}") for r in range(rounds)])
     out = str(tmp_path / "out.jsonl")
     barrier = CTX.Barrier(2)
-    _join_all(
-        [
-            _start(child_ended_holder, root, "q", rounds, barrier, out),
-            _start(child_racing_acceptor, root, "q", rounds, barrier, out),
-        ]
-    )
+    _join_all([_start(holder, root, "q", rounds, barrier, out), _start(rival, root, "q", rounds, barrier, out)])
     by_round: dict[int, dict[str, str]] = {}
     for line in _lines(out):
         by_round.setdefault(line.pop("round"), {}).update(line)
     assert len(by_round) == rounds
+    return by_round
+
+
+def test_an_ended_session_made_again_by_its_holder_and_by_an_accept_at_once_has_one_holder(root: str, tmp_path: Path) -> None:
+    """The holder of an ended session renewing while another process accepts it: one of them holds it, never both."""
+    rounds = 30
+    by_round = _race_rounds(root, tmp_path, "e", rounds, child_ended_holder, child_racing_acceptor)
     both = [r for r, got in by_round.items() if got == {"holder": "renewed", "acceptor": "accepted"}]
     assert not both, f"rounds {both}: the holder renewed and another receiver accepted the same session"
     assert all(
@@ -412,22 +409,8 @@ def test_a_renewal_racing_close_in_another_thread_never_locks_the_session_again(
     other receiver out until the lock's expiry, here 60 s).
     """
     rounds = 12
-    with Namespace(root) as ns:
-        ns.create_queue("q", requires_session=True, lock_duration=timedelta(seconds=60))
-        with ns.get_queue_sender("q") as s:
-            s.send_messages([Message("only", session_id=f"c{r}") for r in range(rounds)])
-    out = str(tmp_path / "out.jsonl")
-    barrier = CTX.Barrier(2)
-    _join_all(
-        [
-            _start(child_closing_renewed_holder, root, "q", rounds, barrier, out),
-            _start(child_acceptor_after_close, root, "q", rounds, barrier, out),
-        ]
-    )
-    by_round: dict[int, dict[str, str]] = {}
-    for line in _lines(out):
-        by_round.setdefault(line.pop("round"), {}).update(line)
-    assert len(by_round) == rounds
+    lock = timedelta(seconds=60)
+    by_round = _race_rounds(root, tmp_path, "c", rounds, child_closing_renewed_holder, child_acceptor_after_close, lock)
     refused = [r for r, got in by_round.items() if got.get("acceptor") != "accepted"]
     assert not refused, f"rounds {refused}: the closed holder's renewal locked the session again"
 
