@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from sparkqueue.broker import sub_entity_name
-from sparkqueue.errors import EntityNotFoundError, InvalidOperationError
+from sparkqueue.errors import EntityNotFoundError, InvalidOperationError, SparkQueueError
 from sparkqueue.model.addresses import QUEUE, SUBSCRIPTION, TOPIC, Address
 from sparkqueue.storage.catalog import MARKER
 from sparkqueue.storage.log import Fence
@@ -181,9 +181,13 @@ def idempotence_key(app_id: str, version: int) -> Fence:
 
 def stream_reader(options: Mapping[str, str], schema: StructType) -> DataSourceStreamReader:
     """The streaming source's reader (called by the `sparkqueue` data source)."""
-    from sparkqueue.spark.streaming_source import QueueStreamReader, source_config
+    from sparkqueue.spark.streaming_source import QueueStreamReader, RefusedStreamReader, source_config
 
-    return QueueStreamReader(source_config(lowered(options)))
+    try:
+        config = source_config(lowered(options))
+    except SparkQueueError as exc:
+        return RefusedStreamReader(exc)  # raised at the first offset: pyspark would mask it here
+    return QueueStreamReader(config)
 
 
 def stream_writer(options: Mapping[str, str], schema: StructType, overwrite: bool) -> DataSourceStreamWriter:

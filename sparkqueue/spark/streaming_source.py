@@ -113,6 +113,36 @@ def source_config(options: dict[str, str]) -> SourceConfig:
     return config
 
 
+class RefusedStreamReader(DataSourceStreamReader):
+    """A source whose options or entity were refused: it raises the refusal when Spark first asks it for an offset.
+
+    PySpark's source runner stops the reader in a `finally`, so an error raised while the reader
+    is created reaches the user as an UnboundLocalError; raised from here, the message is kept.
+    """
+
+    def __init__(self, error: SparkQueueError) -> None:
+        self.error = error
+
+    def initialOffset(self) -> dict[str, Any]:  # noqa: N802 - pyspark's name
+        """The refusal."""
+        raise self.error
+
+    def latestOffset(self, start: dict[str, Any], limit: ReadLimit) -> dict[str, Any]:  # noqa: N802 - pyspark's name
+        """The refusal (a restart from a checkpoint asks this first)."""
+        raise self.error
+
+    def partitions(self, start: dict[str, Any], end: dict[str, Any]) -> Sequence[InputPartition]:
+        """The refusal."""
+        raise self.error
+
+    def read(self, partition: InputPartition) -> Iterator[pa.RecordBatch]:
+        """The refusal."""
+        raise self.error
+
+    def stop(self) -> None:
+        """Nothing to stop."""
+
+
 class BatchPartition(InputPartition):
     """Queue partitions of a recorded batch read by one Spark task: their linked data files and the tokens the batch emits."""
 

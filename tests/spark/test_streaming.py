@@ -163,8 +163,9 @@ def test_source_refuses_bad_options(spark, tmp_path):
         start(namespace=root, entity="q", maxMessagesPerTrigger="0")
     with pytest.raises(PySparkException, match="set the namespace root"):
         start(entity="q")
-    with pytest.raises(PySparkException, match="streaming source has no option 'subqueue'"):
+    with pytest.raises(PySparkException, match="streaming source has no option 'subqueue'") as refused:
         start(namespace=root, entity="q", subQueue="deadletter")  # sub_queue, misspelt: refused, not ignored
+    assert "UnboundLocalError" not in str(refused.value)  # the refusal itself, not pyspark's runner failing on it
     with Namespace(root) as ns:
         assert ns.get_queue_runtime_properties("q").active_message_count == 1  # nothing was received
 
