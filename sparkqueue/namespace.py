@@ -13,7 +13,6 @@ from typing import Any, TypeVar
 from sparkqueue.broker import Broker, Transaction, sub_entity_name
 from sparkqueue.constants import ReceiveMode, SubQueue
 from sparkqueue.management import Management
-from sparkqueue.model import limits
 from sparkqueue.model.addresses import QUEUE, SUBSCRIPTION, TOPIC
 from sparkqueue.model.sessions import SessionInfo, Sessions
 from sparkqueue.receiver import Receiver
@@ -31,11 +30,16 @@ class Namespace(Management):
     def __init__(
         self,
         root: str | os.PathLike[str],
-        tier: str = limits.STANDARD,
+        tier: str | None = None,
         *,
         operation_timeout: float = 60.0,
         storage_options: Mapping[str, str] | None = None,
     ) -> None:
+        """Open the namespace at `root`, creating it when absent.
+
+        `tier` is "standard" or "premium"; a new namespace records it ("standard" when None) and keeps
+        it: an existing one opens with its own tier, and naming another raises InvalidOperationError.
+        """
         super().__init__(Broker(root, tier, operation_timeout=operation_timeout, storage_options=storage_options))
         self.root = self.broker.root
         self.tier = self.broker.tier

@@ -20,6 +20,7 @@ from sparkqueue.errors import (
     InvalidOperationError,
     PartitionUnavailableError,
     QuotaExceededError,
+    StorageCorruptedError,
 )
 
 CUSTOM = {
@@ -420,6 +421,37 @@ def test_unknown_tier_is_refused(tmp_path: Path) -> None:
         with pytest.raises(InvalidOperationError):
             Namespace(tmp_path / "ns", tier=tier)
     assert Namespace(tmp_path / "std").tier == "standard"
+
+
+def test_a_namespace_keeps_the_tier_it_was_created_with(tmp_path: Path) -> None:
+    """Opened without a tier, a premium namespace is premium (its limits hold); naming another tier is refused."""
+    root = tmp_path / "p"
+    with Namespace(root, tier="premium") as ns:
+        ns.create_queue("big", max_size_in_megabytes=10240)
+    with Namespace(root) as again:
+        assert again.tier == "premium"
+        again.update_queue(again.get_queue("big"), max_delivery_count=3)  # 10240 MB stays valid
+        with again.get_queue_sender("big") as s:
+            s.send_messages(Message(b"x" * 300_000))  # over the standard tier's 256 KB
+    with pytest.raises(InvalidOperationError, match="premium namespace"):
+        Namespace(root, tier="standard")
+    assert Namespace(tmp_path / "new").tier == "standard"
+    with pytest.raises(InvalidOperationError, match="standard namespace"):
+        Namespace(tmp_path / "new", tier="premium")
+
+
+def test_a_damaged_or_newer_namespace_marker_is_refused(tmp_path: Path) -> None:
+    """The marker at the root is read on open: damage is reported, a newer format asks for an upgrade."""
+    root = tmp_path / "ns"
+    Namespace(root).close()
+    marker = root / "_sparkqueue.json"
+    marker.write_text('{"format_version": 99, "tier": "standard"}')
+    with pytest.raises(InvalidOperationError, match="format version 99"):
+        Namespace(root)
+    for damaged in ("{", '{"tier": "standard"}', '{"format_version": 1, "tier": "gold"}'):
+        marker.write_text(damaged)
+        with pytest.raises(StorageCorruptedError):
+            Namespace(root)
 
 
 def test_premium_sizes(tmp_path: Path) -> None:

@@ -102,18 +102,19 @@ class Broker:
     def __init__(
         self,
         root: str | os.PathLike[str],
-        tier: str = limits.STANDARD,
+        tier: str | None = None,
         *,
         operation_timeout: float = 60.0,
         storage_options: Mapping[str, str] | None = None,
     ) -> None:
         self.root = resolve_root(root)
-        self.tier = limits.check_tier(tier)
+        asked = None if tier is None else limits.check_tier(tier)
         self.operation_timeout = limits.check_seconds(operation_timeout, "operation_timeout")  # finite: NaN never expires
         self.storage_options = check_storage_options(storage_options)
         self.store: Store = open_store(self.root, self.storage_options)
         self.catalog = Catalog(self.store, self.storage_options)
-        self.catalog.open()
+        marker = self.catalog.open({"tier": asked or limits.STANDARD})
+        self.tier = limits.namespace_tier(self.root, marker.get("tier"), asked)
         self.cache: dict[str, _Cached] = {}
         self.tables: dict[str, EntityTable] = {}
         self.rules: dict[str, _CachedRules] = {}

@@ -97,7 +97,7 @@ class State:
     """Global options, shared by all commands through the typer context."""
 
     root: str
-    tier: str
+    tier: str | None
     verbose: bool = False
 
     def namespace(self, *, create: bool = False) -> Namespace:
@@ -226,7 +226,12 @@ def main(
     root: Annotated[
         str, typer.Option("--root", envvar="SPARKQUEUE_ROOT", help="Namespace root: a directory or an object-store URI.")
     ] = DEFAULT_ROOT,
-    tier: Annotated[Tier, typer.Option("--tier", envvar="SPARKQUEUE_TIER", help="Namespace tier.")] = Tier.standard,
+    tier: Annotated[
+        Tier | None,
+        typer.Option(
+            "--tier", envvar="SPARKQUEUE_TIER", help="Tier of a new namespace [default: standard]; an existing one keeps its own."
+        ),
+    ] = None,
     verbose: Annotated[bool, typer.Option("--verbose", "-v", help="Show the library's log (INFO) on stderr.")] = False,
     version: Annotated[
         bool, typer.Option("--version", callback=_version, is_eager=True, help="Print the version and exit.")
@@ -241,7 +246,7 @@ def main(
     )
     global _verbose
     _verbose = verbose
-    ctx.obj = State(root, tier.value, verbose)
+    ctx.obj = State(root, tier.value if tier is not None else None, verbose)
 
 
 # ---- create / delete / list / show -----------------------------------------------------------------

@@ -16,7 +16,7 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from sparkqueue.errors import InvalidArgumentTypeError, InvalidOperationError
+from sparkqueue.errors import InvalidArgumentTypeError, InvalidOperationError, StorageCorruptedError
 from sparkqueue.storage.schema import TIMESTAMP
 
 STANDARD = "standard"
@@ -56,6 +56,17 @@ def check_tier(tier: str) -> str:
     if tier not in TIERS:
         raise InvalidOperationError(f"tier must be one of {TIERS}, got {tier!r}")
     return tier
+
+
+def namespace_tier(root: str, recorded: object, asked: str | None) -> str:
+    """The tier a namespace was created with; opening it as another tier is refused (its limits would not hold)."""
+    if recorded is None:  # made before the marker recorded the tier
+        return asked or STANDARD
+    if recorded not in TIERS:
+        raise StorageCorruptedError(f"namespace {root}: its marker records an unknown tier {recorded!r}")
+    if asked is not None and asked != recorded:
+        raise InvalidOperationError(f"namespace {root} is a {recorded} namespace; open it with tier={recorded!r} or none")
+    return str(recorded)
 
 
 def check_name_type(name: object, what: str = "queue") -> str:

@@ -25,7 +25,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from sparkqueue.errors import StorageCorruptedError
+from sparkqueue.errors import InvalidOperationError, StorageCorruptedError
 from sparkqueue.storage.checkpoint import write_checkpoint
 from sparkqueue.storage.files import encode_parquet
 from sparkqueue.storage.log import AddFile, CommitConflict, DeltaLog, Fence, RemoveFile, Snapshot, checkpoint_interval
@@ -92,23 +92,48 @@ class Catalog:
         self._snap: Snapshot | None = None
         self._read: tuple[int, pa.Table] | None = None  # the rows of the last version read
 
-    def open(self) -> None:
-        """Open the catalog, creating it (and the namespace marker) when the namespace is new."""
-        marked = self.root_store.exists(MARKER)
+    def open(self, settings: Mapping[str, str] | None = None) -> dict[str, Any]:
+        """Open the catalog, creating it and the namespace marker (recording `settings`) when the namespace is new.
+
+        Returns the marker's contents: the settings of whoever created the namespace.
+        """
+        marker = self._marker()
         try:
             snap = self.log.load()
         except FileNotFoundError:
-            if marked:
+            if marker is not None:
                 raise StorageCorruptedError(
                     f"namespace {self.root_store.uri}: the catalog log ({self.uri}/_delta_log) is missing or empty, "
                     "but the namespace exists; restore it from a backup (`sparkqueue check` reports what remains)"
                 ) from None
             self._create()
             snap = self.log.load()
-        if not marked:
-            self.root_store.put_if_absent(MARKER, json.dumps({"format_version": FORMAT_VERSION}).encode())
+        if marker is None:
+            content = {"format_version": FORMAT_VERSION, **(settings or {})}
+            self.root_store.put_if_absent(MARKER, json.dumps(content).encode())
+            marker = self._marker() or content  # a concurrent creator's marker wins
         with self._lock:
             self._snap = snap
+        return marker
+
+    def _marker(self) -> dict[str, Any] | None:
+        """The namespace marker's contents, None when there is none; a damaged or newer one is refused."""
+        try:
+            raw = self.root_store.get(MARKER)
+        except FileNotFoundError:
+            return None
+        try:
+            marker = json.loads(raw)
+        except ValueError:
+            marker = None
+        if not isinstance(marker, dict) or not isinstance(marker.get("format_version"), int):
+            raise StorageCorruptedError(f"namespace {self.root_store.uri}: its marker {MARKER} is damaged")
+        if marker["format_version"] > FORMAT_VERSION:
+            raise InvalidOperationError(
+                f"namespace {self.root_store.uri} has format version {marker['format_version']}; "
+                f"this sparkqueue reads up to {FORMAT_VERSION}: upgrade sparkqueue"
+            )
+        return marker
 
     def _create(self) -> None:
         """Create the empty catalog table with delta-rs (a concurrent creator may win: then it exists)."""
