@@ -415,6 +415,29 @@ def test_namespace_creates_its_root(tmp_path: Path) -> None:
         assert [q.name for q in again.list_queues()] == ["q"]
 
 
+@pytest.mark.parametrize("name", ["a%20b", "a\\b"])
+def test_a_root_that_delta_rs_would_read_as_another_path_is_refused_before_anything_is_written(tmp_path: Path, name: str) -> None:
+    """delta-rs decodes '%20' and turns a backslash into '/': tables would be created somewhere else."""
+    with pytest.raises(InvalidOperationError, match="URL escape"):
+        Namespace(tmp_path / name)
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("name", ["a b", "a#b", "a?b", "a%zz", "ä ö"])
+def test_roots_with_unusual_characters_hold_entities_through_maintenance(tmp_path: Path, name: str) -> None:
+    with Namespace(tmp_path / name) as ns:
+        ns.create_queue("q")
+        with ns.get_queue_sender("q") as s:
+            for i in range(3):
+                s.send_messages(Message(f"m{i}"))
+        ns.run_maintenance()
+        with ns.get_queue_receiver("q") as r:
+            got = r.receive_messages(10)
+            r.complete_messages(got)
+        assert sorted(str(m) for m in got) == ["m0", "m1", "m2"]
+    assert [p.name for p in tmp_path.iterdir()] == [name]
+
+
 def test_unknown_tier_is_refused(tmp_path: Path) -> None:
     """Only the "standard" and "premium" tiers exist."""
     for tier in ("basic", "Standard", ""):

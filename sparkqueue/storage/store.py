@@ -15,6 +15,7 @@ import builtins
 import contextlib
 import logging
 import os
+import re
 import uuid
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -321,6 +322,9 @@ class ObjectStore(Store):
         return ObjectStore(f"{self.uri}/{prefix.strip('/')}", self.options)
 
 
+_URL_ESCAPE = re.compile(r"%[0-9A-Fa-f]{2}")
+
+
 def resolve_root(root: str | os.PathLike[str]) -> str:
     """A namespace root as sparkqueue stores it: an absolute local path, or an object-store URI without a trailing '/'.
 
@@ -347,6 +351,11 @@ def resolve_root(root: str | os.PathLike[str]) -> str:
     local = Path(rest if sep else text).expanduser().resolve()
     if local.parent == local:
         raise InvalidOperationError(f"namespace root {text!r} is the file-system root; choose a directory for the namespace")
+    if _URL_ESCAPE.search(str(local)) or "\\" in str(local):
+        raise InvalidOperationError(
+            f"namespace root {text!r} holds a URL escape ('%' and two hex digits) or a backslash, which delta-rs "
+            "reads as another path; choose a directory without them"
+        )
     return str(local)
 
 
