@@ -587,7 +587,18 @@ def _stored_rule(flt: Any, action: Any) -> tuple[RuleFilter, SqlRuleAction | Non
         )
     if action is not None and not isinstance(action, SqlRuleAction):
         raise InvalidArgumentTypeError(f"action must be a SqlRuleAction or None, got {type(action).__name__}")
+    _check_utf8(flt.to_dict(), "the rule's filter")
+    if action is not None:
+        _check_utf8(action.to_dict(), "the rule's action")
     return filter_from_dict(flt.to_dict()), action_from_dict(action.to_dict()) if action is not None else None
+
+
+def _check_utf8(description: Mapping[str, Any], what: str) -> None:
+    """Every string of a rule has a UTF-8 form: fan-out builds Arrow strings from them, for every send to the topic."""
+    try:
+        json.dumps(description, ensure_ascii=False).encode("utf-8")
+    except UnicodeEncodeError:
+        raise InvalidOperationError(f"{what} contains characters with no UTF-8 form (lone surrogates)") from None
 
 
 def _sized_as(props: SubscriptionProperties, topic: TopicProperties) -> SubscriptionProperties:

@@ -566,3 +566,34 @@ def test_an_action_leaving_no_message_id_dead_letters_the_copy(ns: Namespace, sq
         (dead,) = peek_all(r)
     assert (dead.message_id, dead.dead_letter_reason) == ("m", "RuleActionViolation")
     assert "removed the message id" in (dead.dead_letter_error_description or "")
+
+
+LONE = "\udc80"  # a lone surrogate: a Python str with no UTF-8 form
+
+
+@pytest.mark.parametrize(
+    ("flt", "action"),
+    [
+        (CorrelationRuleFilter(label=LONE), None),
+        (CorrelationRuleFilter(properties={"k": LONE}), None),
+        (CorrelationRuleFilter(properties={LONE: "v"}), None),
+        (SqlRuleFilter(f"sys.Label = '{LONE}'"), None),
+        (SqlRuleFilter("sys.Label = @p", parameters={"@p": LONE}), None),
+        (None, SqlRuleAction(f"SET x = '{LONE}'")),
+        (None, SqlRuleAction(f"SET [{LONE}] = 1")),
+        (None, SqlRuleAction("SET x = @p", parameters={"@p": LONE})),
+    ],
+)
+def test_a_rule_with_a_string_that_has_no_utf8_form_is_refused_and_sends_go_on(ns: Namespace, flt: Any, action: Any) -> None:
+    """Fan-out builds Arrow strings from a rule's text: stored, such a rule broke every send to the topic."""
+    ns.create_topic("t")
+    ns.create_subscription("t", "s")
+    with pytest.raises(InvalidOperationError, match="no UTF-8 form"):
+        ns.create_rule("t", "s", "bad", filter=flt, action=action)
+    rule = ns.get_rule("t", "s", "$Default")
+    with pytest.raises(InvalidOperationError, match="no UTF-8 form"):
+        ns.update_rule("t", "s", rule, filter=flt or TrueRuleFilter(), action=action)
+    assert [r.name for r in ns.list_rules("t", "s")] == ["$Default"]
+    with ns.get_topic_sender("t") as s:
+        s.send_messages(Message("x", subject="orders"))
+    assert ns.get_subscription_runtime_properties("t", "s").active_message_count == 1
