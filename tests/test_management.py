@@ -4,6 +4,7 @@ namespace's lifecycle and tiers (docs/semantics.md §1, §10, §11)."""
 from __future__ import annotations
 
 import dataclasses
+import shutil
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
@@ -600,3 +601,64 @@ def test_subscription_names_differing_only_in_case_are_looked_up_exactly(ns: Nam
     ns.create_subscription("t", "s")
     ns.create_subscription("t", "S", max_delivery_count=4)
     assert (ns.get_subscription("T", "s").max_delivery_count, ns.get_subscription("T", "S").max_delivery_count) == (10, 4)
+
+
+def _delete_as_another_client(root: Path, kind: str, name: str) -> None:
+    """Delete an entity through another Namespace (its own catalog and caches, as another process has), at once.
+
+    A subprocess would take longer than the broker's settings cache (a second) to start, and this
+    handle would then look the entity up again instead of using the table it holds.
+    """
+    with Namespace(root) as other:
+        getattr(other, f"delete_{kind}")(name)
+
+
+def _files_under(path: Path) -> list[str]:
+    return sorted(str(p.relative_to(path)) for p in path.rglob("*"))
+
+
+@pytest.mark.parametrize("op", ["send", "transaction", "receive", "complete", "topic"])
+def test_a_handle_used_after_another_client_deleted_its_entity_stores_nothing(tmp_path: Path, op: str) -> None:
+    """A commit into a deleted table (a handle still holding its snapshot) raises EntityNotFoundError and leaves no file.
+
+    Before, the put-if-absent commit made the table's directories again and reported success: the
+    message was lost, and its files stayed where no maintenance looks.
+    """
+    root = tmp_path / "ns"
+    with Namespace(root) as ns:
+        kind = "topic" if op == "topic" else "queue"
+        if kind == "topic":
+            ns.create_topic("q")
+            ns.create_subscription("q", "s")
+            sender = ns.get_topic_sender("q")
+        else:
+            ns.create_queue("q", enable_partitioning=False)
+            sender = ns.get_queue_sender("q")
+        receiver = ns.get_subscription_receiver("q", "s") if kind == "topic" else ns.get_queue_receiver("q")
+        sender.send_messages([Message("a", partition_key="k"), Message("b", partition_key="k")])
+        (got,) = receiver.receive_messages(1)
+        _delete_as_another_client(root, kind, "q")
+        with pytest.raises(EntityNotFoundError):
+            if op in ("send", "topic"):
+                sender.send_messages(Message("lost?"))
+            elif op == "transaction":
+                with ns.transaction():
+                    sender.send_messages(Message("lost?", partition_key="k"))
+            elif op == "receive":
+                receiver.receive_messages(1)
+            else:
+                receiver.complete_message(got)
+        assert _files_under(root / "entities") == []
+        assert ns.list_queues() == [] and ns.list_topics() == []
+
+
+def test_a_namespace_removed_under_an_open_handle_is_not_recreated_by_its_next_change(tmp_path: Path) -> None:
+    root = tmp_path / "ns"
+    with Namespace(root) as ns:
+        ns.create_queue("q")
+        shutil.rmtree(root)
+        with pytest.raises(EntityNotFoundError):
+            ns.create_queue("q2")
+        with pytest.raises(EntityNotFoundError):
+            ns.get_queue_sender("q").send_messages(Message("x"))
+    assert [p for p in root.rglob("*") if p.is_file()] == []  # nothing written again (empty directories at most)

@@ -14,8 +14,10 @@ docs/storage.md for the format and the reasoning.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
+import os
 import re
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -25,7 +27,7 @@ from typing import Any, Protocol, Self
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from sparkqueue.errors import StorageCorruptedError, StorageError
+from sparkqueue.errors import EntityNotFoundError, StorageCorruptedError, StorageError
 from sparkqueue.storage.store import Store
 
 log = logging.getLogger(__name__)
@@ -454,12 +456,38 @@ class DeltaLog:
                 _check_unmoved(snap, base_meta, removed, expected)
                 version = snap.version + 1
                 if put(f"{LOG_DIR}/{version:020d}.json"):
+                    if version > 0 and not self.store.exists(f"{LOG_DIR}/{version - 1:020d}.json") and self._alone(version):
+                        break  # the table was deleted under this handle: withdrawn below, once the staged name is gone
                     snap.apply(version, actions)
                     self._after(snap)
                     return version
                 log.debug("version %d of %s was taken; rebasing", version, self.store.uri)
                 self.update(snap)
-        raise CommitConflict(f"the commit lost {MAX_REBASES} races in a row")
+            else:
+                raise CommitConflict(f"the commit lost {MAX_REBASES} races in a row")
+        self._withdraw(version, adds)
+        raise EntityNotFoundError(f"table {self.store.uri} was deleted while in use; nothing was stored")
+
+    def _alone(self, version: int) -> bool:
+        """True when the entry just written is the log's only one: the table was deleted (the entry before it is gone).
+
+        A log trimmed behind a checkpoint still lists that checkpoint, so only a deleted table
+        leaves nothing else.
+        """
+        mine = f"{version:020d}.json"
+        names = (e.path.rpartition("/")[2] for e in self.store.list(f"{LOG_DIR}/"))
+        return not any(name != mine and _ENTRY.match(name) for name in names)
+
+    def _withdraw(self, version: int, adds: Sequence[AddFile]) -> None:
+        """Remove what a commit into a deleted table made again (its files, its entry, the directories): nothing reads them."""
+        for path in [*(a.path for a in adds), f"{LOG_DIR}/{version:020d}.json"]:
+            with contextlib.suppress(OSError, StorageError):
+                self.store.delete(path)
+        local = self.store.local_path("")
+        if local is not None:
+            for folder, _, _ in sorted(os.walk(local), key=lambda w: -len(w[0])):
+                with contextlib.suppress(OSError):
+                    os.rmdir(folder)
 
 
 def _unreadable_protocol(protocol: Mapping[str, Any]) -> list[str]:
