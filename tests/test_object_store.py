@@ -21,7 +21,7 @@ from deltalake import DeltaTable
 from procs import drain_all, receive_and_complete, send_and_lock_until_killed, send_dying_at_commit
 
 from sparkqueue import Message, Namespace, SubQueue
-from sparkqueue.errors import StorageError
+from sparkqueue.errors import InvalidOperationError, StorageError
 from sparkqueue.storage.files import encode_parquet
 
 CTX = mp.get_context("spawn")
@@ -197,6 +197,24 @@ def test_wrong_credentials_and_missing_containers_are_clear_errors(azurite: Any)
         Namespace(f"az://{container}/ns", storage_options=bad_key)
     with pytest.raises(StorageError, match="no-such-container"):
         Namespace("az://no-such-container/ns", storage_options=azurite.storage_options())
+
+
+@pytest.mark.parametrize("key", ["azure_allow_http", "AZURE_ALLOW_HTTP"])
+def test_a_client_option_with_its_store_prefix_works_as_delta_rs_takes_it(azurite: Any, key: str) -> None:
+    """delta-rs takes "azure_allow_http" (and "aws_allow_http"); obstore panicked on it, past `except Exception`."""
+    container = azurite.create_container()
+    options = azurite.storage_options()
+    options[key] = options.pop("allow_http")
+    with Namespace(f"az://{container}/ns", storage_options=options) as ns:
+        ns.create_queue("q")
+        ns.get_queue_sender("q").send_messages(Message("x"))
+        assert ns.get_queue_runtime_properties("q").active_message_count == 1
+
+
+@pytest.mark.parametrize("uri", ["abfss://c@/x", "abfss://@acct.dfs.core.windows.net/x"])
+def test_an_abfs_uri_without_container_or_account_is_refused(uri: str) -> None:
+    with pytest.raises(InvalidOperationError, match="names no container"):
+        Namespace(uri)
 
 
 def test_an_unreachable_store_is_a_clear_error() -> None:

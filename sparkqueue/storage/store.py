@@ -33,6 +33,7 @@ OBJECT_STORE_SCHEMES = ("az", "azure", "abfs", "abfss", "adl", "s3", "s3a", "gs"
 CLIENT_OPTION_KEYS = frozenset(
     {"allow_http", "allow_invalid_certificates", "connect_timeout", "timeout", "pool_idle_timeout", "proxy_url", "user_agent"}
 )
+PROVIDER_PREFIXES = ("aws_", "azure_", "google_")  # a client option may carry its store's prefix (obstore panics on it)
 # delta-rs-only settings (commit locking, unsafe renames) that obstore does not know; sparkqueue needs neither.
 DELTA_ONLY_KEYS = frozenset({"allow_unsafe_rename", "aws_s3_locking_provider", "dynamodb_table_name", "aws_conditional_put"})
 SYNC_THREADS = 8  # files fsynced at once by LocalStore.sync: the disk flushes their pages in parallel
@@ -260,7 +261,10 @@ class ObjectStore(Store):
         self.options = dict(options or {})
         config, client = _obstore_options(self.options)
         with _translate(self.uri, ""):
-            self._store: Any = from_url(self.uri, config=config or None, client_options=client or None)  # type: ignore[arg-type]
+            try:
+                self._store: Any = from_url(self.uri, config=config or None, client_options=client or None)  # type: ignore[arg-type]
+            except ValueError as exc:  # the URL itself (obstore parses it first)
+                raise InvalidOperationError(f"namespace URI {self.uri!r} cannot be used: {exc}") from None
 
     def get(self, path: str) -> bytes:
         import obstore
@@ -345,7 +349,8 @@ def resolve_root(root: str | os.PathLike[str]) -> str:
                 f"or one of {', '.join(s + '://' for s in OBJECT_STORE_SCHEMES)}"
             )
         bucket = rest.split("/", 1)[0]
-        if not bucket:
+        container, at, host = bucket.partition("@")  # abfs[s]://container@account.dfs.core.windows.net/path
+        if not bucket or (at and not (container and host)):
             raise InvalidOperationError(f"namespace URI {text!r} names no container or bucket")
         return f"{scheme.lower()}://{rest.rstrip('/')}"
     local = Path(rest if sep else text).expanduser().resolve()
@@ -391,7 +396,11 @@ def _obstore_options(options: Mapping[str, str]) -> tuple[dict[str, str], dict[s
         k = key.lower()
         if k in DELTA_ONLY_KEYS:
             continue
-        (client if k in CLIENT_OPTION_KEYS else config)[k] = str(value)
+        bare = k.split("_", 1)[1] if k.startswith(PROVIDER_PREFIXES) else k  # delta-rs also takes "aws_allow_http", ...
+        if bare in CLIENT_OPTION_KEYS:
+            client[bare] = str(value)
+        else:
+            config[k] = str(value)
     return config, client
 
 
@@ -406,9 +415,11 @@ def _translate(uri: str, path: str) -> Iterator[None]:
         raise StorageError(f"store {uri!r} refused access to {path!r}: {exc}") from exc
     except OSError as exc:
         raise StorageError(f"store {uri!r} failed on {path!r}: {exc}") from exc
-    except Exception as exc:
+    except BaseException as exc:
         name = type(exc).__name__
         module = type(exc).__module__ or ""
+        if module == "pyo3_runtime":  # a panic in obstore's Rust code (a BaseException): its message says what was wrong
+            raise StorageError(f"store {uri!r} failed on {path!r}: {_first_line(exc)}") from exc
         if not module.startswith("obstore"):
             raise
         if name == "NotFoundError":
