@@ -35,6 +35,12 @@ def as_utc(value: object, field_name: str) -> datetime | None:
         return None
     if not isinstance(value, datetime):
         raise InvalidArgumentTypeError(f"{field_name} must be a datetime, got {type(value).__name__}")
+    try:  # a plain datetime, to the microsecond (pandas' Timestamp holds nanoseconds; its NaT has no fields)
+        value = datetime(
+            value.year, value.month, value.day, value.hour, value.minute, value.second, value.microsecond, value.tzinfo
+        )
+    except (TypeError, ValueError):
+        raise InvalidOperationError(f"{field_name} must be a point in time, got {value!r}") from None
     try:
         utc = value.replace(tzinfo=UTC) if value.tzinfo is None else value.astimezone(UTC)
     except (OverflowError, ValueError):
@@ -509,10 +515,11 @@ def _properties_json(props: dict[str, Any], *, strict: bool = True) -> str:
     """
     if not strict:
         try:
-            return json.dumps(props, allow_nan=False)
+            return json.dumps(props, allow_nan=False, ensure_ascii=False)
         except (TypeError, ValueError):
             pass
-    return json.dumps(limits.check_application_properties(props), allow_nan=False)
+    # UTF-8 as it is, not \u escapes: a size counts 3 bytes for "€", not 6 (as Spark's to_json writes it too)
+    return json.dumps(limits.check_application_properties(props), allow_nan=False, ensure_ascii=False)
 
 
 def message_rows(

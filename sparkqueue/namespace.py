@@ -13,6 +13,7 @@ from typing import Any, TypeVar
 from sparkqueue.broker import Broker, Transaction, sub_entity_name
 from sparkqueue.constants import ReceiveMode, SubQueue
 from sparkqueue.management import Management
+from sparkqueue.model import limits
 from sparkqueue.model.addresses import QUEUE, SUBSCRIPTION, TOPIC
 from sparkqueue.model.sessions import SessionInfo, Sessions
 from sparkqueue.receiver import Receiver
@@ -167,7 +168,7 @@ class Namespace(Management):
 
     def list_queue_sessions(self, queue_name: str) -> list[SessionInfo]:
         """Sessions of a session-enabled queue, with their state, lock expiry and message counts."""
-        return Sessions(self.broker.entity(QUEUE, queue_name)).list()
+        return Sessions(self.broker.entity(QUEUE, limits.check_name_type(queue_name))).list()
 
     def list_subscription_sessions(self, topic_name: str, subscription_name: str) -> list[SessionInfo]:
         """Sessions of a session-enabled subscription."""

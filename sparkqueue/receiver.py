@@ -398,6 +398,8 @@ class Receiver:
                 raise InvalidOperationError("messages received in RECEIVE_AND_DELETE mode are already settled")
             if message.lock_token is None:
                 raise InvalidOperationError("the message has no lock token: peeked messages cannot be settled")
+            limits.check_sequence_number(message.sequence_number, "the message's sequence_number")  # as received, unchanged
+            limits.check_text(message.lock_token, "the message's lock_token", 64)
             if is_settled(message):
                 raise MessageAlreadySettled(f"message {message.sequence_number} was already settled; nothing was changed")
         if not messages:

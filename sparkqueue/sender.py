@@ -123,6 +123,8 @@ class Sender:
         takes to remove every subscription's copy (docs/semantics.md §5).
         """
         self._check_open()
+        if schedule_time_utc is None:
+            raise InvalidArgumentTypeError("schedule_time_utc must be a datetime, got None")
         when = as_utc(schedule_time_utc, "schedule_time_utc")
         msgs = as_message_list(messages)
         if not isinstance(messages, MessageBatch):

@@ -252,7 +252,7 @@ def main(
 # ---- create / delete / list / show -----------------------------------------------------------------
 
 LockDuration = Annotated[
-    float | None, typer.Option(callback=finite, help="Peek-lock duration in seconds (default 60, at most 300).")
+    float | None, typer.Option(callback=finite, help="Peek-lock duration in seconds (default 60; 1 to 300).")
 ]
 MaxDelivery = Annotated[int | None, typer.Option(help="Deliveries before a message is dead-lettered (default 10).")]
 Ttl = Annotated[

@@ -32,6 +32,9 @@ SIZES_MB = {STANDARD: (1024, 2048, 3072, 4096, 5120), PREMIUM: (1024, 2048, 3072
 MAX_PARTITIONED_ENTITIES = 100
 MAX_ENTITIES = 10_000
 MAX_LOCK_DURATION = timedelta(minutes=5)
+# A shorter lock expires before a settle can land (every settle then loses its lock). Service Bus's portal
+# allows 5 s; 1 s is kept so that drills and tests can let locks lapse quickly.
+MIN_LOCK_DURATION = timedelta(seconds=1)
 DEDUPE_WINDOW_RANGE = (timedelta(seconds=20), timedelta(days=7))
 MAX_TRANSACTION_MESSAGES = 100
 INT64_MAX = 2**63 - 1
@@ -168,6 +171,8 @@ def check_duration(
     value = as_timedelta(value, field)
     if not isinstance(value, timedelta):
         raise InvalidArgumentTypeError(f"{field} must be a datetime.timedelta, got {type(value).__name__}")
+    # A plain timedelta, to the microsecond as stored: pandas' Timedelta holds nanoseconds, and 1 ns would pass as positive.
+    value = timedelta(days=value.days, seconds=value.seconds, microseconds=value.microseconds)
     if value <= minimum and minimum == timedelta(0):
         raise InvalidOperationError(f"{field} must be positive, got {value}")
     if value < minimum:

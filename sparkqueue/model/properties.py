@@ -264,9 +264,17 @@ _NEVER_DURATIONS = {"default_message_time_to_live", "auto_delete_on_idle"}  # Ti
 MIN_AUTO_DELETE_ON_IDLE = timedelta(minutes=5)  # Service Bus's minimum
 
 
+SETTABLE_STATUSES = (EntityStatus.ACTIVE, EntityStatus.DISABLED, EntityStatus.SEND_DISABLED, EntityStatus.RECEIVE_DISABLED)
+
+
 def _check_status(value: object) -> None:
+    """A status a user may set; Creating, Deleting, Renaming, Restoring and Unknown are the service's to report."""
     if not isinstance(value, EntityStatus):
         raise InvalidArgumentTypeError(f"status must be an EntityStatus, got {value!r}")
+    if value not in SETTABLE_STATUSES:
+        raise InvalidOperationError(
+            f"status {value.value} cannot be set; use one of {', '.join(s.value for s in SETTABLE_STATUSES)}"
+        )
 
 
 def _check_max_message_kb(value: object, tier: str) -> None:
@@ -290,7 +298,9 @@ _CHECKS: dict[str, Any] = {
     "dead_lettering_on_message_expiration": lambda v, t: limits.check_bool(v, "dead_lettering_on_message_expiration"),
     "max_size_in_megabytes": lambda v, t: limits.check_size_mb(v, t),
     "max_delivery_count": lambda v, t: limits.check_int(v, "max_delivery_count", maximum=2**31 - 1),
-    "lock_duration": lambda v, t: limits.check_duration(v, "lock_duration", maximum=limits.MAX_LOCK_DURATION),
+    "lock_duration": lambda v, t: limits.check_duration(
+        v, "lock_duration", minimum=limits.MIN_LOCK_DURATION, maximum=limits.MAX_LOCK_DURATION
+    ),
     "duplicate_detection_history_time_window": lambda v, t: limits.check_duration(
         v,
         "duplicate_detection_history_time_window",

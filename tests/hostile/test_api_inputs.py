@@ -258,3 +258,91 @@ def test_non_string_names_raise_clear_errors(ns: Namespace, bad: Any) -> None:
             call()
         assert isinstance(info.value, SparkQueueError)
     assert [q.name for q in ns.list_queues()] == ["q"]
+
+
+# ---- 5. values from pandas, mutated messages, statuses (review of 2026-11-26) ----------------------
+
+
+def test_pandas_durations_and_times_are_taken_to_the_microsecond_or_refused(ns: Namespace) -> None:
+    """A 1 ns Timedelta passed 'positive' and was stored as 0 (every message then expired); NaT broke the send."""
+    pd = pytest.importorskip("pandas")
+    for field in ("default_message_time_to_live", "duplicate_detection_history_time_window"):
+        with pytest.raises(SparkQueueError, match="positive|at least"):
+            ns.create_queue(f"q-{field[:7]}", **{field: pd.Timedelta(1, "ns")})
+    with pytest.raises(SparkQueueError, match="point in time"):
+        Message("x", scheduled_enqueue_time_utc=pd.NaT)
+    ns.create_queue("q", default_message_time_to_live=pd.Timedelta(minutes=5))
+    assert ns.get_queue("q").default_message_time_to_live == timedelta(minutes=5)
+    with ns.get_queue_sender("q") as s:
+        with pytest.raises(SparkQueueError, match="point in time"):
+            s.schedule_messages(Message("x"), pd.NaT)
+        with pytest.raises(TypeError, match="schedule_time_utc"):
+            s.schedule_messages(Message("x"), None)  # type: ignore[arg-type]
+        (seq,) = s.schedule_messages(Message("x"), pd.Timestamp("2100-01-01 00:00:00.000000999", tz="UTC"))
+    with ns.get_queue_receiver("q") as r:
+        (m,) = peek_all(r)
+    assert m.sequence_number == seq and m.scheduled_enqueue_time_utc == datetime(2100, 1, 1, tzinfo=timezone.utc)
+    assert _total(ns) == 1
+
+
+def test_a_lock_duration_under_a_second_is_refused(ns: Namespace) -> None:
+    """Every settle of such a lock lost it: each message ended dead-lettered after max_delivery_count deliveries."""
+    for bad in (timedelta(microseconds=1), timedelta(milliseconds=999)):
+        with pytest.raises(SparkQueueError, match="at least"):
+            ns.create_queue("q", lock_duration=bad)
+    ns.create_queue("q", lock_duration=timedelta(seconds=1))
+    with pytest.raises(SparkQueueError, match="at least"):
+        ns.update_queue(ns.get_queue("q"), lock_duration=timedelta(milliseconds=100))
+    assert ns.get_queue("q").lock_duration == timedelta(seconds=1)
+
+
+@pytest.mark.parametrize("status", ["Creating", "Deleting", "Renaming", "Restoring", "Unknown"])
+def test_a_status_only_the_service_reports_cannot_be_set(ns: Namespace, status: str) -> None:
+    from sparkqueue.management import EntityStatus
+
+    with pytest.raises(SparkQueueError, match="cannot be set"):
+        ns.create_queue("q", status=EntityStatus(status))
+    ns.create_queue("q")
+    with pytest.raises(SparkQueueError, match="cannot be set"):
+        ns.update_queue(ns.get_queue("q"), status=EntityStatus(status))
+    assert ns.get_queue("q").status == "Active"
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [("sequence_number", 2**70), ("sequence_number", "1"), ("sequence_number", None), ("lock_token", 123), ("lock_token", "\udc80")],
+)
+def test_settling_a_message_whose_fields_were_changed_is_a_clean_error_and_keeps_the_lock(
+    ns: Namespace, field: str, value: object
+) -> None:
+    ns.create_queue("q")
+    with ns.get_queue_sender("q") as s:
+        s.send_messages(Message("x"))
+    with ns.get_queue_receiver("q") as r:
+        (m,) = r.receive_messages(1)
+        forged = __import__("copy").copy(m)
+        object.__setattr__(forged, field, value)
+        for settle in (r.complete_message, r.renew_message_lock, r.abandon_message):
+            with pytest.raises(CLEAN, match=field):
+                settle(forged)
+        r.complete_message(m)  # the real one still holds its lock
+    assert _total(ns) == 0
+
+
+def test_list_queue_sessions_checks_its_name(ns: Namespace) -> None:
+    for bad in (None, 5, b"q", ["q"]):
+        with pytest.raises(TypeError, match="queue name must be a str"):
+            ns.list_queue_sessions(bad)  # type: ignore[arg-type]
+
+
+def test_non_ascii_application_properties_count_their_utf8_size(ns: Namespace) -> None:
+    """Sizes counted the \\u-escaped JSON: 120 KB of emoji as a property was refused as 360 KB (the limit is 256 KB)."""
+    ns.create_queue("q")
+    text = "\U0001f600" * 30_000  # 120,000 bytes of UTF-8
+    m = Message("", application_properties={"p": text})
+    assert m.size_in_bytes < 121_000
+    with ns.get_queue_sender("q") as s:
+        s.send_messages(m)
+    with ns.get_queue_receiver("q") as r:
+        (got,) = drain(r, 1)
+    assert got.application_properties == {"p": text}
