@@ -84,6 +84,12 @@ def _as_properties(cls: type[EntityProperties], value: object, overrides: dict[s
             raise InvalidOperationError(
                 f"a {cls.__name__} dict needs 'name' and only its fields; unknown: {', '.join(sorted(map(str, unknown)))}"
             )
+        missing = known - set(value)
+        if missing:  # as the SDK: a dict stands for a whole properties object; a missing field would reset it silently
+            raise InvalidArgumentTypeError(
+                f"a {cls.__name__} dict needs all its fields (missing: {', '.join(sorted(missing))}); to change some, "
+                f"pass the current properties with keywords: update_{cls.entity_type}(get_{cls.entity_type}(...), field=value)"
+            )
         props = cls(**dict(value))
     else:
         raise InvalidArgumentTypeError(f"expected {cls.__name__} or a dict of its fields, got {type(value).__name__}")

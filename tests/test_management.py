@@ -366,7 +366,7 @@ def test_update_with_a_name_that_is_not_a_string_is_refused(ns: Namespace, name:
     """A name of the wrong type in update_queue's dict or properties raises InvalidArgumentTypeError (a TypeError)."""
     ns.create_queue("q")
     with pytest.raises(InvalidArgumentTypeError):
-        ns.update_queue({"name": name, "max_delivery_count": 3})
+        ns.update_queue({**dict(ns.get_queue("q")), "name": name, "max_delivery_count": 3})
     with pytest.raises(InvalidArgumentTypeError):
         ns.update_queue(dataclasses.replace(ns.get_queue("q"), name=name, max_delivery_count=3))
     assert ns.get_queue("q").max_delivery_count == 10
@@ -585,7 +585,7 @@ def test_names_in_another_case_find_the_entity_as_stored(ns: Namespace) -> None:
         r.complete_messages(drain(r, 1))
     with ns.get_subscription_receiver("EVENTS", "audit") as r:
         assert [str(m) for m in drain(r, 1)] == ["event"]  # $Default and "everything" match: one copy between them
-    ns.update_queue({"name": "ORDERS", "max_delivery_count": 3})
+    ns.update_queue({**dict(ns.get_queue("orders")), "name": "ORDERS", "max_delivery_count": 3})
     assert [(q.name, q.max_delivery_count) for q in ns.list_queues()] == [("Orders", 3)]
     ns.delete_subscription("EVENTS", "AUDIT")  # its rules go with it
     ns.create_subscription("Events", "Audit")
@@ -662,3 +662,13 @@ def test_a_namespace_removed_under_an_open_handle_is_not_recreated_by_its_next_c
         with pytest.raises(EntityNotFoundError):
             ns.get_queue_sender("q").send_messages(Message("x"))
     assert [p for p in root.rglob("*") if p.is_file()] == []  # nothing written again (empty directories at most)
+
+
+def test_an_update_from_a_partial_dict_is_refused_and_changes_nothing(ns: Namespace) -> None:
+    """As the SDK: a dict stands for a whole properties object. Before, the missing settings were reset to defaults."""
+    ns.create_queue("q", lock_duration=timedelta(seconds=30), user_metadata="keep", enable_partitioning=False)
+    with pytest.raises(InvalidArgumentTypeError, match="missing: "):
+        ns.update_queue({"name": "q", "max_delivery_count": 3})
+    ns.update_queue({**dict(ns.get_queue("q")), "max_delivery_count": 3})
+    got = ns.get_queue("q")
+    assert (got.max_delivery_count, got.lock_duration, got.user_metadata) == (3, timedelta(seconds=30), "keep")

@@ -8,7 +8,7 @@ fan-out never raises for one subscription's rule, and no accepted value breaks n
 from __future__ import annotations
 
 import math
-from datetime import datetime, timedelta, timezone
+from datetime import UTC, datetime, timedelta, timezone
 from typing import Any
 
 import pytest
@@ -267,7 +267,7 @@ def test_pandas_durations_and_times_are_taken_to_the_microsecond_or_refused(ns: 
     """A 1 ns Timedelta passed 'positive' and was stored as 0 (every message then expired); NaT broke the send."""
     pd = pytest.importorskip("pandas")
     for field in ("default_message_time_to_live", "duplicate_detection_history_time_window"):
-        with pytest.raises(SparkQueueError, match="positive|at least"):
+        with pytest.raises(SparkQueueError, match=r"positive|at least"):
             ns.create_queue(f"q-{field[:7]}", **{field: pd.Timedelta(1, "ns")})
     with pytest.raises(SparkQueueError, match="point in time"):
         Message("x", scheduled_enqueue_time_utc=pd.NaT)
@@ -281,7 +281,7 @@ def test_pandas_durations_and_times_are_taken_to_the_microsecond_or_refused(ns: 
         (seq,) = s.schedule_messages(Message("x"), pd.Timestamp("2100-01-01 00:00:00.000000999", tz="UTC"))
     with ns.get_queue_receiver("q") as r:
         (m,) = peek_all(r)
-    assert m.sequence_number == seq and m.scheduled_enqueue_time_utc == datetime(2100, 1, 1, tzinfo=timezone.utc)
+    assert m.sequence_number == seq and m.scheduled_enqueue_time_utc == datetime(2100, 1, 1, tzinfo=UTC)
     assert _total(ns) == 1
 
 
@@ -310,7 +310,13 @@ def test_a_status_only_the_service_reports_cannot_be_set(ns: Namespace, status: 
 
 @pytest.mark.parametrize(
     ("field", "value"),
-    [("sequence_number", 2**70), ("sequence_number", "1"), ("sequence_number", None), ("lock_token", 123), ("lock_token", "\udc80")],
+    [
+        ("sequence_number", 2**70),
+        ("sequence_number", "1"),
+        ("sequence_number", None),
+        ("lock_token", 123),
+        ("lock_token", "\udc80"),
+    ],
 )
 def test_settling_a_message_whose_fields_were_changed_is_a_clean_error_and_keeps_the_lock(
     ns: Namespace, field: str, value: object
