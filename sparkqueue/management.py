@@ -208,11 +208,15 @@ class Management:
         name = self.broker.canonical(entity_type, name)  # a name in another case updates the entity as stored
         props = dataclasses.replace(props, name=Address.of(entity_type, name).leaf)
         entity = self.broker.entity(entity_type, name)
-        props = check_update(self._get(entity_type, name), props, self.broker.tier)
+        entry = self.broker.entry(entity_type, name)
+        props = check_update(PROPERTY_TYPES[entity_type].from_json(entry.properties), props, self.broker.tier)
         self._require_all_partitions(entity, f"update {entity_type} {name!r}")
-        if not self.broker.catalog.update(Address.of(entity_type, name).key, props.to_json(), self.broker.deadline()):
-            raise EntityNotFoundError(f"{entity_type} {name!r} does not exist")
-        self.broker.forget(Address.of(entity_type, name).key)
+        # Checked against this entry's settings: the change applies only while the key still names its table, so
+        # an entity deleted and made again meanwhile (other fixed settings) is not rewritten with these.
+        key = Address.of(entity_type, name).key
+        if not self.broker.catalog.update(key, props.to_json(), self.broker.deadline(), entry.table_path):
+            raise EntityNotFoundError(f"{entity_type} {name!r} does not exist (it was deleted meanwhile)")
+        self.broker.forget(key)
 
     def _delete_entries(self, entity_type: str, name: str) -> CatalogEntry:
         """Delete an entity's catalog entry and its children's (subscriptions, rules) in one commit."""
@@ -593,10 +597,13 @@ def _stored_rule(flt: Any, action: Any) -> tuple[RuleFilter, SqlRuleAction | Non
         )
     if action is not None and not isinstance(action, SqlRuleAction):
         raise InvalidArgumentTypeError(f"action must be a SqlRuleAction or None, got {type(action).__name__}")
-    _check_utf8(flt.to_dict(), "the rule's filter")
-    if action is not None:
-        _check_utf8(action.to_dict(), "the rule's action")
-    return filter_from_dict(flt.to_dict()), action_from_dict(action.to_dict()) if action is not None else None
+    rebuilt = filter_from_dict(flt.to_dict())
+    _check_utf8(rebuilt.to_dict(), "the rule's filter")
+    if action is None:
+        return rebuilt, None
+    rebuilt_action = action_from_dict(action.to_dict())
+    _check_utf8(rebuilt_action.to_dict(), "the rule's action")
+    return rebuilt, rebuilt_action
 
 
 def _check_utf8(description: Mapping[str, Any], what: str) -> None:

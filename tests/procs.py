@@ -23,6 +23,7 @@ from sparkqueue.errors import (
     MessageLockLostError,
     QuotaExceededError,
     SessionLockLostError,
+    SparkQueueError,
 )
 from sparkqueue.receiver import Receiver, ReceiverSession
 
@@ -264,6 +265,45 @@ def send_timed(root: str, queue: str, barrier: Any, results: Any, worker: int, c
             seqs = sender.send_messages([Message(i, message_id=i, partition_key=key) for i in ids])
             calls.append((began, time.time(), ids, seqs))
     results.put((worker, calls))
+
+
+def send_while_recreated(root: str, queue: str, barrier: Any, results: Any, worker: int, seconds: float) -> None:
+    """Send one message at a time for `seconds`; reports (worker, [(start time, message id, outcome)]) on one clock.
+
+    The outcome is "ok" for an acknowledged send, else the error's class name.
+    """
+    calls: list[tuple[float, str, str]] = []
+    with Namespace(root) as ns, ns.get_queue_sender(queue) as sender:
+        _wait(barrier)
+        stop = time.time() + seconds
+        i = 0
+        while time.time() < stop:
+            i += 1
+            began = time.time()
+            try:
+                sender.send_messages(Message("x", message_id=f"w{worker}-{i}"))
+                calls.append((began, f"w{worker}-{i}", "ok"))
+            except SparkQueueError as exc:
+                calls.append((began, f"w{worker}-{i}", type(exc).__name__))
+            time.sleep(0.003)
+    results.put((worker, calls))
+
+
+def recreate_queue(root: str, queue: str, barrier: Any, results: Any, worker: int, cycles: int, pause_s: float) -> None:
+    """Delete and create the queue again `cycles` times; after each, wait and record (created at, checked at, ids it holds)."""
+    windows: list[tuple[float, float, list[str]]] = []
+    with Namespace(root) as ns:
+        _wait(barrier)
+        time.sleep(pause_s)
+        for _ in range(cycles):
+            ns.delete_queue(queue)
+            ns.create_queue(queue, enable_partitioning=False)
+            created = time.time()
+            time.sleep(pause_s)
+            checked = time.time()
+            with ns.get_queue_receiver(queue) as r:
+                windows.append((created, checked, [m.message_id for m in peek_all(r)]))
+    results.put((worker, windows))
 
 
 def send_ids(

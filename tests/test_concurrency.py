@@ -575,3 +575,36 @@ def test_killed_process_loses_nothing_and_its_locks_lapse(root: str, tmp_path: P
     assert all(len(ks) == batch for ks in batches.values()), "a batch was stored in part"
     assert locked_by_child <= ids
     assert all(delivery_counts[mid] >= 1 for mid in locked_by_child), "the dead child's deliveries were not counted"
+
+
+def test_sends_racing_a_queue_deleted_and_made_again_by_another_process_are_never_acknowledged_and_lost(root: str) -> None:
+    """A send that starts after the queue was made again lands in the new queue; none is acknowledged into the old one.
+
+    Sends racing the delete itself may fail with EntityNotFoundError; a sender whose cached table was
+    deleted looks the queue up again and sends once more.
+
+    Before, a sender's cached table took the commit (put-if-absent made the deleted table's
+    directories again): the send was acknowledged and the message was in no queue.
+    """
+    with Namespace(root) as ns:
+        ns.create_queue("q", enable_partitioning=False)
+    out = dict(
+        _run_mixed(
+            [
+                (procs.send_while_recreated, lambda i, b, r: (root, "q", b, r, i, 7.0)),
+                (procs.recreate_queue, lambda i, b, r: (root, "q", b, r, i, 4, 1.2)),
+            ]
+        )
+    )
+    calls, windows = out[0], out[1]
+    assert {outcome for _, _, outcome in calls} <= {"ok", "EntityNotFoundError"}
+    checked = 0
+    for created, peeked, held in windows:
+        after = [(mid, outcome) for began, mid, outcome in calls if created < began < peeked - 0.2]
+        assert {outcome for _, outcome in after} == {"ok"}, "a send that began after the queue was made again failed"
+        lost = sorted({mid for mid, _ in after} - set(held))
+        assert lost == [], f"acknowledged after the queue was made again, not in it: {lost[:5]}"
+        checked += len(after)
+    assert checked > 20  # the sender kept going through the cycles
+    with Namespace(root) as ns:
+        assert ns.check() == []

@@ -282,6 +282,29 @@ def test_an_entry_a_listing_missed_while_it_was_committed_is_found_by_listing_ag
     assert loaded.version == snap.version
 
 
+class _ListingAlwaysMissing(LocalStore):
+    """A directory whose every listing of the log misses one entry (listings during a burst of commits can, several in a row)."""
+
+    def __init__(self, root: str, hidden: str) -> None:
+        super().__init__(root)
+        self.hidden = hidden
+
+    def list(self, prefix: str = "") -> list[Entry]:
+        return [e for e in super().list(prefix) if e.path.rpartition("/")[2] != self.hidden]
+
+
+def test_an_entry_every_listing_misses_is_looked_up_by_name_before_it_is_called_missing(table: EntityTable) -> None:
+    """Four listings in a row missed entries under three busy writers: the namespace then failed to open as damaged."""
+    snap = table.snapshot()
+    for p in range(3):
+        table.log.commit(snap, [table.data.write(p, _rows(p, 1, 1))], [], [Fence(f"sparkqueue.seq.{p}", 1)])
+    hidden = f"{snap.version - 1:020d}.json"
+    assert DeltaLog(_ListingAlwaysMissing(table.uri, hidden), FileIndex).load().version == snap.version
+    os.unlink(Path(table.uri, "_delta_log", hidden))  # gone for real: damage, reported
+    with pytest.raises(StorageCorruptedError, match="missing"):
+        DeltaLog(_ListingAlwaysMissing(table.uri, hidden), FileIndex).load()
+
+
 def test_tables_with_features_sparkqueue_cannot_write_are_refused(tmp_path: Path) -> None:
     uri = str(tmp_path / "dv")
     DeltaTable.create(

@@ -672,3 +672,34 @@ def test_an_update_from_a_partial_dict_is_refused_and_changes_nothing(ns: Namesp
     ns.update_queue({**dict(ns.get_queue("q")), "max_delivery_count": 3})
     got = ns.get_queue("q")
     assert (got.max_delivery_count, got.lock_duration, got.user_metadata) == (3, timedelta(seconds=30), "keep")
+
+
+def test_an_update_racing_a_delete_and_create_of_its_queue_does_not_rewrite_the_new_queue(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The update's checks read one catalog entry; its commit applies only while the name still names that table.
+
+    Before, the new queue (partitioned, with sessions) got the old one's fixed settings, and the
+    messages of 15 of its partitions could no longer be reached.
+    """
+    from sparkqueue.storage.catalog import Catalog
+
+    root = tmp_path / "ns"
+    ns = Namespace(root)
+    ns.create_queue("q", enable_partitioning=False)
+    props = ns.get_queue("q")
+    real = Catalog.update
+
+    def another_client_first(self: Catalog, *args: Any, **kwargs: Any) -> bool:
+        with Namespace(root) as other:  # between the update's checks and its catalog commit
+            other.delete_queue("q")
+            other.create_queue("q", requires_session=True)
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(Catalog, "update", another_client_first)
+    with pytest.raises(EntityNotFoundError, match="deleted meanwhile"):
+        ns.update_queue(props, max_delivery_count=3)
+    monkeypatch.undo()
+    with Namespace(root) as fresh:
+        got = fresh.get_queue("q")
+    assert (got.enable_partitioning, got.requires_session, got.max_delivery_count) == (True, True, 10)

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import pyarrow as pa
 
 from sparkqueue.broker.transaction import Transaction, open_transaction
-from sparkqueue.errors import EntityNotFoundError, InvalidOperationError, SparkQueueError
+from sparkqueue.errors import EntityNotFoundError, InvalidOperationError, SparkQueueError, StorageCorruptedError
 from sparkqueue.model import lifecycle, limits
 from sparkqueue.model.addresses import QUEUE, RULE, SUBSCRIPTION, TOPIC, Address
 from sparkqueue.model.deadlines import effective
@@ -37,7 +37,7 @@ from sparkqueue.model.sessions import SessionLock, Sessions
 from sparkqueue.model.topics import Rule, Subscriber, fan_out, without_markers
 from sparkqueue.storage.catalog import Catalog, CatalogEntry
 from sparkqueue.storage.faults import FaultInjector
-from sparkqueue.storage.log import Fence
+from sparkqueue.storage.log import Fence, TableDeletedError
 from sparkqueue.storage.retry import Deadline
 from sparkqueue.storage.schema import ANY_SUBSCRIPTION
 from sparkqueue.storage.store import Store, check_storage_options, open_store, resolve_root
@@ -192,7 +192,8 @@ class Broker:
         key = Address.of(entity_type, name).key
         with self.lock:
             cached = self.cache.get(key)
-            if cached is not None and time.monotonic() - cached.loaded_at < PROPERTIES_TTL_S:
+            fresh = cached is not None and time.monotonic() - cached.loaded_at < PROPERTIES_TTL_S
+            if cached is not None and fresh and not cached.entity.table.deleted:
                 return cached.entity
         entry = self.entry(entity_type, name)
         name = Address.parse(entry.name).name  # as stored, when `name` differs in case
@@ -371,11 +372,33 @@ class Broker:
                 raise InvalidOperationError("an idempotent send cannot join a transaction")
             tx.add_send(entity_type, name, rows, keys)
             return rows.slice(0, 0)
-        entity = self.entity(entity_type, name)
-        stored = without_markers(entity.send(rows, keys, self.expander(entity_type, name), once))
+        try:
+            stored = self._send_once(entity_type, name, rows, keys, once)
+        except (TableDeletedError, StorageCorruptedError) as exc:
+            if not isinstance(exc, TableDeletedError) and not self._stale(entity_type, name):
+                raise  # damage in the table the catalog still names
+            # deleted under a cached handle (half-deleted tables read as damaged), maybe made again: once more, afresh
+            self.forget(Address.of(entity_type, name).key)
+            stored = self._send_once(entity_type, name, rows, keys, once)
         if stored.num_rows:
             self.after_send(entity_type, name, sorted({partition_of(s) for s in stored.column("sequence_number").to_pylist()}))
         return stored
+
+    def _stale(self, entity_type: str, name: str) -> bool:
+        """True when the catalog no longer names the table this broker holds for the entity (deleted, maybe made again)."""
+        with self.lock:
+            cached = self.cache.get(Address.of(entity_type, name).key)
+        if cached is None:
+            return False
+        try:
+            return self.entry(entity_type, name).table_path != cached.table_path
+        except EntityNotFoundError:
+            return True
+
+    def _send_once(self, entity_type: str, name: str, rows: pa.Table, keys: Sequence[str | None], once: Fence | None) -> pa.Table:
+        """Store rows in the entity as this broker knows it (a topic's fanned out); the stored messages, markers left out."""
+        entity = self.entity(entity_type, name)
+        return without_markers(entity.send(rows, keys, self.expander(entity_type, name), once))
 
     def after_send(self, entity_type: str, name: str, stored_partitions: list[int]) -> None:
         """Forward what a send just stored, when the queue or any of the topic's subscriptions forwards."""

@@ -231,11 +231,13 @@ class Catalog:
 
         return self._change(change, deadline, f"create {entries[0].name}")
 
-    def update(self, key: str, properties: str, deadline: Deadline) -> bool:
-        """Replace the settings of a key; False when it does not exist."""
+    def update(self, key: str, properties: str, deadline: Deadline, table_path: str | None = None) -> bool:
+        """Replace the settings of a key; False when it does not exist (or, with `table_path`, no longer names that table)."""
 
         def change(rows: pa.Table) -> tuple[pa.Table | None, bool]:
             hit = pc.equal(rows.column("name"), key)
+            if table_path is not None:
+                hit = pc.and_(hit, pc.equal(rows.column("table_path"), table_path))
             if not pc.any(hit).as_py():
                 return None, False
             now = pa.scalar(datetime.now(UTC), CATALOG_SCHEMA.field("updated_at_utc").type)

@@ -36,6 +36,7 @@ LOG_DIR = "_delta_log"
 CLIENT_VERSION = "sparkqueue"
 MAX_REBASES = 256
 LOAD_ATTEMPTS = 4
+MAX_UNLISTED = 8  # entries a listing left out that a load looks up by name before it reports a gap
 _ENTRY = re.compile(r"^(\d{20})\.(json|checkpoint\.parquet|checkpoint\.(\d+)\.(\d+)\.parquet)$")
 # What sparkqueue writes correctly: plain Parquet files with add/remove/txn actions, no deletion
 # vectors, no column mapping, no change data feed, no row tracking.
@@ -230,11 +231,11 @@ class DeltaLog:
         A listed entry that a concurrent trimmer deleted (a newer checkpoint exists), or a gap in one
         listing, means listing again.
         """
-        for _ in range(LOAD_ATTEMPTS - 1):
+        for attempt in range(LOAD_ATTEMPTS - 1):
             try:
                 return self._load()
             except (_Trimmed, _Gap):
-                continue
+                time.sleep(0.005 * 2**attempt)  # a writer or trimmer is at work: list again a moment later
         try:
             return self._load()
         except _Gap as gap:
@@ -265,6 +266,8 @@ class DeltaLog:
         newest = max(jsons | set(complete))
         base = max((v for v in complete if v <= newest), default=-1)
         missing = [v for v in range(base + 1, newest + 1) if v not in jsons]
+        # A listing taken while entries are being written can skip some: ask for a few by name before calling it a gap.
+        missing = missing if len(missing) > MAX_UNLISTED else [v for v in missing if not self.store.exists(_entry_path(v))]
         if missing:
             raise _Gap(
                 f"table {self.store.uri}: log entries {_ranges(missing)} are missing "
@@ -299,7 +302,7 @@ class DeltaLog:
             try:
                 actions = self._entry(v)
             except FileNotFoundError:
-                if self.store.exists(f"{LOG_DIR}/{v + 1:020d}.json"):
+                if self.store.exists(_entry_path(v + 1)):
                     return self._reload(snap)
                 break
             snap.apply(v, self._readable(actions, v))
@@ -315,7 +318,7 @@ class DeltaLog:
 
     def _entry(self, version: int) -> list[dict[str, Any]]:
         """The actions of one JSON entry; FileNotFoundError when absent, StorageCorruptedError when unreadable."""
-        path = f"{LOG_DIR}/{version:020d}.json"
+        path = _entry_path(version)
         data = self.store.get(path)
         try:
             actions = [json.loads(line) for line in data.decode("utf-8").splitlines() if line.strip()]
@@ -455,8 +458,8 @@ class DeltaLog:
                 self._check_fresh(snap)
                 _check_unmoved(snap, base_meta, removed, expected)
                 version = snap.version + 1
-                if put(f"{LOG_DIR}/{version:020d}.json"):
-                    if version > 0 and not self.store.exists(f"{LOG_DIR}/{version - 1:020d}.json") and self._alone(version):
+                if put(_entry_path(version)):
+                    if version > 0 and not self.store.exists(_entry_path(version - 1)) and self._alone(version):
                         break  # the table was deleted under this handle: withdrawn below, once the staged name is gone
                     snap.apply(version, actions)
                     self._after(snap)
@@ -466,7 +469,7 @@ class DeltaLog:
             else:
                 raise CommitConflict(f"the commit lost {MAX_REBASES} races in a row")
         self._withdraw(version, adds)
-        raise EntityNotFoundError(f"table {self.store.uri} was deleted while in use; nothing was stored")
+        raise TableDeletedError(f"table {self.store.uri} was deleted while in use; nothing was stored")
 
     def _alone(self, version: int) -> bool:
         """True when the entry just written is the log's only one: the table was deleted (the entry before it is gone).
@@ -480,7 +483,7 @@ class DeltaLog:
 
     def _withdraw(self, version: int, adds: Sequence[AddFile]) -> None:
         """Remove what a commit into a deleted table made again (its files, its entry, the directories): nothing reads them."""
-        for path in [*(a.path for a in adds), f"{LOG_DIR}/{version:020d}.json"]:
+        for path in [*(a.path for a in adds), _entry_path(version)]:
             with contextlib.suppress(OSError, StorageError):
                 self.store.delete(path)
         local = self.store.local_path("")
@@ -488,6 +491,15 @@ class DeltaLog:
             for folder, _, _ in sorted(os.walk(local), key=lambda w: -len(w[0])):
                 with contextlib.suppress(OSError):
                     os.rmdir(folder)
+
+
+def _entry_path(version: int) -> str:
+    """Where log entry `version` lives in the table's store."""
+    return f"{LOG_DIR}/{version:020d}.json"
+
+
+class TableDeletedError(EntityNotFoundError):
+    """A commit found its table deleted under the handle (its entity was deleted, maybe made again): nothing was stored."""
 
 
 def _unreadable_protocol(protocol: Mapping[str, Any]) -> list[str]:

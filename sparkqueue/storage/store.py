@@ -196,6 +196,8 @@ class LocalStore(Store):
             if tmp is not None:
                 try:
                     os.unlink(tmp)
+                except FileNotFoundError:  # the table was deleted meanwhile (DeltaLog.commit withdraws the entry)
+                    pass
                 except OSError as exc:  # a leftover temporary name is harmless (vacuum): never fail a commit for it
                     log.warning("could not remove %s: %s", tmp, exc)
 

@@ -28,7 +28,16 @@ from sparkqueue.storage.checkpoint import trim_log, write_checkpoint
 from sparkqueue.storage.faults import FaultInjector
 from sparkqueue.storage.files import FILE_SCHEMA, MAX_FILE_ROWS, DataFiles, file_rows, remove_action
 from sparkqueue.storage.index import FileIndex, FileInfo
-from sparkqueue.storage.log import AddFile, CommitConflict, DeltaLog, Fence, RemoveFile, Snapshot, checkpoint_interval
+from sparkqueue.storage.log import (
+    AddFile,
+    CommitConflict,
+    DeltaLog,
+    Fence,
+    RemoveFile,
+    Snapshot,
+    TableDeletedError,
+    checkpoint_interval,
+)
 from sparkqueue.storage.schema import (
     ANY_SUBSCRIPTION,
     ENTITY_SCHEMA,
@@ -107,6 +116,7 @@ class EntityTable:
         self.uri = uri.rstrip("/")
         self.partition_count = partition_count
         self.max_partition_bytes: int | None = None  # the entity's size quota per partition
+        self.deleted = False  # a commit found the table deleted under this handle (TableDeletedError)
         self.faults = faults or FaultInjector()
         self.storage_options = dict(storage_options or {})
         self.store: Store = open_store(self.uri, self.storage_options)
@@ -184,6 +194,9 @@ class EntityTable:
             return self.log.commit(snap, adds, removes, fences, seen, operation)
         except CommitConflict:
             self.data.delete([a.path for a in adds])
+            raise
+        except TableDeletedError:
+            self.deleted = True  # handles cached on this table are stale: the broker looks the entity up again
             raise
 
     def _damaged(self, path: str, what: str) -> Exception:
