@@ -64,6 +64,7 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 DEFAULT_RULE = "$Default"
+ENTITIES_DIR = "entities"  # entity tables live in entities/<type>-<uuid> under the root
 
 
 def rule_entity_name(topic_name: str, subscription_name: str, rule: str) -> str:
@@ -145,7 +146,7 @@ class Management:
         """Create a queue or topic: its own Delta table, then its catalog entry."""
         props = build_properties(PROPERTY_TYPES[entity_type], name, self.broker.tier, settings)
         self._check_entity_quota(props)  # before the table is made; checked again in the catalog commit
-        table_path = f"entities/{entity_type}-{uuid.uuid4().hex}"  # relative: the namespace can move
+        table_path = f"{ENTITIES_DIR}/{entity_type}-{uuid.uuid4().hex}"  # relative: the namespace can move
         try:
             EntityTable.create(self.broker.table_uri(table_path), self.broker.storage_options)
             self._create_entry(
@@ -515,7 +516,15 @@ class Management:
                 report.rows_dropped,
             )
         reports["catalog"] = maintenance.maintain_catalog(self.broker.catalog, vacuum_retention if vacuum else None)
+        if vacuum:
+            reports["orphan tables"] = maintenance.remove_orphan_tables(
+                self.broker.store, ENTITIES_DIR, self._table_paths, vacuum_retention
+            )
         return reports
+
+    def _table_paths(self) -> set[str]:
+        """The entity tables the catalog names now (a subscription's is its topic's)."""
+        return {e.table_path.partition("#")[0] for e in self.broker.catalog.entries() if e.table_path}  # "<topic table>#<key>"
 
     def _maintain(self, entity_type: str, name: str, vacuum_retention: timedelta | None) -> maintenance.MaintenanceReport:
         """Compact, checkpoint and (when a retention is given) vacuum one queue's or topic's table."""

@@ -284,6 +284,32 @@ def _removals(table: MaintainedTable) -> dict[str, float]:
     return out
 
 
+def remove_orphan_tables(root: Store, folder: str, live: Callable[[], set[str]], retention: timedelta) -> MaintenanceReport:
+    """Delete entity tables under `folder` that no catalog entry names, once all their files are old.
+
+    A process killed between making an entity's table and recording it in the catalog (or between
+    dropping the record and the table) leaves such a table. The folders are listed before `live`
+    reads the catalog, so a table recorded meanwhile counts as live; one being made now is newer
+    than ORPHAN_RETENTION (a create records its table within seconds) and stays.
+    """
+    report = MaintenanceReport()
+    prefix = folder.rstrip("/") + "/"
+    candidates = root.folders(prefix)
+    named = live()
+    keep_after = time.time() - max(retention, ORPHAN_RETENTION).total_seconds()
+    for table in candidates:
+        if table in named:
+            continue
+        files = root.list(table + "/")
+        if any(e.mtime_s >= keep_after for e in files):
+            continue
+        for e in sorted(files, key=lambda e: e.path.startswith(f"{table}/{LOG_DIR}/")):  # the log last, as a delete does
+            root.delete(e.path)
+        report.vacuumed_files += len(files)
+        log.info("removed table %s: no catalog entry names it (%d files)", table, len(files))
+    return report
+
+
 def maintain_catalog(catalog: MaintainedTable, vacuum_retention: timedelta | None) -> MaintenanceReport:
     """Checkpoint the namespace catalog, trim its log behind the checkpoint and (with a retention) vacuum it.
 

@@ -90,6 +90,12 @@ class Store(ABC):
     def list(self, prefix: str = "") -> list[Entry]:
         """Objects under a prefix (recursively); empty when there are none."""
 
+    def folders(self, prefix: str) -> builtins.list[str]:
+        """The folders directly under `prefix` (a folder path ending in '/'), as store paths without the trailing '/'."""
+        return sorted(
+            {prefix + e.path[len(prefix) :].split("/", 1)[0] for e in self.list(prefix) if "/" in e.path[len(prefix) :]}
+        )
+
     @abstractmethod
     def delete(self, path: str) -> None:
         """Remove an object; a missing one is not an error."""
@@ -217,6 +223,12 @@ class LocalStore(Store):
                 self._scan(base, base[len(self.root) :].lstrip("/"), out)
         return out
 
+    def folders(self, prefix: str) -> builtins.list[str]:
+        """The sub-directories of `prefix`: one directory read, not a walk of the tree."""
+        with _translate(self.uri, prefix), contextlib.suppress(FileNotFoundError), os.scandir(self._path(prefix)) as it:
+            return sorted(prefix + e.name for e in it if e.is_dir(follow_symlinks=False))
+        return []
+
     def _scan(self, folder: str, rel: str, out: builtins.list[Entry]) -> None:
         """Append the files below `folder` (named `rel` in the store) to `out`, recursively."""
         with contextlib.suppress(FileNotFoundError), os.scandir(folder) as it:  # a folder removed while listing
@@ -317,6 +329,14 @@ class ObjectStore(Store):
                 for batch in obstore.list(self._store, prefix or None)
                 for m in batch
             ]
+
+    def folders(self, prefix: str) -> builtins.list[str]:
+        """The common prefixes under `prefix`: one delimited listing, not a listing of every object."""
+        import obstore
+
+        with _translate(self.uri, prefix):
+            found = obstore.list_with_delimiter(self._store, prefix or None)
+        return sorted(p.rstrip("/") for p in found["common_prefixes"])
 
     def delete(self, path: str) -> None:
         import obstore
