@@ -153,7 +153,10 @@ class Management:
                 entity_type, name, props, table_path, require=lambda entries: self._check_entity_quota(props, entries)
             )
         except BaseException:
-            self._remove_table(table_path)
+            try:
+                self._remove_table(table_path)
+            except Exception as cleanup:  # the store may be what failed: the create's own error is the one to report
+                log.warning("could not remove the table of the failed create (maintenance removes it later): %s", cleanup)
             raise
         return props
 

@@ -40,7 +40,7 @@ from sparkqueue.storage.faults import FaultInjector
 from sparkqueue.storage.log import Fence, TableDeletedError
 from sparkqueue.storage.retry import Deadline
 from sparkqueue.storage.schema import ANY_SUBSCRIPTION
-from sparkqueue.storage.store import Store, check_storage_options, open_store, resolve_root
+from sparkqueue.storage.store import Store, check_storage_options, open_store, resolve_root, with_deadline_options
 from sparkqueue.storage.table import EntityTable, Expand, partition_of
 
 log = logging.getLogger(__name__)
@@ -110,7 +110,7 @@ class Broker:
         self.root = resolve_root(root)
         asked = None if tier is None else limits.check_tier(tier)
         self.operation_timeout = limits.check_seconds(operation_timeout, "operation_timeout")  # finite: NaN never expires
-        self.storage_options = check_storage_options(storage_options)
+        self.storage_options = with_deadline_options(self.root, check_storage_options(storage_options), self.operation_timeout)
         self.store: Store = open_store(self.root, self.storage_options)
         self.catalog = Catalog(self.store, self.storage_options)
         marker = self.catalog.open({"tier": asked or limits.STANDARD})

@@ -28,6 +28,7 @@ from sparkqueue.cli import ops, render
 from sparkqueue.errors import SparkQueueError
 from sparkqueue.model.addresses import TOPIC
 from sparkqueue.receiver import Receiver
+from sparkqueue.storage.store import resolve_root
 
 DEFAULT_ROOT = "./sparkqueue-data"
 
@@ -104,9 +105,8 @@ class State:
         """Open the namespace; only `create` commands may create a missing local root."""
         if not self.root.strip():
             raise CliError("the namespace root is empty: pass --root PATH or set SPARKQUEUE_ROOT")
-        if "://" not in self.root and Path(self.root).resolve() == Path(Path(self.root).resolve().anchor):
-            raise CliError(f"namespace root {self.root!r} is the filesystem root: choose a directory for the namespace")
-        if not create and "://" not in self.root and not Path(self.root).is_dir():
+        root = resolve_root(self.root)  # a bad root raises InvalidOperationError, reported as any library error
+        if not create and "://" not in root and not Path(root).is_dir():
             raise CliError(
                 f"namespace root {self.root!r} does not exist: pass --root PATH or set SPARKQUEUE_ROOT "
                 "(`sparkqueue create ...` creates it)"

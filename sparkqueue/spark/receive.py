@@ -33,8 +33,8 @@ import pyarrow.compute as pc
 from pyspark.sql import DataFrame, SparkSession
 from pyspark.sql import functions as sf
 
-from sparkqueue.errors import PartitionUnavailableError
-from sparkqueue.model import limits
+from sparkqueue.errors import PartitionUnavailableError, SparkQueueError
+from sparkqueue.model import lifecycle, limits
 from sparkqueue.model.entity import Entity, utcnow
 from sparkqueue.spark.schema import ENTITY_FILE_SPARK, received_from_entity_rows
 from sparkqueue.spark.session import active_session, spark_errors, task_count
@@ -107,7 +107,31 @@ def receive_dataframe(
         time.sleep(min(poll, max(0.0, give_up - time.monotonic())))
         poll = min(POLL_MAX_S, poll * 2)
     log.info("received %d of %d messages from %s into %s", got, want, job.ref.name, job.staging.uri)
-    return read_staged(session, job, utcnow())
+    try:
+        return read_staged(session, job, utcnow())
+    except BaseException:
+        give_back(entity, job)
+        raise
+
+
+def give_back(entity: Entity, job: ReceiveJob) -> None:
+    """After a receive whose DataFrame could not be made: release its locks without counting a delivery.
+
+    RECEIVE_AND_DELETE messages are gone from the queue already; their staged files are kept and named in the log.
+    """
+    if job.delete:
+        log.error("the messages received and deleted by this call are in %s (the DataFrame failed)", job.staging.uri)
+        return
+    held = [job.staging.read_file(name, ["sequence_number", "lock_token"]) for name in job.staging.names()]
+    rows = pa.concat_tables(held) if held else None
+    if rows is None or rows.num_rows == 0:
+        return
+    rows = rows.filter(pc.is_valid(rows.column("lock_token")))
+    items = list(zip(rows.column("sequence_number").to_pylist(), rows.column("lock_token").to_pylist(), strict=True))
+    try:
+        entity.settle(job.sub_queue, items, lifecycle.RELEASE)
+    except SparkQueueError as exc:  # the locks lapse at expiry instead
+        log.warning("could not release the %d locks of a failed receive: %s", len(items), exc)
 
 
 def read_staged(spark: SparkSession, job: ReceiveJob, now: datetime) -> DataFrame:

@@ -185,7 +185,8 @@ def jvm_writable(df: DataFrame, plan: SendPlan, entity_type: str) -> bool:
     table, and a timestamp without time zone a conversion: those take the staged path.
     """
     sched = next((f.dataType for f in df.schema.fields if f.name == "scheduled_enqueue_time_utc"), None)
-    return entity_type == QUEUE and not _may_have_keys(df, plan) and not isinstance(sched, st.TimestampNTZType)
+    local = "://" not in plan.ref.root  # Spark's writer needs the store's Hadoop file system; tasks write through obstore
+    return local and entity_type == QUEUE and not _may_have_keys(df, plan) and not isinstance(sched, st.TimestampNTZType)
 
 
 def send_in_jvm(table: EntityTable, df: DataFrame, plan: SendPlan, inputs: int, deadline: Deadline) -> tuple[int, list[int]]:

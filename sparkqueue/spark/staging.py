@@ -25,6 +25,7 @@ import pyarrow.parquet as pq
 from pyspark.sql import DataFrame, SparkSession
 from pyspark.sql import types as st
 
+from sparkqueue.errors import InvalidOperationError
 from sparkqueue.storage.files import DataFiles, encode_parquet
 
 log = logging.getLogger(__name__)
@@ -66,6 +67,27 @@ def spark_path(uri: str) -> str:
     return f"file://{local_path(uri)}"
 
 
+def require_local_root(root: str, what: str) -> None:
+    """Refuse, before anything is locked or sent, a Spark call that stages files on an object-store namespace.
+
+    Staging directories are written by Python tasks and read by Spark's own reader, which needs
+    the store's Hadoop file system under the same URI; that is not built yet (docs/spark-streaming.md).
+    """
+    if "://" in root and not root.startswith("file:"):
+        raise InvalidOperationError(
+            f"{what} is not supported yet on an object-store namespace ({root}); it works on a local or mounted "
+            "path (e.g. /dbfs/...). On object stores use the core API, send_dataframe or the batch reader"
+        )
+
+
+def _glob_escaped(path: str) -> str:
+    """A path Hadoop's glob matching reads literally: its pattern characters escaped (a root may be named "q[1]")."""
+    return "".join(f"\\{c}" if c in _GLOB_CHARS else c for c in path)
+
+
+_GLOB_CHARS = frozenset("\\*?[]{}")
+
+
 @dataclass(frozen=True)
 class Staging:
     """One staging directory (picklable: tasks write into it)."""
@@ -75,6 +97,7 @@ class Staging:
     @classmethod
     def create(cls, root: str, kind: str) -> Staging:
         """A new, empty staging directory of a kind ("receive", "settle") under the namespace root."""
+        require_local_root(root, f"a Spark {kind}")
         stamp = datetime.now(UTC).strftime(_STAMP)
         if "://" not in root or root.startswith("file:"):
             root = local_path(root)  # absolute: Spark tasks and the returned DataFrame may run in another directory
@@ -150,7 +173,7 @@ class Staging:
 
     def read(self, spark: SparkSession, schema: st.StructType) -> DataFrame:
         """A DataFrame over the directory's files (empty while there are none), tagged with the directory."""
-        df = spark.read.schema(schema).parquet(self.spark_path)
+        df = spark.read.schema(schema).parquet(_glob_escaped(self.spark_path))  # Spark reads a path as a glob pattern
         setattr(df, STAGING_ATTRIBUTE, self.uri)
         return df
 
@@ -162,6 +185,8 @@ class Staging:
 
 def cleanup_staging(root: str, older_than: timedelta = STAGING_RETENTION) -> int:
     """Remove staging directories of a namespace older than `older_than`; returns how many were removed."""
+    if "://" in root and not root.startswith("file:"):
+        return 0  # nothing is staged on object-store namespaces (require_local_root)
     fs, base = filesystem(f"{root.rstrip('/')}/{STAGING_DIR}")
     cutoff = datetime.now(UTC) - older_than
     removed = 0

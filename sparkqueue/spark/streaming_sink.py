@@ -40,7 +40,7 @@ from sparkqueue.message import Message, message_label, to_rows
 from sparkqueue.model.entity import utcnow
 from sparkqueue.model.properties import check_status
 from sparkqueue.spark.session import task_error
-from sparkqueue.spark.staging import Staging, cleanup_staging, filesystem, remove_dirs
+from sparkqueue.spark.staging import Staging, cleanup_staging, filesystem, remove_dirs, require_local_root
 from sparkqueue.spark.streaming import EntityAddress, address_of, check_options, idempotence_key
 from sparkqueue.storage.schema import constant, with_columns
 
@@ -87,7 +87,9 @@ def sink_config(options: dict[str, str], schema: StructType) -> SinkConfig:
             'the sparkqueue sink keys its exactly-once commits by query: set .option("checkpointLocation", path) '
             '(or .option("txnAppId", stable_id))'
         )
-    return SinkConfig(address_of(options, sink=True), app or None, checkpoint or None)
+    address = address_of(options, sink=True)
+    require_local_root(address.root, "the streaming sink")
+    return SinkConfig(address, app or None, checkpoint or None)
 
 
 @dataclass

@@ -60,7 +60,7 @@ from sparkqueue.model.sessions import SessionLock, Sessions
 from sparkqueue.spark.datasource import sub_queue_of
 from sparkqueue.spark.receive import RECEIVE_CHUNK, ReceiveJob, candidate_partitions, shares, stage_chunk
 from sparkqueue.spark.schema import received_arrow, staged_rows
-from sparkqueue.spark.staging import Staging, filesystem
+from sparkqueue.spark.staging import Staging, filesystem, require_local_root
 from sparkqueue.spark.streaming import EntityAddress, address_of, check_options, positive_int
 from sparkqueue.spark.worker import EntityRef
 from sparkqueue.storage.files import FILE_SCHEMA
@@ -102,6 +102,7 @@ def source_config(options: dict[str, str]) -> SourceConfig:
     """Validate the source's (lower-cased) options; the entity must exist."""
     check_options(options, SOURCE_OPTIONS, "streaming source")
     address = address_of(options, sink=False)
+    require_local_root(address.root, "the streaming source")
     sub_queue = sub_queue_of(options.get("sub_queue"))
     config = SourceConfig(address, sub_queue, positive_int(options, "maxMessagesPerTrigger", DEFAULT_MAX_MESSAGES_PER_TRIGGER))
     ns = address.namespace()

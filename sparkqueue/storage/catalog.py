@@ -25,13 +25,13 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from sparkqueue.errors import InvalidOperationError, StorageCorruptedError
+from sparkqueue.errors import InvalidOperationError, StorageCorruptedError, StorageError
 from sparkqueue.storage.checkpoint import write_checkpoint
 from sparkqueue.storage.files import encode_parquet
 from sparkqueue.storage.log import AddFile, CommitConflict, DeltaLog, Fence, RemoveFile, Snapshot, checkpoint_interval
 from sparkqueue.storage.retry import Deadline, retry_commit
 from sparkqueue.storage.schema import CATALOG_SCHEMA
-from sparkqueue.storage.store import Store
+from sparkqueue.storage.store import Store, delta_rs_errors
 
 T = TypeVar("T")
 CATALOG_DIR = "_catalog"
@@ -108,6 +108,11 @@ class Catalog:
                 ) from None
             self._create()
             snap = self.log.load()
+        if marker is None and snap.version > 0:  # entities were made under a marker (open writes it first): it was lost
+            raise StorageCorruptedError(
+                f"namespace {self.root_store.uri}: its marker {MARKER} is missing but its catalog holds entities; "
+                f'restore the marker (it holds {{"format_version": {FORMAT_VERSION}, "tier": "standard"}} or "premium")'
+            )
         if marker is None:
             content = {"format_version": FORMAT_VERSION, **(settings or {})}
             self.root_store.put_if_absent(MARKER, json.dumps(content).encode())
@@ -140,8 +145,9 @@ class Catalog:
         from deltalake import DeltaTable
 
         try:
-            DeltaTable.create(self.uri, schema=CATALOG_SCHEMA, mode="ignore", storage_options=self.storage_options or None)
-        except Exception:
+            with delta_rs_errors(self.uri, "creating the catalog"):
+                DeltaTable.create(self.uri, schema=CATALOG_SCHEMA, mode="ignore", storage_options=self.storage_options or None)
+        except StorageError:
             if not self.log.exists():
                 raise
 

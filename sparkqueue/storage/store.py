@@ -14,6 +14,7 @@ from __future__ import annotations
 import builtins
 import contextlib
 import logging
+import math
 import os
 import re
 import uuid
@@ -21,8 +22,10 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
+from urllib.parse import unquote, urlparse
 
 from sparkqueue.errors import InvalidOperationError, StorageError
 
@@ -273,10 +276,15 @@ class ObjectStore(Store):
 
         self.uri = uri.rstrip("/")
         self.options = dict(options or {})
-        config, client = _obstore_options(self.options)
+        config, client, retry = _obstore_options(self.options)
         with _translate(self.uri, ""):
             try:
-                self._store: Any = from_url(self.uri, config=config or None, client_options=client or None)  # type: ignore[arg-type]
+                self._store: Any = from_url(
+                    self.uri,
+                    config=config or None,  # type: ignore[arg-type]
+                    client_options=client or None,  # type: ignore[arg-type]
+                    retry_config=retry or None,  # type: ignore[arg-type]
+                )
             except ValueError as exc:  # the URL itself (obstore parses it first)
                 raise InvalidOperationError(f"namespace URI {self.uri!r} cannot be used: {exc}") from None
 
@@ -349,6 +357,7 @@ class ObjectStore(Store):
 
 
 _URL_ESCAPE = re.compile(r"%[0-9A-Fa-f]{2}")
+_SERVICE_CODE = re.compile(r"<Code>\s*(\w+)\s*</Code>")
 
 
 def resolve_root(root: str | os.PathLike[str]) -> str:
@@ -356,26 +365,54 @@ def resolve_root(root: str | os.PathLike[str]) -> str:
 
     A relative local root is made absolute, so the namespace opens the same from any directory,
     process or Spark executor. The file-system root itself and empty roots are refused: a
-    namespace writes `_catalog` and `entities` under its root.
+    namespace writes `_catalog` and `entities` under its root. So is anything obstore and delta-rs
+    would read as another location: a URI's query or fragment, '.' or '..' segments, URL escapes.
     """
     if root is None or not isinstance(root, (str, os.PathLike)):
         raise InvalidOperationError(f"a namespace root is a path or a URI, got {root!r}")
     text = os.fspath(root)
-    if not isinstance(text, str) or not text.strip() or "\x00" in text:
-        raise InvalidOperationError(f"a namespace root is a non-empty path or URI, got {root!r}")
+    if not isinstance(text, str) or not text.strip() or any(c < " " or c == "\x7f" for c in text):
+        raise InvalidOperationError(f"a namespace root is a non-empty path or URI without control characters, got {root!r}")
     scheme, sep, rest = text.partition("://")
-    if sep and scheme.lower() != "file":
-        if scheme.lower() not in OBJECT_STORE_SCHEMES:
-            raise InvalidOperationError(
-                f"unsupported namespace URI scheme {scheme!r}: use a local path, file://, "
-                f"or one of {', '.join(s + '://' for s in OBJECT_STORE_SCHEMES)}"
-            )
-        bucket = rest.split("/", 1)[0]
-        container, at, host = bucket.partition("@")  # abfs[s]://container@account.dfs.core.windows.net/path
-        if not bucket or (at and not (container and host)):
-            raise InvalidOperationError(f"namespace URI {text!r} names no container or bucket")
-        return f"{scheme.lower()}://{rest.rstrip('/')}"
-    local = Path(rest if sep else text).expanduser().resolve()
+    if text.lower().startswith("file:"):
+        return _local_root(text, _file_uri_path(text))
+    if sep:
+        return _object_store_root(text, scheme.lower(), rest)
+    return _local_root(text, text)
+
+
+def _file_uri_path(text: str) -> str:
+    """The path of a file URI in any of its forms: file:/a, file:///a, file://localhost/a (another host is refused)."""
+    parsed = urlparse(text)
+    if parsed.query or parsed.fragment or "?" in text or "#" in text:
+        raise InvalidOperationError(f"namespace URI {text!r} has a query or fragment: percent-encode '?' and '#' in a file URI")
+    if parsed.netloc not in ("", "localhost") or not parsed.path.startswith("/"):
+        raise InvalidOperationError(f"namespace URI {text!r} is not a local file URI: write file:///absolute/path")
+    return unquote(parsed.path)
+
+
+def _object_store_root(text: str, scheme: str, rest: str) -> str:
+    """An object-store root, checked: a known scheme, a container or bucket, no query, fragment or dot segments."""
+    if scheme not in OBJECT_STORE_SCHEMES:
+        raise InvalidOperationError(
+            f"unsupported namespace URI scheme {scheme!r}: use a local path, file://, "
+            f"or one of {', '.join(s + '://' for s in OBJECT_STORE_SCHEMES)}"
+        )
+    bucket, _, path = rest.partition("/")
+    container, at, host = bucket.partition("@")  # abfs[s]://container@account.dfs.core.windows.net/path
+    if not bucket or (at and not (container and host)):
+        raise InvalidOperationError(f"namespace URI {text!r} names no container or bucket")
+    if "?" in rest or "#" in rest:
+        raise InvalidOperationError(f"namespace URI {text!r} has a query or fragment, which the store would drop")
+    segments = path.rstrip("/").split("/") if path.rstrip("/") else []
+    if any(seg in ("", ".", "..") for seg in segments):
+        raise InvalidOperationError(f"namespace URI {text!r} has an empty, '.' or '..' segment; write the path it means")
+    return f"{scheme}://{rest.rstrip('/')}"
+
+
+def _local_root(text: str, path: str) -> str:
+    """A local root as an absolute path, refused where delta-rs would read another path."""
+    local = Path(path).expanduser().resolve()
     if local.parent == local:
         raise InvalidOperationError(f"namespace root {text!r} is the file-system root; choose a directory for the namespace")
     if _URL_ESCAPE.search(str(local)) or "\\" in str(local):
@@ -410,10 +447,11 @@ def open_store(root: str, options: Mapping[str, str] | None = None) -> Store:
     return LocalStore(root) if is_local(root) else ObjectStore(root, options)
 
 
-def _obstore_options(options: Mapping[str, str]) -> tuple[dict[str, str], dict[str, str]]:
-    """Split delta-rs style storage options into obstore's store config and HTTP client options."""
+def _obstore_options(options: Mapping[str, str]) -> tuple[dict[str, str], dict[str, str], dict[str, Any]]:
+    """Split delta-rs style storage options into obstore's store config, HTTP client options and retry config."""
     config: dict[str, str] = {}
     client: dict[str, str] = {}
+    retry: dict[str, Any] = {}
     for key, value in options.items():
         k = key.lower()
         if k in DELTA_ONLY_KEYS:
@@ -421,9 +459,48 @@ def _obstore_options(options: Mapping[str, str]) -> tuple[dict[str, str], dict[s
         bare = k.split("_", 1)[1] if k.startswith(PROVIDER_PREFIXES) else k  # delta-rs also takes "aws_allow_http", ...
         if bare in CLIENT_OPTION_KEYS:
             client[bare] = str(value)
+        elif k == "max_retries":
+            retry["max_retries"] = _whole(k, value)
+        elif k == "retry_timeout":
+            retry["retry_timeout"] = timedelta(seconds=_seconds(k, value))
         else:
             config[k] = str(value)
-    return config, client
+    return config, client, retry
+
+
+def with_deadline_options(root: str, options: Mapping[str, str], seconds: float) -> dict[str, str]:
+    """Storage options whose request timeout and retries fit an operation timeout (those the user set are kept).
+
+    obstore (and delta-rs) otherwise wait 30 s per request and retry for 3 minutes, so a hung store
+    would hold every call far past its `operation_timeout`.
+    """
+    if "://" not in root:
+        return dict(options)
+    given = {k.lower().split("_", 1)[1] if k.lower().startswith(PROVIDER_PREFIXES) else k.lower() for k in options}
+    out = dict(options)
+    if "timeout" not in given:
+        out["timeout"] = f"{max(1, math.ceil(min(30.0, seconds)))}s"
+    if "retry_timeout" not in given:
+        out["retry_timeout"] = f"{max(1, math.ceil(seconds))}s"
+    return out
+
+
+def _seconds(key: str, value: object) -> float:
+    """A duration option: seconds, as "5", "5s" or "500ms"."""
+    text = str(value).strip().lower()
+    scale = 0.001 if text.endswith("ms") else 1.0
+    try:
+        return float(text.removesuffix("ms").removesuffix("s")) * scale
+    except ValueError:
+        raise InvalidOperationError(f"storage option {key} must be a duration such as '30s', got {value!r}") from None
+
+
+def _whole(key: str, value: object) -> int:
+    """A count option."""
+    try:
+        return int(str(value))
+    except ValueError:
+        raise InvalidOperationError(f"storage option {key} must be a whole number, got {value!r}") from None
 
 
 @contextlib.contextmanager
@@ -449,9 +526,24 @@ def _translate(uri: str, path: str) -> Iterator[None]:
         raise StorageError(f"store {uri!r} failed on {path!r} ({name}): {_first_line(exc)}") from exc
 
 
+@contextlib.contextmanager
+def delta_rs_errors(uri: str, what: str) -> Iterator[None]:
+    """Turn a delta-rs failure (its DeltaError, or an OSError from its object store) into StorageError naming the table."""
+    try:
+        yield
+    except Exception as exc:
+        module = type(exc).__module__ or ""
+        if not (module.startswith("deltalake") or isinstance(exc, OSError)):
+            raise
+        raise StorageError(f"{what} {uri} failed: {_first_line(exc)}") from exc
+
+
 def _first_line(exc: BaseException) -> str:
+    """An error's first line, with the service's error code when the rest holds one (Azure: <Code>ContainerNotFound</Code>)."""
     text = str(exc).strip()
-    return text.splitlines()[0] if text else type(exc).__name__
+    first = text.splitlines()[0] if text else type(exc).__name__
+    code = _SERVICE_CODE.search(text)
+    return f"{first} [{code.group(1)}]" if code and code.group(1) not in first else first
 
 
 def _write_synced(path: str, data: bytes | memoryview) -> None:

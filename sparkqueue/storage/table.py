@@ -53,7 +53,7 @@ from sparkqueue.storage.schema import (
     keep_rows,
     with_columns,
 )
-from sparkqueue.storage.store import Store, open_store
+from sparkqueue.storage.store import Store, delta_rs_errors, open_store
 
 log = logging.getLogger(__name__)
 
@@ -131,16 +131,17 @@ class EntityTable:
         """Create the empty, partitioned entity table with delta-rs (the path must not hold a table yet)."""
         from deltalake import DeltaTable
 
-        DeltaTable.create(
-            uri,
-            schema=ENTITY_SCHEMA,
-            partition_by=[PARTITION_COLUMN],
-            mode="error",
-            # A short log keeps loading a table cheap (loading lists the log); checkpoints every 100
-            # commits let the rest be trimmed (checkpoint.py).
-            configuration={"delta.checkpointInterval": CHECKPOINT_INTERVAL, "delta.logRetentionDuration": LOG_RETENTION},
-            storage_options=storage_options or None,
-        )
+        with delta_rs_errors(uri, "creating table"):
+            DeltaTable.create(
+                uri,
+                schema=ENTITY_SCHEMA,
+                partition_by=[PARTITION_COLUMN],
+                mode="error",
+                # A short log keeps loading a table cheap (loading lists the log); checkpoints every 100
+                # commits let the rest be trimmed (checkpoint.py).
+                configuration={"delta.checkpointInterval": CHECKPOINT_INTERVAL, "delta.logRetentionDuration": LOG_RETENTION},
+                storage_options=storage_options or None,
+            )
 
     def snapshot(self) -> Snapshot:
         """This thread's snapshot of the table, brought to the latest version (reads only new log entries).

@@ -306,3 +306,40 @@ def test_receive_and_delete_mode_and_receiver_checks(spark, ns, numbered):
         s.send_dataframe(numbered(2).withColumn("session_id", sf.lit("x")))
     with ns.get_queue_receiver("s", session_id="x") as r, pytest.raises(InvalidOperationError, match="session"):
         r.receive_dataframe(1)
+
+
+@pytest.mark.parametrize("name", ["q?x", "brack[1]", "brace{a,b}", "star*"])
+def test_a_root_whose_name_holds_glob_characters_receives_and_settles(spark, tmp_path, name):
+    """Spark reads a path as a glob pattern: "brack[1]" matched nothing (PATH_NOT_FOUND) after the messages were locked."""
+    from sparkqueue import Message, Namespace
+
+    (tmp_path / "qAx").mkdir()  # a sibling "q?x" would match as a pattern
+    with Namespace(tmp_path / name / "ns") as ns:
+        ns.create_queue("q", lock_duration=LONG_LOCK)
+        with ns.get_queue_sender("q") as s:
+            s.send_messages([Message(f"m{i}") for i in range(6)])
+        with ns.get_queue_receiver("q") as r:
+            got = r.receive_dataframe(4)
+            assert got.count() == 4
+            assert statuses(r.complete_dataframe(got)) == {"ok": 4}
+        assert ns.get_queue_runtime_properties("q").active_message_count == 2
+
+
+def test_a_receive_whose_dataframe_cannot_be_made_gives_its_locks_back_at_once(spark, ns, numbered, monkeypatch):
+    """Before, the messages stayed locked (and a delivery was spent) until their locks expired."""
+    from sparkqueue.spark import receive
+
+    ns.create_queue("q", lock_duration=LONG_LOCK)
+    with ns.get_queue_sender("q") as s:
+        s.send_dataframe(numbered(50))
+
+    def fail(*args, **kwargs):
+        raise RuntimeError("the DataFrame could not be made")
+
+    with ns.get_queue_receiver("q") as r:
+        monkeypatch.setattr(receive, "read_staged", fail)
+        with pytest.raises(RuntimeError):
+            r.receive_dataframe(30)
+        monkeypatch.undo()
+        again = r.receive_messages(50, max_wait_time=1)
+    assert len(again) == 50 and {m.delivery_count for m in again} == {0}

@@ -483,3 +483,23 @@ def test_a_forwarding_queue_forwards_what_a_dataframe_send_stored(spark, ns, num
         assert s.send_dataframe(numbered(200)) == 200
     assert ns.get_queue_runtime_properties("q").total_message_count == 0
     assert sorted(m.message_id for m in peek_all(ns, "dest")) == sorted(f"m-{i}" for i in range(200))
+
+
+def test_on_an_object_store_a_dataframe_send_lands_and_staging_calls_are_refused_before_they_lock(spark, azurite, numbered):
+    """Sends go through the Python tasks (obstore); calls whose files Spark must read back are refused up front.
+
+    Before, each raised a raw ArrowInvalid ("Unrecognized filesystem type in URI: az://"), a receive after
+    it had locked its messages.
+    """
+    from sparkqueue.errors import InvalidOperationError
+
+    root = f"az://{azurite.create_container()}/ns"
+    with Namespace(root, storage_options=azurite.storage_options()) as ns:
+        ns.create_queue("q")
+        with ns.get_queue_sender("q") as s:
+            assert s.send_dataframe(numbered(40)) == 40
+        with ns.get_queue_receiver("q") as r:
+            with pytest.raises(InvalidOperationError, match="not supported yet on an object-store namespace"):
+                r.receive_dataframe(10)
+            got = r.receive_messages(40, max_wait_time=2)
+        assert len(got) == 40 and {m.delivery_count for m in got} == {0}  # nothing was locked by the refused call
