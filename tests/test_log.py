@@ -330,7 +330,28 @@ def test_a_stale_snapshot_reloads_instead_of_trusting_a_missing_next_entry(table
     assert theirs.version == snap.version
 
 
-@pytest.mark.parametrize("bad", ["", "   ", "/", None, 3, "ftp://host/x", "s3://"])
+@pytest.mark.parametrize(
+    "bad",
+    [
+        "",
+        "   ",
+        "/",
+        None,
+        3,
+        "ftp://host/x",
+        "s3://",
+        "az://c/ns?x=1",  # obstore and delta-rs drop a query or fragment: the namespace would land on az://c/ns
+        "az://c/ns#frag",
+        "az://c/ns/../up",
+        "az://c/ns/./x",
+        "az://c//x",
+        "abfss://@acct.dfs.core.windows.net/x",
+        "ns\tx",
+        "ns\nx",
+        "file://otherhost/x",
+        "file:///tmp/x?y",
+    ],
+)
 def test_bad_roots_are_refused(bad: object) -> None:
     from sparkqueue.errors import InvalidOperationError
 
@@ -342,6 +363,9 @@ def test_relative_roots_resolve_to_absolute(tmp_path: Path, monkeypatch: pytest.
     monkeypatch.chdir(tmp_path)
     assert resolve_root("data/ns") == str(tmp_path / "data" / "ns")
     assert resolve_root("file://" + str(tmp_path / "x")) == str(tmp_path / "x")
+    assert resolve_root("file:" + str(tmp_path / "x")) == str(tmp_path / "x")  # the form Spark and Hadoop print
+    assert resolve_root("file://localhost" + str(tmp_path / "x")) == str(tmp_path / "x")
+    assert resolve_root("file://" + str(tmp_path / "a%20b")) == str(tmp_path / "a b")
     assert resolve_root("az://container/path/") == "az://container/path"
 
 

@@ -703,3 +703,17 @@ def test_an_update_racing_a_delete_and_create_of_its_queue_does_not_rewrite_the_
     with Namespace(root) as fresh:
         got = fresh.get_queue("q")
     assert (got.enable_partitioning, got.requires_session, got.max_delivery_count) == (True, True, 10)
+
+
+def test_a_lost_marker_over_a_catalog_with_entities_is_damage_not_a_new_namespace(tmp_path: Path) -> None:
+    """Opened anew, it took the caller's tier: a standard namespace became premium and took 300 KB messages."""
+    root = tmp_path / "ns"
+    Namespace(root).close()
+    (root / "_sparkqueue.json").unlink()  # lost before any entity: as a process killed before writing it
+    Namespace(root).close()  # the catalog is empty: the marker is written again
+    with Namespace(root) as ns:
+        ns.create_queue("q")
+    (root / "_sparkqueue.json").unlink()
+    with pytest.raises(StorageCorruptedError, match="marker"):
+        Namespace(root, tier="premium")
+    assert not (root / "_sparkqueue.json").exists()

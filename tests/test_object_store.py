@@ -217,6 +217,28 @@ def test_an_abfs_uri_without_container_or_account_is_refused(uri: str) -> None:
         Namespace(uri)
 
 
+def test_a_hung_store_fails_within_about_the_operation_timeout(azurite: Any) -> None:
+    """A frozen store (connections accepted, no replies) held a send with operation_timeout=3 for minutes.
+
+    obstore's own settings wait 30 s per request and retry for 3 minutes.
+    """
+    import signal
+    import time
+
+    container = azurite.create_container()
+    with Namespace(f"az://{container}/ns", storage_options=azurite.storage_options(), operation_timeout=3) as ns:
+        ns.create_queue("q")
+        os.kill(azurite.proc.pid, signal.SIGSTOP)
+        try:
+            began = time.monotonic()
+            with pytest.raises(StorageError):
+                ns.get_queue_sender("q").send_messages(Message("x"))
+            took = time.monotonic() - began
+        finally:
+            os.kill(azurite.proc.pid, signal.SIGCONT)
+    assert took < 30  # a bound far below the minutes it took, not a performance figure
+
+
 def test_an_unreachable_store_is_a_clear_error() -> None:
     from azurite import ACCOUNT, KEY, free_port
 
