@@ -83,6 +83,10 @@ class Namespace(Management):
     def __repr__(self) -> str:
         return f"Namespace({self.root!r}, tier={self.tier!r})"
 
+    def __reduce__(self) -> tuple[Any, tuple[str, str, float, dict[str, str]]]:
+        """Pickled as its location and options, so a Spark closure can capture it: each worker opens its own handle."""
+        return _reopen, (self.root, self.tier, self.operation_timeout, dict(self.storage_options))
+
     # ---- the broker core (sparkqueue/broker.py) -------------------------------------------------
 
     def fault_injector(self, entity_name: str, entity_type: str = QUEUE) -> FaultInjector:
@@ -173,3 +177,8 @@ class Namespace(Management):
     def list_subscription_sessions(self, topic_name: str, subscription_name: str) -> list[SessionInfo]:
         """Sessions of a session-enabled subscription."""
         return Sessions(self.broker.entity(SUBSCRIPTION, sub_entity_name(topic_name, subscription_name))).list()
+
+
+def _reopen(root: str, tier: str, operation_timeout: float, storage_options: dict[str, str]) -> Namespace:
+    """A namespace opened again from what Namespace.__reduce__ recorded."""
+    return Namespace(root, tier, operation_timeout=operation_timeout, storage_options=storage_options or None)

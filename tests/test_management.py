@@ -717,3 +717,15 @@ def test_a_lost_marker_over_a_catalog_with_entities_is_damage_not_a_new_namespac
     with pytest.raises(StorageCorruptedError, match="marker"):
         Namespace(root, tier="premium")
     assert not (root / "_sparkqueue.json").exists()
+
+
+def test_a_namespace_pickles_as_its_location_so_a_spark_closure_can_capture_it(tmp_path: Path) -> None:
+    import pickle
+
+    with Namespace(tmp_path / "ns", operation_timeout=7) as ns:
+        ns.create_queue("q")
+        again = pickle.loads(pickle.dumps(ns))
+        assert (again.root, again.tier, again.operation_timeout) == (ns.root, ns.tier, 7)
+        with again.get_queue_sender("q") as s:
+            s.send_messages(Message("x"))
+        assert ns.get_queue_runtime_properties("q").active_message_count == 1
