@@ -478,7 +478,9 @@ def with_deadline_options(root: str, options: Mapping[str, str], seconds: float)
         return dict(options)
     given = {k.lower().split("_", 1)[1] if k.lower().startswith(PROVIDER_PREFIXES) else k.lower() for k in options}
     out = dict(options)
-    if "timeout" not in given:
+    # Client options given at all replace those obstore reads from the environment (AZURE_ALLOW_HTTP, say), so a
+    # namespace configured by environment variables alone keeps them; its retries are still bounded.
+    if options and "timeout" not in given:
         out["timeout"] = f"{max(1, math.ceil(min(30.0, seconds)))}s"
     if "retry_timeout" not in given:
         out["retry_timeout"] = f"{max(1, math.ceil(seconds))}s"
