@@ -13,6 +13,7 @@ import pytest
 from sparkqueue.errors import FilterSyntaxError, InvalidOperationError
 from sparkqueue.model.filters import (
     CorrelationRuleFilter,
+    DivideByZeroException,
     FalseRuleFilter,
     SqlRuleAction,
     SqlRuleFilter,
@@ -126,8 +127,8 @@ SYS = make_batch(
     ("expression", "expected"),
     [
         ("qty = 5", [T, F, F, F, F]),
-        ("qty <> 5", [F, F, T, F, F]),
-        ("qty != 5", [F, F, T, F, F]),
+        ("qty <> 5", [F, T, T, F, F]),  # "5" is a string: unlike types are not equal
+        ("qty != 5", [F, T, T, F, F]),
         ("qty > 5", [F, F, T, F, F]),
         ("qty >= 5", [T, F, T, F, F]),
         ("qty < 7", [T, F, F, F, F]),
@@ -157,12 +158,12 @@ def test_comparison_operators(expression: str, expected: list[bool]) -> None:
     [
         ("qty = '5'", [F, T, F, F, F]),
         ("qty = 5", [T, F, F, F, F]),
-        ("qty <> '5'", [F, F, F, F, F]),
+        ("qty <> '5'", [T, F, T, F, F]),  # <> is NOT =, as NOT IN is
         ("color = 1", [F, F, F, F, F]),
         ("flag = 1", [F, F, F, F, F]),
     ],
 )
-def test_unlike_types_compare_false(expression: str, expected: list[bool]) -> None:
+def test_unlike_types_are_not_equal(expression: str, expected: list[bool]) -> None:
     assert run(expression, PROPS) == expected
 
 
@@ -259,7 +260,6 @@ def test_precedence(expression: str, expected: bool) -> None:
         ("color + '!' = 'red!'", [T, F, F, F, F]),
         ("qty + 'x' IS NULL", [T, F, T, T, T]),
         ("qty + 'x' = '5x'", [F, T, F, F, F]),
-        ("qty / 0 IS NULL", [T, T, T, T, T]),
     ],
 )
 def test_arithmetic_on_properties(expression: str, expected: list[bool]) -> None:
@@ -276,8 +276,6 @@ def test_arithmetic_on_properties(expression: str, expected: list[bool]) -> None
         "-7 % 3 = -1",
         "7 % -3 = 1",
         "7.5 % 2 = 1.5",
-        "1 / 0 IS NULL",
-        "1 % 0 IS NULL",
         "1.0 / 0 > 1e300",
         "9223372036854775807 + 1 = -9223372036854775808",
         "2e2 = 200",
@@ -297,6 +295,18 @@ def test_arithmetic_on_properties(expression: str, expected: list[bool]) -> None
 )
 def test_true_constant_expressions(expression: str) -> None:
     assert run(expression, make_batch({}, {})) == [T, T]
+
+
+@pytest.mark.parametrize("expression", ["qty / 0 IS NULL", "qty % 0 = 1", "1 / 0 IS NULL", "1 % 0 IS NULL"])
+def test_integer_division_by_zero_raises_as_in_csharp(expression: str) -> None:
+    """The filter language follows C# binding: long / 0 throws (fan-out then handles that message's failure)."""
+    with pytest.raises(DivideByZeroException):
+        run(expression, PROPS)
+
+
+def test_division_by_zero_of_a_missing_value_is_null_not_an_error() -> None:
+    assert run("missing / 0 IS NULL", PROPS) == [T] * 5
+    assert run("qty / 0.0 > 1000", PROPS) == [T, F, T, F, F]  # doubles: +infinity, as in C#
 
 
 @pytest.mark.parametrize("expression", ["FALSE", "NULL", "NULL = NULL", "NULL <> 1", "1 = 1.5", "'a' = 'A'", "'1' = 1"])

@@ -283,7 +283,10 @@ class Broker:
                 props = SubscriptionProperties.from_json(e.properties)
                 key, ttl = split_subscription_path(e.table_path)[1], props.default_message_time_to_live
                 forwards = bool(props.forward_to)
-                out.append(Subscriber(key, tuple(rules.get(sub, ())), ttl, bool(props.requires_session), forwards))
+                dead_letter_errors = bool(props.dead_lettering_on_filter_evaluation_exceptions)
+                out.append(
+                    Subscriber(key, tuple(rules.get(sub, ())), ttl, bool(props.requires_session), forwards, dead_letter_errors)
+                )
         return out
 
     # ---- auto-forwarding ------------------------------------------------------------------------

@@ -47,6 +47,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from sparkqueue.errors import FilterSyntaxError, InvalidArgumentTypeError, InvalidOperationError
+from sparkqueue.model import limits
 from sparkqueue.model.sql_parser import (
     SYSTEM_PROPERTIES,
     And,
@@ -374,7 +375,11 @@ def _coerce(value: _Value, kind: str) -> pa.Array:
     parts = [pc.cast(value.lanes[lane], target, safe=False) for lane in accepted if lane in value.lanes]
     if not parts:
         return pa.nulls(value.length, target)
-    return parts[0] if len(parts) == 1 else pc.coalesce(*parts)
+    out = parts[0] if len(parts) == 1 else pc.coalesce(*parts)
+    if kind == "time":  # datetime.max ("never") is stored as the latest storable instant, as a send stores it
+        latest = pa.scalar(limits.LATEST_TIME, target)
+        out = pc.if_else(pc.fill_null(pc.greater(out, latest), False), latest, out)
+    return out
 
 
 # --------------------------------------------------------------------------- expression compiler
@@ -534,25 +539,32 @@ def _same_type_comparisons(op: str, left: _Value, right: _Value) -> list[pa.Arra
 
 
 def _compare(op: str, left: _Value, right: _Value) -> _Value:
-    """SQL comparison: unknown if either side is NULL; operands of unlike types compare false (even for <>)."""
+    """SQL comparison: unknown if either side is NULL; operands of unlike types are not equal (so <> is NOT =, as NOT IN)."""
     results = _same_type_comparisons(op, left, right)
-    unlike = pa.scalar(False)
+    unlike = pa.scalar(op in ("<>", "!="))
     same = pc.coalesce(*results, unlike) if results else unlike
     both = pc.and_(left.valid(), right.valid())
     return _Value.boolean(pc.if_else(both, same, _NULL_BOOL))
 
 
-def _nonzero(divisor: pa.Array) -> pa.Array:
-    """Divisor with zeros replaced by NULL, so integer division by zero is unknown, not an error."""
-    return pc.if_else(pc.equal(divisor, 0), pa.scalar(None, divisor.type), divisor)
+class DivideByZeroException(ArithmeticError):  # noqa: N818 - the .NET name Service Bus reports
+    """An integer division or remainder by zero in a rule, as C# raises it: that message's evaluation fails (fan-out)."""
+
+
+def _nonzero(dividend: pa.Array, divisor: pa.Array) -> pa.Array:
+    """The divisor; raises DivideByZeroException where a known dividend meets a zero (NULL operands give NULL)."""
+    zero = pc.and_(pc.is_valid(dividend), pc.fill_null(pc.equal(divisor, 0), False))
+    if pc.any(zero).as_py():
+        raise DivideByZeroException("integer division by zero")
+    return divisor
 
 
 def _int_op(op: str, left: pa.Array, right: pa.Array) -> pa.Array:
     """64-bit integer arithmetic with C# semantics (wrapping, truncating division, dividend-signed %)."""
     if op == "/":
-        return pc.divide(left, _nonzero(right))
+        return pc.divide(left, _nonzero(left, right))
     if op == "%":
-        divisor = _nonzero(right)
+        divisor = _nonzero(left, right)
         return pc.subtract(left, pc.multiply(pc.divide(left, divisor), divisor))
     return {"+": pc.add, "-": pc.subtract, "*": pc.multiply}[op](left, right)
 

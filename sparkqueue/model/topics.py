@@ -7,6 +7,7 @@ a send to a topic is one append: every matching subscription gets its copy atomi
 from __future__ import annotations
 
 import json
+import logging
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from typing import Any
@@ -32,6 +33,8 @@ from sparkqueue.storage.table import partition_of
 
 # Subscription key of the rows that only record an accepted message id, so a duplicate-detecting
 # topic detects repeats even of messages no subscription took (and only of ids the topic accepted).
+log = logging.getLogger(__name__)
+
 ACCEPTED_MARKER = ID_RECORD
 # A copy a rule action would leave invalid (too large, an id over 128 characters, a TTL that is not
 # positive, a property JSON cannot hold) is dead-lettered in its subscription, unmodified, with this reason.
@@ -39,6 +42,9 @@ RULE_ACTION_REASON = "RuleActionViolation"
 # A copy without a session id for a subscription that requires sessions could never be received
 # there, so it is dead-lettered in that subscription at fan-out with this reason.
 SESSION_REQUIRED_REASON = "SessionIdRequired"
+# A message a subscription's rule failed on (a division by zero, say) is dead-lettered there with this reason
+# when the subscription has dead_lettering_on_filter_evaluation_exceptions (docs/semantics.md §8).
+FILTER_ERROR_REASON = "FilterEvaluationException"
 _KEY_COLUMNS = ("message_id", "session_id", "partition_key")
 _ORIGIN = "__origin"  # fan-out's working column: the index of the message a copy came from (never stored)
 # What a message's copies share unless a rule action changed it: the run of them names the message (copy_run).
@@ -63,6 +69,7 @@ class Subscriber:
     default_message_time_to_live: timedelta | None = None  # caps the TTL of the subscription's copies
     requires_session: bool = False  # copies without a session id are dead-lettered (SESSION_REQUIRED_REASON)
     forwards: bool = False  # forward_to: its copies move on at once, so none of them names a message (by_message)
+    dead_letter_on_filter_errors: bool = True  # dead_lettering_on_filter_evaluation_exceptions
 
 
 def fan_out(rows: pa.Table, subscribers: list[Subscriber], record_ids: bool, max_message_bytes: int | None = None) -> pa.Table:
@@ -77,27 +84,63 @@ def fan_out(rows: pa.Table, subscribers: list[Subscriber], record_ids: bool, max
     indexed = rows.append_column(_ORIGIN, pa.array(range(rows.num_rows), pa.int64()))
     parts: list[tuple[pa.Table, bool]] = []  # (copies, whether they leave their subscription at once)
     for sub in subscribers:
-        first = len(parts)
-        plain: pa.Array | None = None
-        for rule in sub.rules:
-            hit = pc.fill_null(rule.filter.evaluate(rows), False)
-            if rule.action is None:
-                plain = hit if plain is None else pc.or_(plain, hit)
-                continue
-            matched = indexed.filter(hit)
-            if matched.num_rows:
-                acted = checked_action_copies(matched, rule.action.apply(matched).select(indexed.schema.names), cap)
-                parts.append((_cap_ttl(_tag(acted, sub.key), sub), sub.forwards))
-        if plain is not None:
-            matched = indexed.filter(plain)
-            if matched.num_rows:
-                parts.append((_cap_ttl(_tag(matched, sub.key), sub), sub.forwards))
+        try:
+            mine = _copies(indexed, sub, cap)
+        except Exception:  # a rule failed on some message of the batch: find which, one message at a time
+            mine = _copies_one_by_one(indexed, sub, cap)
         if sub.requires_session:
-            parts[first:] = [(sessionless_dead_lettered(p, "subscription"), f) for p, f in parts[first:]]
+            mine = [sessionless_dead_lettered(p, "subscription") for p in mine]
+        parts.extend((p, sub.forwards) for p in mine)
     out = [by_message(parts, rows)] if parts else []
     if record_ids:
         out.append(_markers(rows))
     return pa.concat_tables([p.cast(rows.schema) for p in out]) if out else rows.schema.empty_table()
+
+
+def _copies(indexed: pa.Table, sub: Subscriber, cap: int) -> list[pa.Table]:
+    """One subscription's copies of the messages (with _ORIGIN): one per matching action rule, one for the plain rules."""
+    out: list[pa.Table] = []
+    plain: pa.Array | None = None
+    for rule in sub.rules:
+        hit = pc.fill_null(rule.filter.evaluate(indexed), False)
+        if rule.action is None:
+            plain = hit if plain is None else pc.or_(plain, hit)
+            continue
+        matched = indexed.filter(hit)
+        if matched.num_rows:
+            acted = checked_action_copies(matched, rule.action.apply(matched).select(indexed.schema.names), cap)
+            out.append(_cap_ttl(_tag(acted, sub.key), sub))
+    if plain is not None:
+        matched = indexed.filter(plain)
+        if matched.num_rows:
+            out.append(_cap_ttl(_tag(matched, sub.key), sub))
+    return out
+
+
+def _copies_one_by_one(indexed: pa.Table, sub: Subscriber, cap: int) -> list[pa.Table]:
+    """A subscription's copies when a rule raised: each message alone, and one whose rules raise is handled as Service Bus does.
+
+    With `dead_lettering_on_filter_evaluation_exceptions` (the default) that message gets a copy in the
+    subscription's dead-letter queue, its reason the error's name; without it, the subscription gets none.
+    The other subscriptions, and this one's other messages, are not affected.
+    """
+    out: list[pa.Table] = []
+    for i in range(indexed.num_rows):
+        one = indexed.slice(i, 1)
+        try:
+            out.extend(_copies(one, sub, cap))
+        except Exception as exc:
+            log.info("a rule of subscription %s failed on message %s: %r", sub.key, one.column("message_id")[0], exc)
+            if sub.dead_letter_on_filter_errors:
+                dead = _set(
+                    one,
+                    sub_queue=SUB_QUEUE_DEAD_LETTER,
+                    state=STATE_ACTIVE,
+                    dead_letter_reason=FILTER_ERROR_REASON,
+                    dead_letter_error_description=f"{type(exc).__name__}: {exc}"[:1024],
+                )
+                out.append(_cap_ttl(_tag(dead, sub.key), sub))
+    return out
 
 
 def by_message(parts: list[tuple[pa.Table, bool]], rows: pa.Table) -> pa.Table:
