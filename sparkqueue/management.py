@@ -24,6 +24,7 @@ from sparkqueue.constants import EntityStatus
 from sparkqueue.errors import (
     EntityAlreadyExistsError,
     EntityNotFoundError,
+    FilterSyntaxError,
     InvalidArgumentTypeError,
     InvalidOperationError,
     PartitionUnavailableError,
@@ -611,10 +612,15 @@ def _stored_rule(flt: Any, action: Any) -> tuple[RuleFilter, SqlRuleAction | Non
         raise InvalidArgumentTypeError(f"action must be a SqlRuleAction or None, got {type(action).__name__}")
     rebuilt = filter_from_dict(flt.to_dict())
     _check_utf8(rebuilt.to_dict(), "the rule's filter")
-    if action is None:
-        return rebuilt, None
-    rebuilt_action = action_from_dict(action.to_dict())
-    _check_utf8(rebuilt_action.to_dict(), "the rule's action")
+    rebuilt_action = action_from_dict(action.to_dict()) if action is not None else None
+    if rebuilt_action is not None:
+        _check_utf8(rebuilt_action.to_dict(), "the rule's action")
+    read = set(getattr(rebuilt, "system_properties", set)()) | (rebuilt_action.system_properties() if rebuilt_action else set())
+    if "SequenceNumber" in read:  # docs/semantics.md §8
+        raise FilterSyntaxError(
+            "sys.SequenceNumber is assigned when each subscription stores its copy, after the topic's rules ran: "
+            "a rule cannot read it"
+        )
     return rebuilt, rebuilt_action
 
 

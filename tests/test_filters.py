@@ -258,8 +258,8 @@ def test_precedence(expression: str, expected: bool) -> None:
         ("-qty = -5", [T, F, F, F, F]),
         ("+qty = 5", [T, F, F, F, F]),
         ("color + '!' = 'red!'", [T, F, F, F, F]),
-        ("qty + 'x' IS NULL", [T, F, T, T, T]),
-        ("qty + 'x' = '5x'", [F, T, F, F, F]),
+        ("qty + 'x' IS NULL", [F, F, F, T, T]),  # a number joins a string as text (C#)
+        ("qty + 'x' = '5x'", [T, T, F, F, F]),
     ],
 )
 def test_arithmetic_on_properties(expression: str, expected: list[bool]) -> None:
@@ -905,3 +905,9 @@ def test_filter_syntax_errors(expression: str, message: str, position: int) -> N
 def test_non_string_expression_is_rejected() -> None:
     with pytest.raises(FilterSyntaxError, match="must be a string"):
         SqlRuleFilter(5)  # type: ignore[arg-type]
+
+
+def test_a_string_plus_a_number_joins_them_as_csharp_does() -> None:
+    batch = make_batch({"props": {"s": "order-", "n": 5, "f": 2.5}}, {"props": {"n": 5}})
+    assert run("s + n = 'order-5' AND n + s = '5order-' AND s + f = 'order-2.5'", batch) == [T, F]
+    assert run("n + n = 10", batch) == [T, T]  # numbers still add

@@ -639,3 +639,25 @@ def test_an_action_setting_a_time_past_the_latest_storable_one_stores_the_latest
         s.send_messages(Message("x", message_id="m"))
     assert ids_in(ns, "t", "all") == Counter({"m": 1})
     assert ns.get_subscription_runtime_properties("t", "later").scheduled_message_count == 1
+
+
+@pytest.mark.parametrize(
+    ("flt", "action"),
+    [(SqlRuleFilter("sys.SequenceNumber % 2 = 0"), None), (None, SqlRuleAction("SET seq = sys.SequenceNumber"))],
+)
+def test_a_rule_reading_the_sequence_number_is_refused(ns: Namespace, flt: Any, action: Any) -> None:
+    """Copies are numbered when each subscription stores them, after the rules: a rule always read 0."""
+    ns.create_topic("t")
+    ns.create_subscription("t", "s")
+    with pytest.raises(FilterSyntaxError, match="SequenceNumber"):
+        ns.create_rule("t", "s", "r", filter=flt or TrueRuleFilter(), action=action)
+
+
+def test_a_rule_can_read_the_expiry_time(ns: Namespace) -> None:
+    ns.create_topic("t")
+    ns.create_subscription("t", "expiring")
+    ns.delete_rule("t", "expiring", "$Default")
+    ns.create_rule("t", "expiring", "r", filter=SqlRuleFilter("sys.ExpiresAtUtc > sys.EnqueuedTimeUtc"))
+    with ns.get_topic_sender("t") as s:
+        s.send_messages([Message("x", message_id="ttl", time_to_live=timedelta(hours=1)), Message("y", message_id="never")])
+    assert ids_in(ns, "t", "expiring") == Counter({"ttl": 1})

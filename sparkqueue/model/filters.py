@@ -72,6 +72,7 @@ from sparkqueue.model.sql_parser import (
     normalize_value,
     parse_action,
     parse_condition,
+    system_properties_read,
 )
 from sparkqueue.storage.schema import constant
 
@@ -590,10 +591,25 @@ def _arith(op: str, left: _Value, right: _Value) -> _Value:
                 both_int = pc.and_(pc.is_valid(left_int), pc.is_valid(right_int))
                 result = pc.if_else(both_int, pa.scalar(None, pa.float64()), result)
             lanes["float"] = result
-    left_str, right_str = left.lane("string"), right.lane("string")
-    if op == "+" and left_str is not None and right_str is not None:
-        lanes["string"] = pc.binary_join_element_wise(left_str, right_str, "")
+    if op == "+":  # a string joined with a string or a number (C#: "order-" + 5 is "order-5")
+        left_str, right_str = left.lane("string"), right.lane("string")
+        left_num, right_num = _number_text(left), _number_text(right)
+        joined = [
+            pc.binary_join_element_wise(a, b, "")
+            for a, b in ((left_str, right_str), (left_str, right_num), (left_num, right_str))
+            if a is not None and b is not None
+        ]
+        if joined:
+            lanes["string"] = joined[0] if len(joined) == 1 else pc.coalesce(*joined)
     return _Value(left.length, lanes)
+
+
+def _number_text(value: _Value) -> pa.Array | None:
+    """A value's numbers as text (None when it has no number lane)."""
+    texts = [pc.cast(value.lanes[lane], pa.string()) for lane in ("int", "float") if lane in value.lanes]
+    if not texts:
+        return None
+    return texts[0] if len(texts) == 1 else pc.coalesce(*texts)
 
 
 def _matches(tree: Node, batch: Batch) -> pa.Array:
@@ -672,6 +688,10 @@ class SqlRuleFilter:
     def __post_init__(self) -> None:
         self.parameters = _as_dict(self.parameters, f"{type(self).__name__}.parameters")
         self._tree = parse_condition(self.sql_expression, self.parameters)
+
+    def system_properties(self) -> set[str]:
+        """The Service Bus names of the sys properties the condition reads."""
+        return system_properties_read(self._tree)
 
     def evaluate(self, batch: Batch) -> pa.Array:
         """Boolean per message: does the filter match (unknown counts as no match)?"""
@@ -820,6 +840,10 @@ class SqlRuleAction:
         for statement in self._statements:
             _execute(statement, ctx)
         return ctx.to_table()
+
+    def system_properties(self) -> set[str]:
+        """The Service Bus names of the sys properties the statements read or write."""
+        return system_properties_read(self._statements)
 
     def sets(self, column: str) -> bool:
         """True when a SET statement writes the system property stored in ``column`` (e.g. ``"session_id"``)."""

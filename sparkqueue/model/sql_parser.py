@@ -32,6 +32,7 @@ is a FilterSyntaxError when the rule is created.
 
 from __future__ import annotations
 
+import dataclasses
 import datetime as dt
 import math
 import uuid
@@ -109,6 +110,7 @@ _SYSTEM_LIST = (
     SystemProperty("PartitionKey", "partition_key", "string", True),
     SystemProperty("SequenceNumber", "sequence_number", "number", False),
     SystemProperty("EnqueuedTimeUtc", "enqueued_time_utc", "time", False),
+    SystemProperty("ExpiresAtUtc", "expires_at_utc", "time", False),
     SystemProperty("ScheduledEnqueueTimeUtc", "scheduled_enqueue_time_utc", "time", True),
     SystemProperty("DeliveryCount", "delivery_count", "number", False),
     SystemProperty("Size", "size_in_bytes", "number", False),
@@ -293,6 +295,21 @@ class RemoveStatement:
 
 
 Statement = SetStatement | RemoveStatement
+
+
+def system_properties_read(*roots: object) -> set[str]:
+    """The Service Bus names of the sys properties a parsed condition or action reads (a walk of its dataclass tree)."""
+    found: set[str] = set()
+    todo = list(roots)
+    while todo:
+        node = todo.pop()
+        if isinstance(node, SysProp):
+            found.add(node.prop.name)
+        elif isinstance(node, (tuple, list)):
+            todo.extend(node)
+        elif dataclasses.is_dataclass(node) and not isinstance(node, type):
+            todo.extend(getattr(node, f.name) for f in dataclasses.fields(node))
+    return found
 
 
 # --------------------------------------------------------------------------- values and parameters
