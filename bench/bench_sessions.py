@@ -7,7 +7,8 @@ Run from the repository root with the project's interpreter::
 
 A session-enabled queue (16 partitions) is filled with N sessions x M messages (default 1,000 x 10;
 ``--quick``: 100 x 10). P receiver processes (default 4, "spawn") then loop: accept
-NEXT_AVAILABLE_SESSION, receive the session's messages (batches of 100 until one comes back short),
+NEXT_AVAILABLE_SESSION with prefetch_count=100 (the accept's commit then delivers the session's first
+messages, as the SDK's prefetch does), receive the session's messages (batches of 100 until one comes back short),
 complete them, close the receiver (which releases the session at once). Reported:
 
 - msg/s: messages completed / wall time from the start barrier until the last completion;
@@ -143,7 +144,7 @@ def worker(root: str, total: int, settle: str, done: Any, barrier: Any, out_path
         while done.value < total:
             t0 = time.perf_counter()
             try:
-                r = ns.get_queue_receiver(QUEUE, session_id=NEXT_AVAILABLE_SESSION, max_wait_time=1.0)
+                r = ns.get_queue_receiver(QUEUE, session_id=NEXT_AVAILABLE_SESSION, max_wait_time=1.0, prefetch_count=100)
             except OperationTimeoutError:  # no free session within max_wait_time (the SDK pool loop)
                 accept_fail.append(time.perf_counter() - t0)
                 continue

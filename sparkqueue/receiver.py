@@ -43,7 +43,7 @@ log = logging.getLogger(__name__)
 
 MAX_RECEIVE_BATCH = 2**31 - 1
 # Messages a session accept locks with the session in its one commit (held in the receiver's cache).
-SESSION_ACCEPT_PREFETCH = 100  # rows one receive gathers at most, whatever count was asked (counts are int64)
+SESSION_ACCEPT_PREFETCH = 100  # messages an accept delivers at most (with a prefetch_count), in the accept's commit
 
 
 class Receiver:
@@ -102,8 +102,9 @@ class Receiver:
             sid = None if session_id is NEXT_AVAILABLE_SESSION else limits.check_key(session_id, "session_id")
             self._check_receivable()
             sessions = Sessions(entity)
-            # The accept commit also locks the session's first messages (docs/storage.md); they wait in the cache.
-            prefetch = SESSION_ACCEPT_PREFETCH if self.receive_mode == ReceiveMode.PEEK_LOCK else 0
+            # With a prefetch, the accept commit also locks the session's first messages (docs/storage.md): they wait in
+            # the cache and count a delivery, as the SDK's prefetch does. Without one, nothing is delivered before a receive.
+            prefetch = min(self.prefetch_count, SESSION_ACCEPT_PREFETCH) if self.receive_mode == ReceiveMode.PEEK_LOCK else 0
             lock, first = sessions.accept(sid, self.max_wait_time, prefetch=prefetch)
             self.session = ReceiverSession(sessions, lock, namespace.tier)
             self._cache.extend(received_messages(first, utcnow()))

@@ -888,3 +888,36 @@ def test_next_available_session_is_found_behind_a_large_held_session(ns: Namespa
             assert [m.message_id for m in _take(r, 1)] == ["small-0"]
     finally:
         big.close()
+
+
+def test_accepting_a_session_delivers_nothing_without_a_prefetch(ns: Namespace) -> None:
+    """As the SDK: only a receive (or a prefetch_count) delivers and counts a delivery.
+
+    Before, every accept locked up to 100 messages and counted a delivery on each: a receiver that
+    only peeked dead-lettered them at max_delivery_count=1, and lapsed holds dead-lettered messages
+    nobody had been handed.
+    """
+    ns.create_queue("q", requires_session=True, max_delivery_count=1, lock_duration=timedelta(seconds=1))
+    with ns.get_queue_sender("q") as s:
+        s.send_messages([Message(f"m{i}", session_id="s") for i in range(3)])
+    for _ in range(2):  # a peek-only holder whose hold lapses (a slow one), twice
+        with ns.get_queue_receiver("q", session_id="s") as r:
+            assert [str(m) for m in r.peek_messages(10)] == ["m0", "m1", "m2"]
+            time.sleep(1.3)
+    with ns.get_queue_receiver("q", session_id="s") as r:
+        got = r.receive_messages(10)
+        assert [(str(m), m.delivery_count) for m in got] == [("m0", 0), ("m1", 0), ("m2", 0)]
+        r.complete_messages(got)
+    with ns.get_queue_receiver("q", sub_queue=SubQueue.DEAD_LETTER) as r:
+        assert r.peek_messages(10) == []
+
+
+def test_a_session_prefetch_delivers_with_the_accept_and_counts_as_the_sdk_does(ns: Namespace) -> None:
+    ns.create_queue("q", requires_session=True)
+    with ns.get_queue_sender("q") as s:
+        s.send_messages([Message(f"m{i}", session_id="s") for i in range(5)])
+    with ns.get_queue_receiver("q", session_id="s", prefetch_count=3) as r:
+        (first,) = r.receive_messages(1)
+        assert (str(first), first.delivery_count) == ("m0", 0)
+        assert [str(m) for m in r.receive_messages(10)] == ["m1", "m2"]  # the prefetched ones, then the store
+        assert [str(m) for m in r.receive_messages(10)] == ["m3", "m4"]

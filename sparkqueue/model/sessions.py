@@ -7,7 +7,7 @@ its commit and then sees the lost lock, never acting on a session it no longer h
 
 Speed (docs/storage.md, "Sessions keep together"): every commit writes a session's rows to a
 file of its own and opens only files whose statistics may hold the session, so a session cycle
-costs two small commits: the accept (row locked, first messages delivered) and the completion;
+costs two small commits: the accept (row locked, with a prefetch_count its first messages delivered) and the completion;
 a completion that empties a stateless session deletes its row with the messages (docs/semantics.md
 §6: the hold ends there), so closing commits nothing. Next-available accepts pick sessions from
 file statistics at random among a partition's oldest few, and number a new row from one of the
