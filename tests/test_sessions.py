@@ -921,3 +921,29 @@ def test_a_session_prefetch_delivers_with_the_accept_and_counts_as_the_sdk_does(
         assert (str(first), first.delivery_count) == ("m0", 0)
         assert [str(m) for m in r.receive_messages(10)] == ["m1", "m2"]  # the prefetched ones, then the store
         assert [str(m) for m in r.receive_messages(10)] == ["m3", "m4"]
+
+
+def test_listing_sessions_refuses_an_entity_without_them_and_leaves_scheduled_messages_out(ns: Namespace) -> None:
+    ns.create_queue("plain")
+    with pytest.raises(InvalidOperationError, match="does not require sessions"):
+        ns.list_queue_sessions("plain")
+    ns.create_queue("q", requires_session=True)
+    with ns.get_queue_sender("q") as s:
+        s.send_messages([Message("now", session_id="s"), Message("now too", session_id="s")])
+        s.schedule_messages(Message("later", session_id="s"), datetime.now(UTC) + timedelta(hours=1))
+    (info,) = ns.list_queue_sessions("q")
+    assert (info.session_id, info.active_message_count) == ("s", 2)  # as runtime properties: 2 active, 1 scheduled
+
+
+def test_a_session_receiver_given_a_closed_renewer_gives_the_session_back(ns: Namespace) -> None:
+    from sparkqueue import AutoLockRenewer
+
+    ns.create_queue("q", requires_session=True)
+    with ns.get_queue_sender("q") as s:
+        s.send_messages(Message("m", session_id="s"))
+    renewer = AutoLockRenewer()
+    renewer.close()
+    with pytest.raises(InvalidOperationError, match="closed"):
+        ns.get_queue_receiver("q", session_id="s", auto_lock_renewer=renewer)
+    with ns.get_queue_receiver("q", session_id="s") as r:  # not left locked until expiry
+        assert [str(m) for m in r.receive_messages(1)] == ["m"]

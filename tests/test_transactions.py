@@ -699,3 +699,47 @@ def test_a_session_message_abandoned_in_a_transaction_comes_back_before_later_on
         got = r.receive_messages(3)
         assert [m.message_id for m in got] == ["m0", "m1", "m2"]
         r.complete_messages(got)
+
+
+def test_calls_a_rollback_could_not_undo_are_refused_inside_a_transaction(ns: Namespace) -> None:
+    """set_state, session renew_lock and cancel_scheduled_messages applied at once and survived the rollback."""
+    ns.create_queue("q", requires_session=True)
+    with ns.get_queue_sender("q") as s:
+        s.send_messages(Message("m", session_id="s"))
+        (scheduled,) = s.schedule_messages(Message("later", session_id="s"), datetime.now(UTC) + timedelta(hours=1))
+        with ns.get_queue_receiver("q", session_id="s") as r:
+            r.session.set_state(b"before")
+            with ns.transaction():
+                with pytest.raises(InvalidOperationError, match="inside a transaction"):
+                    r.session.set_state(b"after")
+                with pytest.raises(InvalidOperationError, match="inside a transaction"):
+                    r.session.renew_lock()
+                with pytest.raises(InvalidOperationError, match="inside a transaction"):
+                    s.cancel_scheduled_messages(scheduled)
+            assert r.session.get_state() == b"before"
+    assert ns.get_queue_runtime_properties("q").scheduled_message_count == 1
+
+
+def test_one_transaction_entered_from_a_second_thread_is_refused(ns: Namespace) -> None:
+    """Its exit there committed the first thread's recorded sends while that block was still open."""
+    import threading
+
+    ns.create_queue("q")
+    tx = ns.transaction()
+    errors: list[BaseException] = []
+
+    def enter_again() -> None:
+        try:
+            with tx:
+                pass
+        except InvalidOperationError as exc:
+            errors.append(exc)
+
+    with ns.get_queue_sender("q") as s, tx:
+        s.send_messages(Message("a", partition_key="k"))
+        t = threading.Thread(target=enter_again)
+        t.start()
+        t.join()
+        assert ns.get_queue_runtime_properties("q").total_message_count == 0  # nothing committed by the other thread
+    assert len(errors) == 1 and "another thread" in str(errors[0])
+    assert ns.get_queue_runtime_properties("q").total_message_count == 1

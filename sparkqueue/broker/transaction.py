@@ -64,6 +64,8 @@ class Transaction:
             raise InvalidOperationError("the transaction has already finished; start a new one with ns.transaction()")
         if open_transaction(self.broker) is not None:
             raise InvalidOperationError("a transaction of this namespace is already open here; transactions do not nest")
+        if self._token is not None:  # entered by another thread or task: its exit would commit this one's operations
+            raise InvalidOperationError("the transaction is already open in another thread or task; each needs its own")
         self._token = _OPEN.set((*_OPEN.get(), self))
         return self
 

@@ -29,7 +29,7 @@ from datetime import datetime
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from sparkqueue.errors import OperationTimeoutError, SessionCannotBeLockedError, SessionLockLostError
+from sparkqueue.errors import InvalidOperationError, OperationTimeoutError, SessionCannotBeLockedError, SessionLockLostError
 from sparkqueue.model import lifecycle
 from sparkqueue.model.entity import POLL_MAX_S, POLL_MIN_S, ROW_COLUMNS, Entity, Guard, SettleResult, empty_rows, utcnow
 from sparkqueue.model.ids import new_ids
@@ -496,7 +496,13 @@ class Sessions:
         self._hold(self.table.snapshot(), lock, utcnow())
 
     def list(self) -> list[SessionInfo]:
-        """Every session that has a session row or messages, with its state and counts."""
+        """Every session that has a session row or messages, with its state and counts.
+
+        The counts do not overlap, as runtime properties' (docs/semantics.md §1): active excludes
+        deferred and scheduled messages, and scheduled ones are not counted.
+        """
+        if not getattr(self.entity.props, "requires_session", False):
+            raise InvalidOperationError(f"{self.entity.name!r} does not require sessions: it has no sessions to list")
         out: dict[str, SessionInfo] = {}
         now = utcnow()
         dt = self.table.snapshot()
@@ -504,8 +510,11 @@ class Sessions:
             if not self.entity.available(p):
                 continue
             sub = self.entity.subscription
-            msgs = self.table.scan(dt, p, ["sub_queue", "session_id", "state"], subscription=sub)
-            msgs = msgs.filter(pc.equal(msgs.column("sub_queue"), SUB_QUEUE_MAIN))
+            cols = ["sub_queue", "session_id", "state", "scheduled_enqueue_time_utc"]
+            msgs = self.table.scan(dt, p, cols, subscription=sub)
+            scheduled = pc.fill_null(pc.greater(msgs.column("scheduled_enqueue_time_utc"), pa.scalar(now, TIMESTAMP)), False)
+            main = pc.and_(pc.equal(msgs.column("sub_queue"), SUB_QUEUE_MAIN), pc.is_valid(msgs.column("session_id")))
+            msgs = msgs.filter(pc.and_(main, pc.or_(pc.invert(scheduled), pc.equal(msgs.column("state"), STATE_DEFERRED))))
             counts: dict[str, list[int]] = {}
             for sid, state in zip(msgs.column("session_id").to_pylist(), msgs.column("state").to_pylist(), strict=True):
                 c = counts.setdefault(sid, [0, 0])
