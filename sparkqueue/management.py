@@ -57,6 +57,7 @@ from sparkqueue.model.topics import ACCEPTED_MARKER, check_session_action
 from sparkqueue.storage import maintenance
 from sparkqueue.storage.catalog import CatalogEntry
 from sparkqueue.storage.check import Finding, check_table
+from sparkqueue.storage.log import TOMBSTONE
 from sparkqueue.storage.table import EntityTable
 
 if TYPE_CHECKING:
@@ -167,9 +168,11 @@ class Management:
             log.warning("leaving %s in place: it was recorded outside the namespace root", table_path)
             return
         store = self.broker.store.child(table_path)
-        entries = store.list()
+        store.put(TOMBSTONE, b"")  # commits landing while the files go withdraw themselves (docs/storage.md)
+        entries = [e for e in store.list() if e.path != TOMBSTONE]
         for e in sorted(entries, key=lambda e: e.path.startswith("_delta_log/")):
             store.delete(e.path)
+        store.delete(TOMBSTONE)
         local = store.local_path("")
         if local is not None:
             shutil.rmtree(local, ignore_errors=True)

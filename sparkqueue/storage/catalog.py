@@ -108,7 +108,9 @@ class Catalog:
                 ) from None
             self._create()
             snap = self.log.load()
-        if marker is None and snap.version > 0:  # entities were made under a marker (open writes it first): it was lost
+        if marker is None and len(snap.files):
+            marker = self._marker()  # read again after the log: a concurrent creator may have written both meanwhile
+        if marker is None and len(snap.files):  # entities were recorded under a marker (open writes it first): it was lost
             raise StorageCorruptedError(
                 f"namespace {self.root_store.uri}: its marker {MARKER} is missing but its catalog holds entities; "
                 f'restore the marker (it holds {{"format_version": {FORMAT_VERSION}, "tier": "standard"}} or "premium")'

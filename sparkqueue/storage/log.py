@@ -36,6 +36,9 @@ LOG_DIR = "_delta_log"
 CLIENT_VERSION = "sparkqueue"
 MAX_REBASES = 256
 LOAD_ATTEMPTS = 4
+# Written at a table's root before its files are deleted, removed last: a commit landing meanwhile withdraws itself
+# (without it, such a commit's entry outlived the delete and the next stale commit found its predecessor there).
+TOMBSTONE = "_sparkqueue_deleting"
 MAX_UNLISTED = 8  # entries a listing left out that a load looks up by name before it reports a gap
 _ENTRY = re.compile(r"^(\d{20})\.(json|checkpoint\.parquet|checkpoint\.(\d+)\.(\d+)\.parquet)$")
 # What sparkqueue writes correctly: plain Parquet files with add/remove/txn actions, no deletion
@@ -459,7 +462,7 @@ class DeltaLog:
                 _check_unmoved(snap, base_meta, removed, expected)
                 version = snap.version + 1
                 if put(_entry_path(version)):
-                    if version > 0 and not self.store.exists(_entry_path(version - 1)) and self._alone(version):
+                    if self._deleted_under(version):
                         break  # the table was deleted under this handle: withdrawn below, once the staged name is gone
                     snap.apply(version, actions)
                     self._after(snap)
@@ -470,6 +473,12 @@ class DeltaLog:
                 raise CommitConflict(f"the commit lost {MAX_REBASES} races in a row")
         self._withdraw(version, adds)
         raise TableDeletedError(f"table {self.store.uri} was deleted while in use; nothing was stored")
+
+    def _deleted_under(self, version: int) -> bool:
+        """True when the table is being deleted (its tombstone), or was (the entry before `version` gone, only it left)."""
+        if self.store.exists(TOMBSTONE):
+            return True
+        return version > 0 and not self.store.exists(_entry_path(version - 1)) and self._alone(version)
 
     def _alone(self, version: int) -> bool:
         """True when the entry just written is the log's only one: the table was deleted (the entry before it is gone).
