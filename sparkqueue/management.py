@@ -150,7 +150,7 @@ class Management:
         self._check_entity_quota(props)  # before the table is made; checked again in the catalog commit
         table_path = f"{ENTITIES_DIR}/{entity_type}-{uuid.uuid4().hex}"  # relative: the namespace can move
         try:
-            EntityTable.create(self.broker.table_uri(table_path), self.broker.storage_options)
+            EntityTable.create(self.broker.table_uri(table_path), self.broker.store_options)
             self._create_entry(
                 entity_type, name, props, table_path, require=lambda entries: self._check_entity_quota(props, entries)
             )
@@ -531,7 +531,9 @@ class Management:
 
     def _table_paths(self) -> set[str]:
         """The entity tables the catalog names now (a subscription's is its topic's)."""
-        return {e.table_path.partition("#")[0] for e in self.broker.catalog.entries() if e.table_path}  # "<topic table>#<key>"
+        root = self.broker.root.rstrip("/") + "/"
+        paths = {e.table_path.partition("#")[0] for e in self.broker.catalog.entries() if e.table_path}  # "<topic table>#<key>"
+        return {p.removeprefix(root) for p in paths}  # entries of older namespaces record absolute paths
 
     def _maintain(self, entity_type: str, name: str, vacuum_retention: timedelta | None) -> maintenance.MaintenanceReport:
         """Compact, checkpoint and (when a retention is given) vacuum one queue's or topic's table."""
@@ -565,7 +567,7 @@ class Management:
                 continue
             name = Address.parse(e.name).name
             b = self.broker
-            table = EntityTable(b.table_uri(e.table_path), 1, b.fault_injector(name, e.entity_type), b.storage_options)
+            table = EntityTable(b.table_uri(e.table_path), 1, b.fault_injector(name, e.entity_type), b.store_options)
             try:
                 found = check_table(table, repair=repair)
             except SparkQueueError as exc:

@@ -13,7 +13,6 @@ import pytest
 from sparkqueue.errors import FilterSyntaxError, InvalidOperationError
 from sparkqueue.model.filters import (
     CorrelationRuleFilter,
-    DivideByZeroException,
     FalseRuleFilter,
     SqlRuleAction,
     SqlRuleFilter,
@@ -297,16 +296,14 @@ def test_true_constant_expressions(expression: str) -> None:
     assert run(expression, make_batch({}, {})) == [T, T]
 
 
-@pytest.mark.parametrize("expression", ["qty / 0 IS NULL", "qty % 0 = 1", "1 / 0 IS NULL", "1 % 0 IS NULL"])
-def test_integer_division_by_zero_raises_as_in_csharp(expression: str) -> None:
-    """The filter language follows C# binding: long / 0 throws (fan-out then handles that message's failure)."""
-    with pytest.raises(DivideByZeroException):
-        run(expression, PROPS)
-
-
-def test_division_by_zero_of_a_missing_value_is_null_not_an_error() -> None:
-    assert run("missing / 0 IS NULL", PROPS) == [T] * 5
+def test_integer_division_by_zero_is_null_and_a_guarded_division_works() -> None:
+    """Unknown, not an error: a whole-batch evaluation divides every row, also those a guard (AND/OR) leaves out."""
+    assert run("qty / 0 IS NULL AND qty % 0 IS NULL AND missing / 0 IS NULL", PROPS) == [T] * 5
+    assert run("1 / 0 IS NULL AND 1 % 0 IS NULL", PROPS) == [T] * 5
     assert run("qty / 0.0 > 1000", PROPS) == [T, F, T, F, F]  # doubles: +infinity, as in C#
+    guarded = make_batch({"props": {"a": 10, "b": 0}}, {"props": {"a": 10, "b": 2}})
+    assert run("b <> 0 AND a / b > 2", guarded) == [F, T]
+    assert run("b = 0 OR a / b > 2", guarded) == [T, T]
 
 
 @pytest.mark.parametrize("expression", ["FALSE", "NULL", "NULL = NULL", "NULL <> 1", "1 = 1.5", "'a' = 'A'", "'1' = 1"])

@@ -609,3 +609,23 @@ def test_tables_delta_rs_writes_with_timestamp_ntz_and_its_checkpoints_still_ope
         if n.endswith(".json") and int(n[:20]) <= 1:
             os.unlink(f"{uri}/_delta_log/{n}")
     assert len(DeltaLog(LocalStore(uri), _AnyFiles).load().files) == 2  # from the checkpoint delta-rs wrote
+
+
+def test_a_commit_whose_liveness_check_fails_after_it_landed_is_reported_landed(
+    table: EntityTable, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The check runs after the put: failing it (a store hiccup) must not report a landed commit as failed."""
+    from sparkqueue.storage.log import TOMBSTONE
+
+    real = LocalStore.exists
+
+    def hiccup(self: LocalStore, path: str) -> bool:
+        if path == TOMBSTONE:
+            raise StorageError("the store did not answer")
+        return real(self, path)
+
+    snap = table.snapshot()
+    monkeypatch.setattr(LocalStore, "exists", hiccup)
+    version = table.log.commit(snap, [table.data.write(0, _rows(0, 1, 1))], [], [Fence("sparkqueue.seq.0", 1)])
+    monkeypatch.undo()
+    assert _second_handle(table).load().version == version

@@ -604,3 +604,25 @@ def test_a_recent_table_without_catalog_entry_is_left_for_its_create_to_record(n
         os.utime(f"{ns.root}/{e.path}", (old, old))
     ns.run_maintenance(vacuum_retention=timedelta(0))
     assert ns.store.list(orphan + "/") == []
+
+
+def test_a_table_recorded_by_its_absolute_path_is_not_an_orphan(ns: Namespace, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Namespaces made before table paths were relative record absolute ones: such a live table was swept."""
+    import dataclasses
+
+    ns.create_queue("q")
+    with ns.get_queue_sender("q") as s:
+        s.send_messages(Message("kept"))
+    real = ns.broker.catalog.entries
+
+    def absolute(*args: Any, **kwargs: Any) -> Any:
+        return [
+            dataclasses.replace(e, table_path=f"{ns.root}/{e.table_path}") if e.table_path else e for e in real(*args, **kwargs)
+        ]
+
+    monkeypatch.setattr(ns.broker.catalog, "entries", absolute)
+    monkeypatch.setattr(maintenance, "ORPHAN_RETENTION", timedelta(0))
+    maintenance.remove_orphan_tables(ns.store, "entities", ns._table_paths, timedelta(0))
+    monkeypatch.undo()
+    with ns.get_queue_receiver("q") as r:
+        assert [str(m) for m in drain(r, 1)] == ["kept"]

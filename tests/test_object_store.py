@@ -262,3 +262,17 @@ def test_nothing_is_written_outside_the_namespace_root(tmp_path: Path) -> None:
         ns.run_maintenance()
     outside = [p for p in tmp_path.rglob("*") if not str(p).startswith(str(root)) and p != root.parent]
     assert outside == []
+
+
+def test_a_namespace_configured_by_the_environment_alone_pickles_and_reopens(store: Store) -> None:
+    """Its own request settings (fitted to the operation timeout) are not what it pickles: they replaced the environment's."""
+    import pickle
+
+    with Namespace(store.root) as ns:  # no storage options: the store's environment variables (set by the fixture)
+        ns.create_queue("q")
+        assert ns.storage_options == {}
+        again = pickle.loads(pickle.dumps(ns))
+        assert [q.name for q in again.list_queues()] == ["q"]
+        with again.get_queue_sender("q") as s:
+            s.send_messages(Message("x"))
+        assert ns.get_queue_runtime_properties("q").active_message_count == 1

@@ -110,9 +110,11 @@ class Broker:
         self.root = resolve_root(root)
         asked = None if tier is None else limits.check_tier(tier)
         self.operation_timeout = limits.check_seconds(operation_timeout, "operation_timeout")  # finite: NaN never expires
-        self.storage_options = with_deadline_options(self.root, check_storage_options(storage_options), self.operation_timeout)
-        self.store: Store = open_store(self.root, self.storage_options)
-        self.catalog = Catalog(self.store, self.storage_options)
+        self.storage_options = check_storage_options(storage_options)  # as given: what a Spark task or a pickle reopens with
+        # What this process's stores use: request timeouts and retries fitted to the operation timeout.
+        self.store_options = with_deadline_options(self.root, self.storage_options, self.operation_timeout)
+        self.store: Store = open_store(self.root, self.store_options)
+        self.catalog = Catalog(self.store, self.store_options)
         marker = self.catalog.open({"tier": asked or limits.STANDARD})
         self.tier = limits.namespace_tier(self.root, marker.get("tier"), asked)
         self.cache: dict[str, _Cached] = {}
@@ -226,7 +228,7 @@ class Broker:
             table = self.tables.get(path)
             if table is None:
                 faults = self.faults.setdefault(owner, FaultInjector())
-                table = EntityTable(self.table_uri(path), partition_count, faults, self.storage_options)
+                table = EntityTable(self.table_uri(path), partition_count, faults, self.store_options)
                 self.tables[path] = table
             return table
 

@@ -548,16 +548,13 @@ def _compare(op: str, left: _Value, right: _Value) -> _Value:
     return _Value.boolean(pc.if_else(both, same, _NULL_BOOL))
 
 
-class DivideByZeroException(ArithmeticError):  # noqa: N818 - the .NET name Service Bus reports
-    """An integer division or remainder by zero in a rule, as C# raises it: that message's evaluation fails (fan-out)."""
-
-
 def _nonzero(dividend: pa.Array, divisor: pa.Array) -> pa.Array:
-    """The divisor; raises DivideByZeroException where a known dividend meets a zero (NULL operands give NULL)."""
-    zero = pc.and_(pc.is_valid(dividend), pc.fill_null(pc.equal(divisor, 0), False))
-    if pc.any(zero).as_py():
-        raise DivideByZeroException("integer division by zero")
-    return divisor
+    """The divisor with zeros as NULL: integer division by zero is unknown, not an error.
+
+    C# would raise, but it evaluates AND/OR lazily, so a guarded division (`b <> 0 AND a / b > 2`)
+    never divides; a whole-batch evaluation divides every row, so raising would fail guarded rules.
+    """
+    return pc.if_else(pc.equal(divisor, 0), pa.scalar(None, divisor.type), divisor)
 
 
 def _int_op(op: str, left: pa.Array, right: pa.Array) -> pa.Array:

@@ -475,10 +475,18 @@ class DeltaLog:
         raise TableDeletedError(f"table {self.store.uri} was deleted while in use; nothing was stored")
 
     def _deleted_under(self, version: int) -> bool:
-        """True when the table is being deleted (its tombstone), or was (the entry before `version` gone, only it left)."""
-        if self.store.exists(TOMBSTONE):
-            return True
-        return version > 0 and not self.store.exists(_entry_path(version - 1)) and self._alone(version)
+        """True when the table is being deleted (its tombstone), or was (the entry before `version` gone, only it left).
+
+        The commit has landed when this runs: a check that fails (a store hiccup) counts as "not deleted",
+        so a landed commit is never reported as failed (its caller would repeat it).
+        """
+        try:
+            if self.store.exists(TOMBSTONE):
+                return True
+            return version > 0 and not self.store.exists(_entry_path(version - 1)) and self._alone(version)
+        except (StorageError, OSError) as exc:
+            log.warning("could not check that %s is still live after committing version %d: %s", self.store.uri, version, exc)
+            return False
 
     def _alone(self, version: int) -> bool:
         """True when the entry just written is the log's only one: the table was deleted (the entry before it is gone).
