@@ -591,7 +591,7 @@ def test_sends_racing_a_queue_deleted_and_made_again_by_another_process_are_neve
     out = dict(
         _run_mixed(
             [
-                (procs.send_while_recreated, lambda i, b, r: (root, "q", b, r, i, 7.0)),
+                (procs.send_while_recreated, lambda i, b, r: (root, "q", b, r, i, 12.0)),  # past the cycles, also when slow
                 (procs.recreate_queue, lambda i, b, r: (root, "q", b, r, i, 4, 1.2)),
             ]
         )
@@ -601,7 +601,7 @@ def test_sends_racing_a_queue_deleted_and_made_again_by_another_process_are_neve
     checked = 0
     for created, peeked, held in windows:
         after = [(mid, outcome) for began, mid, outcome in calls if created < began < peeked - 0.2]
-        assert {outcome for _, outcome in after} == {"ok"}, "a send that began after the queue was made again failed"
+        assert {outcome for _, outcome in after} <= {"ok"}, "a send that began after the queue was made again failed"
         lost = sorted({mid for mid, _ in after} - set(held))
         assert lost == [], f"acknowledged after the queue was made again, not in it: {lost[:5]}"
         checked += len(after)
