@@ -13,7 +13,6 @@ import functools
 import inspect
 import json
 import logging
-import shutil
 import uuid
 from collections.abc import Callable, Mapping
 from datetime import UTC, datetime, timedelta
@@ -57,7 +56,7 @@ from sparkqueue.model.topics import ACCEPTED_MARKER, check_session_action
 from sparkqueue.storage import maintenance
 from sparkqueue.storage.catalog import CatalogEntry
 from sparkqueue.storage.check import Finding, check_table
-from sparkqueue.storage.log import TOMBSTONE
+from sparkqueue.storage.log import delete_table
 from sparkqueue.storage.table import EntityTable
 
 if TYPE_CHECKING:
@@ -167,15 +166,7 @@ class Management:
         if "://" in table_path or table_path.startswith("/"):
             log.warning("leaving %s in place: it was recorded outside the namespace root", table_path)
             return
-        store = self.broker.store.child(table_path)
-        store.put(TOMBSTONE, b"")  # commits landing while the files go withdraw themselves (docs/storage.md)
-        entries = [e for e in store.list() if e.path != TOMBSTONE]
-        for e in sorted(entries, key=lambda e: e.path.startswith("_delta_log/")):
-            store.delete(e.path)
-        store.delete(TOMBSTONE)
-        local = store.local_path("")
-        if local is not None:
-            shutil.rmtree(local, ignore_errors=True)
+        delete_table(self.broker.store.child(table_path))
 
     def _check_entity_quota(self, props: EntityProperties, catalog: list[CatalogEntry] | None = None) -> None:
         """At most 10,000 entities and 100 partitioned queues and topics per namespace (in `catalog`; default: now)."""

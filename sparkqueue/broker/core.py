@@ -194,8 +194,7 @@ class Broker:
         key = Address.of(entity_type, name).key
         with self.lock:
             cached = self.cache.get(key)
-            fresh = cached is not None and time.monotonic() - cached.loaded_at < PROPERTIES_TTL_S
-            if cached is not None and fresh and not cached.entity.table.deleted:
+            if cached is not None and time.monotonic() - cached.loaded_at < PROPERTIES_TTL_S and not cached.entity.table.deleted:
                 return cached.entity
         entry = self.entry(entity_type, name)
         name = Address.parse(entry.name).name  # as stored, when `name` differs in case

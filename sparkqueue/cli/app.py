@@ -28,7 +28,7 @@ from sparkqueue.cli import ops, render
 from sparkqueue.errors import SparkQueueError
 from sparkqueue.model.addresses import TOPIC
 from sparkqueue.receiver import Receiver
-from sparkqueue.storage.store import resolve_root
+from sparkqueue.storage.store import is_local, resolve_root
 
 DEFAULT_ROOT = "./sparkqueue-data"
 
@@ -106,7 +106,7 @@ class State:
         if not self.root.strip():
             raise CliError("the namespace root is empty: pass --root PATH or set SPARKQUEUE_ROOT")
         root = resolve_root(self.root)  # a bad root raises InvalidOperationError, reported as any library error
-        if not create and "://" not in root and not Path(root).is_dir():
+        if not create and is_local(root) and not Path(root).is_dir():
             raise CliError(
                 f"namespace root {self.root!r} does not exist: pass --root PATH or set SPARKQUEUE_ROOT "
                 "(`sparkqueue create ...` creates it)"

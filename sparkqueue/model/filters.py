@@ -548,7 +548,7 @@ def _compare(op: str, left: _Value, right: _Value) -> _Value:
     return _Value.boolean(pc.if_else(both, same, _NULL_BOOL))
 
 
-def _nonzero(dividend: pa.Array, divisor: pa.Array) -> pa.Array:
+def _nonzero(divisor: pa.Array) -> pa.Array:
     """The divisor with zeros as NULL: integer division by zero is unknown, not an error.
 
     C# would raise, but it evaluates AND/OR lazily, so a guarded division (`b <> 0 AND a / b > 2`)
@@ -560,9 +560,9 @@ def _nonzero(dividend: pa.Array, divisor: pa.Array) -> pa.Array:
 def _int_op(op: str, left: pa.Array, right: pa.Array) -> pa.Array:
     """64-bit integer arithmetic with C# semantics (wrapping, truncating division, dividend-signed %)."""
     if op == "/":
-        return pc.divide(left, _nonzero(left, right))
+        return pc.divide(left, _nonzero(right))
     if op == "%":
-        divisor = _nonzero(left, right)
+        divisor = _nonzero(right)
         return pc.subtract(left, pc.multiply(pc.divide(left, divisor), divisor))
     return {"+": pc.add, "-": pc.subtract, "*": pc.multiply}[op](left, right)
 

@@ -42,7 +42,7 @@ RULE_ACTION_REASON = "RuleActionViolation"
 # A copy without a session id for a subscription that requires sessions could never be received
 # there, so it is dead-lettered in that subscription at fan-out with this reason.
 SESSION_REQUIRED_REASON = "SessionIdRequired"
-# A message a subscription's rule failed on (a division by zero, say) is dead-lettered there with this reason
+# A message a subscription's rule failed on (its evaluation raised) is dead-lettered there with this reason
 # when the subscription has dead_lettering_on_filter_evaluation_exceptions (docs/semantics.md §8).
 FILTER_ERROR_REASON = "FilterEvaluationException"
 _KEY_COLUMNS = ("message_id", "session_id", "partition_key")

@@ -71,6 +71,7 @@ from sparkqueue.spark.worker import EntityRef, marking_errors, refuse_in_transac
 from sparkqueue.storage.log import AddFile, Fence
 from sparkqueue.storage.retry import retry_commit
 from sparkqueue.storage.schema import TIMESTAMP
+from sparkqueue.storage.store import is_local
 from sparkqueue.storage.table import fence_app_id
 
 if TYPE_CHECKING:
@@ -185,7 +186,7 @@ def jvm_writable(df: DataFrame, plan: SendPlan, entity_type: str) -> bool:
     table, and a timestamp without time zone a conversion: those take the staged path.
     """
     sched = next((f.dataType for f in df.schema.fields if f.name == "scheduled_enqueue_time_utc"), None)
-    local = "://" not in plan.ref.root  # Spark's writer needs the store's Hadoop file system; tasks write through obstore
+    local = is_local(plan.ref.root)  # Spark's writer needs the store's Hadoop file system; tasks write through obstore
     return local and entity_type == QUEUE and not _may_have_keys(df, plan) and not isinstance(sched, st.TimestampNTZType)
 
 

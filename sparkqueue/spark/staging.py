@@ -37,9 +37,14 @@ LOCKED_ATTRIBUTE = "_sparkqueue_locked"  # attribute of a DataFrame a peek-lock 
 _STAMP = "%Y%m%dT%H%M%S"
 
 
+def is_local_location(uri: str) -> bool:
+    """True for a local path or a `file:` URI (the forms Spark prints); False for an object-store URI."""
+    return "://" not in uri or uri.startswith("file:")
+
+
 def filesystem(uri: str) -> tuple[pafs.FileSystem, str]:
     """A pyarrow filesystem and the path of `uri` on it (local paths made absolute)."""
-    if "://" not in uri or uri.startswith("file:"):
+    if is_local_location(uri):
         return pafs.LocalFileSystem(), local_path(uri)
     fs, path = pafs.FileSystem.from_uri(uri)
     return fs, path.rstrip("/")
@@ -62,7 +67,7 @@ def spark_path(uri: str) -> str:
     A relative path would become `file://./x`, which Hadoop reads as host "." and rejects ("Wrong FS").
     The path is not percent-encoded: Hadoop takes the path part of a `file://` location literally.
     """
-    if "://" in uri and not uri.startswith("file:"):
+    if not is_local_location(uri):
         return uri
     return f"file://{local_path(uri)}"
 
@@ -73,7 +78,7 @@ def require_local_root(root: str, what: str) -> None:
     Staging directories are written by Python tasks and read by Spark's own reader, which needs
     the store's Hadoop file system under the same URI; that is not built yet (docs/spark-streaming.md).
     """
-    if "://" in root and not root.startswith("file:"):
+    if not is_local_location(root):
         raise InvalidOperationError(
             f"{what} is not supported yet on an object-store namespace ({root}); it works on a local or mounted "
             "path (e.g. /dbfs/...). On object stores use the core API, send_dataframe or the batch reader"
@@ -99,8 +104,7 @@ class Staging:
         """A new, empty staging directory of a kind ("receive", "settle") under the namespace root."""
         require_local_root(root, f"a Spark {kind}")
         stamp = datetime.now(UTC).strftime(_STAMP)
-        if "://" not in root or root.startswith("file:"):
-            root = local_path(root)  # absolute: Spark tasks and the returned DataFrame may run in another directory
+        root = local_path(root)  # absolute: Spark tasks and the returned DataFrame may run in another directory
         staging = cls(f"{root.rstrip('/')}/{STAGING_DIR}/{kind}/{stamp}-{uuid.uuid4().hex[:12]}")
         fs, path = filesystem(staging.uri)
         fs.create_dir(path, recursive=True)
@@ -185,7 +189,7 @@ class Staging:
 
 def cleanup_staging(root: str, older_than: timedelta = STAGING_RETENTION) -> int:
     """Remove staging directories of a namespace older than `older_than`; returns how many were removed."""
-    if "://" in root and not root.startswith("file:"):
+    if not is_local_location(root):
         return 0  # nothing is staged on object-store namespaces (require_local_root)
     fs, base = filesystem(f"{root.rstrip('/')}/{STAGING_DIR}")
     cutoff = datetime.now(UTC) - older_than

@@ -108,13 +108,13 @@ class Catalog:
                 ) from None
             self._create()
             snap = self.log.load()
-        if marker is None and len(snap.files):
+        if marker is None and len(snap.files):  # entities are recorded under a marker (open writes it first)
             marker = self._marker()  # read again after the log: a concurrent creator may have written both meanwhile
-        if marker is None and len(snap.files):  # entities were recorded under a marker (open writes it first): it was lost
-            raise StorageCorruptedError(
-                f"namespace {self.root_store.uri}: its marker {MARKER} is missing but its catalog holds entities; "
-                f'restore the marker (it holds {{"format_version": {FORMAT_VERSION}, "tier": "standard"}} or "premium")'
-            )
+            if marker is None:  # it was lost
+                raise StorageCorruptedError(
+                    f"namespace {self.root_store.uri}: its marker {MARKER} is missing but its catalog holds entities; "
+                    f'restore the marker (it holds {{"format_version": {FORMAT_VERSION}, "tier": "standard"}} or "premium")'
+                )
         if marker is None:
             content = {"format_version": FORMAT_VERSION, **(settings or {})}
             self.root_store.put_if_absent(MARKER, json.dumps(content).encode())

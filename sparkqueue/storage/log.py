@@ -19,6 +19,7 @@ import json
 import logging
 import os
 import re
+import shutil
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -508,6 +509,23 @@ class DeltaLog:
             for folder, _, _ in sorted(os.walk(local), key=lambda w: -len(w[0])):
                 with contextlib.suppress(OSError):
                     os.rmdir(folder)
+
+
+def delete_table(store: Store) -> int:
+    """Delete a table's files under its tombstone, data first and log last (a half-deleted table reads as deleted).
+
+    Commits landing while the files go find the tombstone and withdraw themselves (DeltaLog.commit).
+    Returns how many files went; a local table's directories go too.
+    """
+    store.put(TOMBSTONE, b"")
+    files = [e for e in store.list() if e.path != TOMBSTONE]
+    for e in sorted(files, key=lambda e: e.path.startswith(f"{LOG_DIR}/")):
+        store.delete(e.path)
+    store.delete(TOMBSTONE)
+    local = store.local_path("")
+    if local is not None:
+        shutil.rmtree(local, ignore_errors=True)
+    return len(files)
 
 
 def _entry_path(version: int) -> str:

@@ -31,7 +31,7 @@ from sparkqueue.errors import SparkQueueError
 from sparkqueue.storage.checkpoint import trim_log, write_checkpoint
 from sparkqueue.storage.files import MAX_FILE_BYTES, MAX_FILE_ROWS, remove_action
 from sparkqueue.storage.index import FileInfo
-from sparkqueue.storage.log import LOG_DIR, CommitConflict, Snapshot
+from sparkqueue.storage.log import LOG_DIR, CommitConflict, Snapshot, delete_table
 from sparkqueue.storage.schema import STATE_COMPLETED, TIMESTAMP, constant
 from sparkqueue.storage.store import Store
 from sparkqueue.storage.table import EntityTable
@@ -300,13 +300,11 @@ def remove_orphan_tables(root: Store, folder: str, live: Callable[[], set[str]],
     for table in candidates:
         if table in named:
             continue
-        files = root.list(table + "/")
-        if any(e.mtime_s >= keep_after for e in files):
+        if any(e.mtime_s >= keep_after for e in root.list(table + "/")):
             continue
-        for e in sorted(files, key=lambda e: e.path.startswith(f"{table}/{LOG_DIR}/")):  # the log last, as a delete does
-            root.delete(e.path)
-        report.vacuumed_files += len(files)
-        log.info("removed table %s: no catalog entry names it (%d files)", table, len(files))
+        removed = delete_table(root.child(table))
+        report.vacuumed_files += removed
+        log.info("removed table %s: no catalog entry names it (%d files)", table, removed)
     return report
 
 

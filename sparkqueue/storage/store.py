@@ -456,7 +456,7 @@ def _obstore_options(options: Mapping[str, str]) -> tuple[dict[str, str], dict[s
         k = key.lower()
         if k in DELTA_ONLY_KEYS:
             continue
-        bare = k.split("_", 1)[1] if k.startswith(PROVIDER_PREFIXES) else k  # delta-rs also takes "aws_allow_http", ...
+        bare = _bare_key(k)
         if bare in CLIENT_OPTION_KEYS:
             client[bare] = str(value)
         elif k == "max_retries":
@@ -474,9 +474,9 @@ def with_deadline_options(root: str, options: Mapping[str, str], seconds: float)
     obstore (and delta-rs) otherwise wait 30 s per request and retry for 3 minutes, so a hung store
     would hold every call far past its `operation_timeout`.
     """
-    if "://" not in root:
+    if is_local(root):
         return dict(options)
-    given = {k.lower().split("_", 1)[1] if k.lower().startswith(PROVIDER_PREFIXES) else k.lower() for k in options}
+    given = {_bare_key(k) for k in options}
     out = dict(options)
     # Client options given at all replace those obstore reads from the environment (AZURE_ALLOW_HTTP, say), so a
     # namespace configured by environment variables alone keeps them; its retries are still bounded.
@@ -485,6 +485,12 @@ def with_deadline_options(root: str, options: Mapping[str, str], seconds: float)
     if "retry_timeout" not in given:
         out["retry_timeout"] = f"{max(1, math.ceil(seconds))}s"
     return out
+
+
+def _bare_key(key: str) -> str:
+    """An option key lower-cased and without its store's prefix: delta-rs also takes "aws_allow_http", ..."""
+    k = key.lower()
+    return k.split("_", 1)[1] if k.startswith(PROVIDER_PREFIXES) else k
 
 
 def _seconds(key: str, value: object) -> float:
