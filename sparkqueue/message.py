@@ -326,6 +326,10 @@ class ReceivedMessage:
     def __str__(self) -> str:
         return self.body.decode("utf-8", errors="replace")
 
+    def __hash__(self) -> int:
+        """Hashable like the SDK's message (sets, dict keys), on what equal messages share and no settle or renewal changes."""
+        return hash((self.message_id, self.sequence_number))
+
 
 def is_settled(message: object) -> bool:
     """Whether a receiver settled this received message (its lock then needs no renewal, and a second settle is refused)."""

@@ -551,7 +551,7 @@ class ReceiverSession:
             return self._sessions.get_state(self._lock)
 
     def set_state(self, state: bytes | str | None, *, timeout: float | None = None) -> None:
-        """Store (or clear, with None) the session state; str is stored as UTF-8; at most the tier's message size."""
+        """Store (or clear, with None or an empty value, as Service Bus reads an empty state) the session state; str is stored as UTF-8; at most the tier's message size."""
         if isinstance(state, str):
             state = limits.check_utf8(state, "session state").encode("utf-8")
         if state is not None and not isinstance(state, (bytes, bytearray)):
@@ -563,7 +563,7 @@ class ReceiverSession:
         self._check_open()
         self._not_in_transaction("session state cannot be set inside a transaction (it would not roll back with it)")
         with call_timeout(timeout):
-            self._sessions.set_state(self._lock, bytes(state) if state is not None else None)
+            self._sessions.set_state(self._lock, bytes(state) if state else None)
 
     def renew_lock(self, *, timeout: float | None = None) -> datetime:
         """Extend the session lock by the entity's lock_duration; returns the new expiry."""

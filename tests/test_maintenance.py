@@ -626,3 +626,34 @@ def test_a_table_recorded_by_its_absolute_path_is_not_an_orphan(ns: Namespace, m
     monkeypatch.undo()
     with ns.get_queue_receiver("q") as r:
         assert [str(m) for m in drain(r, 1)] == ["kept"]
+
+
+def test_check_beside_a_vacuum_at_retention_zero_reports_no_live_file_missing(
+    ns: Namespace, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A commit and a vacuum landing between check's log load and its listing removed a file check still took as live.
+
+    Before, check reported it missing (and repair would have committed its removal again).
+    """
+    from sparkqueue.storage.store import LocalStore
+
+    ns.create_queue("q", enable_partitioning=False)
+    with ns.get_queue_sender("q") as s:
+        s.send_messages([Message("done"), Message("kept")])
+    real = LocalStore.list
+    raced: list[bool] = []
+
+    def list_after_a_race(self: LocalStore, prefix: str = "") -> Any:
+        if not raced and prefix == "" and "/entities/" in self.uri:  # check's listing of the queue's table
+            raced.append(True)
+            with Namespace(ns.root) as other, other.get_queue_receiver("q") as r:
+                r.complete_message(drain(r, 1)[0])  # rewrites the file holding both messages
+                other.run_maintenance(vacuum_retention=timedelta(0))  # and deletes the old one at once
+        return real(self, prefix)
+
+    monkeypatch.setattr(LocalStore, "list", list_after_a_race)
+    assert ns.check() == []
+    assert raced
+    monkeypatch.undo()
+    with ns.get_queue_receiver("q") as r:
+        assert [str(m) for m in peek_all(r)] == ["kept"]

@@ -422,3 +422,15 @@ def test_14_peek_counts_only_deliveries_that_ended(ns: Namespace) -> None:
         r.abandon_message(again)
         assert again.delivery_count == 1
         assert [p.delivery_count for p in r.peek_messages(1, sequence_number=0)] == [2]
+
+
+def test_15_received_messages_are_hashable(ns: Namespace) -> None:
+    """As the SDK's, received messages go in sets and dict keys (a handler's "seen" set), also after a settle."""
+    ns.create_queue("q")
+    with ns.get_queue_sender("q") as s:
+        s.send_messages([Message("a"), Message("b")])
+    with ns.get_queue_receiver("q") as r:
+        got = drain(r, 2)
+        seen = {m: str(m) for m in got}
+        r.complete_message(got[0])  # a settle changes no field the hash reads
+        assert got[0] in seen and len(set(got)) == 2

@@ -430,7 +430,7 @@ class _Lexer:
 
     def _next(self) -> Token:
         char = self._peek()
-        if char.isdigit():
+        if char.isdigit() or (char == "." and self._peek(1).isdigit()):
             return self._number()
         if char == "'":
             return self._quoted("'", "string", "string constant")
@@ -460,7 +460,7 @@ class _Lexer:
         start = self.pos
         self._digits()
         is_float = False
-        if self._peek() == "." and self._peek(1).isdigit():
+        if self._peek() == ".":  # 1.5, .5 and 5. are decimal constants ("contain a decimal point")
             is_float = True
             self.pos += 1
             self._digits()
