@@ -83,11 +83,10 @@ def resolve(ns: Namespace, name: str) -> Target:
         return Target(TOPIC, name)
     except EntityNotFoundError:
         pass
-    if "/" in name:
-        topic, sub = name.rsplit("/", 1)
+    if (short := Address.split_short(name)) is not None:
         try:
-            ns.get_subscription(topic, sub)
-            return Target(SUBSCRIPTION, topic, sub)
+            ns.get_subscription(*short)
+            return Target(SUBSCRIPTION, *short)
         except EntityNotFoundError:
             pass
     raise EntityNotFoundError(f"no queue, topic or subscription named {name!r} in namespace {ns.root!r}")

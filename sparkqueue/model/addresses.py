@@ -58,6 +58,15 @@ class Address:
         at = path.lower().find(SUBSCRIPTIONS.lower())
         return (path[:at], path[at + len(SUBSCRIPTIONS) :]) if at >= 0 else (path, None)
 
+    @staticmethod
+    def split_short(name: str) -> tuple[str, str] | None:
+        """The (topic, subscription) the short "t/s" form may spell, or None: split at the last '/'.
+
+        Queue names may hold '/', so a caller tries a queue of that name first.
+        """
+        topic, slash, sub = name.rpartition("/")
+        return (topic, sub) if slash and topic and sub else None
+
     @property
     def path(self) -> str:
         """The name as users write it, in Service Bus path form ("t/Subscriptions/s", "t/Subscriptions/s/Rules/r")."""

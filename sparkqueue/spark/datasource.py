@@ -16,13 +16,15 @@ would narrow the next query on the same DataFrame. Rows are the live messages of
 (completed tombstones excluded) in the received-message layout, with `state` active, deferred
 or scheduled; lock columns show current locks.
 
-Subscriptions load as "<topic>/Subscriptions/<subscription>" (or option entity_type=subscription).
+Subscriptions load as "<topic>/Subscriptions/<subscription>" or "<topic>/<subscription>" (or option entity_type=subscription).
 
 With the Delta Lake jars on the cluster, `spark.read.format("delta").load(table_path(ns, name))`
 reads the same table; `row_filter(...)` gives the predicate that selects an entity's live messages.
 """
 
 from __future__ import annotations
+
+import contextlib
 
 import logging
 from collections.abc import Iterator
@@ -85,7 +87,8 @@ def resolve(
 ) -> tuple[str, str, str | None]:
     """(Delta table URI, entity type, subscription key or None) of a queue or subscription name.
 
-    "<topic>/Subscriptions/<subscription>" names a subscription, as Service Bus paths do.
+    "<topic>/Subscriptions/<subscription>" names a subscription, as Service Bus paths do; "<topic>/<subscription>"
+    too, unless a queue has that name (queue names may hold '/').
     """
     from sparkqueue.namespace import Namespace
 
@@ -102,10 +105,14 @@ def resolve(
     try:
         return ns.table_uri(ns.broker.entry(QUEUE, name).table_path), QUEUE, None
     except EntityNotFoundError:
+        short = Address.split_short(name) if entity_type is None else None
+        if short is not None:  # the short "<topic>/<subscription>" form, as the CLI reads it
+            with contextlib.suppress(EntityNotFoundError):
+                return resolve(ns, Address.subscription_of(*short).path, SUBSCRIPTION)
         try:
             ns.broker.entry(TOPIC, name)  # a clearer error for topics: their messages live in subscriptions
         except EntityNotFoundError:
-            raise EntityNotFoundError(f"no queue or topic named {name!r} in namespace {ns.root!r}") from None
+            raise EntityNotFoundError(f"no queue, topic or subscription named {name!r} in namespace {ns.root!r}") from None
         raise InvalidOperationError(
             f"{name!r} is a topic; read one of its subscriptions ('{name}/Subscriptions/<name>')"
         ) from None

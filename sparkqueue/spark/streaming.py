@@ -18,6 +18,8 @@ See docs/spark-streaming.md for the delivery guarantees.
 
 from __future__ import annotations
 
+import contextlib
+
 import json
 import logging
 from collections.abc import Mapping
@@ -152,6 +154,11 @@ def _resolve(ns: Namespace, root: str, storage: dict[str, str], name: str, sink:
         ns.broker.entry(QUEUE, name)
         return EntityAddress(ns.root, frozen, QUEUE, name)
     except EntityNotFoundError:
+        short = None if sink else Address.split_short(name)
+        if short is not None:  # the short "<topic>/<subscription>" form, as the CLI reads it
+            with contextlib.suppress(EntityNotFoundError):
+                ns.broker.entry(SUBSCRIPTION, sub_entity_name(*short))
+                return EntityAddress(ns.root, frozen, SUBSCRIPTION, sub_entity_name(*short))
         ns.broker.entry(TOPIC, name)  # EntityNotFoundError when neither exists
         if not sink:
             raise InvalidOperationError(

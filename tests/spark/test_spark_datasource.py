@@ -100,6 +100,9 @@ def test_dead_letters_and_subscriptions(spark, ns, numbered):
     dlq = read(spark, ns, "t/Subscriptions/s1", sub_queue="deadletter").collect()
     assert len(dlq) == 5 and {row.dead_letter_reason for row in dlq} == {"Bad"}
     assert read(spark, ns, "t/Subscriptions/s1", entity_type="subscription").count() == 15
+    assert read(spark, ns, "t/s1").count() == 15  # the short form, as the CLI reads it
+    ns.create_queue("t/s1")  # queue names may hold '/': such a queue comes first
+    assert read(spark, ns, "t/s1").count() == 0
     with pytest.raises(Exception, match="topic"):
         read(spark, ns, "t").count()
 
@@ -117,7 +120,7 @@ def test_table_path_and_row_filter_select_the_same_rows_for_other_readers(spark,
 
 def test_names_that_are_no_queue_or_subscription_get_a_clear_error(ns):
     ns.create_topic("t")
-    with pytest.raises(EntityNotFoundError, match="no queue or topic named 'nope'"):
+    with pytest.raises(EntityNotFoundError, match="no queue, topic or subscription named 'nope'"):
         table_path(ns, "nope")
     with pytest.raises(InvalidOperationError, match="'t' is a topic; read one of its subscriptions"):
         table_path(ns, "t")
@@ -130,7 +133,7 @@ def test_reader_errors_are_one_line_and_unknown_options_are_refused(spark, ns, n
     ns.create_queue("q")
     with ns.get_queue_sender("q") as s:
         s.send_dataframe(numbered(10))
-    with pytest.raises(Exception, match="no queue or topic named 'nope'") as err:
+    with pytest.raises(Exception, match="no queue, topic or subscription named 'nope'") as err:
         read(spark, ns, "nope").count()
     assert "datasource.py" not in str(err.value) and "resolve(" not in str(err.value)  # no frames inside sparkqueue
     options = "entity_type, namespace, path, storage_option"

@@ -655,3 +655,25 @@ def test_stream_consumer_settings():
     assert (s["checkpoint"], s["trigger"], s["max_messages_per_trigger"]) == ("/ck", "30", 7)
     with pytest.raises(InvalidOperationError, match="trigger must be"):
         stream_consumer.settings(common.load_config(None, {"stream_consumer.trigger": "soon"}))
+
+
+def test_the_stream_names_a_subscription_in_the_short_form_too(tmp_path):
+    """"t/s" names subscription s of topic t, as the CLI and the batch reader read it; a queue of that name comes first."""
+    from sparkqueue.errors import EntityNotFoundError, InvalidOperationError
+    from sparkqueue.spark.streaming import address_of
+
+    root = str(tmp_path / "ns")
+    with Namespace(root) as ns:
+        ns.create_topic("t")
+        ns.create_subscription("t", "s")
+    source = address_of({"namespace": root, "entity": "t/s"}, sink=False)
+    assert (source.entity_type, source.display) == ("subscription", "t/Subscriptions/s")
+    with pytest.raises(EntityNotFoundError):
+        address_of({"namespace": root, "entity": "t/nope"}, sink=False)
+    with pytest.raises(EntityNotFoundError):  # the sink sends to queues and topics only
+        address_of({"namespace": root, "entity": "t/s"}, sink=True)
+    with Namespace(root) as ns:
+        ns.create_queue("t/s")
+    assert address_of({"namespace": root, "entity": "t/s"}, sink=False).entity_type == "queue"
+    with pytest.raises(InvalidOperationError, match="is a topic"):
+        address_of({"namespace": root, "entity": "t"}, sink=False)
