@@ -551,7 +551,10 @@ class ReceiverSession:
             return self._sessions.get_state(self._lock)
 
     def set_state(self, state: bytes | str | None, *, timeout: float | None = None) -> None:
-        """Store (or clear, with None or an empty value, as Service Bus reads an empty state) the session state; str is stored as UTF-8; at most the tier's message size."""
+        """Store the session state (str as UTF-8; at most the tier's message size), or clear it.
+
+        None clears it, and so does an empty value: Service Bus reads an empty state as none.
+        """
         if isinstance(state, str):
             state = limits.check_utf8(state, "session state").encode("utf-8")
         if state is not None and not isinstance(state, (bytes, bytearray)):

@@ -25,7 +25,6 @@ reads the same table; `row_filter(...)` gives the predicate that selects an enti
 from __future__ import annotations
 
 import contextlib
-
 import logging
 from collections.abc import Iterator
 

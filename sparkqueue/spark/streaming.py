@@ -19,7 +19,6 @@ See docs/spark-streaming.md for the delivery guarantees.
 from __future__ import annotations
 
 import contextlib
-
 import json
 import logging
 from collections.abc import Mapping

@@ -658,7 +658,7 @@ def test_stream_consumer_settings():
 
 
 def test_the_stream_names_a_subscription_in_the_short_form_too(tmp_path):
-    """"t/s" names subscription s of topic t, as the CLI and the batch reader read it; a queue of that name comes first."""
+    """A stream names subscription s of topic t as 't/s' too, as the CLI does; a queue of that name comes first."""
     from sparkqueue.errors import EntityNotFoundError, InvalidOperationError
     from sparkqueue.spark.streaming import address_of
 
