@@ -14,6 +14,7 @@ import pyarrow.compute as pc
 from sparkqueue.errors import InvalidArgumentTypeError, InvalidOperationError, MessageSizeExceededError
 from sparkqueue.model import limits
 from sparkqueue.model.ids import new_ids
+from sparkqueue.model.lifecycle import scheduled_rows
 from sparkqueue.model.partitioning import partition_key
 from sparkqueue.storage.schema import (
     ENTITY_SCHEMA,
@@ -377,9 +378,7 @@ def received_messages(rows: pa.Table, now: datetime) -> list[ReceivedMessage]:
         return []
     now_ts = pa.scalar(now, TIMESTAMP)
     state = rows.column("state")
-    scheduled = pc.fill_null(
-        pc.and_(pc.equal(state, STATE_ACTIVE), pc.greater(rows.column("scheduled_enqueue_time_utc"), now_ts)), False
-    )
+    scheduled = scheduled_rows(rows, now)
     counts = rows.column("delivery_count")
     # The SDK's delivery_count counts deliveries that ended; the stored one includes a live lock's (reported_delivery_count).
     live = pc.fill_null(

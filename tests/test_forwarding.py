@@ -617,6 +617,19 @@ def test_scheduled_message_keeps_its_time_when_forwarded(ns: Namespace) -> None:
     assert m.message_id == "s"
 
 
+def test_a_scheduled_message_dead_lettered_at_once_is_a_dead_letter_that_no_cancel_removes(ns: Namespace) -> None:
+    """Its scheduled time is still ahead, but it is a dead letter: peeked as active; cancel_scheduled_messages deleted it."""
+    ns.create_queue("src", forward_to="nowhere")
+    with ns.get_queue_sender("src") as s:
+        seqs = s.schedule_messages(Message("important"), datetime.now(UTC) + timedelta(hours=1))
+        s.cancel_scheduled_messages(seqs)
+    with ns.get_queue_receiver("src", sub_queue=SubQueue.DEAD_LETTER) as dlq:
+        assert [(m.state, m.dead_letter_reason) for m in peek_all(dlq)] == [("active", MISSING)]
+        assert [str(m) for m in drain(dlq, 1)] == ["important"]
+    props = ns.get_queue_runtime_properties("src")
+    assert (props.dead_letter_message_count, props.scheduled_message_count) == (1, 0)
+
+
 def test_duplicate_detection_at_destination(ns: Namespace) -> None:
     """A duplicate-detecting destination drops a forwarded message whose id it already accepted."""
     ns.create_queue("dst", requires_duplicate_detection=True)

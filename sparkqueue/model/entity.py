@@ -39,7 +39,6 @@ from sparkqueue.storage.schema import (
     ENTITY_COLUMNS,
     ENTITY_SCHEMA,
     PARTITION_COLUMN,
-    STATE_ACTIVE,
     STATE_COLUMNS,
     STATE_DEFERRED,
     SUB_QUEUE_DEAD_LETTER,
@@ -439,15 +438,11 @@ class Entity:
 
             def attempt(p: int = p, group: list[int] = group) -> int:
                 dt = self.table.snapshot()
-                now = pa.scalar(utcnow(), TIMESTAMP)
                 if self.subscription == ANY_SUBSCRIPTION:
                     group = sorted({c for seq in group for c in self.topic_copies(dt, p, seq)})
                 rows = self.table.rows_by_sequence(dt, p, group, STATE_COLUMNS, self.subscription)
                 rows = rows.filter(self.owns(rows))
-                mask = pc.and_(
-                    pc.equal(rows.column("state"), STATE_ACTIVE),
-                    pc.fill_null(pc.greater(rows.column("scheduled_enqueue_time_utc"), now), False),
-                )
+                mask = lifecycle.scheduled_rows(rows, utcnow())  # a dead letter with its time ahead is no scheduled message
                 rows = rows.filter(pc.and_(mask, pc.is_null(rows.column("lock_token"))))
                 if rows.num_rows:
                     self.table.apply(dt, p, lifecycle.changes(rows, lifecycle.removal(self.policy)))
@@ -502,7 +497,7 @@ class Entity:
     def runtime_properties(self) -> RuntimeProperties:
         """Counts per partition and in total; unavailable partitions count as 'Limited'."""
         dt = self.table.snapshot()
-        now = pa.scalar(utcnow(), TIMESTAMP)
+        now = utcnow()
         parts = []
         for p in range(self.partition_count):
             info = PartitionRuntimeProperties(partition_id=p, available=self.available(p))
@@ -527,12 +522,12 @@ def enqueued_at(rows: pa.Table, now: datetime) -> pa.Table:
     return with_columns(rows, enqueued_time_utc=visible, available_at_utc=visible, expires_at_utc=expires)
 
 
-def _count_into(info: PartitionRuntimeProperties, rows: pa.Table, now: pa.Scalar) -> None:
+def _count_into(info: PartitionRuntimeProperties, rows: pa.Table, now: datetime) -> None:
     """Fill a partition's non-overlapping counts from its live message rows."""
     dlq = pc.equal(rows.column("sub_queue"), SUB_QUEUE_DEAD_LETTER)
     main = rows.filter(pc.invert(dlq))
     deferred = pc.equal(main.column("state"), STATE_DEFERRED)
-    scheduled = pc.and_(pc.invert(deferred), pc.fill_null(pc.greater(main.column("scheduled_enqueue_time_utc"), now), False))
+    scheduled = lifecycle.scheduled_rows(main, now)
     info.dead_letter_message_count = pc.sum(dlq).as_py() or 0
     info.deferred_message_count = pc.sum(deferred).as_py() or 0
     info.scheduled_message_count = pc.sum(scheduled).as_py() or 0

@@ -119,6 +119,14 @@ def expired_rows(rows: pa.Table, now: datetime) -> pa.Array:
     return pc.and_(active, pc.fill_null(pc.less_equal(rows.column("expires_at_utc"), pa.scalar(now, TIMESTAMP)), False))
 
 
+def scheduled_rows(rows: pa.Table, now: datetime) -> pa.Array:
+    """Per row: a scheduled message not yet visible (active, main sub-queue, its time ahead); a dead letter is none."""
+    in_main = pc.equal(rows.column("sub_queue"), SUB_QUEUE_MAIN)
+    active = pc.and_(in_main, pc.equal(rows.column("state"), STATE_ACTIVE))
+    ahead = pc.greater(rows.column("scheduled_enqueue_time_utc"), pa.scalar(now, TIMESTAMP))
+    return pc.and_(active, pc.fill_null(ahead, False))
+
+
 def expire(rows: pa.Table, now: datetime, policy: Policy) -> pa.Table:
     """Change rows for expired messages: dead-lettered (TTLExpiredException) or removed, as the entity's setting says."""
     if policy.dead_lettering_on_message_expiration:
