@@ -84,9 +84,13 @@ from sparkqueue import Message, Namespace
 from sparkqueue.model import forwarding
 
 root, mode, n = sys.argv[1], sys.argv[2], int(sys.argv[3])
-forwarding._settle_source = lambda *a, **k: os.kill(os.getpid(), signal.SIGKILL)
+appended, settle, deliver = [], forwarding._settle_source, forwarding._deliver
+forwarding._deliver = lambda *a, **k: (deliver(*a, **k), appended.append(True))
+forwarding._settle_source = lambda *a, **k: os.kill(os.getpid(), signal.SIGKILL) if appended else settle(*a, **k)
 with Namespace(root) as ns:
-    if mode == "send":
+    if mode == "pending":  # forward what waits at the source (forward_to was set after the sends)
+        ns.forward_pending_messages()
+    elif mode == "send":
         with ns.get_queue_sender("src") as sender:
             sender.send_messages([Message(f"s{i}", message_id=f"s{i}", partition_key="k") for i in range(n)])
     else:
@@ -223,6 +227,32 @@ def test_a_forwarder_killed_between_append_and_settle_leaves_each_message_once_a
         main, dead = everywhere_of(ns, ("src", "dst"))
         assert main == Counter(dict.fromkeys(ids, 1)) and dead == Counter()
         assert ns.get_queue_runtime_properties("src").total_message_count == 0
+
+
+def test_an_expired_message_stays_dead_lettered_when_a_forwarder_is_killed_after_its_append(root: str) -> None:
+    """The copies' fence covered an expired message that stayed at the source: recovery took it as delivered and
+    removed it, so a message owed to the dead-letter queue was lost. Expiry now commits before anything travels."""
+    with Namespace(root) as ns:
+        ns.create_queue("dst")
+        ns.create_queue("src", enable_partitioning=False, dead_lettering_on_message_expiration=True)
+        with ns.get_queue_sender("src") as s:
+            s.send_messages(
+                [Message("expiring", message_id="e", time_to_live=timedelta(seconds=1)), Message("kept", message_id="k")]
+            )
+        time.sleep(1.2)
+        props = ns.get_queue("src")
+        props.forward_to = "dst"
+        ns.update_queue(props)
+    done = subprocess.run(
+        [sys.executable, "-c", DIES_BETWEEN_APPEND_AND_SETTLE, root, "pending", "0"], capture_output=True, timeout=120
+    )
+    assert done.returncode == -signal.SIGKILL, done.stderr.decode()[-2000:]
+    with Namespace(root) as ns:
+        ns.forward_pending_messages()
+        main, dead = everywhere_of(ns, ("src", "dst"))
+        assert (main, dead) == (Counter({"k": 1}), Counter({"e": 1}))
+        with ns.get_queue_receiver("src", sub_queue=SubQueue.DEAD_LETTER) as r:
+            assert [m.dead_letter_reason for m in peek_all(r)] == ["TTLExpiredException"]
 
 
 def test_forwarding_exactly_once_under_sigkill(root: str, tmp_path: Path) -> None:

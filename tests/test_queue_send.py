@@ -3,6 +3,7 @@ duplicate detection, scheduling and time-to-live (docs/semantics.md §2, §3, §
 
 from __future__ import annotations
 
+import glob
 import itertools
 import os
 import time
@@ -680,6 +681,25 @@ def test_expired_message_is_dead_lettered_when_configured(ns: Namespace) -> None
     assert m.message_id == "ttl"
     assert m.dead_letter_reason == "TTLExpiredException"
     assert m.dead_letter_source == "q"
+
+
+@pytest.mark.parametrize("session", [None, "s"])
+def test_a_receive_of_one_behind_expired_messages_returns_the_live_one_in_a_few_commits(
+    ns: Namespace, root: str, session: str | None
+) -> None:
+    """Before, each receive(1) dead-lettered one expired message and came back empty (a session receive), or made a
+    commit per expired message (300 here); the messages in front are dead-lettered by the receive that passes them."""
+    ns.create_queue("q", enable_partitioning=False, requires_session=bool(session), dead_lettering_on_message_expiration=True)
+    with ns.get_queue_sender("q") as s:
+        s.send_messages([Message(f"e{i}", session_id=session, time_to_live=timedelta(seconds=1)) for i in range(300)])
+        time.sleep(1.2)
+        s.send_messages(Message("live", session_id=session))
+    (log_dir,) = glob.glob(f"{root}/entities/*/_delta_log")
+    entries = len(os.listdir(log_dir))
+    with ns.get_queue_receiver("q", session_id=session, max_wait_time=1) as r:
+        assert [str(m) for m in r.receive_messages(1)] == ["live"]
+    assert len(os.listdir(log_dir)) - entries <= 8
+    assert ns.get_queue_runtime_properties("q").dead_letter_message_count == 300
 
 
 def test_entity_default_ttl_applies_and_smaller_ttl_wins(ns: Namespace) -> None:

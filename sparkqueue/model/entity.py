@@ -63,6 +63,10 @@ log = logging.getLogger(__name__)
 
 ROW_COLUMNS = ENTITY_COLUMNS[1:]  # every column but the partition id, which lives in the path
 LOCK_ATTEMPTS_PER_PARTITION = 3
+# A receive that meets expired (or over-delivered) messages reads this many times more candidates on its next round,
+# up to MAX_EXPIRY_SCAN, so a run of them costs a few commits, not one per message.
+EXPIRY_SCAN_GROWTH = 4
+MAX_EXPIRY_SCAN = 4_096
 POLL_MIN_S, POLL_MAX_S = 0.02, 0.5
 COPY_WINDOW = 256  # sequence numbers read either side of a topic message's number to find its copies (widened as needed)
 
@@ -259,19 +263,20 @@ class Entity:
         attempt = 0
         fresh = True
         dead = False
+        scan = limit  # candidates read; grows while expired or over-delivered messages stand in front
         while limit > 0 and attempt < LOCK_ATTEMPTS_PER_PARTITION:
             if not fresh:
                 dt = self.table.snapshot()
             fresh = False
             now = utcnow()
+            whole = whole_after if scan == limit else None  # a sweep past expired rows may split files
             try:
-                cands = self.table.candidates(
-                    dt, p, sub_queue, now, limit, ROW_COLUMNS, self.subscription, whole_after=whole_after
-                )
+                cands = self.table.candidates(dt, p, sub_queue, now, scan, ROW_COLUMNS, self.subscription, whole_after=whole)
             except PartitionUnavailableError:
                 break
             if cands.num_rows == 0:
                 break
+            cands = lifecycle.through_deliverable(cands, now, self.policy, limit)
             d = lifecycle.deliver(cands, now, self.policy, delete=delete)
             try:
                 self.table.apply(dt, p, d.changes, changed_file_rows=max(limit, MAX_FILE_ROWS), written=written)
@@ -288,6 +293,7 @@ class Entity:
                 whole_after = None if whole_after is None else max(0, whole_after - d.delivered.num_rows)
             if d.delivered.num_rows == cands.num_rows:
                 break  # nothing was expired or dead-lettered: the candidates were all it would give now
+            scan = min(max(scan, limit) * EXPIRY_SCAN_GROWTH, max(limit, MAX_EXPIRY_SCAN))  # a few commits clear a long run
         if dead:
             self.dead_lettered([p])
         return pa.concat_tables(out) if out else empty_rows()

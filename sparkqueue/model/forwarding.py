@@ -135,7 +135,13 @@ def _forward_batch(entity: Entity, route: Route, p: int, resolve: Resolver) -> i
     movable = pc.invert(pc.or_(over, conflict))
     held = pc.less_equal(run.column("sequence_number"), -1 if done is None else done)  # delivered by an earlier attempt
     expired = pc.and_(pc.and_(movable, pc.invert(held)), lifecycle.expired_rows(run, now))
-    travels = pc.and_(pc.and_(movable, pc.invert(held)), pc.invert(expired))
+    if pc.any(expired).as_py():
+        # Expired first, in a commit of their own: the fence of the copies below must cover no message that stays
+        # behind, or a forwarder finishing this run after a crash would take it as delivered and remove it.
+        changes = lifecycle.expire(run.filter(expired), now, entity.policy)
+        retry_commit(lambda: _settle_source(entity, p, changes), entity.deadline(), f"expire on {entity.name}")
+        return int(changes.num_rows) + _forward_batch(entity, route, p, resolve)
+    travels = pc.and_(movable, pc.invert(held))
     failure = MISSING_REASON if dest is None else None
     try:
         if dest is not None:
@@ -153,7 +159,7 @@ def _forward_batch(entity: Entity, route: Route, p: int, resolve: Resolver) -> i
         return 0
     dead = [(over, HOP_LIMIT_REASON), (conflict, KEYS_REASON)] + ([(travels, failure)] if failure else [])
     gone = pc.and_(movable, held) if failure else pc.or_(pc.and_(movable, held), travels)
-    changes = _source_changes(entity, run, expired, dead, gone, now)
+    changes = _source_changes(entity, run, dead, gone, now)
     retry_commit(lambda: _settle_source(entity, p, changes), entity.deadline(), f"forward from {entity.name}")
     log.debug("%d message(s) left %s for %s (partition %d)", changes.num_rows, entity.name, route.destination, p)
     return int(changes.num_rows)
@@ -292,14 +298,10 @@ def _deliver(dest: Entity, expand: Expand | None, rows: pa.Table, once: Fence) -
     dest.send(rows, keys, expand, once)
 
 
-def _source_changes(
-    entity: Entity, run: pa.Table, expired: pa.Array, dead: list[tuple[pa.Array, str]], gone: pa.Array, now: datetime
-) -> pa.Table:
-    """The run's changes at the source: expiry, dead letters (each mask with its reason), and removal of what travelled."""
+def _source_changes(entity: Entity, run: pa.Table, dead: list[tuple[pa.Array, str]], gone: pa.Array, now: datetime) -> pa.Table:
+    """The run's changes at the source: dead letters (each mask with its reason), and removal of what travelled."""
     policy = entity.policy
     parts = []
-    if pc.any(expired).as_py():
-        parts.append(lifecycle.expire(run.filter(expired), now, policy))
     for mask, reason in dead:
         stuck = run.filter(mask)
         if stuck.num_rows:

@@ -135,12 +135,31 @@ def expire(rows: pa.Table, now: datetime, policy: Policy) -> pa.Table:
     return changes(rows, removal(policy))
 
 
-def deliver(rows: pa.Table, now: datetime, policy: Policy, *, delete: bool) -> Delivery:
-    """Lock (or, with delete=True, remove) candidate rows; expire and dead-letter those that must not be delivered."""
+def _undeliverable(rows: pa.Table, now: datetime, policy: Policy) -> tuple[pa.Array, pa.Array]:
+    """Per row: (expired, over its max delivery count): what a receive dead-letters or drops instead of delivering."""
     in_main = pc.equal(rows.column("sub_queue"), SUB_QUEUE_MAIN)
     expired = expired_rows(rows, now)
     next_count = pc.add(rows.column("delivery_count"), 1)
     over = pc.and_(pc.and_(in_main, pc.invert(expired)), pc.greater(next_count, policy.max_delivery_count))
+    return expired, over
+
+
+def through_deliverable(rows: pa.Table, now: datetime, policy: Policy, limit: int) -> pa.Table:
+    """The leading candidate rows that hold at most `limit` deliverable ones, with the undeliverable ones among them.
+
+    A receive takes those along (its commit dead-letters or drops them), so expired or over-delivered
+    messages never make a receive come back empty while a live message waits behind them.
+    """
+    expired, over = _undeliverable(rows, now, policy)
+    counts = pc.cumulative_sum(pc.invert(pc.or_(expired, over)).cast(pa.int64()))
+    if rows.num_rows == 0 or counts[-1].as_py() <= limit:
+        return rows
+    return rows.slice(0, pc.index(counts, limit + 1).as_py())  # up to the row that would be one too many
+
+
+def deliver(rows: pa.Table, now: datetime, policy: Policy, *, delete: bool) -> Delivery:
+    """Lock (or, with delete=True, remove) candidate rows; expire and dead-letter those that must not be delivered."""
+    expired, over = _undeliverable(rows, now, policy)
     ok = pc.invert(pc.or_(expired, over))
     parts: list[pa.Table] = []
     exp_rows = rows.filter(expired)

@@ -166,7 +166,8 @@ class Sessions:
             raise SessionCannotBeLockedError(f"session {session_id!r} has no available message any more")  # drained meanwhile
         # The head comes from all of the session's rows: an abandoned message may sit behind KEEP_TOGETHER rows
         # (dead letters, deferred, scheduled) while the earlier holder's later messages are among the stale ones.
-        head = _next_messages(rows, now, prefetch) if prefetch > 0 else empty_rows()
+        policy = self.entity.policy
+        head = lifecycle.through_deliverable(_next_messages(rows, now), now, policy, prefetch) if prefetch > 0 else empty_rows()
         rows = rows.filter(pc.or_(pc.or_(stale, together), _picked(rows, head)))
         delivered = empty_rows()
         parts: list[pa.Table] = []
@@ -277,7 +278,7 @@ class Sessions:
         now = utcnow()
         row, rows = self._read(dt, lock.partition, lock.session_id)
         touch, new_row = self._touch(self._check(row, lock, now), lock, now)
-        head = _next_messages(rows, now, max_count)
+        head = lifecycle.through_deliverable(_next_messages(rows, now), now, self.entity.policy, max_count)
         if head.num_rows == 0:
             return empty_rows()
         d = lifecycle.deliver(head, now, self.entity.policy, delete=delete)
@@ -698,8 +699,8 @@ def _first_seq(changes: pa.Table) -> int | None:
     return int(low) if low is not None else None
 
 
-def _next_messages(rows: pa.Table, now: datetime, limit: int) -> pa.Table:
-    """The session's next deliverable messages, at most `limit`, in sequence order.
+def _next_messages(rows: pa.Table, now: datetime, limit: int | None = None) -> pa.Table:
+    """The session's next messages a receive may take (at most `limit`), in sequence order.
 
     Messages already delivered under the session lock (lock token set) are skipped: the holder
     may take later ones before settling them. An abandoned message has no lock token again, so
@@ -712,7 +713,7 @@ def _next_messages(rows: pa.Table, now: datetime, limit: int) -> pa.Table:
             pc.fill_null(pc.less_equal(rows.column("available_at_utc"), pa.scalar(now, TIMESTAMP)), False),
         ),
     )
-    return rows.filter(visible).slice(0, limit)
+    return rows.filter(visible).slice(0, limit)  # slice(0, None): all
 
 
 def _held(rows: pa.Table) -> pa.Array:
