@@ -241,7 +241,7 @@ class Management:
     def _runtime(self, entity_type: str, name: str) -> RuntimeProperties:
         entry = self.broker.entry(entity_type, name)
         entity = self.broker.entity(entity_type, name)
-        rp = entity.runtime_properties()
+        rp = entity.runtime_properties(self._subscription_keys(name) if entity_type == TOPIC else None)
         rp.name, rp.created_at_utc, rp.updated_at_utc = name, entry.created_at_utc, entry.updated_at_utc
         rp.accessed_at_utc = entry.updated_at_utc
         rp.status = getattr(entity.props, "status", EntityStatus.ACTIVE)
@@ -532,20 +532,21 @@ class Management:
         window = getattr(entity.props, "duplicate_detection_history_time_window", None) or timedelta(0)
         live = None
         if entity_type == TOPIC:  # read now, not when the run started: a subscription created since is no orphan
-
-            def keys() -> set[str]:
-                return {
-                    split_subscription_path(s.table_path)[1]
-                    for s in self.broker.catalog.entries()
-                    if s.entity_type == SUBSCRIPTION and Address.parse(s.name).topic == name
-                } | {ACCEPTED_MARKER}  # the topic's own id records: kept for its duplicate-detection window
-
-            live = maintenance.LiveSubscriptions.read(keys)
+            # The topic's own id records (ACCEPTED_MARKER) are kept for its duplicate-detection window.
+            live = maintenance.LiveSubscriptions.read(lambda: self._subscription_keys(name) | {ACCEPTED_MARKER})
         report = maintenance.compact(entity.table, drop_before=datetime.now(UTC) - window, live_subscriptions=live)
         maintenance.checkpoint(entity.table, report)
         if vacuum_retention is not None:
             maintenance.vacuum(entity.table, vacuum_retention, report)
         return report
+
+    def _subscription_keys(self, topic: str) -> set[str]:
+        """The keys that mark the rows of the topic's live subscriptions in its table."""
+        return {
+            split_subscription_path(s.table_path)[1]
+            for s in self.broker.catalog.entries()
+            if s.entity_type == SUBSCRIPTION and Address.parse(s.name).topic == topic
+        }
 
     def check(self, *, repair: bool = False) -> list[Finding]:
         """Damage in the namespace's entity tables, by table; with `repair`, what is safe to repair is repaired.

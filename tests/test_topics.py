@@ -162,6 +162,21 @@ def test_create_get_list_subscriptions(ns: Namespace) -> None:
     assert ns.get_subscription_runtime_properties("t", "a").name == "a"
 
 
+def test_topic_counts_leave_out_a_deleted_subscriptions_messages(ns: Namespace) -> None:
+    """Its rows stay in the topic's table until maintenance drops them; the topic counted them as active."""
+    ns.create_topic("t")
+    ns.create_subscription("t", "kept")
+    ns.create_subscription("t", "gone")
+    with ns.get_topic_sender("t") as s:
+        s.send_messages([Message("a"), Message("b")])
+    assert ns.get_topic_runtime_properties("t").active_message_count == 4
+    ns.delete_subscription("t", "gone")
+    props = ns.get_topic_runtime_properties("t")
+    assert (props.active_message_count, props.total_message_count, props.subscription_count) == (2, 2, 1)
+    ns.create_subscription("t", "gone")  # the same name again: a new subscription, without the old copies
+    assert ns.get_topic_runtime_properties("t").active_message_count == 2
+
+
 @pytest.mark.parametrize("name", ["$sub", "$Default", "", "a/b", "a|b", "x" * 51, "-a", "a b", None])
 def test_invalid_subscription_names(ns: Namespace, name: object) -> None:
     """Invalid subscription names (including ones starting with '$') raise InvalidOperationError."""

@@ -10,7 +10,7 @@ import logging
 import random
 import time
 from collections import defaultdict
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Collection, Iterable, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
 
@@ -500,8 +500,12 @@ class Entity:
                 cursors[p] = rows.column("sequence_number")[-1].as_py() + 1
         return pa.concat_tables(out) if out else empty_rows()
 
-    def runtime_properties(self) -> RuntimeProperties:
-        """Counts per partition and in total; unavailable partitions count as 'Limited'."""
+    def runtime_properties(self, subscriptions: Collection[str] | None = None) -> RuntimeProperties:
+        """Counts per partition and in total; unavailable partitions count as 'Limited'.
+
+        A topic passes its live subscriptions' keys: a deleted subscription's rows stay until maintenance drops them.
+        """
+        keep = None if subscriptions is None else pa.array(sorted(subscriptions), pa.string())
         dt = self.table.snapshot()
         now = utcnow()
         parts = []
@@ -515,7 +519,7 @@ class Entity:
                 except PartitionUnavailableError:  # damage found by this very read: reported as the partition's status
                     info.available = False
                 else:
-                    _count_into(info, rows, now)
+                    _count_into(info, rows if keep is None else rows.filter(pc.is_in(rows.column("subscription"), keep)), now)
                     info.size_in_bytes = self.table.partition_bytes(dt, p)
             parts.append(info)
         return RuntimeProperties.aggregate(self.name, parts)
