@@ -44,6 +44,8 @@ def _implementation() -> Any:
     try:
         from sparkqueue.spark import datasource
     except ImportError as exc:
+        if exc.name == "pyspark":  # too old a PySpark: its own message says so
+            raise RuntimeError(f"[sparkqueue:InvalidOperationError] {exc}") from None
         raise RuntimeError(
             f"[sparkqueue:InvalidOperationError] Spark's Python workers run {sys.executable}, which cannot import "
             f"sparkqueue ({exc}). Run the workers on the Python that has sparkqueue installed: set the environment "

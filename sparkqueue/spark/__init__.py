@@ -19,13 +19,30 @@ and the helpers below: `spark_session()` builds a local session configured for s
 
 from __future__ import annotations
 
+import pyspark
 from pyspark.sql import DataFrame
+
+MIN_PYSPARK = (4, 2)  # streaming data source and Arrow UDF APIs (pyproject.toml's floor)
+
+
+def _pyspark_version() -> tuple[int, int]:
+    """PySpark's (major, minor), as its version string starts."""
+    major, minor = (pyspark.__version__.split(".") + ["0"])[:2]
+    return int(major), int("".join(c for c in minor if c.isdigit()) or 0)
+
+
+if _pyspark_version() < MIN_PYSPARK:
+    raise ImportError(
+        f"sparkqueue's Spark features need PySpark {'.'.join(map(str, MIN_PYSPARK))} or later (Databricks Runtime with "
+        f"Apache Spark 4.2+); this is PySpark {pyspark.__version__}. The rest of sparkqueue works without Spark.",
+        name="pyspark",
+    )
 
 from sparkqueue.spark.schema import RECEIVED_SCHEMA, STATUS_LOCK_LOST, STATUS_OK
 from sparkqueue.spark.staging import STAGING_ATTRIBUTE, STAGING_DIR, STAGING_RETENTION, cleanup_staging, local_uri, remove_dirs
 
 # Spark's entry points, imported on first use: they sit above the public API (README "Architecture"), which
-# imports this package's DataFrame operations; and the streaming classes need PySpark 4.2+, the rest 4.0+.
+# imports this package's DataFrame operations.
 _ENTRY_POINTS = {
     "DEFAULT_CONF": "sparkqueue.spark.builder",
     "spark_session": "sparkqueue.spark.builder",

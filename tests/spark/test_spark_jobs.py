@@ -115,3 +115,20 @@ def test_consumer_killed_after_writing_leaves_no_duplicate_output(spark, tmp_pat
     assert rows.column("body_upper")[0].as_py().startswith('{"N": ')
     with Namespace(cfg["namespace"]["root"]) as ns:
         assert ns.get_queue_runtime_properties("jobs-q").total_message_count == 0
+
+
+def test_an_older_pyspark_is_refused_at_import_with_a_clear_message():
+    """On PySpark 4.0 (Databricks 17.3 LTS) the send failed with `cannot import name 'arrow_udf'`, and the worker
+    daemon took receives and reads down with it; 4.1 lacks the streaming source's API."""
+    code = (
+        "import pyspark; pyspark.__version__ = '4.1.4'\n"
+        "from sparkqueue import Namespace  # the core library works without the Spark features\n"
+        "try:\n"
+        "    import sparkqueue.spark\n"
+        "except ImportError as e:\n"
+        "    print(e.name, '|', e)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.startswith("pyspark | sparkqueue's Spark features need PySpark 4.2 or later")
+    assert "this is PySpark 4.1.4" in out.stdout
