@@ -22,12 +22,15 @@ from __future__ import annotations
 import pyspark
 from pyspark.sql import DataFrame
 
+from sparkqueue.spark.schema import RECEIVED_SCHEMA, STATUS_LOCK_LOST, STATUS_OK
+from sparkqueue.spark.staging import STAGING_ATTRIBUTE, STAGING_DIR, STAGING_RETENTION, cleanup_staging, local_uri, remove_dirs
+
 MIN_PYSPARK = (4, 2)  # streaming data source and Arrow UDF APIs (pyproject.toml's floor)
 
 
 def _pyspark_version() -> tuple[int, int]:
     """PySpark's (major, minor), as its version string starts."""
-    major, minor = (pyspark.__version__.split(".") + ["0"])[:2]
+    major, minor = [*pyspark.__version__.split("."), "0"][:2]
     return int(major), int("".join(c for c in minor if c.isdigit()) or 0)
 
 
@@ -38,8 +41,6 @@ if _pyspark_version() < MIN_PYSPARK:
         name="pyspark",
     )
 
-from sparkqueue.spark.schema import RECEIVED_SCHEMA, STATUS_LOCK_LOST, STATUS_OK
-from sparkqueue.spark.staging import STAGING_ATTRIBUTE, STAGING_DIR, STAGING_RETENTION, cleanup_staging, local_uri, remove_dirs
 
 # Spark's entry points, imported on first use: they sit above the public API (README "Architecture"), which
 # imports this package's DataFrame operations.
