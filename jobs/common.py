@@ -25,7 +25,8 @@ DEFAULT_CONFIG = Path(__file__).resolve().parent.parent / "conf" / "sparkqueue.t
 LOG4J_CONF = DEFAULT_CONFIG.with_name("log4j2.properties")  # Spark's JVM log for the jobs (see quiet_spark_log)
 
 DEFAULTS: dict[str, Any] = {
-    "namespace": {"root": "./sparkqueue-data", "tier": "standard", "operation_timeout": 60},
+    # tier None: an existing namespace's own, "standard" for a new one (a set tier must match an existing one's).
+    "namespace": {"root": "./sparkqueue-data", "tier": None, "operation_timeout": 60},
     "spark": {"master": "local[2]", "app_name": "sparkqueue-job", "conf": {}},
     "queue": {
         "name": "orders",
@@ -43,7 +44,10 @@ DEFAULTS: dict[str, Any] = {
         "transform": "jobs.transforms:uppercase",
         "output": "./sparkqueue-data/output/orders",
     },
+    "stream_consumer": {"checkpoint": "", "max_messages_per_trigger": 50_000, "trigger": "available_now"},
 }
+FREE_FORM = ("spark", "conf")  # any Spark setting goes under spark.conf; every other key must be one of DEFAULTS
+BOOLEANS = {"true": True, "yes": True, "1": True, "false": False, "no": False, "0": False}
 
 # Named flags and the configuration keys they set.
 FLAGS = {
@@ -76,7 +80,9 @@ def load_config(path: str | os.PathLike[str] | None, overrides: dict[str, Any] |
     cfg = copy.deepcopy(DEFAULTS)
     if path is not None and Path(path).exists():
         with open(path, "rb") as f:
-            _merge(cfg, tomllib.load(f))
+            from_file = tomllib.load(f)
+        _check_keys(from_file, f"configuration file {path}")
+        _merge(cfg, from_file)
     elif path is not None and Path(path) != DEFAULT_CONFIG:
         raise FileNotFoundError(f"configuration file {path} does not exist")
     for key, value in (overrides or {}).items():
@@ -115,12 +121,46 @@ def _merge(base: dict[str, Any], new: dict[str, Any]) -> None:
             base[key] = value
 
 
+def _check_keys(tree: Mapping[str, Any], where: str, known: Mapping[str, Any] = DEFAULTS, at: tuple[str, ...] = ()) -> None:
+    """Refuse a setting no job reads (a misspelt key would be ignored silently)."""
+    for key, value in tree.items():
+        path = (*at, key)
+        if path == FREE_FORM:
+            continue
+        if key not in known:
+            raise ValueError(f"{where}: unknown setting {'.'.join(path)!r}")
+        if isinstance(known[key], dict):
+            if not isinstance(value, dict):
+                raise ValueError(f"{where}: {'.'.join(path)!r} is a section, not a value")
+            _check_keys(value, where, known[key], path)
+
+
 def _set(cfg: dict[str, Any], dotted: str, value: Any) -> None:
-    *path, last = dotted.split(".")
+    parts = dotted.split(".")
+    if tuple(parts[:2]) == FREE_FORM and len(parts) > 2:  # spark.conf.<a Spark setting, dots and all>
+        cfg["spark"]["conf"][".".join(parts[2:])] = value
+        return
+    tree: dict[str, Any] = value
+    for part in reversed(parts):
+        tree = {part: tree}
+    _check_keys(tree, "--set")
+    *path, last = parts
     node = cfg
     for part in path:
-        node = node.setdefault(part, {})
+        node = node[part]
     node[last] = value
+
+
+def flag(cfg: dict[str, Any], dotted: str) -> bool:
+    """A yes/no setting ("section.key"): a TOML boolean, or true/false, yes/no, 1/0 in any case; ValueError otherwise."""
+    section, key = dotted.split(".", 1)
+    raw = cfg[section][key]
+    if isinstance(raw, bool):
+        return raw
+    value = BOOLEANS.get(str(raw).strip().lower())
+    if value is None:
+        raise ValueError(f"setting {dotted} must be true or false, got {raw!r}")
+    return value
 
 
 def number(cfg: dict[str, Any], dotted: str, kind: type[int] | type[float] = int, minimum: float = 0) -> Any:
@@ -171,10 +211,15 @@ def session(cfg: dict[str, Any], *, verbose: bool = False) -> SparkSession:
     return spark
 
 
-def namespace(cfg: dict[str, Any]) -> Namespace:
-    """The configured namespace."""
+def namespace(cfg: dict[str, Any], *, create: bool | None = None) -> Namespace:
+    """The configured namespace; created when missing only if `create` (default: when the job may create its queue)."""
     ns_cfg = cfg["namespace"]
-    return Namespace(ns_cfg["root"], ns_cfg["tier"], operation_timeout=number(cfg, "namespace.operation_timeout", float))
+    return Namespace(
+        ns_cfg["root"],
+        ns_cfg.get("tier") or None,
+        operation_timeout=number(cfg, "namespace.operation_timeout", float),
+        create=flag(cfg, "queue.create") if create is None else create,
+    )
 
 
 def ensure_queue(ns: Namespace, cfg: dict[str, Any]) -> str:
@@ -184,13 +229,13 @@ def ensure_queue(ns: Namespace, cfg: dict[str, Any]) -> str:
         ns.get_queue(q["name"])
         return q["name"]
     except EntityNotFoundError:
-        if not q["create"]:
+        if not flag(cfg, "queue.create"):
             raise
     try:
         ns.create_queue(
             q["name"],
-            enable_partitioning=bool(q["enable_partitioning"]),
-            requires_duplicate_detection=bool(q["requires_duplicate_detection"]),
+            enable_partitioning=flag(cfg, "queue.enable_partitioning"),
+            requires_duplicate_detection=flag(cfg, "queue.requires_duplicate_detection"),
             lock_duration=timedelta(seconds=number(cfg, "queue.lock_duration", float)),
             max_delivery_count=number(cfg, "queue.max_delivery_count", int, 1),
         )

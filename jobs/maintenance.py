@@ -72,7 +72,7 @@ def main(argv: list[str] | None = None) -> int:
         cfg = common.load_config(args.config, overrides)
         retention = timedelta(hours=args.vacuum_retention_hours)
         runs = 0
-        with common.namespace(cfg) as ns:
+        with common.namespace(cfg, create=False) as ns:  # a mistyped root is an error, not a new namespace
             while True:
                 run_once(ns, retention, not args.no_vacuum, console)
                 runs += 1

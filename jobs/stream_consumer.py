@@ -48,8 +48,7 @@ from sparkqueue.spark.streaming_sink import query_id
 
 log = logging.getLogger("jobs.stream_consumer")
 
-AVAILABLE_NOW = "available_now"
-DEFAULTS = {"checkpoint": "", "max_messages_per_trigger": 50_000, "trigger": AVAILABLE_NOW}
+AVAILABLE_NOW = "available_now"  # the default trigger (common.DEFAULTS["stream_consumer"])
 FLAGS = {
     "checkpoint": "stream_consumer.checkpoint",
     "max_messages_per_trigger": "stream_consumer.max_messages_per_trigger",
@@ -73,8 +72,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def settings(cfg: dict[str, Any]) -> dict[str, Any]:
-    """The [stream_consumer] settings with defaults filled in."""
-    s = {**DEFAULTS, **cfg.get("stream_consumer", {})}
+    """The [stream_consumer] settings, checked (before Spark starts), with the default checkpoint filled in."""
+    s = dict(cfg["stream_consumer"])
+    common.number(cfg, "stream_consumer.max_messages_per_trigger", int, 1)
     if not s["checkpoint"]:
         s["checkpoint"] = f"{str(cfg['namespace']['root']).rstrip('/')}/_checkpoints/{cfg['queue']['name']}"
     trigger = str(s["trigger"])
@@ -163,13 +163,16 @@ def main(argv: list[str] | None = None) -> int:
     """Entry point of `python -m jobs.stream_consumer` and `spark-submit jobs/stream_consumer.py`."""
     args = parse_args(argv)
     common.setup_logging(args.verbose)
-    cfg = common.load_config(args.config, common.overrides_from(args, FLAGS))
-    spark = common.session(cfg)
-    started = time.perf_counter()
-    try:
-        result = run(cfg, spark, crash_after_write=args.crash_after_write)
-    finally:
-        spark.stop()
+    with common.expected_failures(args.verbose):
+        cfg = common.load_config(args.config, common.overrides_from(args, FLAGS))
+        settings(cfg)  # bad settings fail before Spark starts
+        load_transform(str(cfg["consumer"]["transform"]))
+        spark = common.session(cfg, verbose=args.verbose)
+        started = time.perf_counter()
+        try:
+            result = run(cfg, spark, crash_after_write=args.crash_after_write)
+        finally:
+            spark.stop()
     log.info("done in %.1fs: %s", time.perf_counter() - started, result)
     return 0
 

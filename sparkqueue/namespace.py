@@ -35,13 +35,16 @@ class Namespace(Management):
         *,
         operation_timeout: float = 60.0,
         storage_options: Mapping[str, str] | None = None,
+        create: bool = True,
     ) -> None:
-        """Open the namespace at `root`, creating it when absent.
+        """Open the namespace at `root`, creating it when absent (with `create=False`: EntityNotFoundError instead).
 
         `tier` is "standard" or "premium"; a new namespace records it ("standard" when None) and keeps
         it: an existing one opens with its own tier, and naming another raises InvalidOperationError.
+        Readers and tools that must not create a namespace at a mistyped root pass `create=False`.
         """
-        super().__init__(Broker(root, tier, operation_timeout=operation_timeout, storage_options=storage_options))
+        broker = Broker(root, tier, operation_timeout=operation_timeout, storage_options=storage_options, create=create)
+        super().__init__(broker)
         self.root = self.broker.root
         self.tier = self.broker.tier
         self.operation_timeout = self.broker.operation_timeout

@@ -471,3 +471,41 @@ def test_property_out_of_range_for_a_number_is_refused(item: str) -> None:
     """--property a=1e999 would be an infinity, which no rule can store: a one-line CLI error."""
     with pytest.raises(CliError, match="out of range"):
         property_value(item)
+
+
+def test_receive_settles_nothing_when_its_output_cannot_be_written(root: Path) -> None:
+    """A reader that closed its end of the pipe: the messages were completed (and so lost) or left locked until expiry."""
+    assert sq(root, "create", "queue", "q").returncode == 0
+    assert sq(root, "send", "q", "--file", "-", stdin="".join(f"m{i}\n" for i in range(20))).returncode == 0
+    env = {**os.environ, "SPARKQUEUE_ROOT": str(root), "NO_COLOR": "1"}
+    r, w = os.pipe()
+    os.close(r)  # the reader is gone before anything is written
+    try:
+        done = subprocess.run(
+            [sys.executable, "-m", "sparkqueue.cli", "receive", "q", "-n", "20", "--json"],
+            stdout=w,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=env,
+            timeout=CLI_TIMEOUT_S,
+            check=False,
+        )
+    finally:
+        os.close(w)
+    assert done.returncode == 1
+    assert "the output could not be written" in done.stderr and "20 message(s) were abandoned" in done.stderr
+    with Namespace(str(root)) as ns, ns.get_queue_receiver("q", max_wait_time=1) as rcv:
+        got = rcv.receive_messages(20)  # at once: abandoned, not locked until their locks expire
+        assert sorted(str(m) for m in got) == sorted(f"m{i}" for i in range(20))
+
+
+def test_reading_commands_never_make_a_namespace_of_an_existing_folder(tmp_path: Path) -> None:
+    """`list` and `check` on any existing folder wrote _catalog and _sparkqueue.json into it (a table's folder too)."""
+    folder = tmp_path / "not-a-namespace"
+    folder.mkdir()
+    for args in (("list",), ("check",), ("peek", "q")):
+        done = sq(folder, *args)
+        assert done.returncode == 1 and "there is no sparkqueue namespace" in done.stderr, (args, done.stderr)
+    assert list(folder.iterdir()) == []
+    assert sq(folder, "create", "queue", "q").returncode == 0  # creating is what makes one
+    assert sq(folder, "list").returncode == 0

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import glob
 import logging
+import os
 import threading
 import time
 from datetime import UTC, datetime, timedelta
@@ -387,6 +388,19 @@ def test_receive_skips_an_unavailable_partition(ns: Namespace) -> None:
         assert [str(m) for m in drain_all(r)] == ["up"]
         faults.heal()
         assert [str(m) for m in drain_all(r)] == ["down"]
+
+
+def test_peek_skips_a_partition_whose_data_file_is_gone_as_receive_does(ns: Namespace, root: str) -> None:
+    """Real damage (a live data file deleted): peek raised PartitionUnavailableError where receives skip the partition."""
+    ns.create_queue("q")
+    down, up = key_for_partition(4, "d"), key_for_partition(10, "u")
+    _send(ns, [Message("down", partition_key=down), Message("up", partition_key=up)])
+    (lost,) = glob.glob(f"{root}/entities/*/partition_id=4/*.parquet")
+    os.unlink(lost)
+    with Namespace(root) as other, other.get_queue_receiver("q") as r:  # a handle that never read the file
+        assert [str(m) for m in r.peek_messages(10)] == ["up"]
+        assert [str(m) for m in drain_all(r)] == ["up"]
+        assert other.get_queue_runtime_properties("q").availability_status == "Limited"
 
 
 def test_receiver_on_a_closed_receiver_fails(ns: Namespace) -> None:

@@ -106,6 +106,7 @@ class Broker:
         *,
         operation_timeout: float = 60.0,
         storage_options: Mapping[str, str] | None = None,
+        create: bool = True,
     ) -> None:
         self.root = resolve_root(root)
         asked = None if tier is None else limits.check_tier(tier)
@@ -115,7 +116,7 @@ class Broker:
         self.store_options = with_deadline_options(self.root, self.storage_options, self.operation_timeout)
         self.store: Store = open_store(self.root, self.store_options)
         self.catalog = Catalog(self.store, self.store_options)
-        marker = self.catalog.open({"tier": asked or limits.STANDARD})
+        marker = self.catalog.open({"tier": asked or limits.STANDARD}, create=create)
         self.tier = limits.namespace_tier(self.root, marker.get("tier"), asked)
         self.cache: dict[str, _Cached] = {}
         self.tables: dict[str, EntityTable] = {}

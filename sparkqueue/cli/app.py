@@ -111,7 +111,7 @@ class State:
                 f"namespace root {self.root!r} does not exist: pass --root PATH or set SPARKQUEUE_ROOT "
                 "(`sparkqueue create ...` creates it)"
             )
-        return Namespace(self.root, tier=self.tier)
+        return Namespace(self.root, tier=self.tier, create=create)  # a read never makes a namespace of any folder
 
 
 def fail(message: str) -> NoReturn:
@@ -577,7 +577,16 @@ def receive(
     target = ops.resolve(ns, name)
 
     def handle(r: Receiver, msgs: list[ReceivedMessage]) -> None:
-        _print_messages(msgs, target, dead_letter, as_json, "Received")
+        # Settled only once the output is out: a reader that went away (a closed pipe) must not cost the messages.
+        try:
+            _print_messages(msgs, target, dead_letter, as_json, "Received")
+            out.file.flush()
+        except BaseException as exc:
+            r.abandon_messages(msgs)
+            if isinstance(exc, (OSError, SystemExit)):  # rich reports a closed pipe as SystemExit(1)
+                why = "its reader went away" if isinstance(exc, SystemExit) else error_text(exc)
+                raise CliError(f"the output could not be written ({why}): the {len(msgs)} message(s) were abandoned") from None
+            raise
         (r.complete_messages if complete else r.abandon_messages)(msgs)
 
     msgs = ops.receive(ns, target, count, wait=wait, dead_letter=dead_letter, session=session, handle=handle)

@@ -28,9 +28,7 @@ from typing import TYPE_CHECKING
 from sparkqueue.broker import sub_entity_name
 from sparkqueue.errors import EntityNotFoundError, InvalidOperationError, SparkQueueError
 from sparkqueue.model.addresses import QUEUE, SUBSCRIPTION, TOPIC, Address
-from sparkqueue.storage.catalog import MARKER
 from sparkqueue.storage.log import Fence
-from sparkqueue.storage.store import open_store, resolve_root
 
 if TYPE_CHECKING:
     from pyspark.sql.datasource import DataSourceStreamReader, DataSourceStreamWriter
@@ -83,12 +81,9 @@ def open_namespace(root: str, storage_options: Mapping[str, str] | None = None) 
     """
     from sparkqueue.namespace import Namespace
 
-    if not open_store(resolve_root(root), storage_options).exists(MARKER):
-        raise EntityNotFoundError(f"there is no sparkqueue namespace at {root!r}; create it with Namespace(root) first")
-
     if storage_options:
-        return Namespace(root, storage_options=dict(storage_options))
-    return Namespace(root)
+        return Namespace(root, storage_options=dict(storage_options), create=False)
+    return Namespace(root, create=False)
 
 
 @dataclass(frozen=True)
@@ -140,7 +135,6 @@ def address_of(options: Mapping[str, str], *, sink: bool) -> EntityAddress:
 
 
 def _resolve(ns: Namespace, root: str, storage: dict[str, str], name: str, sink: bool) -> EntityAddress:
-    from sparkqueue.errors import EntityNotFoundError
 
     frozen = tuple(sorted(storage.items()))
     topic, sub = Address.split_path(name)

@@ -25,7 +25,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from sparkqueue.errors import InvalidOperationError, StorageCorruptedError, StorageError
+from sparkqueue.errors import EntityNotFoundError, InvalidOperationError, StorageCorruptedError, StorageError
 from sparkqueue.storage.checkpoint import write_checkpoint
 from sparkqueue.storage.files import encode_parquet
 from sparkqueue.storage.log import AddFile, CommitConflict, DeltaLog, Fence, RemoveFile, Snapshot, checkpoint_interval
@@ -92,15 +92,18 @@ class Catalog:
         self._snap: Snapshot | None = None
         self._read: tuple[int, pa.Table] | None = None  # the rows of the last version read
 
-    def open(self, settings: Mapping[str, str] | None = None) -> dict[str, Any]:
+    def open(self, settings: Mapping[str, str] | None = None, *, create: bool = True) -> dict[str, Any]:
         """Open the catalog, creating it and the namespace marker (recording `settings`) when the namespace is new.
 
-        Returns the marker's contents: the settings of whoever created the namespace.
+        Returns the marker's contents: the settings of whoever created the namespace. Without
+        `create`, a root that holds no namespace raises EntityNotFoundError and nothing is written.
         """
         marker = self._marker()
         try:
             snap = self.log.load()
         except FileNotFoundError:
+            if marker is None and not create:
+                raise self._no_namespace() from None
             if marker is not None:
                 raise StorageCorruptedError(
                     f"namespace {self.root_store.uri}: the catalog log ({self.uri}/_delta_log) is missing or empty, "
@@ -115,6 +118,8 @@ class Catalog:
                     f"namespace {self.root_store.uri}: its marker {MARKER} is missing but its catalog holds entities; "
                     f'restore the marker (it holds {{"format_version": {FORMAT_VERSION}, "tier": "standard"}} or "premium")'
                 )
+        if marker is None and not create:  # a catalog without marker: a create that died half-way
+            raise self._no_namespace()
         if marker is None:
             content = {"format_version": FORMAT_VERSION, **(settings or {})}
             self.root_store.put_if_absent(MARKER, json.dumps(content).encode())
@@ -122,6 +127,10 @@ class Catalog:
         with self._lock:
             self._snap = snap
         return marker
+
+    def _no_namespace(self) -> EntityNotFoundError:
+        """The error for a root that holds no namespace."""
+        return EntityNotFoundError(f"there is no sparkqueue namespace at {self.root_store.uri!r}; Namespace(root) creates one")
 
     def _marker(self) -> dict[str, Any] | None:
         """The namespace marker's contents, None when there is none; a damaged or newer one is refused."""

@@ -56,8 +56,41 @@ def test_config_file_and_command_line_overrides(tmp_path):
     cfg = common.load_config(args.config, common.overrides_from(args, consumer.FLAGS))
     assert cfg["consumer"]["batch_size"] == 7 and cfg["consumer"]["max_messages"] == 100000
     assert cfg["queue"]["name"] == "x" and cfg["queue"]["max_delivery_count"] == 3 and cfg["queue"]["lock_duration"] == 10
-    assert cfg["namespace"]["tier"] == "standard"  # a default the file leaves alone
+    assert cfg["namespace"]["tier"] is None  # a default the file leaves alone: the namespace's own tier
     assert common.load_config(common.DEFAULT_CONFIG)["consumer"]["transform"] == "jobs.transforms:uppercase"
+
+
+def test_misspelt_settings_are_refused_and_booleans_read_as_written(tmp_path):
+    """`--set queue.crate=false` was ignored (the queue was created), and `False` read as true (`bool("False")`)."""
+    path = write_config(tmp_path, 10)
+    for override in ("queue.crate=false", "nosection.x=1", "queue=1"):
+        with pytest.raises(ValueError, match=r"unknown setting|is a section"):
+            common.load_config(path, common.overrides_from(producer.parse_args(["--set", override])))
+    bad = tmp_path / "bad.toml"
+    bad.write_text("[consumer]\nbatch_sise = 5\n")
+    with pytest.raises(ValueError, match=r"unknown setting 'consumer.batch_sise'"):
+        common.load_config(bad)
+    for raw, expected in (("False", False), ("false", False), ("no", False), ("True", True), ("1", True)):
+        cfg = common.load_config(path, common.overrides_from(producer.parse_args(["--set", f"queue.create={raw}"])))
+        assert common.flag(cfg, "queue.create") is expected
+    cfg = common.load_config(path, common.overrides_from(producer.parse_args(["--set", "queue.create=maybe"])))
+    with pytest.raises(ValueError, match=r"setting queue\.create must be true or false, got 'maybe'"):
+        common.flag(cfg, "queue.create")
+    args = producer.parse_args(["--set", "spark.conf.spark.sql.shuffle.partitions=4"])  # any Spark setting, dots and all
+    assert common.load_config(path, common.overrides_from(args))["spark"]["conf"]["spark.sql.shuffle.partitions"] == 4
+
+
+def test_maintenance_refuses_a_root_without_namespace_and_opens_either_tier(tmp_path):
+    """It made a namespace at a mistyped root; the shipped configuration's tier = "standard" refused premium ones."""
+    from jobs import maintenance
+
+    missing = tmp_path / "typo"
+    with pytest.raises(SystemExit) as exit_info:
+        maintenance.main(["--root", str(missing), "--no-vacuum"])
+    assert exit_info.value.code == 1 and not missing.exists()
+    premium = tmp_path / "premium"
+    Namespace(str(premium), tier="premium").close()
+    assert maintenance.main(["--root", str(premium), "--no-vacuum"]) == 0
 
 
 def test_bad_settings_and_transforms_are_named_before_spark_starts(tmp_path):
