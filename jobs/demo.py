@@ -145,8 +145,12 @@ def core_round_trip(ns: Namespace, args: argparse.Namespace, console: Console) -
     with ns.get_queue_receiver(QUEUE, sub_queue=SubQueue.DEAD_LETTER) as dlq:
         for m in dlq.peek_messages(3):
             console.print(f"dead letter {m.message_id}: {m.dead_letter_reason} ({m.dead_letter_error_description})", markup=False)
-    if dead_now:
-        console.print(f"move them back with: sparkqueue --root {ns.root} resubmit {QUEUE}")
+    if dead_now:  # not before the detection window has passed: the ids are still recorded as sent
+        window = ns.get_queue(QUEUE).duplicate_detection_history_time_window
+        console.print(
+            f"move them back, once duplicate detection's {window} window has passed (a resubmitted copy keeps its id): "
+            f"sparkqueue --root {ns.root} resubmit {QUEUE}"
+        )
     return dropped
 
 

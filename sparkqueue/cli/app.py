@@ -229,7 +229,9 @@ def main(
     tier: Annotated[
         Tier | None,
         typer.Option(
-            "--tier", envvar="SPARKQUEUE_TIER", help="Tier of a new namespace [default: standard]; an existing one keeps its own."
+            "--tier",
+            envvar="SPARKQUEUE_TIER",
+            help="Tier of a new namespace (standard when not given); an existing one has its own, and the other is refused.",
         ),
     ] = None,
     verbose: Annotated[bool, typer.Option("--verbose", "-v", help="Show the library's log (INFO) on stderr.")] = False,
