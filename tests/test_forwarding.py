@@ -615,6 +615,7 @@ def test_scheduled_message_keeps_its_time_when_forwarded(ns: Namespace) -> None:
         time.sleep(max(0.0, (when - datetime.now(UTC)).total_seconds()) + 0.1)
         (m,) = drain(r, 1)
     assert m.message_id == "s"
+    assert m.enqueued_time_utc == m.scheduled_enqueue_time_utc  # enqueued when visible, as a send there stores it
 
 
 def test_a_scheduled_message_dead_lettered_at_once_is_a_dead_letter_that_no_cancel_removes(ns: Namespace) -> None:

@@ -259,15 +259,14 @@ def _copies(rows: pa.Table, now: datetime, dest: Entity) -> pa.Table:
     if cap is not None:
         ttl = pc.min_element_wise(ttl, pa.scalar(cap, pa.int64()), skip_nulls=True)
     out = rows.append_column(ENTITY_SCHEMA.field(PARTITION_COLUMN), constant(0, pa.int32(), n)).select(ENTITY_SCHEMA.names)
-    sched = out.column("scheduled_enqueue_time_utc")
-    visible = pc.if_else(pc.fill_null(pc.greater(sched, pa.scalar(now, TIMESTAMP)), False), sched, pa.scalar(now, TIMESTAMP))
+    visible = limits.visible_at(out.column("scheduled_enqueue_time_utc"), now)  # enqueued then, as a send there stores it
     values = {
         "transfer_hop_count": pc.add(rows.column("transfer_hop_count"), 1).cast(pa.int32()),
         "available_at_utc": visible,
         "sub_queue": constant(SUB_QUEUE_MAIN, pa.string(), n),
         "subscription": pa.nulls(n, pa.string()),
         "state": constant(STATE_ACTIVE, pa.string(), n),
-        "enqueued_time_utc": constant(now, TIMESTAMP, n),
+        "enqueued_time_utc": visible,
         "time_to_live_ms": ttl.cast(rows.schema.field("time_to_live_ms").type),
         "expires_at_utc": limits.expiries(visible, ttl),
         "locked_until_utc": pa.nulls(n, TIMESTAMP),
