@@ -203,7 +203,7 @@ class Message:
             self.reply_to,
             self.reply_to_session_id,
         )
-        props = _properties_json(self.application_properties, strict=False) if self.application_properties else ""
+        props = properties_json(self.application_properties, strict=False) if self.application_properties else ""
         return len(self.body) + sum(len(s.encode("utf-8")) for s in strings if s) + len(props.encode("utf-8"))
 
 
@@ -488,7 +488,7 @@ def to_rows(messages: Iterable[Message], settings: SendSettings, now: datetime) 
     given = [m.message_id for m in msgs]
     fresh = iter(new_ids(given.count(None)))
     mids = [g if g is not None else next(fresh) for g in given]
-    props = [_properties_json(m.application_properties) if m.application_properties else None for m in msgs]
+    props = [properties_json(m.application_properties) if m.application_properties else None for m in msgs]
     strings = {
         "session_id": sessions,
         **{name: [getattr(m, name) for m in msgs] for name in _OTHER_STRING_COLUMNS},
@@ -511,7 +511,7 @@ def to_rows(messages: Iterable[Message], settings: SendSettings, now: datetime) 
     return message_rows(columns, len(msgs), settings.default_message_time_to_live, now), keys
 
 
-def _properties_json(props: dict[str, Any], *, strict: bool = True) -> str:
+def properties_json(props: dict[str, Any], *, strict: bool = True) -> str:
     """Application properties as JSON; `strict` checks them again, as a send does (the dict may have changed since).
 
     Not strict (a size estimate), a value JSON cannot hold still raises the check's clear error.

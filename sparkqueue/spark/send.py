@@ -52,7 +52,7 @@ from pyspark.sql import types as st
 from pyspark.sql.functions import arrow_udf  # type: ignore[attr-defined]  # PySpark 4.1+, not yet in its stubs
 
 from sparkqueue.errors import InvalidOperationError, MessageSizeExceededError, PartitionUnavailableError, StorageError
-from sparkqueue.message import SendSettings, message_rows, send_settings
+from sparkqueue.message import SendSettings, message_rows, properties_json, send_settings
 from sparkqueue.model import limits
 from sparkqueue.model.addresses import QUEUE
 from sparkqueue.model.entity import utcnow
@@ -394,15 +394,14 @@ def _properties_json(types: dict[str, st.DataType]) -> Column:
 
 @arrow_udf(st.StringType())  # type: ignore[untyped-decorator]
 def properties_udf(values: pa.Array) -> pa.Array:
-    """Per row: the properties as json.dumps writes them (what the core stores and counts), None when empty."""
+    """Per row: the properties as the core stores and counts them (message.properties_json), None when empty."""
     out: list[str | None] = []
     for v in values.to_pylist():
         props = _as_dict(v)
         try:
-            limits.check_application_properties(props)
+            out.append(properties_json(props) if props else None)  # checked as a send checks them
         except InvalidOperationError as exc:
             raise task_error(exc) from exc
-        out.append(json.dumps(props) if props else None)
     return pa.array(out, pa.string())
 
 

@@ -152,7 +152,11 @@ def _resolve(ns: Namespace, root: str, storage: dict[str, str], name: str, sink:
             with contextlib.suppress(EntityNotFoundError):
                 ns.broker.entry(SUBSCRIPTION, sub_entity_name(*short))
                 return EntityAddress(ns.root, frozen, SUBSCRIPTION, sub_entity_name(*short))
-        ns.broker.entry(TOPIC, name)  # EntityNotFoundError when neither exists
+        try:
+            ns.broker.entry(TOPIC, name)
+        except EntityNotFoundError:  # named for all it looked for, not for the last lookup alone
+            what = "queue or topic" if sink else "queue, topic or subscription"
+            raise EntityNotFoundError(f"no {what} named {name!r} in namespace {ns.root!r}") from None
         if not sink:
             raise InvalidOperationError(
                 f"{name!r} is a topic; stream one of its subscriptions ('{name}/Subscriptions/<name>')"

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import subprocess
@@ -15,7 +16,7 @@ import pytest
 from deltalake import DeltaTable
 from pyspark.sql import functions as sf
 
-from sparkqueue import Namespace
+from sparkqueue import Message, Namespace
 from sparkqueue.constants import EntityStatus
 from sparkqueue.errors import (
     InvalidArgumentTypeError,
@@ -251,6 +252,26 @@ def test_json_properties_interval_ttl_and_scheduled_time(spark, ns):
     assert by_body["b"].state == "scheduled"
     assert abs(by_body["b"].scheduled_enqueue_time_utc - later) < timedelta(milliseconds=1)
     assert ns.get_queue_runtime_properties("q").scheduled_message_count == 1
+
+
+@pytest.mark.parametrize("dedupe", [False, True])  # Spark's own writer, and the Python tasks
+def test_non_ascii_properties_are_stored_and_sized_as_a_core_send_stores_them(spark, ns, dedupe):
+    """Spark sends wrote "\u20ac" escapes: "Zürich €" sized 83 bytes against the core's 76, and a message that fits
+    the core's 256 KB was refused as too large."""
+    ns.create_queue("q", requires_duplicate_detection=dedupe)
+    props = {"city": "Zürich €"}
+    with ns.get_queue_sender("q") as s:
+        s.send_messages(Message("core_", message_id="core_", application_properties=props))  # as long as "spark"
+        df = spark.createDataFrame(
+            [("spark", "spark", '{"city": "Zürich €"}')], "body string, message_id string, application_properties string"
+        )
+        assert s.send_dataframe(df) == 1
+        big = {"p": "€" * 20_000}  # 60,000 bytes as UTF-8; 120,000 as escapes
+        big_df = spark.createDataFrame([("x" * 190_000, json.dumps(big))], "body string, application_properties string")
+        assert s.send_dataframe(big_df) == 1
+    got = {str(m)[:5]: m for m in peek_all(ns, "q")}
+    assert got["spark"].size_in_bytes == got["core_"].size_in_bytes
+    assert got["spark"].application_properties == props
 
 
 def test_unavailable_key_partition_fails_and_unkeyed_rows_avoid_it(spark, ns, numbered):

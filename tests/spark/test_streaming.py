@@ -668,8 +668,10 @@ def test_the_stream_names_a_subscription_in_the_short_form_too(tmp_path):
         ns.create_subscription("t", "s")
     source = address_of({"namespace": root, "entity": "t/s"}, sink=False)
     assert (source.entity_type, source.display) == ("subscription", "t/Subscriptions/s")
-    with pytest.raises(EntityNotFoundError):
+    with pytest.raises(EntityNotFoundError, match="no queue, topic or subscription named 't/nope'"):
         address_of({"namespace": root, "entity": "t/nope"}, sink=False)
+    with pytest.raises(EntityNotFoundError, match="no queue or topic named 'nope'"):  # it said "topic 'nope' does not exist"
+        address_of({"namespace": root, "entity": "nope"}, sink=True)
     with pytest.raises(EntityNotFoundError):  # the sink sends to queues and topics only
         address_of({"namespace": root, "entity": "t/s"}, sink=True)
     with Namespace(root) as ns:
