@@ -125,13 +125,12 @@ def _check_keys(tree: Mapping[str, Any], where: str, known: Mapping[str, Any] = 
     """Refuse a setting no job reads (a misspelt key would be ignored silently)."""
     for key, value in tree.items():
         path = (*at, key)
-        if path == FREE_FORM:
-            continue
         if key not in known:
             raise ValueError(f"{where}: unknown setting {'.'.join(path)!r}")
-        if isinstance(known[key], dict):
-            if not isinstance(value, dict):
-                raise ValueError(f"{where}: {'.'.join(path)!r} is a section, not a value")
+        if isinstance(known[key], dict) != isinstance(value, dict):
+            kind = "a section, not a value" if isinstance(known[key], dict) else "a value, not a section"
+            raise ValueError(f"{where}: {'.'.join(path)!r} is {kind}")
+        if isinstance(value, dict) and path != FREE_FORM:
             _check_keys(value, where, known[key], path)
 
 

@@ -183,5 +183,5 @@ class Namespace(Management):
 
 
 def _reopen(root: str, tier: str, operation_timeout: float, storage_options: dict[str, str]) -> Namespace:
-    """A namespace opened again from what Namespace.__reduce__ recorded."""
-    return Namespace(root, tier, operation_timeout=operation_timeout, storage_options=storage_options or None)
+    """A namespace opened again from what Namespace.__reduce__ recorded: the existing one, never a new one."""
+    return Namespace(root, tier, operation_timeout=operation_timeout, storage_options=storage_options or None, create=False)

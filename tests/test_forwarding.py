@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import inspect
+import sys
 import time
 from collections import Counter
 from datetime import UTC, datetime, timedelta
@@ -629,6 +631,33 @@ def test_a_scheduled_message_dead_lettered_at_once_is_a_dead_letter_that_no_canc
         assert [str(m) for m in drain(dlq, 1)] == ["important"]
     props = ns.get_queue_runtime_properties("src")
     assert (props.dead_letter_message_count, props.scheduled_message_count) == (1, 0)
+
+
+def test_a_long_run_of_expired_messages_is_expired_batch_by_batch_then_the_rest_travels(
+    ns: Namespace, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Expiring first recursed once per batch of expired messages: a long run ended in RecursionError, raised to
+    a send whose commit had landed, and the messages behind it were never forwarded."""
+    from sparkqueue.model import forwarding
+
+    monkeypatch.setattr(forwarding, "BATCH", 2)
+    ns.create_queue("dst")
+    ns.create_queue("src", enable_partitioning=False, dead_lettering_on_message_expiration=True)
+    with ns.get_queue_sender("src") as s:
+        s.send_messages([Message(f"e{i}", time_to_live=timedelta(seconds=1)) for i in range(200)] + [Message("live")])
+    time.sleep(1.2)
+    props = ns.get_queue("src")
+    props.forward_to = "dst"
+    ns.update_queue(props)
+    limit = sys.getrecursionlimit()
+    sys.setrecursionlimit(len(inspect.stack()) + 100)  # room for one batch's calls, not for 100 nested batches
+    try:
+        ns.forward_pending_messages()
+    finally:
+        sys.setrecursionlimit(limit)
+    with ns.get_queue_receiver("dst") as r:
+        assert [str(m) for m in drain(r, 1)] == ["live"]
+    assert ns.get_queue_runtime_properties("src").dead_letter_message_count == 200
 
 
 def test_duplicate_detection_at_destination(ns: Namespace) -> None:

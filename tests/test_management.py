@@ -729,3 +729,8 @@ def test_a_namespace_pickles_as_its_location_so_a_spark_closure_can_capture_it(t
         with again.get_queue_sender("q") as s:
             s.send_messages(Message("x"))
         assert ns.get_queue_runtime_properties("q").active_message_count == 1
+        frozen = pickle.dumps(ns)
+    shutil.rmtree(tmp_path / "ns")
+    with pytest.raises(EntityNotFoundError, match="no sparkqueue namespace"):  # a pickle reopens, never makes, one
+        pickle.loads(frozen)
+    assert not (tmp_path / "ns").exists()

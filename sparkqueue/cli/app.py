@@ -25,7 +25,7 @@ from rich.text import Text
 import sparkqueue
 from sparkqueue import CorrelationRuleFilter, Namespace, ReceivedMessage, SqlRuleAction, SqlRuleFilter
 from sparkqueue.cli import ops, render
-from sparkqueue.errors import SparkQueueError
+from sparkqueue.errors import EntityNotFoundError, SparkQueueError
 from sparkqueue.model.addresses import TOPIC
 from sparkqueue.receiver import Receiver
 from sparkqueue.storage.store import is_local, resolve_root
@@ -111,7 +111,13 @@ class State:
                 f"namespace root {self.root!r} does not exist: pass --root PATH or set SPARKQUEUE_ROOT "
                 "(`sparkqueue create ...` creates it)"
             )
-        return Namespace(self.root, tier=self.tier, create=create)  # a read never makes a namespace of any folder
+        try:
+            return Namespace(self.root, tier=self.tier, create=create)  # a read never makes a namespace of any folder
+        except EntityNotFoundError:
+            raise CliError(
+                f"there is no sparkqueue namespace at {self.root!r}: pass --root PATH or set SPARKQUEUE_ROOT "
+                "(`sparkqueue create ...` creates it)"
+            ) from None
 
 
 def fail(message: str) -> NoReturn:

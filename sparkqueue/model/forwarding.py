@@ -114,11 +114,21 @@ def _forward_batch(entity: Entity, route: Route, p: int, resolve: Resolver) -> i
     """
     if route.sub_queue == SUB_QUEUE_DEAD_LETTER:
         return _forward_dead_letters(entity, route, p, resolve)
+    left = 0
+    while True:
+        moved, expired_only = _forward_run(entity, route, p, resolve)
+        left += moved
+        if not expired_only:
+            return left
+
+
+def _forward_run(entity: Entity, route: Route, p: int, resolve: Resolver) -> tuple[int, bool]:
+    """One commit of `_forward_batch`: (messages that left the source, whether they were only expired ones to drop first)."""
     dt = entity.table.snapshot()
     now = utcnow()
     run = _leading_run(entity, dt, p, route.sub_queue, now)
     if run.num_rows == 0:
-        return 0
+        return 0, False
     app = _app_id(entity, route, p)
     dest: Entity | None = None
     try:
@@ -128,7 +138,7 @@ def _forward_batch(entity: Entity, route: Route, p: int, resolve: Resolver) -> i
         done = None
     except SparkQueueError as exc:  # destination unavailable for now: leave everything for a later attempt
         log.warning("forwarding %s -> %s deferred: %s", entity.name, route.destination, exc)
-        return 0
+        return 0, False
     # Hop limit and key conflicts are decided by the rows alone, so every attempt decides them alike.
     over = pc.greater(pc.add(run.column("transfer_hop_count"), 1), MAX_HOPS)
     conflict = pc.and_(pc.invert(over), _key_conflicts(run))
@@ -140,7 +150,7 @@ def _forward_batch(entity: Entity, route: Route, p: int, resolve: Resolver) -> i
         # behind, or a forwarder finishing this run after a crash would take it as delivered and remove it.
         changes = lifecycle.expire(run.filter(expired), now, entity.policy)
         retry_commit(lambda: _settle_source(entity, p, changes), entity.deadline(), f"expire on {entity.name}")
-        return int(changes.num_rows) + _forward_batch(entity, route, p, resolve)
+        return int(changes.num_rows), True
     travels = pc.and_(movable, pc.invert(held))
     failure = MISSING_REASON if dest is None else None
     try:
@@ -156,13 +166,13 @@ def _forward_batch(entity: Entity, route: Route, p: int, resolve: Resolver) -> i
         failure = DISABLED_REASON
     except SparkQueueError as exc:
         log.warning("forwarding %s -> %s deferred: %s", entity.name, route.destination, exc)
-        return 0
+        return 0, False
     dead = [(over, HOP_LIMIT_REASON), (conflict, KEYS_REASON)] + ([(travels, failure)] if failure else [])
     gone = pc.and_(movable, held) if failure else pc.or_(pc.and_(movable, held), travels)
     changes = _source_changes(entity, run, dead, gone, now)
     retry_commit(lambda: _settle_source(entity, p, changes), entity.deadline(), f"forward from {entity.name}")
     log.debug("%d message(s) left %s for %s (partition %d)", changes.num_rows, entity.name, route.destination, p)
-    return int(changes.num_rows)
+    return int(changes.num_rows), False
 
 
 def _key_conflicts(rows: pa.Table) -> pa.Array:

@@ -19,6 +19,8 @@ and the helpers below: `spark_session()` builds a local session configured for s
 
 from __future__ import annotations
 
+import re
+
 import pyspark
 from pyspark.sql import DataFrame
 
@@ -29,9 +31,9 @@ MIN_PYSPARK = (4, 2)  # streaming data source and Arrow UDF APIs (pyproject.toml
 
 
 def _pyspark_version() -> tuple[int, int]:
-    """PySpark's (major, minor), as its version string starts."""
-    major, minor = [*pyspark.__version__.split("."), "0"][:2]
-    return int(major), int("".join(c for c in minor if c.isdigit()) or 0)
+    """PySpark's (major, minor), as its version string starts ("4.1rc1" is 4.1, "4.10.0" is 4.10)."""
+    found = re.match(r"(\d+)\.(\d+)", pyspark.__version__)
+    return (int(found[1]), int(found[2])) if found else (0, 0)
 
 
 if _pyspark_version() < MIN_PYSPARK:

@@ -101,20 +101,17 @@ def resolve(
         entry = ns.broker.entry(SUBSCRIPTION, sub_entity_name(topic, sub))
         path, key = split_subscription_path(entry.table_path)
         return ns.table_uri(path), SUBSCRIPTION, key
-    try:
+    # In the CLI's order (cli/ops.resolve): a queue, a topic, then the short "<topic>/<subscription>" form.
+    with contextlib.suppress(EntityNotFoundError):
         return ns.table_uri(ns.broker.entry(QUEUE, name).table_path), QUEUE, None
-    except EntityNotFoundError:
-        short = Address.split_short(name) if entity_type is None else None
-        if short is not None:  # the short "<topic>/<subscription>" form, as the CLI reads it
-            with contextlib.suppress(EntityNotFoundError):
-                return resolve(ns, Address.subscription_of(*short).path, SUBSCRIPTION)
-        try:
-            ns.broker.entry(TOPIC, name)  # a clearer error for topics: their messages live in subscriptions
-        except EntityNotFoundError:
-            raise EntityNotFoundError(f"no queue, topic or subscription named {name!r} in namespace {ns.root!r}") from None
-        raise InvalidOperationError(
-            f"{name!r} is a topic; read one of its subscriptions ('{name}/Subscriptions/<name>')"
-        ) from None
+    with contextlib.suppress(EntityNotFoundError):
+        ns.broker.entry(TOPIC, name)  # a clearer error for topics: their messages live in subscriptions
+        raise InvalidOperationError(f"{name!r} is a topic; read one of its subscriptions ('{name}/Subscriptions/<name>')")
+    short = Address.split_short(name) if entity_type is None else None
+    if short is not None:
+        with contextlib.suppress(EntityNotFoundError):
+            return resolve(ns, Address.subscription_of(*short).path, SUBSCRIPTION)
+    raise EntityNotFoundError(f"no queue, topic or subscription named {name!r} in namespace {ns.root!r}")
 
 
 def table_path(namespace: object, name: str, entity_type: str | None = None) -> str:

@@ -17,8 +17,9 @@ from pyspark.sql import Column
 from pyspark.sql import functions as sf
 from pyspark.sql import types as st
 
+from sparkqueue.model.lifecycle import scheduled_rows
 from sparkqueue.storage.files import FILE_SCHEMA
-from sparkqueue.storage.schema import STATE_ACTIVE, TIMESTAMP
+from sparkqueue.storage.schema import STATE_ACTIVE, SUB_QUEUE_MAIN, TIMESTAMP
 
 PROPS_TYPE = pa.map_(pa.string(), pa.string())
 
@@ -92,7 +93,9 @@ def received_from_entity_rows(now: datetime) -> list[Column]:
 
     `now` decides which active messages report the state "scheduled", as staged_rows does.
     """
-    scheduled = (sf.col("state") == STATE_ACTIVE) & (sf.col("scheduled_enqueue_time_utc") > sf.lit(now))
+    # lifecycle.scheduled_rows in Spark: a dead letter whose scheduled time is ahead is no scheduled message
+    main = sf.col("sub_queue") == SUB_QUEUE_MAIN
+    scheduled = main & (sf.col("state") == STATE_ACTIVE) & (sf.col("scheduled_enqueue_time_utc") > sf.lit(now))
     computed = {
         "partition_id": sf.shiftright("sequence_number", 48).cast("int"),
         "state": sf.when(scheduled, sf.lit("scheduled")).otherwise(sf.col("state")),
@@ -121,9 +124,7 @@ def props_map(json_props: pa.ChunkedArray | pa.Array) -> pa.Array:
 def staged_rows(rows: pa.Table, now: datetime) -> pa.Table:
     """Entity rows (ROW_COLUMNS) as staged received messages, with partition id and the reported state."""
     seq = rows.column("sequence_number")
-    sched = rows.column("scheduled_enqueue_time_utc")
-    future = pc.fill_null(pc.greater(sched, pa.scalar(now, TIMESTAMP)), False)
-    state = pc.if_else(pc.and_(pc.equal(rows.column("state"), STATE_ACTIVE), future), "scheduled", rows.column("state"))
+    state = pc.if_else(scheduled_rows(rows, now), "scheduled", rows.column("state"))
     computed = {
         "partition_id": pc.shift_right(seq, 48).cast(pa.int32()),
         "state": state,

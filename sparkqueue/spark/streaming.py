@@ -143,25 +143,22 @@ def _resolve(ns: Namespace, root: str, storage: dict[str, str], name: str, sink:
             raise InvalidOperationError(f"the sink sends to a queue or topic, not to a subscription ({name!r})")
         ns.broker.entry(SUBSCRIPTION, sub_entity_name(topic, sub))  # EntityNotFoundError when absent
         return EntityAddress(ns.root, frozen, SUBSCRIPTION, sub_entity_name(topic, sub))
-    try:
-        ns.broker.entry(QUEUE, name)
-        return EntityAddress(ns.root, frozen, QUEUE, name)
-    except EntityNotFoundError:
-        short = None if sink else Address.split_short(name)
-        if short is not None:  # the short "<topic>/<subscription>" form, as the CLI reads it
-            with contextlib.suppress(EntityNotFoundError):
-                ns.broker.entry(SUBSCRIPTION, sub_entity_name(*short))
-                return EntityAddress(ns.root, frozen, SUBSCRIPTION, sub_entity_name(*short))
-        try:
-            ns.broker.entry(TOPIC, name)
-        except EntityNotFoundError:  # named for all it looked for, not for the last lookup alone
-            what = "queue or topic" if sink else "queue, topic or subscription"
-            raise EntityNotFoundError(f"no {what} named {name!r} in namespace {ns.root!r}") from None
-        if not sink:
-            raise InvalidOperationError(
-                f"{name!r} is a topic; stream one of its subscriptions ('{name}/Subscriptions/<name>')"
-            ) from None
-        return EntityAddress(ns.root, frozen, TOPIC, name)
+    # In the CLI's order (cli/ops.resolve): a queue, a topic, then (the source) the short "<topic>/<subscription>" form.
+    for kind in (QUEUE, TOPIC):
+        with contextlib.suppress(EntityNotFoundError):
+            ns.broker.entry(kind, name)
+            if kind == TOPIC and not sink:
+                raise InvalidOperationError(
+                    f"{name!r} is a topic; stream one of its subscriptions ('{name}/Subscriptions/<name>')"
+                )
+            return EntityAddress(ns.root, frozen, kind, name)
+    short = None if sink else Address.split_short(name)
+    if short is not None:
+        with contextlib.suppress(EntityNotFoundError):
+            ns.broker.entry(SUBSCRIPTION, sub_entity_name(*short))
+            return EntityAddress(ns.root, frozen, SUBSCRIPTION, sub_entity_name(*short))
+    what = "queue or topic" if sink else "queue, topic or subscription"  # named for all it looked for
+    raise EntityNotFoundError(f"no {what} named {name!r} in namespace {ns.root!r}")
 
 
 def positive_int(options: Mapping[str, str], key: str, default: int) -> int:

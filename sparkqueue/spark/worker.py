@@ -50,8 +50,11 @@ class EntityRef:
         with _lock:
             broker = _brokers.get(key)
             if broker is None:
+                options = dict(self.storage_options)
+                # A task works on a namespace the driver opened: one it cannot see (another machine's local root) is an
+                # error, never a new empty namespace there.
                 broker = Broker(
-                    self.root, self.tier, operation_timeout=self.operation_timeout, storage_options=dict(self.storage_options)
+                    self.root, self.tier, operation_timeout=self.operation_timeout, storage_options=options, create=False
                 )
                 _brokers[key] = broker
             return broker

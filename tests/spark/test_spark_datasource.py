@@ -107,6 +107,20 @@ def test_dead_letters_and_subscriptions(spark, ns, numbered):
         read(spark, ns, "t").count()
 
 
+def test_a_dead_letter_whose_scheduled_time_is_ahead_reads_as_active_in_spark_too(spark, ns):
+    """Forwarding to a missing queue dead-letters a scheduled message at once; Spark called it scheduled."""
+    from datetime import UTC, datetime, timedelta
+
+    from sparkqueue import Message, SubQueue
+
+    ns.create_queue("src", forward_to="nowhere")
+    with ns.get_queue_sender("src") as s:
+        s.schedule_messages(Message("x"), datetime.now(UTC) + timedelta(hours=1))
+    assert [r.state for r in read(spark, ns, "src", sub_queue="deadletter").collect()] == ["active"]
+    with ns.get_queue_receiver("src", sub_queue=SubQueue.DEAD_LETTER) as r:
+        assert [row.state for row in r.receive_dataframe(5).collect()] == ["active"]
+
+
 def test_table_path_and_row_filter_select_the_same_rows_for_other_readers(spark, ns, numbered):
     ns.create_queue("q")
     with ns.get_queue_sender("q") as s:

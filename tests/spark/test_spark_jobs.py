@@ -63,8 +63,8 @@ def test_config_file_and_command_line_overrides(tmp_path):
 def test_misspelt_settings_are_refused_and_booleans_read_as_written(tmp_path):
     """`--set queue.crate=false` was ignored (the queue was created), and `False` read as true (`bool("False")`)."""
     path = write_config(tmp_path, 10)
-    for override in ("queue.crate=false", "nosection.x=1", "queue=1"):
-        with pytest.raises(ValueError, match=r"unknown setting|is a section"):
+    for override in ("queue.crate=false", "nosection.x=1", "queue=1", "queue.name.x=1", "spark.conf=x"):
+        with pytest.raises(ValueError, match=r"unknown setting|is a section|is a value"):
             common.load_config(path, common.overrides_from(producer.parse_args(["--set", override])))
     bad = tmp_path / "bad.toml"
     bad.write_text("[consumer]\nbatch_sise = 5\n")

@@ -675,6 +675,12 @@ def test_the_stream_names_a_subscription_in_the_short_form_too(tmp_path):
     with pytest.raises(EntityNotFoundError):  # the sink sends to queues and topics only
         address_of({"namespace": root, "entity": "t/s"}, sink=True)
     with Namespace(root) as ns:
+        ns.create_topic("t/s")  # a topic of that name comes first too, as in the CLI
+    with pytest.raises(InvalidOperationError, match="'t/s' is a topic"):
+        address_of({"namespace": root, "entity": "t/s"}, sink=False)
+    assert address_of({"namespace": root, "entity": "t/s"}, sink=True).entity_type == "topic"
+    with Namespace(root) as ns:
+        ns.delete_topic("t/s")
         ns.create_queue("t/s")
     assert address_of({"namespace": root, "entity": "t/s"}, sink=False).entity_type == "queue"
     with pytest.raises(InvalidOperationError, match="is a topic"):
