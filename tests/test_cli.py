@@ -509,3 +509,22 @@ def test_reading_commands_never_make_a_namespace_of_an_existing_folder(tmp_path:
     assert list(folder.iterdir()) == []
     assert sq(folder, "create", "queue", "q").returncode == 0  # creating is what makes one
     assert sq(folder, "list").returncode == 0
+
+
+def test_what_peek_json_prints_sends_again_with_jsonl(root: Path, tmp_path: Path) -> None:
+    """Its broker-assigned fields (sequence_number, state, ...) were refused as unknown, so a peek could not be replayed."""
+    ok(root, "create", "queue", "src")
+    ok(root, "create", "queue", "dst")
+    src = tmp_path / "in.jsonl"
+    src.write_text('{"body": "a", "subject": "s", "application_properties": {"n": 1}}\n{"body_base64": "AP8="}\n')
+    ok(root, "send", "src", "-f", str(src), "--jsonl")
+    peeked = json.loads(ok(root, "peek", "src", "--count", "10", "--json"))
+    again = tmp_path / "again.jsonl"
+    again.write_text("".join(json.dumps(m) + "\n" for m in peeked))
+    ok(root, "send", "dst", "-f", str(again), "--jsonl")
+    with Namespace(str(root)) as ns, ns.get_queue_receiver("dst") as r:
+        got = sorted(r.peek_messages(10), key=lambda m: m.body)
+    assert [(m.body, m.subject, m.application_properties) for m in got] == [(b"\x00\xff", None, None), (b"a", "s", {"n": 1})]
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"body": "x", "sequence_numbr": 1}\n')  # a misspelt field is still refused
+    assert "unknown field(s) sequence_numbr" in sq(root, "send", "dst", "-f", str(bad), "--jsonl").stderr

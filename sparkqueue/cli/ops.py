@@ -247,11 +247,30 @@ JSONL_FIELDS = frozenset(
 )
 
 
+# What `peek --json` and `receive --json` add (render.message_dict): the broker assigns them, so a record that
+# carries them is sent again as a new message, and they are read and dropped.
+BROKER_FIELDS = frozenset(
+    {
+        "sequence_number",
+        "partition_id",
+        "state",
+        "delivery_count",
+        "enqueued_time_utc",
+        "expires_at_utc",
+        "locked_until_utc",
+        "dead_letter_reason",
+        "dead_letter_error_description",
+        "dead_letter_source",
+        "size_in_bytes",
+    }
+)
+
+
 def message_from_json(obj: object) -> Message:
     """A Message from one JSON-lines record: `body` (or `body_base64`) and optional message properties."""
     if not isinstance(obj, dict):
         raise InvalidOperationError(f"expected a JSON object, got {type(obj).__name__}")
-    unknown = sorted(set(obj) - JSONL_FIELDS)
+    unknown = sorted(set(obj) - JSONL_FIELDS - BROKER_FIELDS)
     if unknown:
         raise InvalidOperationError(f"unknown field(s) {', '.join(unknown)}; known: {', '.join(sorted(JSONL_FIELDS))}")
     if ("body" in obj) == ("body_base64" in obj):
