@@ -530,7 +530,11 @@ def send(
         typer.Option("--file", "-f", dir_okay=False, allow_dash=True, help="Input file ('-' for stdin)."),
     ],
     jsonl: Annotated[
-        bool, typer.Option("--jsonl", help="JSON lines: 'body' (or 'body_base64') and optional message properties; what peek --json adds is ignored.")
+        bool,
+        typer.Option(
+            "--jsonl",
+            help="JSON lines: 'body' (or 'body_base64') and message properties; peek --json's extra fields are dropped.",
+        ),
     ] = False,
     batch: Annotated[int, typer.Option(min=1, max=10_000, help="Messages per atomic send.")] = 500,
 ) -> None:
