@@ -150,9 +150,11 @@ def through_deliverable(rows: pa.Table, now: datetime, policy: Policy, limit: in
     A receive takes those along (its commit dead-letters or drops them), so expired or over-delivered
     messages never make a receive come back empty while a live message waits behind them.
     """
+    if rows.num_rows <= limit:  # the usual case: no more rows than asked for, nothing to count
+        return rows
     expired, over = _undeliverable(rows, now, policy)
     counts = pc.cumulative_sum(pc.invert(pc.or_(expired, over)).cast(pa.int64()))
-    if rows.num_rows == 0 or counts[-1].as_py() <= limit:
+    if counts[-1].as_py() <= limit:
         return rows
     return rows.slice(0, pc.index(counts, limit + 1).as_py())  # up to the row that would be one too many
 
