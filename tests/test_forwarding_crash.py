@@ -312,3 +312,52 @@ def test_dead_letter_forwarding_exactly_once_under_sigkill(root: str, tmp_path: 
         forwarded = ns.get_queue_runtime_properties("target").active_message_count
     print("dead-letter crash stats:", {"forwarded": forwarded, "dead_letters_left_by_killed_children": waiting})
     assert forwarded > 0
+
+
+# A forwarder that holds its run (read while every message was live) for a while before its append.
+SLOW_FORWARDER = r"""
+import sys, time
+from sparkqueue import Namespace
+from sparkqueue.model import forwarding
+
+deliver = forwarding._deliver
+def slow(*a, **k):
+    print("holds its run", flush=True)
+    time.sleep(float(sys.argv[2]))
+    deliver(*a, **k)
+forwarding._deliver = slow
+with Namespace(sys.argv[1], create=False) as ns:
+    ns.forward_pending_messages()
+print("done", flush=True)
+"""
+
+
+@pytest.mark.slow  # ~15 s of waiting for an expiry between two forwarders
+def test_a_forwarder_that_read_its_run_before_an_expiry_removes_no_dead_letter(
+    root: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Forwarder X reads m0, m1, m2 while m1 is live and stalls before its append; forwarder Y then expires m1 into the
+    dead-letter queue and forwards the others. X's stale source commit removed m1's dead letter: lost, with no crash."""
+    from sparkqueue.broker.core import Broker
+
+    monkeypatch.setattr(Broker, "forward_now", lambda *a, **k: None)  # the sends leave forwarding to X and Y
+    ttl = 10.0
+    with Namespace(root) as ns:
+        ns.create_queue("dst")
+        ns.create_queue("src", forward_to="dst", dead_lettering_on_message_expiration=True, enable_partitioning=False)
+        with ns.get_queue_sender("src") as s:
+            expiring = Message("m1", message_id="m1", time_to_live=timedelta(seconds=ttl))
+            s.send_messages([Message("m0", message_id="m0"), expiring, Message("m2", message_id="m2")])
+        sent = time.monotonic()
+        x = subprocess.Popen([sys.executable, "-c", SLOW_FORWARDER, root, str(ttl + 2)], stdout=subprocess.PIPE, text=True)
+        try:
+            assert x.stdout is not None and x.stdout.readline().strip() == "holds its run"
+            assert time.monotonic() - sent < ttl, "X read its run after m1 expired: the race was not set up"
+            time.sleep(max(0.0, sent + ttl + 0.3 - time.monotonic()))
+            ns.forward_pending_messages()  # Y: expires m1, forwards m0 and m2
+        finally:
+            out, _ = x.communicate(timeout=120)
+        assert x.returncode == 0 and "done" in out
+        main, dead = everywhere_of(ns, ("src", "dst"))
+        assert main == Counter({"m0": 1, "m2": 1})
+        assert dead == Counter({"m1": 1})

@@ -149,7 +149,7 @@ def _forward_run(entity: Entity, route: Route, p: int, resolve: Resolver) -> tup
         # Expired first, in a commit of their own: the fence of the copies below must cover no message that stays
         # behind, or a forwarder finishing this run after a crash would take it as delivered and remove it.
         changes = lifecycle.expire(run.filter(expired), now, entity.policy)
-        retry_commit(lambda: _settle_source(entity, p, changes), entity.deadline(), f"expire on {entity.name}")
+        retry_commit(lambda: _settle_source(entity, p, changes, run), entity.deadline(), f"expire on {entity.name}")
         return int(changes.num_rows), True
     travels = pc.and_(movable, pc.invert(held))
     failure = MISSING_REASON if dest is None else None
@@ -158,6 +158,8 @@ def _forward_run(entity: Entity, route: Route, p: int, resolve: Resolver) -> tup
             check_status(dest.props, "send", dest.name)
             travel = run.filter(travels)
             if travel.num_rows:
+                if len(_as_read(entity, entity.table.snapshot(), p, travel)) < travel.num_rows:
+                    return 0, True  # another forwarder expired, or settled, some of them since the read: read again
                 top = pc.max(run.column("sequence_number")).as_py()
                 _deliver(dest, expand, _copies(travel, now, dest), Fence(app, top))
     except QuotaExceededError:
@@ -170,7 +172,7 @@ def _forward_run(entity: Entity, route: Route, p: int, resolve: Resolver) -> tup
     dead = [(over, HOP_LIMIT_REASON), (conflict, KEYS_REASON)] + ([(travels, failure)] if failure else [])
     gone = pc.and_(movable, held) if failure else pc.or_(pc.and_(movable, held), travels)
     changes = _source_changes(entity, run, dead, gone, now)
-    retry_commit(lambda: _settle_source(entity, p, changes), entity.deadline(), f"forward from {entity.name}")
+    retry_commit(lambda: _settle_source(entity, p, changes, run), entity.deadline(), f"forward from {entity.name}")
     log.debug("%d message(s) left %s for %s (partition %d)", changes.num_rows, entity.name, route.destination, p)
     return int(changes.num_rows), False
 
@@ -214,7 +216,10 @@ def _forward_dead_letters(entity: Entity, route: Route, p: int, resolve: Resolve
         except SparkQueueError as exc:  # destination unavailable: the claim stays for a later forwarder
             log.warning("forwarding dead letters %s -> %s deferred: %s", entity.name, route.destination, exc)
             return total
-        retry_commit(functools.partial(_settle_source, entity, p, changes), entity.deadline(), f"forward from {entity.name}")
+        claimed = with_columns(batch, lock_token=constant(token, pa.string(), batch.num_rows))  # the rows as the claim left them
+        retry_commit(
+            functools.partial(_settle_source, entity, p, changes, claimed), entity.deadline(), f"forward from {entity.name}"
+        )
         total += moved
         if not abandoned or moved == 0:
             return total
@@ -321,13 +326,31 @@ def _source_changes(entity: Entity, run: pa.Table, dead: list[tuple[pa.Array, st
     return pa.concat_tables(parts) if parts else empty_changes()
 
 
-def _settle_source(entity: Entity, p: int, changes: pa.Table) -> None:
-    """Apply the source changes to the rows that are still there (a concurrent forwarder may have done it)."""
+def _settle_source(entity: Entity, p: int, changes: pa.Table, read: pa.Table) -> None:
+    """Apply the source changes to the rows still as this forwarder `read` them.
+
+    A concurrent forwarder may have settled them, or expired one into the dead-letter queue, where
+    a receiver may hold it now: a change computed from the old read would remove that dead letter or
+    wipe its lock.
+    """
     if changes.num_rows == 0:
         return
     dt = entity.table.snapshot()
-    seqs = changes.column("sequence_number").to_pylist()
-    live = entity.table.rows_by_sequence(dt, p, seqs, ["sequence_number"], entity.subscription)
-    still = changes.filter(pc.is_in(changes.column("sequence_number"), value_set=live.column("sequence_number")))
+    seqs = changes.column("sequence_number")
+    mine = read.filter(pc.is_in(read.column("sequence_number"), value_set=seqs))
+    still = changes.filter(pc.is_in(seqs, value_set=_as_read(entity, dt, p, mine)))
     if still.num_rows:
         entity.table.apply(dt, p, still)
+
+
+_STATE = ["sequence_number", "sub_queue", "state", "lock_token"]  # what a concurrent change to a row alters
+
+
+def _as_read(entity: Entity, dt: Snapshot, p: int, read: pa.Table) -> pa.ChunkedArray:
+    """Sequence numbers of the `read` rows that snapshot `dt` still holds as they were read (sub-queue, state, lock)."""
+    live = entity.table.rows_by_sequence(dt, p, read.column("sequence_number").to_pylist(), _STATE, entity.subscription)
+
+    def keys(t: pa.Table) -> pa.Table:  # a join never matches nulls: an unlocked row's token is compared as ""
+        return t.select(_STATE).set_column(3, "lock_token", pc.fill_null(t.column("lock_token"), ""))
+
+    return keys(live).join(keys(read), keys=_STATE, join_type="inner").column("sequence_number")
