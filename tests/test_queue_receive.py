@@ -410,3 +410,30 @@ def test_receiver_on_a_closed_receiver_fails(ns: Namespace) -> None:
     r.close()
     with pytest.raises(InvalidOperationError):
         r.receive_messages()
+
+
+def test_a_receive_returns_a_partition_in_sequence_order_when_a_later_round_takes_an_earlier_message(
+    ns: Namespace, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Round two of one receive (after an expired message) took A, whose lock had lapsed meanwhile, and returned it last."""
+    from sparkqueue.model import lifecycle
+
+    ns.create_queue("q", enable_partitioning=False, lock_duration=timedelta(seconds=1), dead_lettering_on_message_expiration=True)
+    _send(ns, [Message("A"), Message("B"), Message("C", time_to_live=timedelta(milliseconds=300)), Message("D")])
+    with ns.get_queue_receiver("q") as other:
+        (held,) = other.receive_messages(1)  # A, locked for a second
+    assert str(held) == "A"
+    time.sleep(0.4)  # C has expired; A is still locked
+    real, calls = lifecycle.deliver, []
+
+    def deliver_then_wait(*args: object, **kwargs: object) -> lifecycle.Delivery:
+        out = real(*args, **kwargs)  # type: ignore[arg-type]
+        if not calls:  # the first round: B and D delivered, C expired; A's lock lapses before the second
+            sleep_past(held.locked_until_utc)
+        calls.append(out)
+        return out
+
+    monkeypatch.setattr(lifecycle, "deliver", deliver_then_wait)
+    with ns.get_queue_receiver("q") as r:
+        got = [str(m) for m in r.receive_messages(3)]
+    assert len(calls) == 2 and got == ["A", "B", "D"]
