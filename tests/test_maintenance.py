@@ -606,6 +606,15 @@ def test_a_recent_table_without_catalog_entry_is_left_for_its_create_to_record(n
     assert ns.store.list(orphan + "/") == []
 
 
+def test_a_table_folder_without_files_yet_is_left_for_its_create(ns: Namespace) -> None:
+    """A create's first step makes `_delta_log/` before any file: maintenance at any retention deleted it at once
+    (no file said how old it was), and the create then failed with delta-rs's raw TableNotFoundError."""
+    folder = f"{ns.root}/entities/queue-being-made/_delta_log"
+    os.makedirs(folder)
+    ns.run_maintenance(vacuum_retention=timedelta(0))
+    assert os.path.isdir(folder)
+
+
 def test_a_table_recorded_by_its_absolute_path_is_not_an_orphan(ns: Namespace, monkeypatch: pytest.MonkeyPatch) -> None:
     """Namespaces made before table paths were relative record absolute ones: such a live table was swept."""
     import dataclasses

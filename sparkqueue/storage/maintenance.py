@@ -290,7 +290,8 @@ def remove_orphan_tables(root: Store, folder: str, live: Callable[[], set[str]],
     A process killed between making an entity's table and recording it in the catalog (or between
     dropping the record and the table) leaves such a table. The folders are listed before `live`
     reads the catalog, so a table recorded meanwhile counts as live; one being made now is newer
-    than ORPHAN_RETENTION (a create records its table within seconds) and stays.
+    than ORPHAN_RETENTION (a create records its table within seconds) and stays, as does a folder
+    with no file yet (a create's first directories).
     """
     report = MaintenanceReport()
     prefix = folder.rstrip("/") + "/"
@@ -300,7 +301,8 @@ def remove_orphan_tables(root: Store, folder: str, live: Callable[[], set[str]],
     for table in candidates:
         if table in named:
             continue
-        if any(e.mtime_s >= keep_after for e in root.list(table + "/")):
+        files = root.list(table + "/")
+        if not files or any(e.mtime_s >= keep_after for e in files):  # no file tells its age: one being made now
             continue
         removed = delete_table(root.child(table))
         report.vacuumed_files += removed
