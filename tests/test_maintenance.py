@@ -666,3 +666,24 @@ def test_check_beside_a_vacuum_at_retention_zero_reports_no_live_file_missing(
     monkeypatch.undo()
     with ns.get_queue_receiver("q") as r:
         assert [str(m) for m in peek_all(r)] == ["kept"]
+
+
+def test_a_read_whose_snapshot_a_compaction_and_vacuum_overtook_marks_no_damage(ns: Namespace, root: str) -> None:
+    """A receive pass reads all partitions from one snapshot; files a compaction replaced and a vacuum at retention 0
+    deleted meanwhile were taken as damage: the partition read "Limited" for 30 s and refused keyed sends."""
+    ns.create_queue("q")
+    key = key_for_partition(3, "k")
+    with ns.get_queue_sender("q") as s:
+        for i in range(6):
+            s.send_messages([Message(f"m{i}", partition_key=key)])
+    with Namespace(root) as reader:
+        entity = reader.broker.entity("queue", "q")
+        stale = entity.table.snapshot()  # as a receive pass holds it
+        with Namespace(root) as other:
+            other.run_maintenance(vacuum_retention=timedelta(0))  # six files compacted into one, the six deleted
+        assert entity.receive_partition(stale, 3, "main", 5, False).num_rows == 0  # skipped this once
+        assert reader.get_queue_runtime_properties("q").availability_status == "Available"
+        with reader.get_queue_sender("q") as s:
+            s.send_messages(Message("keyed", partition_key=key))
+        with reader.get_queue_receiver("q") as r:
+            assert len(drain(r, 7)) == 7

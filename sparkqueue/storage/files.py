@@ -51,9 +51,12 @@ class DataFiles:
     """
 
     def __init__(
-        self, store: Store, cache_bytes: int = CACHE_BYTES, on_damage: Callable[[str, str], Exception] | None = None
+        self, store: Store, cache_bytes: int = CACHE_BYTES, on_damage: Callable[[str, str, bool], Exception] | None = None
     ) -> None:
-        """`on_damage(path, what)` turns a missing or unreadable file into the error to raise (default StorageCorruptedError)."""
+        """`on_damage(path, what, missing)` turns a missing or unreadable file into the error to raise.
+
+        Without it, that error is StorageCorruptedError.
+        """
         self.store = store
         self.on_damage = on_damage
         self._cache: OrderedDict[str, pa.Table] = OrderedDict()
@@ -77,7 +80,7 @@ class DataFiles:
         try:
             data = self.store.get(path)
         except FileNotFoundError as exc:
-            raise self._damage(path, f"live data file {path} of table {self.store.uri} is missing") from exc
+            raise self._damage(path, f"live data file {path} of table {self.store.uri} is missing", missing=True) from exc
         try:
             t = _decode(data, wanted)
         except (pa.ArrowInvalid, OSError) as exc:
@@ -85,8 +88,8 @@ class DataFiles:
         self._remember(path, t)
         return t.select(cols)
 
-    def _damage(self, path: str, what: str) -> Exception:
-        return self.on_damage(path, what) if self.on_damage is not None else StorageCorruptedError(what)
+    def _damage(self, path: str, what: str, *, missing: bool = False) -> Exception:
+        return self.on_damage(path, what, missing) if self.on_damage is not None else StorageCorruptedError(what)
 
     def _remember(self, path: str, rows: pa.Table) -> None:
         """Cache a file's rows (all columns, or all but the body), evicting the least recently used beyond the budget.

@@ -23,7 +23,7 @@ from datetime import datetime
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from sparkqueue.errors import EntityNotFoundError, QuotaExceededError, StorageCorruptedError
+from sparkqueue.errors import EntityNotFoundError, PartitionUnavailableError, QuotaExceededError, StorageCorruptedError
 from sparkqueue.storage.checkpoint import trim_log, write_checkpoint
 from sparkqueue.storage.faults import FaultInjector
 from sparkqueue.storage.files import FILE_SCHEMA, MAX_FILE_ROWS, DataFiles, file_rows, remove_action
@@ -200,10 +200,18 @@ class EntityTable:
             self.deleted = True  # handles cached on this table are stale: the broker looks the entity up again
             raise
 
-    def _damaged(self, path: str, what: str) -> Exception:
-        """A missing or unreadable data file makes its partition unavailable, not the whole table (faults.py)."""
-        log.error("storage damage: %s", what)
+    def _damaged(self, path: str, what: str, missing: bool) -> Exception:
+        """A missing or unreadable data file makes its partition unavailable, not the whole table (faults.py).
+
+        A file missing only because the read's snapshot is old (a compaction replaced it, and a
+        vacuum at a short retention deleted it, while the read was under way) is no damage: the
+        partition is skipped by this read alone.
+        """
         partition = path.split("/", 1)[0].removeprefix(f"{PARTITION_COLUMN}=")
+        if missing and all(f.path != path for f in self.log.load().files):  # a fresh load: callers hold their snapshot
+            log.info("data file %s was replaced since this read's snapshot; the partition is skipped this time", path)
+            return PartitionUnavailableError(f"partition {partition} changed under this read (file {path} was replaced)")
+        log.error("storage damage: %s", what)
         return self.faults.damaged(int(partition), what) if partition.isdigit() else StorageCorruptedError(what)
 
     def available(self, partition: int) -> bool:
