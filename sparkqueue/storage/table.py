@@ -23,7 +23,13 @@ from datetime import datetime
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from sparkqueue.errors import EntityNotFoundError, PartitionUnavailableError, QuotaExceededError, StorageCorruptedError
+from sparkqueue.errors import (
+    EntityNotFoundError,
+    PartitionUnavailableError,
+    QuotaExceededError,
+    SparkQueueError,
+    StorageCorruptedError,
+)
 from sparkqueue.storage.checkpoint import trim_log, write_checkpoint
 from sparkqueue.storage.faults import FaultInjector
 from sparkqueue.storage.files import FILE_SCHEMA, MAX_FILE_ROWS, DataFiles, file_rows, remove_action
@@ -208,11 +214,22 @@ class EntityTable:
         partition is skipped by this read alone.
         """
         partition = path.split("/", 1)[0].removeprefix(f"{PARTITION_COLUMN}=")
-        if missing and all(f.path != path for f in self.log.load().files):  # a fresh load: callers hold their snapshot
+        if missing and not self._live_now(path):
             log.info("data file %s was replaced since this read's snapshot; the partition is skipped this time", path)
             return PartitionUnavailableError(f"partition {partition} changed under this read (file {path} was replaced)")
         log.error("storage damage: %s", what)
         return self.faults.damaged(int(partition), what) if partition.isdigit() else StorageCorruptedError(what)
+
+    def _live_now(self, path: str) -> bool:
+        """Whether a data file is live at the newest version (a fresh load: callers hold their snapshots).
+
+        True when the log cannot be read either (the table was deleted, the store fails): the read then
+        reports what it found.
+        """
+        try:
+            return any(f.path == path for f in self.log.load().files)
+        except (SparkQueueError, OSError):
+            return True
 
     def available(self, partition: int) -> bool:
         """False while a fault is injected on the partition or damage was found in it."""
