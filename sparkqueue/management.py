@@ -18,7 +18,14 @@ from collections.abc import Callable, Mapping
 from datetime import UTC, datetime, timedelta
 from typing import TYPE_CHECKING, Any
 
-from sparkqueue.broker import PROPERTY_TYPES, Broker, open_transaction, rule_from_entry, split_subscription_path, sub_entity_name
+from sparkqueue.broker import (
+    PROPERTY_TYPES,
+    Broker,
+    refuse_in_transaction,
+    rule_from_entry,
+    split_subscription_path,
+    sub_entity_name,
+)
 from sparkqueue.constants import EntityStatus
 from sparkqueue.errors import (
     EntityAlreadyExistsError,
@@ -579,8 +586,7 @@ class Management:
         check_session_action(action, bool(sub.requires_session), sub.partition_count, name)
 
     def _no_rule_changes_in_transaction(self) -> None:
-        if open_transaction(self.broker) is not None:
-            raise InvalidOperationError("subscription rules cannot be added or removed inside a transaction")
+        refuse_in_transaction(self.broker, "subscription rules cannot be added or removed inside a transaction")
 
     def _check_destinations(self, settings: dict[str, Any], queue_name: str | None = None) -> None:
         """forward_to targets must be valid entity names (they may be created later: a missing one dead-letters).

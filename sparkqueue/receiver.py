@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 import pyarrow.compute as pc
 
 from sparkqueue.auto_lock_renewer import AutoLockRenewer
-from sparkqueue.broker import Broker, open_transaction
+from sparkqueue.broker import Broker, open_transaction, refuse_in_transaction
 from sparkqueue.constants import NEXT_AVAILABLE_SESSION, ReceiveMode, SubQueue
 from sparkqueue.errors import (
     InvalidArgumentTypeError,
@@ -106,7 +106,7 @@ class Receiver:
             # the cache and count a delivery, as the SDK's prefetch does. Without one, nothing is delivered before a receive.
             prefetch = min(self.prefetch_count, SESSION_ACCEPT_PREFETCH) if self.receive_mode == ReceiveMode.PEEK_LOCK else 0
             lock, first = sessions.accept(sid, self.max_wait_time, prefetch=prefetch)
-            self.session = ReceiverSession(sessions, lock, namespace.tier, namespace.broker)
+            self.session = ReceiverSession(sessions, lock, namespace.broker)
             self._cache.extend(received_messages(first, utcnow()))
             if auto_lock_renewer is not None:
                 try:
@@ -524,11 +524,11 @@ class Receiver:
 class ReceiverSession:
     """The session a session receiver holds (SDK: ServiceBusSession): its state and lock."""
 
-    def __init__(self, sessions: Sessions, lock: SessionLock, tier: str = limits.STANDARD, broker: Broker | None = None) -> None:
+    def __init__(self, sessions: Sessions, lock: SessionLock, broker: Broker) -> None:
         self._sessions = sessions
         self._broker = broker  # whose open transaction, if any, the state and lock calls may not join
         self._lock = lock
-        self._max_state_bytes = limits.MAX_MESSAGE_BYTES[tier]  # Service Bus bounds session state by the message size
+        self._max_state_bytes = limits.MAX_MESSAGE_BYTES[broker.tier]  # Service Bus bounds session state by the message size
         self.auto_renew_error: BaseException | None = None
         self._delivered: list[weakref.ref[ReceivedMessage]] = []  # handed-out messages whose lock is this session's
         self._rewind = False  # a message was abandoned: the next receives look before the cached messages
@@ -564,14 +564,14 @@ class ReceiverSession:
                 f"session state of {len(state)} bytes exceeds the {self._max_state_bytes} bytes a session state may hold"
             )
         self._check_open()
-        self._not_in_transaction("session state cannot be set inside a transaction (it would not roll back with it)")
+        refuse_in_transaction(self._broker, "session state cannot be set inside a transaction (it would not roll back with it)")
         with call_timeout(timeout):
             self._sessions.set_state(self._lock, bytes(state) if state else None)
 
     def renew_lock(self, *, timeout: float | None = None) -> datetime:
         """Extend the session lock by the entity's lock_duration; returns the new expiry."""
         self._check_open()
-        self._not_in_transaction("locks cannot be renewed inside a transaction")
+        refuse_in_transaction(self._broker, "locks cannot be renewed inside a transaction")
         with call_timeout(timeout):
             until = self._sessions.renew(self._lock)
         for ref in self._delivered:
@@ -587,11 +587,6 @@ class ReceiverSession:
             if m.lock_token is not None:
                 m.locked_until_utc = self._lock.locked_until
                 self._delivered.append(weakref.ref(m))
-
-    def _not_in_transaction(self, refusal: str) -> None:
-        """Refuse a call that an open transaction could not undo (as renew_message_lock is refused)."""
-        if self._broker is not None and open_transaction(self._broker) is not None:
-            raise InvalidOperationError(refusal)
 
     def _check_open(self) -> None:
         """Refuse calls once the receiver is closed, with the receiver's own error (the SDK's closed handler refuses them)."""

@@ -8,7 +8,7 @@ from collections.abc import Mapping, Sequence
 from datetime import datetime
 from typing import TYPE_CHECKING
 
-from sparkqueue.broker import open_transaction
+from sparkqueue.broker import refuse_in_transaction
 from sparkqueue.errors import (
     InvalidArgumentTypeError,
     InvalidOperationError,
@@ -141,8 +141,8 @@ class Sender:
         seqs = [sequence_numbers] if isinstance(sequence_numbers, int) else list(sequence_numbers)
         for s in seqs:
             limits.check_sequence_number(s)
-        if open_transaction(self._ns.broker) is not None:  # it would apply at once and survive a rollback
-            raise InvalidOperationError("scheduled messages cannot be cancelled inside a transaction")
+        # It would apply at once and survive a rollback.
+        refuse_in_transaction(self._ns.broker, "scheduled messages cannot be cancelled inside a transaction")
         with call_timeout(timeout):
             self._ns.broker.entity(self.entity_type, self.entity_name).cancel_scheduled(seqs)
 

@@ -12,13 +12,14 @@ from sparkqueue.broker.core import (
     split_subscription_path,
     sub_entity_name,
 )
-from sparkqueue.broker.transaction import Transaction, open_transaction
+from sparkqueue.broker.transaction import Transaction, open_transaction, refuse_in_transaction
 
 __all__ = [
     "PROPERTY_TYPES",
     "Broker",
     "Transaction",
     "open_transaction",
+    "refuse_in_transaction",
     "rule_from_entry",
     "split_subscription_path",
     "sub_entity_name",

@@ -37,6 +37,12 @@ def open_transaction(broker: Broker) -> Transaction | None:
     return next((tx for tx in _OPEN.get() if tx.broker is broker), None)
 
 
+def refuse_in_transaction(broker: Broker, refusal: str) -> None:
+    """Raise InvalidOperationError(refusal) while a transaction is open on `broker`: the operation cannot join it."""
+    if open_transaction(broker) is not None:
+        raise InvalidOperationError(refusal)
+
+
 @dataclass
 class Transaction:
     """Collects sends and settlements; `commit` applies them all in one commit, or none of them.

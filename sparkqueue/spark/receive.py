@@ -33,13 +33,14 @@ import pyarrow.compute as pc
 from pyspark.sql import DataFrame, SparkSession
 from pyspark.sql import functions as sf
 
+from sparkqueue.broker import refuse_in_transaction
 from sparkqueue.errors import PartitionUnavailableError, SparkQueueError
 from sparkqueue.model import lifecycle, limits
 from sparkqueue.model.entity import Entity, utcnow
 from sparkqueue.spark.schema import ENTITY_FILE_SPARK, received_from_entity_rows
 from sparkqueue.spark.session import active_session, spark_errors, task_count
 from sparkqueue.spark.staging import LOCKED_ATTRIBUTE, STAGING_ATTRIBUTE, Staging, cleanup_staging
-from sparkqueue.spark.worker import EntityRef, marking_errors, refuse_in_transaction
+from sparkqueue.spark.worker import DATAFRAME_REFUSAL, EntityRef, marking_errors
 from sparkqueue.storage.files import FILE_SCHEMA
 from sparkqueue.storage.schema import KIND_MESSAGE, SUB_QUEUE_MAIN
 
@@ -85,7 +86,7 @@ def receive_dataframe(
     checked that the receiver is open and holds no session.
     """
     want = limits.check_int(max_message_count, "max_message_count")
-    refuse_in_transaction(broker)
+    refuse_in_transaction(broker, DATAFRAME_REFUSAL)
     session = active_session(spark)
     entity = broker.entity(entity_type, name)
     cleanup_staging(broker.root)

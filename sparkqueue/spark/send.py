@@ -51,6 +51,7 @@ from pyspark.sql import functions as sf
 from pyspark.sql import types as st
 from pyspark.sql.functions import arrow_udf  # type: ignore[attr-defined]  # PySpark 4.1+, not yet in its stubs
 
+from sparkqueue.broker import refuse_in_transaction
 from sparkqueue.errors import InvalidOperationError, MessageSizeExceededError, PartitionUnavailableError, StorageError
 from sparkqueue.message import SendSettings, message_rows, properties_json, send_settings
 from sparkqueue.model import limits
@@ -67,7 +68,7 @@ from sparkqueue.spark.session import (
     task_count,
     task_error,
 )
-from sparkqueue.spark.worker import EntityRef, marking_errors, refuse_in_transaction
+from sparkqueue.spark.worker import DATAFRAME_REFUSAL, EntityRef, marking_errors
 from sparkqueue.storage.log import AddFile, Fence
 from sparkqueue.storage.retry import retry_commit
 from sparkqueue.storage.schema import TIMESTAMP
@@ -135,7 +136,7 @@ def send_dataframe(
     holding them, each queue partition in the order of the one input partition that owns it.
     """
     check_dataframe(df, "send_dataframe")
-    refuse_in_transaction(broker)
+    refuse_in_transaction(broker, DATAFRAME_REFUSAL)
     entity = broker.entity(entity_type, name)
     check_status(entity.props, "send", entity.name)
     available = tuple(p for p in range(entity.partition_count) if entity.available(p))

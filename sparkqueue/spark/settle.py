@@ -24,13 +24,14 @@ from pyspark.sql import Column, DataFrame, SparkSession
 from pyspark.sql import functions as sf
 from pyspark.sql import types as st
 
+from sparkqueue.broker import refuse_in_transaction
 from sparkqueue.errors import InvalidOperationError
 from sparkqueue.model import lifecycle
 from sparkqueue.model.ids import sequences_of_tokens
 from sparkqueue.spark.schema import SETTLE_RESULT_SCHEMA, SETTLE_RESULT_SPARK, STATUS_LOCK_LOST, STATUS_OK
 from sparkqueue.spark.session import active_session, bucket_key, check_dataframe, spark_errors, task_count
 from sparkqueue.spark.staging import Staging, cleanup_staging
-from sparkqueue.spark.worker import EntityRef, marking_errors, refuse_in_transaction
+from sparkqueue.spark.worker import DATAFRAME_REFUSAL, EntityRef, marking_errors
 from sparkqueue.storage.table import SEQUENCE_BITS
 
 if TYPE_CHECKING:
@@ -77,7 +78,7 @@ def settle_dataframe(
     if op not in OPS:
         raise InvalidOperationError(f"op must be one of {OPS}, got {op!r}")
     check_dataframe(df, f"{op}_dataframe")
-    refuse_in_transaction(broker)
+    refuse_in_transaction(broker, DATAFRAME_REFUSAL)
     for value, field in ((reason, "reason"), (error_description, "error_description")):
         if value is not None and not isinstance(value, str):
             raise InvalidOperationError(f"{field} must be a str, got {type(value).__name__}")

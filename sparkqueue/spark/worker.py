@@ -13,8 +13,8 @@ from dataclasses import dataclass
 from functools import wraps
 from typing import TYPE_CHECKING, TypeVar
 
-from sparkqueue.broker import Broker, open_transaction
-from sparkqueue.errors import InvalidOperationError, SparkQueueError
+from sparkqueue.broker import Broker
+from sparkqueue.errors import SparkQueueError
 from sparkqueue.spark.session import task_error
 
 if TYPE_CHECKING:
@@ -64,10 +64,8 @@ class EntityRef:
         return self.broker().entity(self.entity_type, self.name)
 
 
-def refuse_in_transaction(broker: Broker) -> None:
-    """DataFrame operations commit on their own (on the driver and in tasks): they never join an open transaction."""
-    if open_transaction(broker) is not None:
-        raise InvalidOperationError("DataFrame sends, receives and settlements cannot join a transaction")
+# DataFrame operations commit on their own (on the driver and in tasks): they never join an open transaction.
+DATAFRAME_REFUSAL = "DataFrame sends, receives and settlements cannot join a transaction"
 
 
 def marking_errors(fn: Callable[..., Iterator[T]]) -> Callable[..., Iterator[T]]:
