@@ -297,9 +297,8 @@ class Entity:
             scan = min(max(scan, limit) * EXPIRY_SCAN_GROWTH, max(limit, MAX_EXPIRY_SCAN))  # a few commits clear a long run
         if dead:
             self.dead_lettered([p])
-        if len(out) > 1:  # a later round may take an earlier message (abandoned, or its lock lapsed, meanwhile)
-            return in_sequence(pa.concat_tables(out))
-        return out[0] if out else empty_rows()
+        # In order: a later round may take an earlier message (abandoned, or its lock lapsed, meanwhile).
+        return in_sequence(pa.concat_tables(out)) if out else empty_rows()
 
     def receive_deferred(self, sub_queue: str, seqs: Sequence[int], *, delete: bool) -> pa.Table:
         """Lock (or delete) the deferred messages with these sequence numbers; others are skipped."""

@@ -513,9 +513,8 @@ class Sessions:
             sub = self.entity.subscription
             cols = ["sub_queue", "session_id", "state", "scheduled_enqueue_time_utc"]
             msgs = self.table.scan(dt, p, cols, subscription=sub)
-            scheduled = pc.fill_null(pc.greater(msgs.column("scheduled_enqueue_time_utc"), pa.scalar(now, TIMESTAMP)), False)
             main = pc.and_(pc.equal(msgs.column("sub_queue"), SUB_QUEUE_MAIN), pc.is_valid(msgs.column("session_id")))
-            msgs = msgs.filter(pc.and_(main, pc.or_(pc.invert(scheduled), pc.equal(msgs.column("state"), STATE_DEFERRED))))
+            msgs = msgs.filter(pc.and_(main, pc.invert(lifecycle.scheduled_rows(msgs, now))))
             counts: dict[str, list[int]] = {}
             for sid, state in zip(msgs.column("session_id").to_pylist(), msgs.column("state").to_pylist(), strict=True):
                 c = counts.setdefault(sid, [0, 0])
