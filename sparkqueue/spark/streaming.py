@@ -135,7 +135,6 @@ def address_of(options: Mapping[str, str], *, sink: bool) -> EntityAddress:
 
 
 def _resolve(ns: Namespace, root: str, storage: dict[str, str], name: str, sink: bool) -> EntityAddress:
-
     frozen = tuple(sorted(storage.items()))
     topic, sub = Address.split_path(name)
     if sub is not None:
