@@ -64,8 +64,10 @@ class DefaultSource(DataSource):
         return "sparkqueue"
 
     def schema(self) -> StructType:
-        """The received-message layout."""
-        layout: StructType = _implementation().RECEIVED_SCHEMA
+        """The received-message layout, once the options and the entity pass the checks `load()` makes."""
+        implementation = _implementation()
+        _plain(lambda: implementation.check_load(dict(self.options)))
+        layout: StructType = implementation.RECEIVED_SCHEMA
         return layout
 
     def reader(self, schema: StructType) -> DataSourceReader:

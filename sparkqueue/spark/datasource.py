@@ -151,7 +151,8 @@ class SparkQueueDataSource(DataSource):
         return "sparkqueue"
 
     def schema(self) -> StructType:
-        """The received-message layout."""
+        """The received-message layout, once the options pass `check_load` (so a mistake fails `load()`)."""
+        check_load(dict(self.options))
         return RECEIVED_SCHEMA
 
     def reader(self, schema: StructType) -> DataSourceReader:
@@ -165,6 +166,23 @@ class SparkQueueDataSource(DataSource):
     def streamWriter(self, schema: StructType, overwrite: bool) -> DataSourceStreamWriter:  # noqa: N802 - pyspark's name
         """`df.writeStream.format("sparkqueue")`: each micro-batch sent once (sparkqueue.spark.streaming_sink)."""
         return streaming.stream_writer(self.options, schema, overwrite)
+
+
+def check_load(options: dict[str, str]) -> None:
+    """Check at `load()` what the read needs, so a mistake fails there and not in a started streaming query.
+
+    Spark asks for the schema before it knows whether a batch read or a stream follows. Options
+    only the streaming source takes (`entity`, `maxMessagesPerTrigger` ...) get the source's whole
+    check; otherwise the reader's, which a stream needs as well (an option the reader does not take
+    is then neither's).
+    """
+    from sparkqueue.spark.streaming_source import SOURCE_OPTIONS, source_config
+
+    options = streaming.lowered(options)
+    if options.keys() & (SOURCE_OPTIONS - READ_OPTIONS):
+        source_config(options)
+    else:
+        EntityReader(options)
 
 
 def make_reader(options: dict[str, str]) -> DataSourceReader:

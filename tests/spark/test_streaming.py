@@ -146,32 +146,42 @@ def test_source_streams_a_session_queue_in_session_order(spark, tmp_path):
 
 
 def test_source_refuses_bad_options(spark, tmp_path):
+    """A bad option, namespace or entity fails `load()` itself: no query starts and nothing is received."""
     root = str(tmp_path / "ns")
     with Namespace(root) as ns:
         ns.create_queue("q")
     send(root, "q", 1)
 
-    def start(**options: str) -> None:
+    def load(name: str | None = None, **options: str) -> None:
         reader = spark.readStream.format("sparkqueue")
         for k, v in options.items():
             reader = reader.option(k, v)
-        checkpoint = str(tmp_path / f"c-{len(list(tmp_path.iterdir()))}")  # a fresh checkpoint per attempt
-        q = reader.load().writeStream.format("memory").queryName("never").option("checkpointLocation", checkpoint)
-        q.trigger(availableNow=True).start().awaitTermination()
+        reader.load(name) if name else reader.load()
 
     with pytest.raises(PySparkException, match="maxMessagesPerTrigger must be a positive integer"):
-        start(namespace=root, entity="q", maxMessagesPerTrigger="0")
+        load(namespace=root, entity="q", maxMessagesPerTrigger="0")
     with pytest.raises(PySparkException, match="set the namespace root"):
-        start(entity="q")
+        load(entity="q")
     with pytest.raises(PySparkException, match="streaming source has no option 'subqueue'") as refused:
-        start(namespace=root, entity="q", subQueue="deadletter")  # sub_queue, misspelt: refused, not ignored
+        load(namespace=root, entity="q", subQueue="deadletter")  # sub_queue, misspelt: refused, not ignored
     assert "UnboundLocalError" not in str(refused.value)  # the refusal itself, not pyspark's runner failing on it
+    with pytest.raises(PySparkException, match="has no option 'subqueue'"):
+        load("q", namespace=root, subQueue="deadletter")  # named by load(name): the same refusal
+    with pytest.raises(PySparkException, match="no queue, topic or subscription named 'nope'"):
+        load("nope", namespace=root)
+    with pytest.raises(PySparkException, match="no sparkqueue namespace"):
+        load("q", namespace=str(tmp_path / "nosuch"))
+    assert not (tmp_path / "nosuch").exists()
     with Namespace(root) as ns:
         assert ns.get_queue_runtime_properties("q").active_message_count == 1  # nothing was received
 
 
 def test_source_refuses_an_entity_that_takes_no_receives(spark, tmp_path):
-    """As a receiver: a ReceiveDisabled queue, and an auto-forwarding one, refuse the stream; nothing is received."""
+    """As a receiver: a ReceiveDisabled queue, and an auto-forwarding one, refuse the stream; nothing is received.
+
+    Named by option `entity`, the refusal comes at `load()`; named by `load(name)` (which a batch
+    read takes too), when the started query first asks for an offset.
+    """
     root = str(tmp_path / "ns")
     with Namespace(root) as ns:
         ns.create_queue("off", status=EntityStatus.RECEIVE_DISABLED)
@@ -184,8 +194,10 @@ def test_source_refuses_an_entity_that_takes_no_receives(spark, tmp_path):
         props.forward_to = "dst"  # set after the messages arrived: they wait to travel
         ns.update_queue(props)
     for name, match in (("off", "ReceiveDisabled"), ("fwd", "forwards its messages")):
+        with pytest.raises(PySparkException, match=match):
+            spark.readStream.format("sparkqueue").option("namespace", root).option("entity", name).load()
         checkpoint = str(tmp_path / f"c-{name}")
-        reader = spark.readStream.format("sparkqueue").option("namespace", root).option("entity", name).load()
+        reader = spark.readStream.format("sparkqueue").option("namespace", root).load(name)
         q = reader.writeStream.format("memory").queryName(f"never_{name}").option("checkpointLocation", checkpoint)
         with pytest.raises(PySparkException, match=match):
             q.trigger(availableNow=True).start().awaitTermination()
