@@ -34,27 +34,25 @@ import logging
 import os
 import uuid
 from collections.abc import Iterator
-from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import TYPE_CHECKING, NamedTuple
 
-import pyarrow as pa
-import pyarrow.compute as pc
 import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 from pyspark.sql import Column, DataFrame, SparkSession
 from pyspark.sql import functions as sf
 
-from sparkqueue.errors import QuotaExceededError, StorageError
+from sparkqueue.errors import StorageError
 from sparkqueue.model import limits
 from sparkqueue.model.entity import utcnow
+from sparkqueue.spark.commit import Written, check_quota, commit_renumbering
 from sparkqueue.spark.send import ORD_ROW_MASK, STRING_FIELDS
 from sparkqueue.spark.session import spark_errors
 from sparkqueue.spark.staging import filesystem, spark_path
 from sparkqueue.storage.files import FILE_SCHEMA, MAX_FILE_BYTES, MAX_FILE_ROWS, STATS_COLUMNS, file_rows
-from sparkqueue.storage.log import AddFile, CommitConflict, Fence
-from sparkqueue.storage.schema import KIND_MESSAGE, PARTITION_COLUMN, STATE_ACTIVE, SUB_QUEUE_MAIN, with_columns
-from sparkqueue.storage.table import SEQUENCE_BITS, SEQUENCE_MASK, fence_app_id, partition_of
+from sparkqueue.storage.log import AddFile
+from sparkqueue.storage.schema import KIND_MESSAGE, PARTITION_COLUMN, STATE_ACTIVE, SUB_QUEUE_MAIN
+from sparkqueue.storage.table import SEQUENCE_BITS, SEQUENCE_MASK, partition_of
 
 if TYPE_CHECKING:
     from sparkqueue.spark.send import SendPlan
@@ -97,16 +95,6 @@ WRITE_OPTIONS = {
 # The columns whose bytes size_in_bytes counts (send._checked_size), message_id also where the send generated it.
 SIZED_COLUMNS = ("body", *STRING_FIELDS, "application_properties")
 PLAIN_ENCODINGS = {"PLAIN", "RLE", "BIT_PACKED"}  # values as they are (levels in RLE): their size bounds the bytes
-
-
-@dataclass(frozen=True)
-class Written:
-    """What one attempt's write left in its staging directory, per queue partition."""
-
-    adds: list[AddFile]
-    counts: dict[int, int]  # rows per partition
-    last: dict[int, int]  # the last counter numbered per partition
-    bounds: dict[int, int | None]  # an upper bound of the message bytes per partition (None: unknown)
 
 
 def numbered_rows(prepared: DataFrame, plan: SendPlan, inputs: int, now: datetime) -> DataFrame:
@@ -191,73 +179,6 @@ def write_attempt(
     if adds:
         commit_renumbering(table, adds, written, dict(zip(range(plan.partition_count), plan.bases, strict=True)), deadline)
     return sum(written.counts.values()), sorted(p for p, c in written.counts.items() if c)
-
-
-def commit_renumbering(
-    table: EntityTable, adds: list[AddFile], written: Written, bases: dict[int, int | None], deadline: Deadline
-) -> None:
-    """Commit the files once, moving the fences from `bases`; when a concurrent sender moved some, renumber only those.
-
-    A conflict whose cause is a moved fence rewrites just the files of the partitions whose fence
-    moved (their rows shifted after the new fence, with pyarrow: no Spark job), checks the quota
-    again (the other sender's messages count now) and commits again;
-    the other partitions' files are committed as Spark wrote them. Any other conflict, or one past
-    the deadline, deletes every file and raises (the caller runs the whole send again or gives up).
-    After an error other than a conflict the commit may have landed (DeltaLog.commit): the files stay.
-    """
-    adds = list(adds)
-    last = dict(written.last)
-    while True:
-        fences = [Fence(fence_app_id(p), c) for p, c in sorted(last.items())]
-        seen = {fence_app_id(p): bases[p] for p in last}
-        try:
-            with table.existing():
-                table.log.commit(table.snapshot(), adds, [], fences, seen, "WRITE")
-            return
-        except CommitConflict:
-            fresh = fence_bases_of(table, sorted(last))
-            moved = {p: (fresh[p] or 0) - (bases[p] or 0) for p in last if fresh[p] != bases[p]}
-            if not moved or deadline.expired() or any(d < 0 for d in moved.values()):
-                table.data.delete([a.path for a in adds])
-                raise
-            log.info("a concurrent sender moved the fences of partitions %s: renumbering their files only", sorted(moved))
-            adds = renumber(table, adds, moved)
-            try:
-                check_quota(table, written, adds)  # the concurrent send added bytes to those partitions
-            except QuotaExceededError:
-                table.data.delete([a.path for a in adds])
-                raise
-            for p, d in moved.items():
-                last[p] += d
-                bases[p] = fresh[p]
-
-
-def fence_bases_of(table: EntityTable, partitions: list[int]) -> dict[int, int | None]:
-    """The current fence versions of some partitions, from a fresh snapshot."""
-    with table.existing():
-        snap = table.snapshot()
-    return {p: snap.transaction_version(fence_app_id(p)) for p in partitions}
-
-
-def renumber(table: EntityTable, adds: list[AddFile], moved: dict[int, int]) -> list[AddFile]:
-    """The files of the moved partitions rewritten with their sequence numbers shifted (engine's writer); the rest kept."""
-    out = []
-    for a in adds:
-        p = int(a.partition_values[PARTITION_COLUMN])
-        shift = moved.get(p)
-        if shift is None:
-            out.append(a)
-            continue
-        rows = table.data.read(a.path)
-        seqs = pc.add(rows.column("sequence_number"), pa.scalar(shift, pa.int64()))
-        rows = with_columns(rows, sequence_number=seqs)
-        try:
-            out.append(table.data.write(p, rows))
-        except BaseException:
-            table.data.delete([x.path for x in out if x not in adds])
-            raise
-        table.data.delete([a.path])
-    return out
 
 
 @contextlib.contextmanager
@@ -370,33 +291,6 @@ def describe(fs: pafs.FileSystem, path: str, rel: str, size: int) -> Described |
     stats = {"numRecords": meta.num_rows, "minValues": mins, "maxValues": maxs, "nullCount": nulls}
     add = AddFile(rel, {PARTITION_COLUMN: str(p)}, size, json.dumps(stats, separators=(",", ":"), default=str))
     return Described(add, p, meta.num_rows, hi_seq & SEQUENCE_MASK, bound)
-
-
-def check_quota(table: EntityTable, written: Written, adds: list[AddFile]) -> None:
-    """QuotaExceededError when a partition's live bytes plus the message bytes written for it pass its quota.
-
-    The footers' bound settles almost every partition; one it would put over the quota has its
-    written files (`adds`: where they are now) summed exactly, one small column per file.
-    """
-    if table.max_partition_bytes is None:
-        return
-    with table.existing():
-        snap = table.snapshot()
-    for p in sorted(written.counts):
-        used, bound = table.partition_bytes(snap, p), written.bounds.get(p)
-        if bound is not None and used + bound <= table.max_partition_bytes:
-            continue
-        table.check_room(snap, p, message_bytes(table, [a.path for a in adds if a.partition_values[PARTITION_COLUMN] == str(p)]))
-
-
-def message_bytes(table: EntityTable, paths: list[str]) -> int:
-    """The sum of size_in_bytes over written files (paths relative to the table)."""
-    fs, root = filesystem(table.uri)
-    total = 0
-    for path in paths:
-        with fs.open_input_file(f"{root}/{path}") as f:
-            total += int(pc.sum(pq.ParquetFile(f).read(columns=["size_in_bytes"]).column(0)).as_py() or 0)
-    return total
 
 
 def place(table: EntityTable, staging: str, adds: list[AddFile]) -> list[AddFile]:

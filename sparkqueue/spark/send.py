@@ -6,8 +6,11 @@ rows from those fences and write the data files without committing; the driver t
 task's files in ONE Delta commit that moves the fences and expects the versions it read. A send
 that fails anywhere (a bad row, a quota, a failing task) commits nothing, and the files its tasks
 wrote are deleted (vacuum removes what a killed task left). A concurrent sender that moved one of
-the fences makes the commit conflict: the files are deleted and the whole send runs again on a
-fresh snapshot, until it lands or the operation timeout passes (OperationTimeoutError).
+the fences makes the commit conflict: the files of the partitions it moved are renumbered after
+its messages and the commit is tried again (spark/commit.py), so a steady sender cannot starve a
+long send; on a duplicate-detecting entity, whose repeats only a fresh attempt can drop, the files
+are deleted and the whole send runs again. Either way until it lands or the operation timeout
+passes (OperationTimeoutError).
 
 Keyed rows (a session id, a partition key, or a message id on a duplicate-detecting entity), or
 any send asked to keep the DataFrame's order, take two stages separated by a shuffle:
@@ -59,6 +62,7 @@ from sparkqueue.model.addresses import QUEUE
 from sparkqueue.model.entity import utcnow
 from sparkqueue.model.partitioning import partition_for_key
 from sparkqueue.model.properties import check_status
+from sparkqueue.spark.commit import Written, commit_renumbering
 from sparkqueue.spark.session import (
     bucket_key,
     check_dataframe,
@@ -69,7 +73,7 @@ from sparkqueue.spark.session import (
     task_error,
 )
 from sparkqueue.spark.worker import DATAFRAME_REFUSAL, EntityRef, marking_errors
-from sparkqueue.storage.log import AddFile, Fence
+from sparkqueue.storage.log import AddFile
 from sparkqueue.storage.retry import retry_commit
 from sparkqueue.storage.schema import TIMESTAMP
 from sparkqueue.storage.store import is_local
@@ -166,14 +170,20 @@ def send_dataframe(
     else:
         staged, check = in_place(df, plan, inputs)
 
+    deadline = entity.deadline()
+    # With duplicate detection, a concurrent sender's messages may repeat some of the DataFrame's: only a fresh
+    # attempt drops them, so a moved fence runs the send again instead of renumbering its files.
+    renumbering = not plan.settings.requires_duplicate_detection
+
     def attempt() -> tuple[int, list[int]]:
         bases = fence_bases(table, plan.partition_count)
         if check is not None:  # a bad row fails this pass, before any task writes a file
             with spark_errors():
                 check.collect()
-        return commit_send(table, write_files(table, staged, replace(plan, bases=bases)), bases)
+        results = write_files(table, staged, replace(plan, bases=bases))
+        return commit_send(table, results, bases, deadline, renumbering=renumbering)
 
-    accepted, touched = retry_commit(attempt, entity.deadline(), f"DataFrame send to {entity.name}")
+    accepted, touched = retry_commit(attempt, deadline, f"DataFrame send to {entity.name}")
     if touched:
         broker.after_send(entity_type, name, touched)
     log.info("sent %d messages to %s over %d partitions in one commit", accepted, entity.name, len(touched))
@@ -233,30 +243,31 @@ def write_files(table: EntityTable, staged: DataFrame, plan: SendPlan) -> list[R
             written.value = []
 
 
-def commit_send(table: EntityTable, results: list[Row], bases: tuple[int | None, ...]) -> tuple[int, list[int]]:
+def commit_send(
+    table: EntityTable, results: list[Row], bases: tuple[int | None, ...], deadline: Deadline, *, renumbering: bool
+) -> tuple[int, list[int]]:
     """Commit every task's files in one commit that moves the fences of the partitions written; (accepted, partitions).
 
-    The commit expects each fence at the version the tasks numbered from: a concurrent append to
-    one of the partitions makes it raise CommitConflict, and EntityTable.commit deletes the files.
+    The tasks numbered each partition from `bases`. A concurrent append to some of them makes the
+    commit conflict: their files are then renumbered after it and the commit tried again
+    (commit.commit_renumbering), or, without `renumbering`, deleted with CommitConflict raised.
     """
     adds: list[AddFile] = []
-    fences: list[Fence] = []
-    seen: dict[str, int | None] = {}
+    last: dict[int, int] = {}
     touched: list[int] = []
     for r in results:
         adds += [AddFile(**a) for a in json.loads(r.adds)]
         if r.last != (bases[r.partition_id] or 0):
-            app = fence_app_id(r.partition_id)
-            if app in seen:  # two tasks numbered one partition: never commit that (see in_place, shuffle_by_partition)
+            if r.partition_id in last:  # two tasks numbered one partition: never commit that (see in_place, shuffle_by_partition)
                 table.data.delete([a.path for a in adds])
                 raise StorageError(f"partition {r.partition_id} of {table.uri} was written by two send tasks; nothing was sent")
-            fences.append(Fence(app, r.last))
-            seen[app] = bases[r.partition_id]
+            last[r.partition_id] = r.last
         if r.accepted:
             touched.append(r.partition_id)
     if adds:
-        with table.existing():
-            table.commit(table.snapshot(), adds, [], fences, seen, "WRITE")
+        counts = {p: n - (bases[p] or 0) for p, n in last.items()}
+        written = Written(adds, counts, last, dict.fromkeys(last))  # no bound of the bytes: a recheck sums them
+        commit_renumbering(table, adds, written, dict(enumerate(bases)), deadline, renumbering=renumbering)
     return sum(r.accepted for r in results), sorted(touched)
 
 

@@ -366,11 +366,14 @@ while not os.path.exists(started):
 with Namespace(root) as ns, ns.get_queue_sender("q") as s:
     for i in range(count):
         s.send_messages(Message(f"core-{i}", message_id=f"c-{i}"))
+    for extra in sys.argv[5:]:  # "<message id>:<partition key>" of messages the DataFrame sends too
+        mid, key = extra.split(":")
+        s.send_messages(Message("core", message_id=mid, partition_key=key))
 open(done, "w").close()
 """
 
 
-def _racing_core_sender(root: str, tmp_path: Path, count: int):
+def _racing_core_sender(root: str, tmp_path: Path, count: int, *extra_ids: str):
     """A core sender in another process that sends `count` single messages to queue "q" while a DataFrame send runs.
 
     Returns the process and a function that gates a DataFrame on it: the first evaluation of row 0
@@ -379,7 +382,7 @@ def _racing_core_sender(root: str, tmp_path: Path, count: int):
     """
     started, done = str(tmp_path / "started"), str(tmp_path / "done")
     child = subprocess.Popen(
-        [sys.executable, "-c", CONCURRENT_SENDER, root, started, done, str(count)],
+        [sys.executable, "-c", CONCURRENT_SENDER, root, started, done, str(count), *extra_ids],
         env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)},
     )
     core_sent = _waiting(lambda: os.path.exists(done), "the core sender")
@@ -394,27 +397,33 @@ def _racing_core_sender(root: str, tmp_path: Path, count: int):
     return child, lambda df: df.withColumn("body", gated(sf.col("id"), sf.col("body")))
 
 
-@pytest.mark.parametrize("keyed", [False, True], ids=["in-place", "shuffled"])
+@pytest.mark.parametrize("mode", ["in-place", "shuffled", "deduplicated"])
 def test_a_concurrent_core_sender_moves_the_fences_and_the_dataframe_send_lands_whole_after_it(
-    spark, ns, numbered, tmp_path, keyed, caplog
+    spark, ns, numbered, tmp_path, mode, caplog
 ):
     """A core sender in another process sends to every partition while the DataFrame send runs.
 
-    The DataFrame's first attempt numbered its rows from fences that then moved: its commit
-    conflicts, its files go, and the send runs again. Every partition ends numbered 1..N with no
-    gap or repeat, the core messages in their send order and the DataFrame's after them.
+    The DataFrame's first attempt numbered its rows from fences that then moved, so its commit
+    conflicts. The files of the moved partitions are renumbered after the core messages and the
+    commit lands (no second Spark job, which a steady sender would make conflict again); on a
+    duplicate-detecting queue the send runs again instead, and drops the message id the core
+    sender sent meanwhile. Every partition ends numbered 1..N with no gap or repeat, the core
+    messages in their send order and the DataFrame's after them.
     """
-    ns.create_queue("q")
-    caplog.set_level(logging.INFO, logger="sparkqueue.spark.jvm_send")
+    dedupe = mode == "deduplicated"
+    ns.create_queue("q", requires_duplicate_detection=dedupe)
+    caplog.set_level(logging.INFO, logger="sparkqueue.spark.commit")
     core = 48  # single unkeyed sends go round-robin: every one of the 16 partitions gets some
-    child, gate = _racing_core_sender(ns.root, tmp_path, core)
+    repeated = ("m-7",) if dedupe else ()  # one of the DataFrame's messages (same id and key), sent by the core sender first
+    child, gate = _racing_core_sender(ns.root, tmp_path, core, *[f"{m}:k{int(m[2:]) % 64}" for m in repeated])
     n = 4000
     df = gate(numbered(n, partitions=4))
+    keyed = mode != "in-place"
     if keyed:
         df = df.withColumn("partition_key", sf.concat(sf.lit("k"), (sf.col("id") % 64).cast("string")))
     try:
         with ns.get_queue_sender("q") as s:
-            assert s.send_dataframe(df) == n
+            assert s.send_dataframe(df) == n - len(repeated)
     finally:
         assert child.wait(timeout=120) == 0
     got = peek_all(ns, "q")
@@ -437,12 +446,13 @@ def test_a_concurrent_core_sender_moves_the_fences_and_the_dataframe_send_lands_
         else:
             assert frame_ids == sorted(frame_ids)  # one input partition owns the queue partition
     assert sum(1 for msgs in by_partition.values() if any(m.message_id.startswith("c-") for m in msgs)) == 16
+    assert [str(m) for m in got if m.message_id in repeated] == ["core"] * len(repeated)  # the first sent is kept
     table_dir = ns.broker.entity("queue", "q").table.uri
     on_disk = {f.name for f in Path(table_dir).glob("partition_id=*/*.parquet")}
     live = {u.rsplit("/", 1)[-1] for u in DeltaTable(table_dir).file_uris()}
     assert on_disk == live  # the conflicting attempt's files were deleted
-    if not keyed:  # Spark's writer wrote the rows once; only the moved partitions' files were renumbered
-        assert "renumbering their files only" in caplog.text
+    # Spark wrote the rows once and only the moved partitions' files were renumbered; with duplicate detection, never
+    assert ("renumbering their files only" in caplog.text) is not dedupe
 
 
 STEADY_SENDER = """
