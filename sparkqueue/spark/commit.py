@@ -31,7 +31,7 @@ log = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class Written:
-    """What one attempt's write left in its staging directory, per queue partition."""
+    """What one attempt of a DataFrame send wrote (not yet committed), per queue partition."""
 
     adds: list[AddFile]
     counts: dict[int, int]  # rows per partition
