@@ -912,3 +912,109 @@ def test_a_string_plus_a_number_joins_them_as_csharp_does() -> None:
     batch = make_batch({"props": {"s": "order-", "n": 5, "f": 2.5}}, {"props": {"n": 5}})
     assert run("s + n = 'order-5' AND n + s = '5order-' AND s + f = 'order-2.5'", batch) == [T, F]
     assert run("n + n = 10", batch) == [T, T]  # numbers still add
+
+
+# --------------------------------------------------------------------------- time arithmetic and SET types
+
+
+def test_time_minus_time_is_a_duration_in_milliseconds() -> None:
+    """As C# binds DateTime - DateTime (a TimeSpan); it was NULL, so comparing it with a duration never matched."""
+    hour = dt.timedelta(hours=1)
+    assert run("sys.ScheduledEnqueueTimeUtc - sys.EnqueuedTimeUtc > @d", SYS, {"d": hour}) == [F, T]
+    assert run("sys.ScheduledEnqueueTimeUtc - sys.EnqueuedTimeUtc = 82800000", SYS) == [F, T]  # 23 hours
+    assert run("sys.EnqueuedTimeUtc - @t = 0.5", SYS, {"t": T0 - dt.timedelta(microseconds=500)}) == [T, F]
+    assert run("@t - sys.EnqueuedTimeUtc < 0", SYS, {"t": T0}) == [F, T]
+
+
+def test_time_plus_or_minus_a_duration_is_a_time() -> None:
+    """As C# binds DateTime +/- TimeSpan; a duration is a timedelta parameter or a number of milliseconds."""
+    hour = dt.timedelta(hours=1)
+    assert run("sys.EnqueuedTimeUtc + @d = @t", SYS, {"d": hour, "t": T0 + hour}) == [T, F]
+    assert run("sys.EnqueuedTimeUtc - 3600000 = @t", SYS, {"t": T0}) == [F, T]
+    assert run("sys.EnqueuedTimeUtc + sys.TimeToLive = @t", SYS, {"t": T0 + dt.timedelta(minutes=1)}) == [T, F]
+    assert run("sys.EnqueuedTimeUtc + 0.001 > sys.EnqueuedTimeUtc", SYS) == [T, T]
+
+
+def test_time_arithmetic_outside_the_representable_years_or_with_a_non_number_is_null() -> None:
+    batch = make_batch({"enqueued_time_utc": T0, "props": {"d": 9223372036854775807, "s": "1", "f": 1e300}})
+    for expression in [
+        "sys.EnqueuedTimeUtc + d",
+        "sys.EnqueuedTimeUtc + s",
+        "sys.EnqueuedTimeUtc - f",
+        "sys.EnqueuedTimeUtc + @far",
+    ]:
+        assert run(f"{expression} IS NULL", batch, {"far": dt.timedelta(days=3_000_000)}) == [T], expression
+
+
+@pytest.mark.parametrize(
+    "expression",
+    [
+        "sys.EnqueuedTimeUtc + sys.EnqueuedTimeUtc > @t",
+        "1 - sys.EnqueuedTimeUtc > 0",
+        "a + sys.EnqueuedTimeUtc > @t",
+        "sys.EnqueuedTimeUtc * 2 > @t",
+        "sys.EnqueuedTimeUtc / 2 > @t",
+        "sys.EnqueuedTimeUtc + 'x' = 'y'",
+        "-sys.EnqueuedTimeUtc < 0",
+    ],
+)
+def test_time_arithmetic_csharp_does_not_define_is_refused(expression: str) -> None:
+    with pytest.raises(FilterSyntaxError, match="time"):
+        SqlRuleFilter(expression, {"t": T0})
+
+
+def test_an_action_sets_a_time_computed_from_another() -> None:
+    """SET sys.ScheduledEnqueueTimeUtc = sys.EnqueuedTimeUtc + @d stored NULL: a copy meant to wait was delivered at once."""
+    action = SqlRuleAction(
+        "SET sys.ScheduledEnqueueTimeUtc = sys.EnqueuedTimeUtc + @d; "
+        "SET wait = sys.ScheduledEnqueueTimeUtc - sys.EnqueuedTimeUtc",
+        {"d": dt.timedelta(minutes=5)},
+    )
+    result = action.apply(SYS)
+    assert result.column("scheduled_enqueue_time_utc").to_pylist() == [T0 + dt.timedelta(minutes=m) for m in (5, 65)]
+    assert [p and p["wait"] for p in props_of(result)] == [300000, 300000]
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        "SET sys.TimeToLive = sys.Label",
+        "SET sys.TimeToLive = sys.EnqueuedTimeUtc",
+        "SET sys.TimeToLive = 'a' + sys.Label",
+        "SET sys.TimeToLive = a = 1",
+        "SET sys.ScheduledEnqueueTimeUtc = sys.TimeToLive",
+        "SET sys.ScheduledEnqueueTimeUtc = sys.ExpiresAtUtc - sys.EnqueuedTimeUtc",
+        "SET sys.ScheduledEnqueueTimeUtc = newid()",
+        "SET sys.ScheduledEnqueueTimeUtc = -qty",
+        "SET sys.ScheduledEnqueueTimeUtc = a + b",
+    ],
+)
+def test_setting_a_system_property_to_an_expression_of_another_type_is_refused(text: str) -> None:
+    """Only constants were checked: these were accepted and cleared the property on every message."""
+    with pytest.raises(FilterSyntaxError, match=r"takes a (number|time) value, not a"):
+        SqlRuleAction(text)
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        "SET sys.TimeToLive = sys.ExpiresAtUtc - sys.EnqueuedTimeUtc",
+        "SET sys.TimeToLive = qty * 1000",
+        "SET sys.TimeToLive = @d",
+        "SET sys.TimeToLive = NULL",
+        "SET sys.ScheduledEnqueueTimeUtc = sys.EnqueuedTimeUtc - @d",
+        "SET sys.ScheduledEnqueueTimeUtc = when",
+        "SET sys.Label = sys.EnqueuedTimeUtc + @d",
+    ],
+)
+def test_setting_a_system_property_to_a_value_it_can_hold_is_accepted(text: str) -> None:
+    SqlRuleAction(text, {"d": dt.timedelta(seconds=1)})
+
+
+def test_setting_a_system_property_to_an_application_property_of_another_type_raises_instead_of_clearing_it() -> None:
+    """Its type is known only per message: the action raises, so fan-out dead-letters that message (docs/semantics.md §8)."""
+    batch = make_batch({"time_to_live_ms": 1000, "props": {"ttl": 5}}, {"time_to_live_ms": 1000, "props": {"ttl": "5"}})
+    with pytest.raises(InvalidOperationError, match=r"sys\.TimeToLive takes a number value, but a message's value is a string"):
+        SqlRuleAction("SET sys.TimeToLive = ttl").apply(batch)
+    assert SqlRuleAction("SET sys.TimeToLive = ttl").apply(batch.slice(0, 1)).column("time_to_live_ms").to_pylist() == [5]
+    assert SqlRuleAction("SET sys.TimeToLive = missing").apply(batch).column("time_to_live_ms").to_pylist() == [None, None]

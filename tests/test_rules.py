@@ -357,10 +357,10 @@ def test_copies_per_rule_and_action(ns: Namespace) -> None:
         return repr(sorted((p or {}).items()))
 
     assert sorted(by_id["m1"], key=key) == sorted(
-        [{**m1, "tag": "red"}, {**m1, "tag": "many", "qty": 10}, m1],
+        [{**m1, "tag": "red", "RuleName": "red"}, {**m1, "tag": "many", "qty": 10, "RuleName": "many"}, m1],
         key=key,
     )
-    assert sorted(by_id["m2"], key=key) == sorted([{**m2, "tag": "many", "qty": 24}, m2], key=key)
+    assert sorted(by_id["m2"], key=key) == sorted([{**m2, "tag": "many", "qty": 24, "RuleName": "many"}, m2], key=key)
     assert by_id["m3"] == [MESSAGES[2].application_properties]
     # the copies of other subscriptions are not modified
     with ns.get_subscription_receiver("t", "plain") as r:
@@ -382,8 +382,9 @@ def test_action_remove_and_system_property(ns: Namespace) -> None:
         got = {m.message_id: m for m in peek_all(r)}
     assert set(got) == {"m1", "m2"}
     assert got["m1"].subject == "relabelled"
-    assert got["m1"].application_properties == {"qty": 5, "price": 2.5, "region": "EU", "flag": True, "total": 12.5}
-    assert got["m2"].application_properties == {"qty": 12, "price": 10.0, "region": "US", "note": None, "total": 120.0}
+    common = {"RuleName": "r"}
+    assert got["m1"].application_properties == {"qty": 5, "price": 2.5, "region": "EU", "flag": True, "total": 12.5, **common}
+    assert got["m2"].application_properties == {"qty": 12, "price": 10.0, "region": "US", "note": None, "total": 120.0, **common}
     assert got["m1"].body == b"1"
 
 
@@ -417,8 +418,10 @@ def runtime_counts(ns: Namespace, topic: str, sub: str) -> tuple[int, int]:
 
 
 def test_action_scheduled_time_decides_when_the_copy_is_visible(ns: Namespace) -> None:
-    """SET or REMOVE sys.ScheduledEnqueueTimeUtc moves the copy's enqueue and expiry time, as a send with that schedule would."""
+    """SET or REMOVE sys.ScheduledEnqueueTimeUtc moves the copy's enqueue and expiry time, as a send with that schedule would,
+    but never earlier than the message's own schedule (REMOVE or a past time made a scheduled message's copy receivable)."""
     later = datetime.now(UTC).replace(microsecond=0) + timedelta(minutes=5)
+    own = later + timedelta(hours=1)
     past = datetime(2020, 1, 1, tzinfo=UTC)
     ns.create_topic("t")
     subscribe(ns, "t", "later", {"r": (TrueRuleFilter(), SqlRuleAction("SET sys.ScheduledEnqueueTimeUtc = @at", {"@at": later}))})
@@ -426,20 +429,104 @@ def test_action_scheduled_time_decides_when_the_copy_is_visible(ns: Namespace) -
     subscribe(ns, "t", "unscheduled", {"r": (TrueRuleFilter(), SqlRuleAction("REMOVE sys.ScheduledEnqueueTimeUtc"))})
     sender = ns.get_topic_sender("t")
     sender.send_messages(Message("now", message_id="now", time_to_live=timedelta(hours=1)))
-    sender.schedule_messages(Message("sched", message_id="sched", time_to_live=timedelta(hours=1)), later + timedelta(hours=1))
+    sender.schedule_messages(Message("sched", message_id="sched", time_to_live=timedelta(hours=1)), own)
 
     assert runtime_counts(ns, "t", "later") == (0, 2)
     with ns.get_subscription_receiver("t", "later") as r:
         assert r.receive_messages(max_message_count=5, max_wait_time=0.2) == []
         copies = peek_all(r)
-    assert {(m.enqueued_time_utc, m.expires_at_utc) for m in copies} == {(later, later + timedelta(hours=1))}
+    times = {m.message_id: (m.scheduled_enqueue_time_utc, m.enqueued_time_utc, m.expires_at_utc) for m in copies}
+    assert times == {"now": (later, later, later + timedelta(hours=1)), "sched": (own, own, own + timedelta(hours=1))}
     for sub in ("past", "unscheduled"):
-        assert runtime_counts(ns, "t", sub) == (2, 0), sub
+        assert runtime_counts(ns, "t", sub) == (1, 1), sub
         with ns.get_subscription_receiver("t", sub) as r:
             got = r.receive_messages(max_message_count=5, max_wait_time=1)
-            assert sorted(m.message_id for m in got) == ["now", "sched"], sub
-            assert all(m.enqueued_time_utc < later for m in got)
-            assert all(m.expires_at_utc == m.enqueued_time_utc + timedelta(hours=1) for m in got)
+            assert [m.message_id for m in got] == ["now"], sub
+            assert got[0].enqueued_time_utc < later
+            assert got[0].expires_at_utc == got[0].enqueued_time_utc + timedelta(hours=1)
+            (sched,) = [m for m in peek_all(r) if m.message_id == "sched"]
+        assert (sched.scheduled_enqueue_time_utc, sched.enqueued_time_utc, sched.expires_at_utc) == (
+            own,
+            own,
+            own + timedelta(hours=1),
+        ), sub
+
+
+def test_an_action_postpones_a_copy_by_a_duration(ns: Namespace) -> None:
+    """SET sys.ScheduledEnqueueTimeUtc = sys.EnqueuedTimeUtc + @d stored NULL: the copy meant to wait was receivable at once."""
+    ns.create_topic("t")
+    delay = SqlRuleAction("SET sys.ScheduledEnqueueTimeUtc = sys.EnqueuedTimeUtc + @d", {"d": timedelta(hours=1)})
+    subscribe(ns, "t", "delayed", {"r": (TrueRuleFilter(), delay)})
+    ttl_filter = SqlRuleFilter("sys.ExpiresAtUtc - sys.EnqueuedTimeUtc > @d", {"d": timedelta(minutes=5)})
+    subscribe(ns, "t", "long-lived", {"r": (ttl_filter, None)})
+    with ns.get_topic_sender("t") as s:
+        s.send_messages([Message("x", message_id="long", time_to_live=timedelta(hours=2)), Message("y", message_id="short")])
+    assert ids_in(ns, "t", "long-lived") == Counter({"long": 1})
+    assert runtime_counts(ns, "t", "delayed") == (0, 2)
+    with ns.get_subscription_receiver("t", "delayed") as r:
+        assert r.receive_messages(max_message_count=5, max_wait_time=0.2) == []
+        copies = peek_all(r)
+    assert all(m.enqueued_time_utc - datetime.now(UTC) > timedelta(minutes=55) for m in copies)
+
+
+def test_an_action_setting_a_system_property_to_a_property_of_another_type_dead_letters_that_copy(ns: Namespace) -> None:
+    """SET sys.TimeToLive = <a string> cleared the TTL: the copy never expired. Now it fails as a rule that raised."""
+    ns.create_topic("t")
+    subscribe(ns, "t", "s", {"r": (TrueRuleFilter(), SqlRuleAction("SET sys.TimeToLive = ttl"))})
+    with ns.get_topic_sender("t") as s:
+        s.send_messages(
+            [
+                Message("x", message_id="text", time_to_live=timedelta(seconds=30), application_properties={"ttl": "60000"}),
+                Message("y", message_id="number", time_to_live=timedelta(seconds=30), application_properties={"ttl": 60000}),
+            ]
+        )
+    with ns.get_subscription_receiver("t", "s") as r:
+        (copy,) = peek_all(r)
+    assert (copy.message_id, copy.time_to_live) == ("number", timedelta(minutes=1))
+    with ns.get_subscription_receiver("t", "s", sub_queue=SubQueue.DEAD_LETTER) as r:
+        (dead,) = peek_all(r)
+    assert (dead.message_id, dead.dead_letter_reason, dead.time_to_live) == (
+        "text",
+        "FilterEvaluationException",
+        timedelta(seconds=30),
+    )
+    assert "sys.TimeToLive takes a number" in (dead.dead_letter_error_description or "")
+
+
+@pytest.mark.parametrize(
+    "sql",
+    [
+        "SET sys.TimeToLive = sys.Label",
+        "SET sys.ScheduledEnqueueTimeUtc = sys.TimeToLive",
+        "SET sys.TimeToLive = sys.EnqueuedTimeUtc + 1",
+    ],
+)
+def test_an_action_setting_a_system_property_to_an_expression_of_another_type_is_refused(ns: Namespace, sql: str) -> None:
+    ns.create_topic("t")
+    ns.create_subscription("t", "s")
+    with pytest.raises(FilterSyntaxError, match="takes a"):
+        ns.create_rule("t", "s", "bad", action=SqlRuleAction(sql))
+    assert [r.name for r in ns.list_rules("t", "s")] == ["$Default"]
+
+
+def test_copies_made_by_a_rule_with_an_action_carry_its_name_as_rule_name(ns: Namespace) -> None:
+    """Service Bus topic filters: each rule with an action gives a copy whose property RuleName names the rule."""
+    ns.create_topic("t")
+    subscribe(
+        ns,
+        "t",
+        "s",
+        {
+            "ruleA": (TrueRuleFilter(), SqlRuleAction("SET x = 1")),
+            "ruleB": (TrueRuleFilter(), SqlRuleAction("SET x = 2; SET rulename = 'mine'")),
+            "plain": (TrueRuleFilter(), None),
+        },
+    )
+    with ns.get_topic_sender("t") as s:
+        s.send_messages(Message("x", message_id="m", application_properties={"RULENAME": "sender's"}))
+    with ns.get_subscription_receiver("t", "s") as r:
+        props = sorted((m.application_properties or {} for m in peek_all(r)), key=lambda p: str(p.get("x")))
+    assert props == [{"x": 1, "RuleName": "ruleA"}, {"x": 2, "RuleName": "ruleB"}, {"RULENAME": "sender's"}]
 
 
 def test_action_setting_session_id_is_refused_where_it_would_strand_the_copy(ns: Namespace) -> None:
@@ -674,3 +761,21 @@ def test_a_rule_can_read_the_expiry_time(ns: Namespace) -> None:
     with ns.get_topic_sender("t") as s:
         s.send_messages([Message("x", message_id="ttl", time_to_live=timedelta(hours=1)), Message("y", message_id="never")])
     assert ids_in(ns, "t", "expiring") == Counter({"ttl": 1})
+
+
+def test_an_action_copy_counts_its_properties_as_a_send_does(ns: Namespace) -> None:
+    """The properties an action rewrites are stored as a send stores them (UTF-8, not escaped), so the copy's size is a send's."""
+    ns.create_topic("t")
+    subscribe(ns, "t", "s", {"act": (TrueRuleFilter(), SqlRuleAction("SET x = 1"))})
+    ns.create_queue("q")
+    props = {"name": "café ☕", "x": 1, "RuleName": "act"}
+    with ns.get_queue_sender("q") as s:
+        s.send_messages(Message("body", message_id="m", application_properties=props))
+    with ns.get_topic_sender("t") as s:
+        s.send_messages(Message("body", message_id="m", application_properties={"name": "café ☕"}))
+    with ns.get_queue_receiver("q") as r:
+        (sent,) = peek_all(r)
+    with ns.get_subscription_receiver("t", "s") as r:
+        (copy,) = peek_all(r)
+    assert copy.application_properties == props
+    assert copy.size_in_bytes == sent.size_in_bytes

@@ -28,7 +28,8 @@ Semantics (Service Bus / JMS selector rules):
   ``NOT LIKE`` negate IN/LIKE.  LIKE on a non-string value is false.
 * Arithmetic: int64 with int64 stays int64 (wrapping on overflow, truncating division, ``%`` takes
   the dividend's sign, like C#); with a float operand it is float64 (x/0.0 is inf/NaN); integer
-  division or modulo by zero is NULL; ``+`` concatenates two strings; other combinations are NULL.
+  division or modulo by zero is NULL; ``+`` concatenates two strings; time - time is a duration and
+  time +/- a duration a time (durations in milliseconds, NULL outside years 1-9999); other combinations are NULL.
 * JSON values that are arrays or objects count as NULL; integers beyond 64 bits become floats.
 """
 
@@ -101,6 +102,10 @@ _LANE_TYPES: dict[str, pa.DataType] = {
 _KIND_TO_LANE = {"string": "string", "number": "int", "time": "time"}
 _NULL_BOOL = pa.scalar(None, pa.bool_())
 _INT64_RANGE = range(-(2**63), 2**63)
+_EPOCH = dt.datetime(1970, 1, 1, tzinfo=dt.UTC)
+_EARLIEST_US = (dt.datetime(1, 1, 1, tzinfo=dt.UTC) - _EPOCH) // dt.timedelta(microseconds=1)  # C# DateTime.MinValue
+_LATEST_US = (dt.datetime.max.replace(tzinfo=dt.UTC) - _EPOCH) // dt.timedelta(microseconds=1)  # C# DateTime.MaxValue
+_SPAN_US = _LATEST_US - _EARLIEST_US  # no time moved further stays a time
 _MISSING = object()  # marks an absent application property (distinct from a JSON null)
 
 
@@ -333,6 +338,7 @@ class _Context:
 
     def set_system(self, prop: SystemProperty, value: _Value) -> None:
         """SET (or clear) a settable system property column."""
+        _check_holdable(prop, value)
         array = _coerce(value, prop.kind)
         existing = self.table.schema.field(prop.column).type if prop.column in self.table.column_names else None
         self._overrides[prop.column] = array if existing is None else pc.cast(array, existing, safe=False)
@@ -353,8 +359,23 @@ class _Context:
         texts = [None] * self.num_rows if original is None else original.to_pylist()
         for index in self._dirty_rows:
             row = self.rows()[index]
-            texts[index] = json.dumps(row) if row else None
+            texts[index] = json.dumps(row, ensure_ascii=False) if row else None
         return pa.array(texts, pa.string())
+
+
+def _check_holdable(prop: SystemProperty, value: _Value) -> None:
+    """Raise when a message's value is of a type the property cannot hold, rather than silently clearing it.
+
+    The parser refuses such values when their type is known; this catches application properties.
+    Fan-out then handles the message as any rule that raised (docs/semantics.md §8).
+    """
+    wrong = sorted(
+        lane for lane, array in value.lanes.items() if lane not in _ACCEPTED_LANES[prop.kind] and array.null_count < len(array)
+    )
+    if wrong:
+        raise InvalidOperationError(
+            f"SET sys.{prop.name} takes a {prop.kind} value, but a message's value is a {' or '.join(wrong)}: nothing stored"
+        )
 
 
 def _put_column(table: pa.Table, name: str, array: pa.Array) -> pa.Table:
@@ -365,15 +386,18 @@ def _put_column(table: pa.Table, name: str, array: pa.Array) -> pa.Table:
     return table.append_column(pa.field(name, array.type), array)
 
 
+# The value lanes a system property of each kind can hold (_coerce converts them).
+_ACCEPTED_LANES = {
+    "string": ("string", "int", "float", "bool", "time"),
+    "number": ("int", "float"),
+    "time": ("time",),
+}
+
+
 def _coerce(value: _Value, kind: str) -> pa.Array:
     """Convert a value to a system column's type (strings accept any scalar, ints truncate floats)."""
     target = _LANE_TYPES[_KIND_TO_LANE[kind]]
-    accepted = {
-        "string": ("string", "int", "float", "bool", "time"),
-        "number": ("int", "float"),
-        "time": ("time",),
-    }[kind]
-    parts = [pc.cast(value.lanes[lane], target, safe=False) for lane in accepted if lane in value.lanes]
+    parts = [pc.cast(value.lanes[lane], target, safe=False) for lane in _ACCEPTED_LANES[kind] if lane in value.lanes]
     if not parts:
         return pa.nulls(value.length, target)
     out = parts[0] if len(parts) == 1 else pc.coalesce(*parts)
@@ -575,7 +599,64 @@ def _float_op(op: str, left: pa.Array, right: pa.Array) -> pa.Array:
 
 
 def _arith(op: str, left: _Value, right: _Value) -> _Value:
-    """Arithmetic per type lane: int op int stays int, any float widens, '+' joins two strings."""
+    """Arithmetic per type lane: int op int stays int, any float widens, '+' joins two strings, times as C# binds them."""
+    value = _plain_arith(op, left, right)
+    if "time" not in left.lanes or op not in ("+", "-"):
+        return value
+    parts: dict[str, list[pa.Array]] = {lane: [array] for lane, array in value.lanes.items()}
+    for lane, array in _time_arith(op, left.lanes["time"], right).items():
+        parts.setdefault(lane, []).append(array)  # rows are in one lane of each operand: the parts never overlap
+    return _Value(left.length, {lane: arrays[0] if len(arrays) == 1 else pc.coalesce(*arrays) for lane, arrays in parts.items()})
+
+
+def _time_arith(op: str, times: pa.Array, right: _Value) -> dict[str, pa.Array]:
+    """time - time is a duration (milliseconds, as sys.TimeToLive), time +/- a duration in milliseconds is a time."""
+    lanes: dict[str, pa.Array] = {}
+    other = right.lane("time")
+    if op == "-" and other is not None:
+        lanes.update(_duration_ms(pc.subtract(_epoch_us(times), _epoch_us(other))))
+    shift = _duration_us(right)
+    if shift is not None:
+        moved = pc.add(_epoch_us(times), shift if op == "+" else pc.negate(shift))
+        in_range = pc.and_(pc.greater_equal(moved, _EARLIEST_US), pc.less_equal(moved, _LATEST_US))
+        lanes["time"] = pc.if_else(in_range, moved, pa.scalar(None, pa.int64())).cast(_TIME)  # outside years 1-9999: NULL
+    return lanes
+
+
+def _epoch_us(times: pa.Array) -> pa.Array:
+    """Times as int64 microseconds since the epoch."""
+    return pc.cast(times, pa.int64())
+
+
+def _duration_ms(micros: pa.Array) -> dict[str, pa.Array]:
+    """A duration in microseconds as milliseconds: whole ones in the int lane, others in the float lane."""
+    millis = pc.divide(micros, 1000)
+    whole = pc.equal(pc.multiply(millis, 1000), micros)
+    fraction = pc.divide(pc.cast(micros, pa.float64()), 1000.0)
+    return {
+        "int": pc.if_else(whole, millis, pa.scalar(None, pa.int64())),
+        "float": pc.if_else(whole, pa.scalar(None, pa.float64()), fraction),
+    }
+
+
+def _duration_us(value: _Value) -> pa.Array | None:
+    """A value's numbers (milliseconds) as int64 microseconds; NULL where no time could move that far (nor NaN)."""
+    parts = []
+    if "int" in value.lanes:
+        millis = value.lanes["int"]
+        fits = pc.and_(pc.greater_equal(millis, -(_SPAN_US // 1000)), pc.less_equal(millis, _SPAN_US // 1000))
+        parts.append(pc.if_else(fits, pc.multiply(millis, 1000), pa.scalar(None, pa.int64())))
+    if "float" in value.lanes:
+        micros = pc.round(pc.multiply(value.lanes["float"], 1000.0))
+        fits = pc.fill_null(pc.less_equal(pc.abs(micros), float(_SPAN_US)), False)  # NaN compares false
+        parts.append(pc.cast(pc.if_else(fits, micros, pa.scalar(None, pa.float64())), pa.int64()))
+    if not parts:
+        return None
+    return parts[0] if len(parts) == 1 else pc.coalesce(*parts)
+
+
+def _plain_arith(op: str, left: _Value, right: _Value) -> _Value:
+    """Arithmetic of numbers and strings per type lane: int op int stays int, any float widens, '+' joins strings."""
     lanes: dict[str, pa.Array] = {}
     left_int, right_int = left.lane("int"), right.lane("int")
     if left_int is not None and right_int is not None:

@@ -23,6 +23,10 @@ names case-insensitive)::
 
 Error positions in messages are 1-based character offsets into the expression text.
 
+Static kinds (``Node.kind``) refuse what could never work: arithmetic on a time other than C#'s
+time - time (a duration) and time +/- duration (durations are milliseconds, as ``sys.TimeToLive``
+and timedelta parameters), and a SET of a system property to a value of a kind it cannot hold.
+
 Bounds (Service Bus's own where it has them): an expression is at most 1,024 characters and an
 action at most 32 statements; parentheses, NOT and signs nest at most 32 deep, and the finished
 tree at most 64 levels (chains of AND / OR are built balanced, so long chains stay shallow). So
@@ -201,9 +205,25 @@ class Arith(Node):
 
     @property
     def kind(self) -> str:  # type: ignore[override]
-        """'string' for a concatenation of two strings, else 'number'."""
-        both_strings = self.left.kind == "string" and self.right.kind == "string"
-        return "string" if self.op == "+" and both_strings else "number"
+        """Result kind under C# binding: string + string, time - time (a duration), time ± duration, else number."""
+        return _arith_kind(self.op, self.left.kind, self.right.kind)
+
+
+def _arith_kind(op: str, left: str, right: str) -> str:
+    """Kind of ``left op right``; durations are numbers of milliseconds, as ``sys.TimeToLive`` and timedelta parameters."""
+    if op == "+" and left == right == "string":
+        return "string"
+    if left == "time" and op in ("+", "-"):
+        return "number" if right == "time" else "time"
+    return "number"
+
+
+def _time_arith_allowed(op: str, left: str, right: str) -> bool:
+    """Whether an operator may take these operand kinds when one is a time: time - time, time + or - a duration."""
+    if "time" not in (left, right):
+        return True
+    durations = ("number", "any", "null")
+    return left == "time" and ((op == "-" and right in (*durations, "time")) or (op == "+" and right in durations))
 
 
 @dataclass(frozen=True)
@@ -729,7 +749,7 @@ class _Parser:
             op_token = self.advance()
             self.require_value(node, start, op_token.text)
             start = self.tok
-            node = Arith(op_token.text, node, self.require_value(self.multiply(), start, op_token.text))
+            node = self.arith(op_token, node, self.require_value(self.multiply(), start, op_token.text))
         return node
 
     def multiply(self) -> Node:
@@ -740,8 +760,19 @@ class _Parser:
             op_token = self.advance()
             self.require_value(node, start, op_token.text)
             start = self.tok
-            node = Arith(op_token.text, node, self.require_value(self.unary(), start, op_token.text))
+            node = self.arith(op_token, node, self.require_value(self.unary(), start, op_token.text))
         return node
+
+    def arith(self, op_token: Token, left: Node, right: Node) -> Arith:
+        """``left op right``; a time takes only ``- time`` and ``+``/``-`` a duration (C# DateTime and TimeSpan)."""
+        op = op_token.text
+        if not _time_arith_allowed(op, left.kind, right.kind):
+            raise self.error(
+                f"operator '{op}' cannot take a {left.kind} and a {right.kind}: a time takes '-' a time "
+                "(giving a duration in milliseconds) or '+'/'-' a duration in milliseconds (a number or timedelta)",
+                op_token,
+            )
+        return Arith(op, left, right)
 
     def unary(self) -> Node:
         """unary := (+|-) unary | primary; '-' before a number literal folds into the constant."""
@@ -752,7 +783,10 @@ class _Parser:
             return self.number(self.advance(), negate=True)
         self.nest(op_token)
         start = self.tok
-        node = Unary(op_token.text, self.require_value(self.unary(), start, op_token.text))
+        operand = self.require_value(self.unary(), start, op_token.text)
+        if operand.kind == "time":
+            raise self.error(f"sign '{op_token.text}' needs a number, not a time", op_token)
+        node = Unary(op_token.text, operand)
         self.nesting -= 1
         return node
 
@@ -876,15 +910,23 @@ class _Parser:
             self.expect_op("=", f" after SET {target_name(target)}")
             value_token = self.tok
             value = self.condition()
-            if isinstance(target, SysProp) and isinstance(value, Const) and value.kind not in _SETTABLE_FROM[target.prop.kind]:
-                raise self.error(
-                    f"sys.{target.prop.name} takes a {target.prop.kind} value, not the {value.kind} {value.value!r}", value_token
-                )
+            if isinstance(target, SysProp):
+                self.check_settable(target.prop, value, value_token)
             return SetStatement(target, value)
         if token.is_keyword("REMOVE"):
             self.advance()
             return RemoveStatement(self.writable_target())
         raise self.expected("SET or REMOVE")
+
+    def check_settable(self, prop: SystemProperty, value: Node, token: Token) -> None:
+        """Refuse a SET whose value's static kind the property cannot hold (it would be stored as null).
+
+        A value of unknown kind ('any': application properties) is checked per message when the action runs.
+        """
+        if value.kind == "any" or value.kind in _SETTABLE_FROM[prop.kind]:
+            return
+        what = f"the {value.kind} {value.value!r}" if isinstance(value, Const) else f"a {value.kind} expression"
+        raise self.error(f"sys.{prop.name} takes a {prop.kind} value, not {what}", token)
 
     def writable_target(self) -> SysProp | UserProp:
         """A property an action may change; read-only system properties are rejected."""
@@ -895,7 +937,7 @@ class _Parser:
         return target
 
 
-# The constant kinds a SET of a system property's kind accepts (filters._coerce converts them; others would store null).
+# The value kinds a SET of a system property's kind accepts (filters._coerce converts them; others would store null).
 _SETTABLE_FROM = {"string": ("string", "number", "bool", "time", "null"), "number": ("number", "null"), "time": ("time", "null")}
 
 

@@ -45,6 +45,8 @@ SESSION_REQUIRED_REASON = "SessionIdRequired"
 # A message a subscription's rule failed on (its evaluation raised) is dead-lettered there with this reason
 # when the subscription has dead_lettering_on_filter_evaluation_exceptions (docs/semantics.md §8).
 FILTER_ERROR_REASON = "FilterEvaluationException"
+# The application property naming the rule whose action made a copy (Service Bus topic filters).
+RULE_NAME_PROPERTY = "RuleName"
 _KEY_COLUMNS = ("message_id", "session_id", "partition_key")
 _ORIGIN = "__origin"  # fan-out's working column: the index of the message a copy came from (never stored)
 # What a message's copies share unless a rule action changed it: the run of them names the message (copy_run).
@@ -108,13 +110,28 @@ def _copies(indexed: pa.Table, sub: Subscriber, cap: int) -> list[pa.Table]:
             continue
         matched = indexed.filter(hit)
         if matched.num_rows:
-            acted = checked_action_copies(matched, rule.action.apply(matched).select(indexed.schema.names), cap)
+            acted = with_rule_name(rule.action.apply(matched).select(indexed.schema.names), rule.name)
+            acted = checked_action_copies(matched, acted, cap)
             out.append(_cap_ttl(_tag(acted, sub.key), sub))
     if plain is not None:
         matched = indexed.filter(plain)
         if matched.num_rows:
             out.append(_cap_ttl(_tag(matched, sub.key), sub))
     return out
+
+
+def with_rule_name(rows: pa.Table, name: str) -> pa.Table:
+    """Copies made by a rule with an action carry the application property RuleName, the rule's name (docs/semantics.md §8).
+
+    It replaces a RuleName the message or the action set, in any letter case (property names are case-insensitive).
+    """
+    texts = []
+    for text in rows.column("application_properties").to_pylist():
+        props = json.loads(text) if text else {}
+        props = {key: value for key, value in props.items() if key.lower() != RULE_NAME_PROPERTY.lower()}
+        props[RULE_NAME_PROPERTY] = name
+        texts.append(json.dumps(props, ensure_ascii=False))  # as message.properties_json: sizes count UTF-8
+    return _set(rows, application_properties=pa.array(texts, pa.string()))
 
 
 def _copies_one_by_one(indexed: pa.Table, sub: Subscriber, cap: int) -> list[pa.Table]:
@@ -287,8 +304,14 @@ def _set(rows: pa.Table, **values: Any) -> pa.Table:
 
 def _recompute_schedule(original: pa.Table, acted: pa.Table) -> pa.Table:
     """Copies whose action set, changed or removed sys.ScheduledEnqueueTimeUtc: enqueued and available when that
-    time makes them visible, as a send with it would store them (message_rows; docs/semantics.md §8)."""
-    before, after = original.column("scheduled_enqueue_time_utc"), acted.column("scheduled_enqueue_time_utc")
+    time makes them visible, as a send with it would store them (message_rows; docs/semantics.md §8).
+
+    An action can postpone a scheduled message's copy but not bring it forward: an earlier or no time keeps the message's.
+    """
+    before = original.column("scheduled_enqueue_time_utc")
+    earlier = pc.fill_null(pc.less(acted.column("scheduled_enqueue_time_utc"), before), pc.is_valid(before))
+    acted = _set(acted, scheduled_enqueue_time_utc=pc.if_else(earlier, before, acted.column("scheduled_enqueue_time_utc")))
+    after = acted.column("scheduled_enqueue_time_utc")
     both_null = pc.and_(pc.is_null(before), pc.is_null(after))
     changed = pc.invert(pc.or_(both_null, pc.fill_null(pc.equal(before, after), False)))
     if not pc.any(changed).as_py():
