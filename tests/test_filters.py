@@ -414,6 +414,8 @@ def test_null_tests_and_exists(expression: str, expected: list[bool]) -> None:
         ("sys.DeliveryCount >= 2", [F, T]),
         ("sys.Size < 100", [T, F]),
         ("sys.TimeToLive = 60000", [T, F]),
+        ("sys.TimeToLive IS NULL", [F, F]),  # unset: the entity's default, TimeSpan.MaxValue (Service Bus)
+        ("sys.TimeToLive > 86400000 * 365", [F, T]),
         ("sys.ScheduledEnqueueTimeUtc IS NULL", [T, F]),
         ("sys.EnqueuedTimeUtc = sys.EnqueuedTimeUtc", [T, T]),
         ("sys.EnqueuedTimeUtc < sys.ScheduledEnqueueTimeUtc", [F, T]),

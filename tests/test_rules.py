@@ -754,13 +754,18 @@ def test_a_rule_reading_the_sequence_number_is_refused(ns: Namespace, flt: Any, 
 
 
 def test_a_rule_can_read_the_expiry_time(ns: Namespace) -> None:
+    """A message without a time to live expires at DateTime.MaxValue, as in Service Bus: later than any other."""
     ns.create_topic("t")
     ns.create_subscription("t", "expiring")
     ns.delete_rule("t", "expiring", "$Default")
-    ns.create_rule("t", "expiring", "r", filter=SqlRuleFilter("sys.ExpiresAtUtc > sys.EnqueuedTimeUtc"))
+    ns.create_rule("t", "expiring", "r", filter=SqlRuleFilter("sys.ExpiresAtUtc < sys.EnqueuedTimeUtc + 7200000"))
+    ns.create_subscription("t", "after")
+    ns.delete_rule("t", "after", "$Default")
+    ns.create_rule("t", "after", "r", filter=SqlRuleFilter("sys.ExpiresAtUtc > sys.EnqueuedTimeUtc"))
     with ns.get_topic_sender("t") as s:
         s.send_messages([Message("x", message_id="ttl", time_to_live=timedelta(hours=1)), Message("y", message_id="never")])
     assert ids_in(ns, "t", "expiring") == Counter({"ttl": 1})
+    assert ids_in(ns, "t", "after") == Counter({"ttl": 1, "never": 1})
 
 
 def test_an_action_copy_counts_its_properties_as_a_send_does(ns: Namespace) -> None:
@@ -779,3 +784,19 @@ def test_an_action_copy_counts_its_properties_as_a_send_does(ns: Namespace) -> N
         (copy,) = peek_all(r)
     assert copy.application_properties == props
     assert copy.size_in_bytes == sent.size_in_bytes
+
+
+def test_a_message_without_time_to_live_is_filtered_as_living_forever(ns: Namespace) -> None:
+    """Service Bus: an unset TimeToLive is the entity's default (TimeSpan.MaxValue) and ExpiresAtUtc follows; not NULL."""
+    ns.create_topic("t")
+    now = datetime.now(UTC)
+    subscribe(
+        ns, "t", "s", {"forever": (SqlRuleFilter("sys.TimeToLive IS NOT NULL AND sys.ExpiresAtUtc > @now", {"now": now}), None)}
+    )
+    subscribe(ns, "t", "short", {"short": (SqlRuleFilter("sys.TimeToLive < 3600000"), None)})
+    with ns.get_topic_sender("t") as s:
+        s.send_messages([Message("forever"), Message("minute", time_to_live=timedelta(minutes=1))])
+    with ns.get_subscription_receiver("t", "s") as r:
+        assert sorted(str(m) for m in peek_all(r)) == ["forever", "minute"]
+    with ns.get_subscription_receiver("t", "short") as r:
+        assert [str(m) for m in peek_all(r)] == ["minute"]

@@ -106,6 +106,12 @@ _EPOCH = dt.datetime(1970, 1, 1, tzinfo=dt.UTC)
 _EARLIEST_US = (dt.datetime(1, 1, 1, tzinfo=dt.UTC) - _EPOCH) // dt.timedelta(microseconds=1)  # C# DateTime.MinValue
 _LATEST_US = (dt.datetime.max.replace(tzinfo=dt.UTC) - _EPOCH) // dt.timedelta(microseconds=1)  # C# DateTime.MaxValue
 _SPAN_US = _LATEST_US - _EARLIEST_US  # no time moved further stays a time
+# A message without a time to live has the entity's default, TimeSpan.MaxValue unless one is set, and expires at
+# DateTime.MaxValue (Service Bus): a filter reads those, not NULL (docs/semantics.md §8).
+_UNSET: dict[str, object] = {
+    "time_to_live_ms": (2**63 - 1) // 10_000,  # TimeSpan.MaxValue (ticks of 100 ns) in milliseconds
+    "expires_at_utc": dt.datetime.max.replace(tzinfo=dt.UTC),
+}
 _MISSING = object()  # marks an absent application property (distinct from a JSON null)
 
 
@@ -284,7 +290,7 @@ class _Context:
         return self.table.column(name).combine_chunks()
 
     def system(self, prop: SystemProperty) -> _Value:
-        """Value of a system property (a missing column is NULL)."""
+        """Value of a system property (a missing column is NULL; an unset time to live reads as Service Bus's maximum)."""
         if prop.column not in self._columns:
             array = self.column(prop.column)
             lane = _KIND_TO_LANE[prop.kind]
@@ -293,6 +299,9 @@ class _Context:
             else:
                 target = _LANE_TYPES[lane]
                 array = array if array.type == target else pc.cast(array, target, safe=False)
+                unset = _UNSET.get(prop.column)
+                if unset is not None and array.null_count:
+                    array = pc.fill_null(array, pa.scalar(unset, target))
                 self._columns[prop.column] = _Value(self.num_rows, {lane: array})
         return self._columns[prop.column]
 

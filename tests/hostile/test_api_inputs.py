@@ -173,7 +173,8 @@ def test_rule_actions_cannot_break_message_invariants(ns: Namespace) -> None:
         (m,) = drain(r, 1)
     assert m.application_properties["tag"] == "ok" and m.time_to_live == timedelta(seconds=60)
     assert m.expires_at_utc == m.enqueued_time_utc + timedelta(seconds=60)
-    assert m.size_in_bytes == len(b"hello") + len(b"m") + len(b'{"tag": "ok"}')
+    assert m.application_properties == {"tag": "ok", "RuleName": "r"}  # the rule's name on its action's copy
+    assert m.size_in_bytes == len(b"hello") + len(b"m") + len(b'{"tag": "ok", "RuleName": "r"}')
     with ns.get_subscription_receiver("t", "healthy") as r:
         assert [str(x) for x in drain(r, 1)] == ["hello"]
 
