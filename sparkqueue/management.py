@@ -268,7 +268,7 @@ class Management:
     def update_queue(self, queue: QueueProperties | Mapping[str, Any], **settings: Any) -> None:
         """Apply changed settings (partitioning and sessions are fixed at creation); keywords override the given ones."""
         props = _as_properties(QueueProperties, queue, settings)
-        self._check_destinations(props.settings(), props.name)
+        self._check_destinations(props.settings(), props.name, self._get(QUEUE, props.name))
         self._update(QUEUE, props.name, props)
 
     def delete_queue(self, queue_name: str) -> None:
@@ -329,8 +329,9 @@ class Management:
         limits.check_child_name(subscription_name, "subscription")
         if subscription_name.startswith("$"):
             raise InvalidOperationError(f"subscription names cannot start with '$': {subscription_name!r}")
-        self._check_destinations(settings)
         topic = self.get_topic(topic_name)
+        self._check_topic_settings(topic, settings)
+        self._check_destinations(settings)
         topic_entry = self.broker.entry(TOPIC, topic_name)
         self._require_topic_partitions(topic_name, f"create subscription {topic_name}/{subscription_name}")
         settings = {
@@ -371,11 +372,20 @@ class Management:
     def _check_topic_size(self, topic_name: str, props: EntityProperties) -> None:
         """A subscription's size must be its topic's: its copies live in the topic's table, under the topic's quota."""
         topic = self.get_topic(topic_name)
-        if getattr(props, "max_size_in_megabytes", None) != topic.max_size_in_megabytes:
-            raise InvalidOperationError(
-                f"a subscription's max_size_in_megabytes is its topic's ({topic.max_size_in_megabytes}); "
-                f"change it with update_topic, got {getattr(props, 'max_size_in_megabytes', None)!r}"
-            )
+        _refuse_other_than_topic("max_size_in_megabytes", getattr(props, "max_size_in_megabytes", None), topic)
+
+    def _check_topic_settings(self, topic: TopicProperties, settings: dict[str, Any]) -> None:
+        """A new subscription's partitioning and size are its topic's: other values are refused, as by an update.
+
+        None stands for "not given" (the SDK's keyword default). In the premium tier enable_partitioning=True has no
+        effect, as at an update (model.properties.check_update).
+        """
+        partitioning = settings.get("enable_partitioning")
+        if partitioning is not None:
+            partitioning = limits.check_bool(partitioning, "enable_partitioning") and self.broker.tier != limits.PREMIUM
+            _refuse_other_than_topic("enable_partitioning", partitioning, topic)
+        if settings.get("max_size_in_megabytes") is not None:
+            _refuse_other_than_topic("max_size_in_megabytes", settings["max_size_in_megabytes"], topic)
 
     def update_subscription(
         self, topic_name: str, subscription: SubscriptionProperties | Mapping[str, Any], **settings: Any
@@ -383,7 +393,7 @@ class Management:
         """Apply changed subscription settings (sessions are fixed at creation); keywords override the given ones."""
         props = _as_properties(SubscriptionProperties, subscription, settings)
         self._check_topic_size(topic_name, props)
-        self._check_destinations(props.settings())
+        self._check_destinations(props.settings(), current=self._get(SUBSCRIPTION, sub_entity_name(topic_name, props.name)))
         self._update(SUBSCRIPTION, sub_entity_name(topic_name, props.name), props)
         self.broker.forget(Address.of(TOPIC, topic_name).key)  # fan-out caches the subscriptions' TTL and forwarding
 
@@ -588,18 +598,37 @@ class Management:
     def _no_rule_changes_in_transaction(self) -> None:
         refuse_in_transaction(self.broker, "subscription rules cannot be added or removed inside a transaction")
 
-    def _check_destinations(self, settings: dict[str, Any], queue_name: str | None = None) -> None:
-        """forward_to targets must be valid entity names (they may be created later: a missing one dead-letters).
+    def _check_destinations(
+        self, settings: dict[str, Any], queue_name: str | None = None, current: EntityProperties | None = None
+    ) -> None:
+        """Forwarding destinations must name an existing queue or topic, as in Service Bus (docs/semantics.md §9).
 
-        A queue may not forward its messages to itself, in any spelling (Service Bus refuses it too):
-        every message would circle until its hop count dead-lettered it.
+        A queue may not forward its messages to itself, in any spelling: every message would circle until
+        its hop count dead-lettered it; its dead letters may go back into it. An update may keep a destination
+        the entity already has (`current`) even if it was deleted since: its messages dead-letter until it is back.
         """
         for k in ("forward_to", "forward_dead_lettered_messages_to"):
-            if settings.get(k) is not None:
-                limits.check_entity_name(settings[k], k)
-        target = settings.get("forward_to")
-        if queue_name is not None and isinstance(target, str) and target.lower() == queue_name.lower():
-            raise InvalidOperationError(f"queue {queue_name!r} cannot forward its messages to itself (forward_to)")
+            target = settings.get(k)
+            if target is None:
+                continue
+            limits.check_entity_name(target, k)
+            itself = queue_name is not None and target.lower() == queue_name.lower()
+            if itself and k == "forward_to":
+                raise InvalidOperationError(f"queue {queue_name!r} cannot forward its messages to itself (forward_to)")
+            kept = current is not None and target.lower() == (getattr(current, k) or "").lower()
+            if not (itself or kept):
+                self._require_destination(k, target)
+
+    def _require_destination(self, setting: str, target: str) -> None:
+        """EntityNotFoundError unless a queue or topic is named `target` (in any case): a forward's destination."""
+        for kind in (QUEUE, TOPIC):
+            with contextlib.suppress(EntityNotFoundError):
+                self.broker.entry(kind, target)
+                return
+        raise EntityNotFoundError(
+            f"{setting} names {target!r}, but no queue or topic of that name exists in namespace {self.broker.root!r}; "
+            "create the destination first (nothing was changed)"
+        )
 
 
 def _stored_rule(flt: Any, action: Any) -> tuple[RuleFilter, SqlRuleAction | None]:
@@ -633,6 +662,13 @@ def _check_utf8(description: Mapping[str, Any], what: str) -> None:
         json.dumps(description, ensure_ascii=False).encode("utf-8")
     except UnicodeEncodeError:
         raise InvalidOperationError(f"{what} contains characters with no UTF-8 form (lone surrogates)") from None
+
+
+def _refuse_other_than_topic(field: str, value: object, topic: TopicProperties) -> None:
+    """InvalidOperationError unless a subscription's `field` is its topic's (its copies live in the topic's table)."""
+    if value != getattr(topic, field):
+        how = "change it with update_topic" if field == "max_size_in_megabytes" else "it is fixed when the topic is created"
+        raise InvalidOperationError(f"a subscription's {field} is its topic's ({getattr(topic, field)!r}; {how}), got {value!r}")
 
 
 def _sized_as(props: SubscriptionProperties, topic: TopicProperties) -> SubscriptionProperties:
@@ -669,6 +705,7 @@ def _with_stored_names(method: Callable[..., Any]) -> Callable[..., Any]:
 
     @functools.wraps(method)
     def call(self: Management, *args: Any, **kwargs: Any) -> Any:
+        _refuse_given_twice(method.__name__, signature, args, kwargs)
         try:
             bound = signature.bind(self, *args, **kwargs)
         except TypeError:
@@ -681,9 +718,26 @@ def _with_stored_names(method: Callable[..., Any]) -> Callable[..., Any]:
     return call
 
 
+def _refuse_given_twice(method: str, signature: inspect.Signature, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+    """Refuse a keyword that repeats a name given by position (as a settings dict holding topic_name would), clearly."""
+    positional = [p.name for p in signature.parameters.values() if p.kind is p.POSITIONAL_OR_KEYWORD][1 : 1 + len(args)]
+    twice = [n for n in positional if n in kwargs]
+    if twice:
+        raise InvalidArgumentTypeError(
+            f"{method}() got {twice[0]!r} both as an argument and as a keyword; "
+            "it is not a setting: pass it once (as the argument)"
+        )
+
+
 def _store_names(broker: Broker, given: dict[str, Any], created: str | None) -> None:
-    """Replace the names in a call's arguments by their stored spelling (see _with_stored_names)."""
+    """Replace the names in a call's arguments by their stored spelling (see _with_stored_names).
+
+    A name no entity can have (limits.check_name_type) raises here, before any catalog lookup.
+    """
     queue, topic, sub = given.get("queue_name"), given.get("topic_name"), given.get("subscription_name")
+    for name, what in ((queue, QUEUE), (topic, TOPIC), (sub, SUBSCRIPTION)):
+        if isinstance(name, str):
+            limits.check_name_type(name, what)
     if isinstance(queue, str) and created != "queue_name":
         given["queue_name"] = broker.canonical(QUEUE, queue)
     if not isinstance(topic, str):

@@ -13,7 +13,7 @@ from procs import drain, partition_for, peek_all
 
 from sparkqueue import Message, Namespace, SqlRuleAction, SqlRuleFilter, SubQueue
 from sparkqueue.constants import EntityStatus
-from sparkqueue.errors import InvalidOperationError
+from sparkqueue.errors import EntityNotFoundError, InvalidOperationError
 
 HOP_LIMIT = "MaxTransferHopCountExceeded"
 MISSING = "ForwardingDestinationNotFound"
@@ -80,8 +80,9 @@ def test_fifth_hop_dead_letters_at_fifth_source(ns: Namespace) -> None:
 
 def test_forwarding_loop_stops_at_hop_limit(ns: Namespace) -> None:
     """A forwarding cycle cannot move a message forever: it ends dead-lettered once, nothing is lost or doubled."""
-    ns.create_queue("a", forward_to="b")
+    ns.create_queue("a")
     ns.create_queue("b", forward_to="a")
+    ns.update_queue(ns.get_queue("a"), forward_to="b")  # a destination must exist: the cycle is closed by an update
     ns.get_queue_sender("a").send_messages(batch("m", 3))
     ns.forward_pending_messages()
     everywhere = (
@@ -436,7 +437,9 @@ def test_dead_letters_forwarded_in_any_order(ns: Namespace) -> None:
 
 def test_unforwardable_dead_letters_stay_receivable(ns: Namespace) -> None:
     """Dead letters whose destination is missing stay in the dead-letter sub-queue and can be received there."""
+    ns.create_queue("not-there")
     ns.create_queue("q", forward_dead_lettered_messages_to="not-there")
+    ns.delete_queue("not-there")  # a destination must exist at create: it goes missing afterwards
     ns.get_queue_sender("q").send_messages(Message("x", message_id="m"))
     with ns.get_queue_receiver("q") as r:
         (m,) = drain(r, 1)
@@ -526,8 +529,10 @@ def test_a_ttl_reaching_past_the_latest_instant_is_forwarded_as_no_expiry(ns: Na
 
 
 def test_missing_destination_dead_letters_at_source(ns: Namespace) -> None:
-    """A missing destination dead-letters at the source with ForwardingDestinationNotFound; nothing is lost."""
+    """A destination deleted after its source was set up dead-letters at the source with ForwardingDestinationNotFound."""
+    ns.create_queue("nowhere")
     ns.create_queue("src", forward_to="nowhere")
+    ns.delete_queue("nowhere")
     ns.get_queue_sender("src").send_messages(batch("m", 4))
     assert queue_ids(ns, "src") == Counter()
     with ns.get_queue_receiver("src", sub_queue=SubQueue.DEAD_LETTER) as dlq:
@@ -539,6 +544,57 @@ def test_missing_destination_dead_letters_at_source(ns: Namespace) -> None:
     ns.get_queue_sender("src").send_messages(Message("later", message_id="later"))
     assert queue_ids(ns, "nowhere") == Counter({"later": 1})
     assert sum(queue_ids(ns, "src", dead_letter=True).values()) == 4
+
+
+def test_a_missing_destination_is_refused_at_create_and_update(ns: Namespace) -> None:
+    """As in Service Bus, a destination must exist when it is set: a typo is refused, not dead-lettered; nothing changes."""
+    ns.create_queue("orders-archive")
+    ns.create_topic("t")
+    for setting in ("forward_to", "forward_dead_lettered_messages_to"):
+        with pytest.raises(EntityNotFoundError, match="orders-archiv'"):
+            ns.create_queue("orders", **{setting: "orders-archiv"})
+        with pytest.raises(EntityNotFoundError, match="orders-archiv'"):
+            ns.create_subscription("t", "s", **{setting: "orders-archiv"})
+    assert [q.name for q in ns.list_queues()] == ["orders-archive"]
+    assert ns.list_subscriptions("t") == []
+    ns.create_queue("orders")
+    ns.create_subscription("t", "s")
+    for setting in ("forward_to", "forward_dead_lettered_messages_to"):
+        with pytest.raises(EntityNotFoundError, match="orders-archiv'"):
+            ns.update_queue(ns.get_queue("orders"), **{setting: "orders-archiv"})
+        with pytest.raises(EntityNotFoundError, match="orders-archiv'"):
+            ns.update_subscription("t", ns.get_subscription("t", "s"), **{setting: "orders-archiv"})
+    assert ns.get_queue("orders").forward_to is ns.get_queue("orders").forward_dead_lettered_messages_to is None
+    assert ns.get_subscription("t", "s").forward_to is ns.get_subscription("t", "s").forward_dead_lettered_messages_to is None
+
+
+def test_an_existing_queue_or_topic_in_any_case_is_a_destination(ns: Namespace) -> None:
+    """A destination is any queue or topic of the namespace, named in any case; a queue's dead letters may go back into it."""
+    ns.create_queue("Archive")
+    ns.create_topic("Events")
+    ns.create_queue("q1", forward_to="archive", forward_dead_lettered_messages_to="EVENTS")
+    ns.create_queue("q2", forward_dead_lettered_messages_to="Q2")  # itself: it exists once created
+    ns.create_subscription("events", "s", forward_to="events", forward_dead_lettered_messages_to="ARCHIVE")
+    assert (ns.get_queue("q1").forward_to, ns.get_queue("q2").forward_dead_lettered_messages_to) == ("archive", "Q2")
+    assert ns.get_subscription("events", "s").forward_dead_lettered_messages_to == "ARCHIVE"
+
+
+def test_an_update_may_keep_a_destination_deleted_since(ns: Namespace) -> None:
+    """Updating another setting keeps a forward whose destination was deleted (it dead-letters); changing to one is refused."""
+    ns.create_queue("dst")
+    ns.create_topic("t")
+    ns.create_queue("src", forward_to="dst", forward_dead_lettered_messages_to="dst")
+    ns.create_subscription("t", "s", forward_to="dst", forward_dead_lettered_messages_to="dst")
+    ns.delete_queue("dst")
+    ns.update_queue(ns.get_queue("src"), max_delivery_count=3)
+    ns.update_subscription("t", ns.get_subscription("t", "s"), max_delivery_count=3, forward_to="DST")
+    assert (ns.get_queue("src").max_delivery_count, ns.get_queue("src").forward_to) == (3, "dst")
+    assert ns.get_subscription("t", "s").forward_to == "DST"
+    ns.create_queue("other")
+    ns.update_queue(ns.get_queue("src"), forward_to="other")
+    with pytest.raises(EntityNotFoundError, match="'dst'"):
+        ns.update_queue(ns.get_queue("src"), forward_to="dst")  # no longer the one it has: must exist again
+    assert ns.get_queue("src").forward_to == "other"
 
 
 def test_subscription_missing_destination(ns: Namespace) -> None:
@@ -622,7 +678,9 @@ def test_scheduled_message_keeps_its_time_when_forwarded(ns: Namespace) -> None:
 
 def test_a_scheduled_message_dead_lettered_at_once_is_a_dead_letter_that_no_cancel_removes(ns: Namespace) -> None:
     """Its scheduled time is still ahead, but it is a dead letter: peeked as active; cancel_scheduled_messages deleted it."""
+    ns.create_queue("nowhere")
     ns.create_queue("src", forward_to="nowhere")
+    ns.delete_queue("nowhere")  # deleted after the source was set up: the forward dead-letters at once
     with ns.get_queue_sender("src") as s:
         seqs = s.schedule_messages(Message("important"), datetime.now(UTC) + timedelta(hours=1))
         s.cancel_scheduled_messages(seqs)
@@ -675,7 +733,7 @@ def test_forwarding_by_another_process_namespace(root: str) -> None:
     """Messages stored by one client are forwarded by another client's forward_pending_messages()."""
     with Namespace(root) as a:
         a.create_queue("dst")
-        a.create_queue("src", forward_to="nowhere-yet")
+        a.create_queue("src", forward_to="dst")
         props = a.get_queue("src")
         props.forward_to = None
         a.update_queue(props)

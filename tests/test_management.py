@@ -557,6 +557,30 @@ def test_a_subscription_shows_its_topics_size_and_refuses_another(ns: Namespace)
     assert (ns.get_subscription("t", "s").max_delivery_count, ns.get_subscription("t", "s").max_size_in_megabytes) == (7, 5120)
 
 
+@pytest.mark.parametrize(
+    ("setting", "value"), [("enable_partitioning", True), ("max_size_in_megabytes", 2048), ("max_size_in_megabytes", 12345)]
+)
+def test_a_new_subscription_refuses_settings_other_than_its_topics(ns: Namespace, setting: str, value: object) -> None:
+    """create_subscription refuses a partitioning or size other than its topic's, as update_subscription does; nothing is made."""
+    ns.create_topic("t", enable_partitioning=False)
+    with pytest.raises(InvalidOperationError, match=f"subscription's {setting} is its topic's"):
+        ns.create_subscription("t", "s", **{setting: value})
+    assert ns.list_subscriptions("t") == []
+    ns.create_subscription("t", "s", enable_partitioning=False, max_size_in_megabytes=1024)  # the topic's own: accepted
+    ns.create_subscription("t", "s2", enable_partitioning=None, max_size_in_megabytes=None)  # the SDK's "not given"
+    assert [(x.enable_partitioning, x.max_size_in_megabytes) for x in ns.list_subscriptions("t")] == [(False, 1024)] * 2
+
+
+def test_a_name_given_twice_is_a_clear_error(ns: Namespace) -> None:
+    """topic_name as a keyword besides the positional topic (a settings dict spread into the call) is refused clearly."""
+    ns.create_topic("t")
+    with pytest.raises(InvalidArgumentTypeError, match="'topic_name' both as an argument and as a keyword"):
+        ns.create_subscription("t", "s", topic_name="t")
+    assert ns.list_subscriptions("t") == []
+    ns.create_subscription(topic_name="t", subscription_name="s")  # by keyword alone, as the SDK allows
+    assert [x.name for x in ns.list_subscriptions("t")] == ["s"]
+
+
 def test_enable_partitioning_has_no_effect_in_a_premium_update(premium_ns: Namespace) -> None:
     """Premium entities are never partitioned: True in an update is taken as False, as at creation, without an error."""
     premium_ns.create_queue("q", enable_partitioning=True)

@@ -235,6 +235,37 @@ def test_invalid_queue_names_are_refused(ns: Namespace, name: object) -> None:
     assert ns.list_queues() == []
 
 
+UNENCODABLE = "q\udcff"  # what sys.argv and os.fsdecode make of the bytes b"q\xff"
+
+LOOKUPS_BY_NAME: dict[str, Callable[[Namespace], Any]] = {
+    "get_queue": lambda ns: ns.get_queue(UNENCODABLE),
+    "delete_queue": lambda ns: ns.delete_queue(UNENCODABLE),
+    "get_queue_runtime_properties": lambda ns: ns.get_queue_runtime_properties(UNENCODABLE),
+    "get_topic": lambda ns: ns.get_topic(UNENCODABLE),
+    "list_subscriptions": lambda ns: ns.list_subscriptions(UNENCODABLE),
+    "get_subscription": lambda ns: ns.get_subscription("t", UNENCODABLE),
+    "get_subscription_runtime_properties": lambda ns: ns.get_subscription_runtime_properties("t", UNENCODABLE),
+    "delete_subscription": lambda ns: ns.delete_subscription("t", UNENCODABLE),
+    "list_rules": lambda ns: ns.list_rules("t", UNENCODABLE),
+    "get_rule": lambda ns: ns.get_rule("t", "s", UNENCODABLE),
+    "delete_rule": lambda ns: ns.delete_rule("t", "s", UNENCODABLE),
+    "create_subscription": lambda ns: ns.create_subscription(UNENCODABLE, "x"),
+    "create_rule": lambda ns: ns.create_rule("t", UNENCODABLE, "r"),
+    "get_queue_sender": lambda ns: ns.get_queue_sender(UNENCODABLE),
+}
+
+
+@pytest.mark.parametrize("call", LOOKUPS_BY_NAME.values(), ids=LOOKUPS_BY_NAME.keys())
+def test_a_name_with_no_utf8_form_is_refused(ns: Namespace, call: Callable[[Namespace], Any]) -> None:
+    """A name with lone surrogates names no entity (the catalog stores UTF-8): InvalidOperationError, not a raw TypeError."""
+    ns.create_topic("t")
+    ns.create_subscription("t", "s")
+    with pytest.raises(InvalidOperationError, match="no UTF-8 form"):
+        call(ns)
+    assert [x.name for x in ns.list_subscriptions("t")] == ["s"]
+    assert [r.name for r in ns.list_rules("t", "s")] == ["$Default"]
+
+
 @pytest.mark.parametrize("name", ["a", "a" * 260, "orders.v2", "my_queue-1", "A1", "path/to/queue"])
 def test_valid_queue_names_are_accepted(ns: Namespace, name: str) -> None:
     """Names of 1 to 260 letters, digits, '.', '-', '_' and '/' (alphanumeric at both ends) work end to end."""

@@ -73,12 +73,15 @@ def namespace_tier(root: str, recorded: object, asked: str | None) -> str:
 
 
 def check_name_type(name: object, what: str = "queue") -> str:
-    """A name given to look an entity up: a str (TypeError otherwise, as in the SDK), not empty (ValueError)."""
+    """A name given to look an entity up: a str (TypeError otherwise, as in the SDK), not empty, with a UTF-8 form (ValueError).
+
+    No entity can have a name with lone surrogates (what sys.argv makes of undecodable bytes): the catalog stores UTF-8.
+    """
     if not isinstance(name, str):
         raise InvalidArgumentTypeError(f"{what} name must be a str, got {type(name).__name__}")
     if not name:
         raise InvalidOperationError(f"{what} name must not be empty")
-    return name
+    return check_utf8(name, f"{what} name {name!r}")
 
 
 def check_entity_name(name: object, what: str = "queue") -> str:
