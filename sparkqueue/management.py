@@ -82,12 +82,17 @@ def rule_entity_name(topic_name: str, subscription_name: str, rule: str) -> str:
     return Address.rule_of(topic_name, subscription_name, rule).name
 
 
+# Fields of the SDK's property objects that describe the entity rather than set it: an update's dict may hold them.
+READ_ONLY_FIELDS = frozenset({"availability_status"})
+
+
 def _as_properties(cls: type[EntityProperties], value: object, overrides: dict[str, Any]) -> EntityProperties:
     """An update's properties: a property object or a dict of its fields (as the SDK), with keyword overrides; a copy."""
     if isinstance(value, cls):
         props = dataclasses.replace(value)
     elif isinstance(value, Mapping):
         known = {f.name for f in dataclasses.fields(cls)}
+        value = {k: v for k, v in value.items() if k not in READ_ONLY_FIELDS}  # as the SDK's dict form holds them
         unknown = set(value) - known
         if unknown or "name" not in value:
             raise InvalidOperationError(

@@ -434,3 +434,17 @@ def test_15_received_messages_are_hashable(ns: Namespace) -> None:
         seen = {m: str(m) for m in got}
         r.complete_message(got[0])  # a settle changes no field the hash reads
         assert got[0] in seen and len(set(got)) == 2
+
+
+def test_entity_properties_report_their_availability_and_updates_take_the_sdk_dict(ns: Namespace) -> None:
+    """The SDK's property objects carry availability_status; a dict of them (as the SDK's dict form) updates as it is."""
+    ns.create_queue("q")
+    ns.create_topic("t")
+    ns.create_subscription("t", "s")
+    for props in (ns.get_queue("q"), ns.get_topic("t"), ns.get_subscription("t", "s")):
+        assert props.availability_status == "Available"
+    sdk_dict = {**dict(ns.get_queue("q")), "availability_status": "Available", "max_delivery_count": 3}
+    ns.update_queue(sdk_dict)
+    assert ns.get_queue("q").max_delivery_count == 3
+    with pytest.raises(AttributeError):
+        ns.get_queue("q").availability_status = "Limited"  # type: ignore[misc]  # describes the entity: not a setting

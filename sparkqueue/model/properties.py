@@ -47,6 +47,11 @@ class EntityProperties:
             if check is not None:
                 check(value, tier)
 
+    @property
+    def availability_status(self) -> str:
+        """The SDK's EntityAvailabilityStatus of the entity: "Available" (runtime properties report each partition's)."""
+        return "Available"
+
     def settings(self) -> dict[str, Any]:
         """The settings as JSON-ready values."""
         out: dict[str, Any] = {}
