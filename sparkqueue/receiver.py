@@ -257,7 +257,7 @@ class Receiver:
         completed, never deferred, unknown — raises MessageNotFoundError and nothing is received, as
         in the SDK. A deferred message another receiver holds locked right now is not returned.
         """
-        seqs = self._seqs(sequence_numbers)
+        seqs = limits.check_sequence_numbers(sequence_numbers)
         self._check_open()
         self._check_receivable()  # a receive too: refused while disabled or auto-forwarding
         with call_timeout(timeout):
@@ -510,15 +510,6 @@ class Receiver:
     def _check_open(self) -> None:
         if self._closed:
             raise InvalidOperationError("the receiver is closed; get a new one from the namespace")
-
-    @staticmethod
-    def _seqs(sequence_numbers: int | Sequence[int]) -> list[int]:
-        if isinstance(sequence_numbers, (str, bytes)) or not isinstance(sequence_numbers, (int, Sequence)):
-            raise InvalidArgumentTypeError(
-                f"sequence_numbers must be an int or a list of int, got {type(sequence_numbers).__name__}"
-            )
-        seqs = [sequence_numbers] if isinstance(sequence_numbers, int) else list(sequence_numbers)
-        return [limits.check_sequence_number(s) for s in seqs]
 
 
 class ReceiverSession:

@@ -138,9 +138,7 @@ class Sender:
     def cancel_scheduled_messages(self, sequence_numbers: int | Sequence[int], *, timeout: float | None = None) -> None:
         """Remove scheduled messages that have not become visible yet."""
         self._check_open()
-        seqs = [sequence_numbers] if isinstance(sequence_numbers, int) else list(sequence_numbers)
-        for s in seqs:
-            limits.check_sequence_number(s)
+        seqs = limits.check_sequence_numbers(sequence_numbers)
         # It would apply at once and survive a rollback.
         refuse_in_transaction(self._ns.broker, "scheduled messages cannot be cancelled inside a transaction")
         with call_timeout(timeout):
@@ -175,20 +173,43 @@ class Sender:
                 seqs: list[int] = stored.column("sequence_number").to_pylist()
                 return seqs  # every copy's number
             stored = first_copies(stored, rows)
-        return _in_given_order(rows.column("message_id").to_pylist(), stored)
+        return _in_given_order(rows, stored)
 
 
-def _in_given_order(sent_ids: list[str], stored: pa.Table) -> list[int]:
+def _in_given_order(sent: pa.Table, stored: pa.Table) -> list[int]:
     """The stored messages' numbers in the order the messages were given (the store returns them partition by partition).
 
     A message the send dropped (a duplicate within the detection window) has no number. Messages
-    sharing an id take that id's numbers in the order they were stored.
+    are matched on their id and keys (session id, partition key): two sharing an id but not their
+    keys may sit in different partitions, returned in partition order. Messages sharing all three
+    share a partition and take their numbers in the order they were stored; a topic copy whose
+    rule action changed its keys is matched on its id alone.
     """
-    stored_ids = stored.column("message_id").to_pylist()
+    sent_keys, stored_keys = _match_keys(sent), _match_keys(stored)
     seqs: list[int] = stored.column("sequence_number").to_pylist()
-    if stored_ids == sent_ids:  # one partition, nothing dropped: the common batch needs no mapping
+    if stored_keys == sent_keys:  # one partition, nothing dropped: the common batch needs no mapping
         return seqs
-    by_id: dict[str, deque[int]] = {}
-    for mid, seq in zip(stored_ids, seqs, strict=True):
-        by_id.setdefault(mid, deque()).append(seq)
-    return [by_id[mid].popleft() for mid in sent_ids if by_id.get(mid)]
+    by_key: dict[tuple[str | None, ...], deque[int]] = {}
+    for key, seq in zip(stored_keys, seqs, strict=True):
+        by_key.setdefault(key, deque()).append(seq)
+    found = [_pop(by_key.get(key)) for key in sent_keys]
+    by_id: dict[str | None, deque[int]] = {}  # what no message's keys matched, by id alone
+    for key, left in by_key.items():
+        by_id.setdefault(key[0], deque()).extend(left)
+    out = []
+    for key, number in zip(sent_keys, found, strict=True):
+        if number is None:
+            number = _pop(by_id.get(key[0]))
+        if number is not None:
+            out.append(number)
+    return out
+
+
+def _match_keys(rows: pa.Table) -> list[tuple[str | None, ...]]:
+    """Per row: (message id, session id, partition key), what places a message in its partition."""
+    return list(zip(*(rows.column(c).to_pylist() for c in ("message_id", "session_id", "partition_key")), strict=True))
+
+
+def _pop(numbers: deque[int] | None) -> int | None:
+    """The next number of a deque; None when it is missing or empty."""
+    return numbers.popleft() if numbers else None

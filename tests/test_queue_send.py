@@ -15,6 +15,7 @@ from procs import drain, drain_all, key_for_partition, partition_for, peek_all, 
 
 from sparkqueue import Message, Namespace, SubQueue
 from sparkqueue.errors import (
+    InvalidArgumentTypeError,
     InvalidOperationError,
     MessageSizeExceededError,
     PartitionUnavailableError,
@@ -615,6 +616,29 @@ def test_returned_numbers_follow_the_order_of_the_messages(ns: Namespace) -> Non
     assert [n >> 48 for n in numbers] == list(reversed(parts))
 
 
+def test_messages_sharing_an_id_in_different_partitions_get_their_own_numbers(ns: Namespace) -> None:
+    """Two messages with one id but keys of different partitions: each gets its own number, in the order given, so
+    cancelling the first one's cancels that message (the store returns rows in partition order)."""
+    ns.create_queue("q")
+    high, low = key_for_partition(15, "hi"), key_for_partition(0, "lo")
+    when = datetime.now(UTC) + timedelta(hours=1)
+    with ns.get_queue_sender("q") as s:
+        seqs = s.schedule_messages(
+            [Message("first", message_id="same", partition_key=high), Message("second", message_id="same", partition_key=low)],
+            when,
+        )
+        sent = s.send_messages(
+            [Message("A", message_id="dup", partition_key=high), Message("B", message_id="dup", partition_key=low)]
+        )
+        with ns.get_queue_receiver("q") as r:
+            by_number = {m.sequence_number: str(m) for m in peek_all(r)}
+        assert [by_number[n] for n in seqs] == ["first", "second"]
+        assert [by_number[n] for n in sent] == ["A", "B"]
+        s.cancel_scheduled_messages(seqs[0])
+    with ns.get_queue_receiver("q") as r:
+        assert sorted(str(m) for m in peek_all(r)) == ["A", "B", "second"]
+
+
 def test_naive_schedule_time_is_read_as_utc(ns: Namespace) -> None:
     """A naive datetime given as schedule time (or scheduled_enqueue_time_utc) is read as UTC."""
     ns.create_queue("q")
@@ -786,3 +810,12 @@ def test_a_bulk_batch_larger_than_the_sdk_limit_is_one_atomic_send(ns: Namespace
         seqs = s.send_messages(batch)
     assert len(seqs) == 1000 and seqs == sorted(seqs)
     assert ns.get_queue_runtime_properties("q").active_message_count == 1000
+
+
+def test_cancel_scheduled_messages_takes_numbers_only(ns: Namespace) -> None:
+    """As receive_deferred_messages: a value that is no number or list of numbers is a clear type error."""
+    ns.create_queue("q")
+    with ns.get_queue_sender("q") as s:
+        for bad in (None, "12", 1.5):
+            with pytest.raises(InvalidArgumentTypeError, match="sequence_numbers must be an int"):
+                s.cancel_scheduled_messages(bad)  # type: ignore[arg-type]

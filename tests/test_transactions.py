@@ -418,6 +418,18 @@ def test_two_entities_are_refused(ns: Namespace) -> None:
     assert ns.get_queue_runtime_properties("b").total_message_count == 0
 
 
+def test_a_refused_operation_does_not_bind_the_transaction_to_its_entity(ns: Namespace) -> None:
+    """A refused call changes nothing: an unkeyed send to "b" (refused) leaves the transaction free to act on "a"."""
+    ns.create_queue("a")
+    ns.create_queue("b")
+    with ns.get_queue_sender("a") as sa, ns.get_queue_sender("b") as sb, ns.transaction():
+        with pytest.raises(InvalidOperationError, match="partition key"):
+            sb.send_messages(Message("unkeyed", message_id="unkeyed"))
+        sa.send_messages(Message("kept", message_id="kept", partition_key="k"))
+    assert _peek_ids(ns, "a") == ["kept"]
+    assert ns.get_queue_runtime_properties("b").total_message_count == 0
+
+
 def test_one_queue_named_in_two_cases_is_one_entity(ns: Namespace) -> None:
     """Names ignore case (docs/semantics.md §1): a settlement through "Q" and a send through "q" commit together."""
     ns.create_queue("Q")

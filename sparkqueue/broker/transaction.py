@@ -87,26 +87,32 @@ class Transaction:
 
     # ---- recording (called by Broker.send and Broker.settle) ---------------------------------------
 
-    def _bind(self, entity_type: str, name: str) -> Entity:
-        """The one entity of the transaction (by its stored name: any spelling of it is the same); a second is an error."""
+    def _bound(self, entity_type: str, name: str) -> tuple[tuple[str, str], Entity]:
+        """The one entity of the transaction (by its stored name: any spelling of it is the same); a second is an error.
+
+        Only checked: an operation `_bind`s it once every check of its own has passed, so a refused one changes nothing.
+        """
         if self._done:
             raise InvalidOperationError("the transaction has already finished")
         key = (entity_type, name)
         if key != self._entity_key:  # the first operation, or another spelling of the entity: look its name up
             key = (entity_type, self.broker.canonical(entity_type, name))
         if self._entity_key is None:
-            self._entity_key = key
-            self._entity = self.broker.entity(entity_type, name)
-        elif self._entity_key != key:
+            return key, self.broker.entity(entity_type, name)
+        if self._entity_key != key:
             raise InvalidOperationError(
                 f"a transaction acts on one entity; it already holds {self._entity_key[1]!r}, not {name!r}"
             )
         assert self._entity is not None
-        return self._entity
+        return key, self._entity
+
+    def _bind(self, key: tuple[str, str], entity: Entity) -> None:
+        """Record the transaction's entity (an accepted operation's)."""
+        self._entity_key, self._entity = key, entity
 
     def add_send(self, entity_type: str, name: str, rows: pa.Table, keys: Sequence[str | None]) -> None:
         """Record message rows to send; each needs the transaction's one partition key (and session)."""
-        self._bind(entity_type, name)
+        bound = self._bound(entity_type, name)
         if None in keys:
             raise InvalidOperationError(
                 "every message sent in a transaction needs a partition key: set session_id or partition_key "
@@ -114,6 +120,7 @@ class Transaction:
             )
         joined = self._joined(zip(keys, rows.column("session_id").to_pylist(), strict=True))
         self._check_size(rows.num_rows)
+        self._bind(*bound)
         self._key, self._session = joined
         self._sent += rows.num_rows
         self._rows.append(rows)
@@ -151,7 +158,7 @@ class Transaction:
         `owners` holds the settled messages' (session_id, partition_key): a keyed one must have the
         transaction's key and session, as a message it sends.
         """
-        self._bind(entity_type, name)
+        bound = self._bound(entity_type, name)
         keyed = [(session if session is not None else key, session) for session, key in owners]
         joined = self._joined(k for k in keyed if k[0] is not None)  # an unkeyed message only has to be in the partition
         seqs = [seq for seq, _ in items]
@@ -166,6 +173,7 @@ class Transaction:
         if len(parts) > 1:
             raise InvalidOperationError("the messages settled in a transaction must all be in one partition")
         self._check_size(len(items))
+        self._bind(*bound)
         self._settle_partition = parts.pop() if parts else None
         self._key, self._session = joined
         self._settles.append(PendingSettle(op, list(items), sub_queue, reason, description, guard))

@@ -10,6 +10,7 @@ from __future__ import annotations
 import math
 import re
 import uuid
+from collections.abc import Sequence
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
@@ -234,6 +235,14 @@ def check_int(value: object, field: str, minimum: int = 1, maximum: int = INT64_
 def check_sequence_number(value: object, field: str = "sequence_numbers") -> int:
     """A sequence number: an int in the int64 range sequence numbers are stored in."""
     return check_int(value, field, minimum=0)
+
+
+def check_sequence_numbers(value: object) -> list[int]:
+    """One sequence number or a sequence of them (the SDK's `sequence_numbers` argument), as a list."""
+    if isinstance(value, (str, bytes)) or not isinstance(value, (int, Sequence)):
+        raise InvalidArgumentTypeError(f"sequence_numbers must be an int or a list of int, got {type(value).__name__}")
+    seqs = [value] if isinstance(value, int) else list(value)
+    return [check_sequence_number(s) for s in seqs]
 
 
 def check_seconds(value: object, field: str, *, allow_zero: bool = False) -> float:
