@@ -30,7 +30,7 @@ from sparkqueue.model.entity import ROW_COLUMNS, Entity, utcnow
 from sparkqueue.model.properties import check_receivable
 from sparkqueue.model.sessions import SessionLock, Sessions
 from sparkqueue.storage.schema import KIND_MESSAGE, STATE_DEFERRED, SUB_QUEUE_DEAD_LETTER, SUB_QUEUE_MAIN
-from sparkqueue.storage.table import SEQUENCE_MASK, partition_of
+from sparkqueue.storage.table import partition_of
 from sparkqueue.storage.table import sequence_number as compose_sequence
 
 if TYPE_CHECKING:
@@ -308,7 +308,10 @@ class Receiver:
     def peek_messages(
         self, max_message_count: int = 1, *, sequence_number: int | None = None, timeout: float | None = None
     ) -> list[ReceivedMessage]:
-        """Browse without locking, in sequence order per partition; later calls continue where this one stopped."""
+        """Browse without locking, in sequence order (partition by partition); later calls continue where this one stopped.
+
+        `sequence_number` starts at the first message numbered at least that (docs/semantics.md §5).
+        """
         n = limits.check_int(max_message_count, "max_message_count")
         if sequence_number is not None:
             limits.check_sequence_number(sequence_number, "sequence_number")
@@ -321,7 +324,7 @@ class Receiver:
         if self.session is not None:  # a session receiver browses its own session only
             lock = self.session._lock
             if sequence_number is not None:
-                self._peek_cursors = {lock.partition: compose_sequence(lock.partition, sequence_number & SEQUENCE_MASK)}
+                self._peek_cursors = {lock.partition: _peek_cursor(lock.partition, sequence_number)}
             rows = self.session._sessions.peek(lock, self._peek_cursors.get(lock.partition), n)
             if rows.num_rows:
                 self._peek_cursors[lock.partition] = rows.column("sequence_number")[-1].as_py() + 1
@@ -330,8 +333,7 @@ class Receiver:
                 m.lock_token = None
             return peeked
         if sequence_number is not None:
-            counter = sequence_number & SEQUENCE_MASK
-            self._peek_cursors = {p: compose_sequence(p, counter) for p in range(entity.partition_count)}
+            self._peek_cursors = {p: _peek_cursor(p, sequence_number) for p in range(entity.partition_count)}
         rows = entity.peek(self._sub_queue, self._peek_cursors, n)
         peeked = received_messages(rows, utcnow())
         for m in peeked:
@@ -510,6 +512,20 @@ class Receiver:
     def _check_open(self) -> None:
         if self._closed:
             raise InvalidOperationError("the receiver is closed; get a new one from the namespace")
+
+
+def _peek_cursor(partition: int, sequence_number: int) -> int:
+    """Where a partition's browse starts for peek_messages(sequence_number=n): at the first number >= n.
+
+    Numbers carry their partition in the top bits and a peek returns partitions in order, so
+    `peek_messages(k, sequence_number=last.sequence_number + 1)` pages through every message once,
+    as the SDK's loop expects: earlier partitions are past, n's own starts at n, later ones at their start.
+    """
+    if partition < partition_of(sequence_number):
+        return compose_sequence(partition + 1, 0)  # past every number of this partition
+    if partition > partition_of(sequence_number):
+        return compose_sequence(partition, 0)
+    return sequence_number
 
 
 class ReceiverSession:

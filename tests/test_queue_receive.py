@@ -364,6 +364,22 @@ def test_peek_from_a_sequence_number(ns: Namespace) -> None:
     assert [m.sequence_number for m in again] == seqs[:2]
 
 
+def test_peeking_page_by_page_from_the_last_number_sees_every_message_once(ns: Namespace) -> None:
+    """The SDK's browse loop, peek_messages(k, sequence_number=last.sequence_number + 1), on a partitioned queue:
+    a number starts the browse at that message, and the pages cover every message once, in sequence order."""
+    ns.create_queue("q")
+    seqs = _send(ns, [Message(f"m{i}", partition_key=key_for_partition(i % 16, f"k{i}")) for i in range(40)])
+    with ns.get_queue_receiver("q") as r:
+        (top,) = r.peek_messages(1, sequence_number=max(seqs))
+        assert top.sequence_number == max(seqs)
+        seen = []
+        page = r.peek_messages(3, sequence_number=0)
+        while page:
+            seen += [m.sequence_number for m in page]
+            page = r.peek_messages(3, sequence_number=page[-1].sequence_number + 1)
+    assert seen == sorted(seqs)
+
+
 def test_iterating_a_receiver_yields_messages_and_ends(ns: Namespace) -> None:
     """`for m in receiver` yields the available messages and stops after max_wait_time with none."""
     ns.create_queue("q")
