@@ -813,9 +813,14 @@ def test_a_bulk_batch_larger_than_the_sdk_limit_is_one_atomic_send(ns: Namespace
 
 
 def test_cancel_scheduled_messages_takes_numbers_only(ns: Namespace) -> None:
-    """As receive_deferred_messages: a value that is no number or list of numbers is a clear type error."""
+    """As receive_deferred_messages: a number or any iterable of numbers; anything else is a clear type error."""
     ns.create_queue("q")
+    when = datetime.now(UTC) + timedelta(hours=1)
     with ns.get_queue_sender("q") as s:
+        seqs = s.schedule_messages([Message("a"), Message("b"), Message("c")], when)
+        s.cancel_scheduled_messages({seqs[0]})
+        s.cancel_scheduled_messages(n for n in seqs[1:])
+        assert ns.get_queue_runtime_properties("q").scheduled_message_count == 0
         for bad in (None, "12", 1.5):
             with pytest.raises(InvalidArgumentTypeError, match="sequence_numbers must be an int"):
                 s.cancel_scheduled_messages(bad)  # type: ignore[arg-type]

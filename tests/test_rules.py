@@ -26,6 +26,7 @@ from sparkqueue.errors import (
     FilterSyntaxError,
     InvalidOperationError,
 )
+from sparkqueue.model.sql_parser import stored_rules
 
 # Five messages that exercise the filter constructs; each subscription below names the ids it must get.
 MESSAGES = [
@@ -800,3 +801,36 @@ def test_a_message_without_time_to_live_is_filtered_as_living_forever(ns: Namesp
         assert sorted(str(m) for m in peek_all(r)) == ["forever", "minute"]
     with ns.get_subscription_receiver("t", "short") as r:
         assert [str(m) for m in peek_all(r)] == ["minute"]
+
+
+def test_a_rule_stored_before_a_check_of_new_rules_keeps_working(ns: Namespace) -> None:
+    """A rule the catalog holds is parsed without the kind checks new rules get: an old rule that no longer passes
+    them keeps its old meaning (NULL arithmetic; a SET it cannot hold dead-letters that copy) instead of failing
+    every send to the topic."""
+    ns.create_topic("t")
+    subscribe(ns, "t", "plain", {"all": (TrueRuleFilter(), None)})
+    ns.create_subscription("t", "old")
+    ns.delete_rule("t", "old", "$Default")
+    with stored_rules():  # as an earlier version stored them
+        ns.create_rule("t", "old", "neg", filter=SqlRuleFilter("sys.Label = 'a' OR -sys.EnqueuedTimeUtc < 0"))
+        ns.create_rule(
+            "t", "old", "ttl", filter=SqlRuleFilter("sys.Label = 'b'"), action=SqlRuleAction("SET sys.TimeToLive = sys.Label")
+        )
+    with pytest.raises(FilterSyntaxError):
+        SqlRuleFilter("-sys.EnqueuedTimeUtc < 0")  # a new rule gets the check
+    assert sorted(r.name for r in ns.list_rules("t", "old")) == ["neg", "ttl"]
+    with ns.get_topic_sender("t") as s:
+        s.send_messages([Message("a", subject="a"), Message("b", subject="b"), Message("c", subject="c")])
+    with ns.get_subscription_receiver("t", "plain") as r:
+        assert sorted(str(m) for m in peek_all(r)) == ["a", "b", "c"]
+    with ns.get_subscription_receiver("t", "old") as r:
+        assert [str(m) for m in peek_all(r)] == ["a"]
+    with ns.get_subscription_receiver("t", "old", sub_queue=SubQueue.DEAD_LETTER) as r:
+        assert [(str(m), m.dead_letter_reason) for m in peek_all(r)] == [("b", "FilterEvaluationException")]
+
+
+def test_a_string_joined_with_a_number_is_a_string_for_set_checks() -> None:
+    """`sys.Label + 1` evaluates to a string ("a1"), so SET sys.TimeToLive to it is refused when the rule is made."""
+    with pytest.raises(FilterSyntaxError, match="not a string expression"):
+        SqlRuleAction("SET sys.TimeToLive = sys.Label + 1")
+    SqlRuleAction("SET sys.Label = sys.Label + 1")  # a string property takes it

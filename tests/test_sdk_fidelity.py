@@ -443,7 +443,8 @@ def test_entity_properties_report_their_availability_and_updates_take_the_sdk_di
     ns.create_subscription("t", "s")
     for props in (ns.get_queue("q"), ns.get_topic("t"), ns.get_subscription("t", "s")):
         assert props.availability_status == "Available"
-    sdk_dict = {**dict(ns.get_queue("q")), "availability_status": "Available", "max_delivery_count": 3}
+    assert dict(ns.get_queue("q"))["availability_status"] == ns.get_queue("q")["availability_status"] == "Available"
+    sdk_dict = {**dict(ns.get_queue("q")), "max_delivery_count": 3}
     ns.update_queue(sdk_dict)
     assert ns.get_queue("q").max_delivery_count == 3
     with pytest.raises(AttributeError):

@@ -34,6 +34,7 @@ from sparkqueue.model.properties import (
     TopicProperties,
 )
 from sparkqueue.model.sessions import SessionLock, Sessions
+from sparkqueue.model.sql_parser import stored_rules
 from sparkqueue.model.topics import Rule, Subscriber, fan_out, without_markers
 from sparkqueue.storage.catalog import Catalog, CatalogEntry
 from sparkqueue.storage.faults import FaultInjector
@@ -77,8 +78,9 @@ def rule_from_entry(entry: CatalogEntry) -> RuleProperties:
     """A rule rebuilt from its catalog row."""
     raw = json.loads(entry.properties)
     name = Address.parse(entry.name).leaf
-    action = action_from_dict(raw["action"]) if raw.get("action") else None
-    return RuleProperties(name, filter_from_dict(raw["filter"]), action, entry.created_at_utc)
+    with stored_rules():  # a rule stored before a check of new rules existed still parses
+        action = action_from_dict(raw["action"]) if raw.get("action") else None
+        return RuleProperties(name, filter_from_dict(raw["filter"]), action, entry.created_at_utc)
 
 
 @dataclass

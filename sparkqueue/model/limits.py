@@ -10,7 +10,7 @@ from __future__ import annotations
 import math
 import re
 import uuid
-from collections.abc import Sequence
+from collections.abc import Iterable
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
@@ -238,8 +238,8 @@ def check_sequence_number(value: object, field: str = "sequence_numbers") -> int
 
 
 def check_sequence_numbers(value: object) -> list[int]:
-    """One sequence number or a sequence of them (the SDK's `sequence_numbers` argument), as a list."""
-    if isinstance(value, (str, bytes)) or not isinstance(value, (int, Sequence)):
+    """One sequence number or an iterable of them (the SDK's `sequence_numbers` argument: a list, set, generator ...)."""
+    if isinstance(value, (str, bytes)) or not isinstance(value, (int, Iterable)):
         raise InvalidArgumentTypeError(f"sequence_numbers must be an int or a list of int, got {type(value).__name__}")
     seqs = [value] if isinstance(value, int) else list(value)
     return [check_sequence_number(s) for s in seqs]

@@ -83,8 +83,8 @@ class EntityProperties:
     # ---- dict-like access, as the SDK's property objects (DictMixin) -----------------------------
 
     def keys(self) -> list[str]:
-        """Setting names."""
-        return [f.name for f in dataclasses.fields(self)]
+        """Setting names, and availability_status (read-only), as the SDK's property objects hold it."""
+        return [*(f.name for f in dataclasses.fields(self)), "availability_status"]
 
     def values(self) -> list[Any]:
         """Setting values."""
@@ -106,6 +106,8 @@ class EntityProperties:
     def __setitem__(self, key: str, value: Any) -> None:
         if key not in self.keys():
             raise KeyError(key)
+        if key == "availability_status":
+            raise AttributeError("availability_status describes the entity: it is not a setting")
         setattr(self, key, value)
 
     def __contains__(self, key: object) -> bool:

@@ -36,11 +36,13 @@ is a FilterSyntaxError when the rule is created.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import datetime as dt
 import math
 import uuid
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
+from contextvars import ContextVar
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -210,8 +212,11 @@ class Arith(Node):
 
 
 def _arith_kind(op: str, left: str, right: str) -> str:
-    """Kind of ``left op right``; durations are numbers of milliseconds, as ``sys.TimeToLive`` and timedelta parameters."""
-    if op == "+" and left == right == "string":
+    """Kind of ``left op right``; durations are numbers of milliseconds, as ``sys.TimeToLive`` and timedelta parameters.
+
+    ``+`` of a string and a string or number joins them, as evaluation does (filters._plain_arith).
+    """
+    if op == "+" and "string" in (left, right) and {left, right} <= {"string", "number"}:
         return "string"
     if left == "time" and op in ("+", "-"):
         return "number" if right == "time" else "time"
@@ -551,6 +556,25 @@ def tokenize(source: str) -> list[Token]:
 # --------------------------------------------------------------------------- parser
 
 
+# Set while rules the catalog holds are parsed again (stored_rules): see there.
+_STORED: ContextVar[bool] = ContextVar("sparkqueue_stored_rules", default=False)
+
+
+@contextlib.contextmanager
+def stored_rules() -> Iterator[None]:
+    """Parse rules as the catalog holds them: without the kind checks a new rule gets (time arithmetic, SET types).
+
+    A rule stored before a check existed keeps working as it did (an expression no check allows
+    evaluates to NULL, and a SET of a value the property cannot hold raises per message, which
+    dead-letters that copy), instead of failing every send to its topic (docs/semantics.md §8).
+    """
+    token = _STORED.set(True)
+    try:
+        yield
+    finally:
+        _STORED.reset(token)
+
+
 class _Parser:
     """Recursive-descent parser over the token list; one instance per expression."""
 
@@ -562,6 +586,7 @@ class _Parser:
                 f"SQL expression is {len(source)} characters long; at most {MAX_EXPRESSION_LENGTH} are allowed"
             )
         self.source = source
+        self.strict = not _STORED.get()  # kind checks: for rules being made, not for rules the catalog holds
         self.params = _bind_parameters(source, parameters)
         self.tokens = tokenize(source)
         self.index = 0
@@ -766,7 +791,7 @@ class _Parser:
     def arith(self, op_token: Token, left: Node, right: Node) -> Arith:
         """``left op right``; a time takes only ``- time`` and ``+``/``-`` a duration (C# DateTime and TimeSpan)."""
         op = op_token.text
-        if not _time_arith_allowed(op, left.kind, right.kind):
+        if self.strict and not _time_arith_allowed(op, left.kind, right.kind):
             raise self.error(
                 f"operator '{op}' cannot take a {left.kind} and a {right.kind}: a time takes '-' a time "
                 "(giving a duration in milliseconds) or '+'/'-' a duration in milliseconds (a number or timedelta)",
@@ -784,7 +809,7 @@ class _Parser:
         self.nest(op_token)
         start = self.tok
         operand = self.require_value(self.unary(), start, op_token.text)
-        if operand.kind == "time":
+        if self.strict and operand.kind == "time":
             raise self.error(f"sign '{op_token.text}' needs a number, not a time", op_token)
         node = Unary(op_token.text, operand)
         self.nesting -= 1
@@ -923,7 +948,7 @@ class _Parser:
 
         A value of unknown kind ('any': application properties) is checked per message when the action runs.
         """
-        if value.kind == "any" or value.kind in _SETTABLE_FROM[prop.kind]:
+        if not self.strict or value.kind == "any" or value.kind in _SETTABLE_FROM[prop.kind]:
             return
         what = f"the {value.kind} {value.value!r}" if isinstance(value, Const) else f"a {value.kind} expression"
         raise self.error(f"sys.{prop.name} takes a {prop.kind} value, not {what}", token)

@@ -55,7 +55,7 @@ def commit_renumbering(
     again (the other sender's messages count now) and commits again;
     the other partitions' files are committed as Spark wrote them. Any other conflict, or one past
     the deadline, deletes every file and raises (the caller runs the whole send again or gives up).
-    After an error other than a conflict the commit may have landed (DeltaLog.commit): the files stay.
+    After an error other than a conflict the commit may have landed (EntityTable.commit): the files stay.
     `renumbering=False` treats every conflict as the latter kind (duplicate detection: the concurrent
     sender's messages may repeat some of these, which only a fresh attempt can drop).
     """
@@ -66,7 +66,7 @@ def commit_renumbering(
         seen = {fence_app_id(p): bases[p] for p in last}
         try:
             with table.existing():
-                table.log.commit(table.snapshot(), adds, [], fences, seen, "WRITE")
+                table.commit(table.snapshot(), adds, [], fences, seen, "WRITE", keep_on_conflict=True)
             return
         except CommitConflict:
             fresh = fence_bases_of(table, sorted(last))
@@ -119,7 +119,7 @@ def check_quota(table: EntityTable, written: Written, adds: list[AddFile]) -> No
 
     A bound of the bytes written (Spark's writer: read off the files' footers) settles almost every
     partition; one without a bound, or that the bound would put over the quota, has its written
-    files (`adds`: where they are now) summed exactly, one small column per file.
+    files (`adds`: where they are now) summed exactly.
     """
     if table.max_partition_bytes is None:
         return
@@ -133,5 +133,8 @@ def check_quota(table: EntityTable, written: Written, adds: list[AddFile]) -> No
 
 
 def message_bytes(table: EntityTable, paths: list[str]) -> int:
-    """The sum of size_in_bytes over written files (paths relative to the table), read through the table's store."""
+    """The sum of size_in_bytes over written files (paths relative to the table).
+
+    Each file is fetched whole through the table's store (object stores too) and only its small columns decoded.
+    """
     return sum(int(pc.sum(table.data.read(path, ["size_in_bytes"]).column(0)).as_py() or 0) for path in paths)

@@ -191,8 +191,10 @@ class EntityTable:
         fences: Sequence[Fence] = (),
         seen: dict[str, int | None] | None = None,
         operation: str = "WRITE",
+        *,
+        keep_on_conflict: bool = False,
     ) -> int:
-        """Commit actions computed from `snap`, deleting the added files when it conflicts.
+        """Commit actions computed from `snap`, deleting the added files when it conflicts (unless `keep_on_conflict`).
 
         After any other error the commit may have landed (DeltaLog.commit), so its files stay:
         vacuum removes them if no version references them.
@@ -200,7 +202,8 @@ class EntityTable:
         try:
             return self.log.commit(snap, adds, removes, fences, seen, operation)
         except CommitConflict:
-            self.data.delete([a.path for a in adds])
+            if not keep_on_conflict:
+                self.data.delete([a.path for a in adds])
             raise
         except TableDeletedError:
             self.deleted = True  # handles cached on this table are stale: the broker looks the entity up again

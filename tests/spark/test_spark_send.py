@@ -534,3 +534,45 @@ def test_on_an_object_store_a_dataframe_send_lands_and_staging_calls_are_refused
                 r.receive_dataframe(10)
             got = r.receive_messages(40, max_wait_time=2)
         assert len(got) == 40 and {m.delivery_count for m in got} == {0}  # nothing was locked by the refused call
+
+
+def test_a_send_committing_into_a_deleted_queue_marks_its_table_deleted(ns):
+    """Staged files committed after another process deleted and re-made the queue: TableDeletedError, and the table
+    handle is marked deleted (the broker then looks the entity up again), as a core commit marks it. No Spark job."""
+    import pyarrow as pa
+    from pyspark.sql import Row
+
+    from sparkqueue.message import send_settings
+    from sparkqueue.spark.send import WRITE_COLUMNS, PartitionStager, SendPlan, commit_send, fence_bases
+    from sparkqueue.spark.worker import EntityRef
+    from sparkqueue.storage.log import TableDeletedError
+
+    ns.create_queue("q")
+    entity = ns.broker.entity("queue", "q")
+    bases = fence_bases(entity.table, entity.partition_count)
+    plan = SendPlan(
+        EntityRef.of(ns.broker, "queue", "q"),
+        send_settings(ns.broker.tier, entity.props),
+        entity.partition_count,
+        tuple(range(entity.partition_count)),
+        bases=bases,
+    )
+    columns = {c: pa.nulls(2, pa.string()) for c in WRITE_COLUMNS}
+    columns |= {
+        "body": pa.array([b"x", b"y"]),
+        "message_id": pa.array(["a", "b"]),
+        "time_to_live_ms": pa.nulls(2, pa.int64()),
+        "scheduled_enqueue_time_utc": pa.nulls(2, pa.timestamp("us", tz="UTC")),
+        "size_in_bytes": pa.array([2, 2], pa.int32()),
+        "_qp": pa.array([0, 0], pa.int32()),
+    }
+    stager = PartitionStager(plan)
+    stager.add(pa.table(columns))
+    stager.finish()
+    results = [Row(**r) for r in stager.summary().to_pylist()]
+    with Namespace(ns.root) as other:
+        other.delete_queue("q")
+        other.create_queue("q")
+    with pytest.raises(TableDeletedError):
+        commit_send(entity.table, results, bases, entity.deadline(), renumbering=True)
+    assert entity.table.deleted
