@@ -27,6 +27,7 @@ from __future__ import annotations
 import contextlib
 import logging
 from collections.abc import Iterator
+from dataclasses import dataclass
 
 import pyarrow as pa
 import pyarrow.compute as pc
@@ -182,7 +183,7 @@ def check_load(options: dict[str, str]) -> None:
     if options.keys() & (SOURCE_OPTIONS - READ_OPTIONS):
         source_config(options)
     else:
-        EntityReader(options)
+        ReadTarget.of(options)
 
 
 def make_reader(options: dict[str, str]) -> DataSourceReader:
@@ -190,19 +191,35 @@ def make_reader(options: dict[str, str]) -> DataSourceReader:
     return EntityReader(options)
 
 
-class EntityReader(DataSourceReader):
-    """Reads the pinned version's files of one entity, a Delta partition per reader partition."""
+@dataclass(frozen=True)
+class ReadTarget:
+    """What a batch read's (lower-cased) options name: the entity's table, its subscription key, the sub-queue."""
 
-    def __init__(self, options: dict[str, str]) -> None:
-        options = streaming.lowered(options)
+    table_uri: str
+    subscription: str | None
+    sub_queue: str
+    storage_options: dict[str, str]
+
+    @classmethod
+    def of(cls, options: dict[str, str]) -> ReadTarget:
+        """The options checked and the entity resolved (its namespace and it must exist); no table is read."""
         streaming.check_options(options, READ_OPTIONS, "reader")
         root = options.get("namespace")
         name = options.get("path")
         if not root or not name:
             raise InvalidOperationError('use spark.read.format("sparkqueue").option("namespace", root).load(entity_name)')
-        self.storage_options = streaming.storage_options_of(options)
-        self.table_uri, _, self.subscription = resolve(root, name, options.get("entity_type"), self.storage_options)
-        self.sub_queue = sub_queue_of(options.get("sub_queue"))
+        storage = streaming.storage_options_of(options)
+        table_uri, _, subscription = resolve(root, name, options.get("entity_type"), storage)
+        return cls(table_uri, subscription, sub_queue_of(options.get("sub_queue")), storage)
+
+
+class EntityReader(DataSourceReader):
+    """Reads the pinned version's files of one entity, a Delta partition per reader partition."""
+
+    def __init__(self, options: dict[str, str]) -> None:
+        target = ReadTarget.of(streaming.lowered(options))
+        self.table_uri, self.subscription, self.sub_queue = target.table_uri, target.subscription, target.sub_queue
+        self.storage_options = target.storage_options
         snap = DeltaLog(open_store(self.table_uri, self.storage_options), FileIndex).load()
         self.version = snap.version
         self.files = _files_by_partition(snap.files)
