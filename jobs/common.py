@@ -168,6 +168,8 @@ def number(cfg: dict[str, Any], dotted: str, kind: type[int] | type[float] = int
     raw = cfg[section][key]
     try:
         value = kind(raw)
+        if kind is int and value != float(raw):  # int(1.5) is 1: a fraction would be cut silently
+            raise ValueError(raw)
     except (TypeError, ValueError):
         raise ValueError(f"setting {dotted} must be {'an integer' if kind is int else 'a number'}, got {raw!r}") from None
     if value < minimum:
@@ -211,7 +213,10 @@ def session(cfg: dict[str, Any], *, verbose: bool = False) -> SparkSession:
 
 
 def namespace(cfg: dict[str, Any], *, create: bool | None = None) -> Namespace:
-    """The configured namespace; created when missing only if `create` (default: when the job may create its queue)."""
+    """The configured namespace; created when missing only if `create` (default: when the job may create its queue).
+
+    Only producers create one: a consumer pointed at a mistyped root fails instead of draining a new, empty namespace.
+    """
     ns_cfg = cfg["namespace"]
     return Namespace(
         ns_cfg["root"],

@@ -155,7 +155,7 @@ def run(cfg: dict[str, Any], spark: SparkSession, *, crash_after_write: bool = F
     limit, batch = common.number(cfg, "consumer.max_messages"), common.number(cfg, "consumer.batch_size", int, 1)
     wait = common.number(cfg, "consumer.max_wait_time", float)
     result = ConsumerResult()
-    with common.namespace(cfg) as ns:
+    with common.namespace(cfg, create=False) as ns:  # a mistyped root is an error: consumers never make a namespace
         queue = common.ensure_queue(ns, cfg)
         backlog = ns.get_queue_runtime_properties(queue).active_message_count
         with (

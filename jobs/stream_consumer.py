@@ -131,7 +131,7 @@ def batch_writer(cfg: dict[str, Any], checkpoint: str, crash_after_write: int | 
 def run(cfg: dict[str, Any], spark: SparkSession, *, crash_after_write: int | None = None) -> dict[str, Any]:
     """Run the streaming query (until drained with available_now); returns its last progress figures."""
     s = settings(cfg)
-    with common.namespace(cfg) as ns:
+    with common.namespace(cfg, create=False) as ns:  # a mistyped root is an error: consumers never make a namespace
         queue = common.ensure_queue(ns, cfg)
         root = ns.root
     stream = (

@@ -511,7 +511,7 @@ class Management:
             kind = type(vacuum_retention).__name__
             raise InvalidArgumentTypeError(f"vacuum_retention must be a datetime.timedelta, got {kind}")
         if vacuum_retention < timedelta(0):
-            raise InvalidOperationError(f"vacuum_retention must not be negative, got {vacuum_retention}")
+            raise InvalidOperationError(f"vacuum_retention must not be negative, got {limits.show_duration(vacuum_retention)}")
         vacuum = limits.check_bool(vacuum, "vacuum")
         self.broker.forward_pending_messages()
         reports: dict[str, maintenance.MaintenanceReport] = {}

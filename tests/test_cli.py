@@ -285,6 +285,26 @@ def test_resubmit_dead_letters(root: Path) -> None:
     assert all(m.dead_letter_reason is None and m.delivery_count == 0 for m in back.values())
 
 
+def test_resubmit_ends_when_its_copies_come_straight_back(root: Path) -> None:
+    """The queue forwards to a destination deleted since: each resubmitted copy is dead-lettered again at once. The run
+    moves only the dead letters that were there when it began, reports the returned ones and ends (it looped forever)."""
+    with Namespace(root) as ns:
+        ns.create_queue("dest")
+        ns.create_queue("src", forward_to="dest")
+        ns.delete_queue("dest")
+        with ns.get_queue_sender("src") as s:
+            s.send_messages([Message("one", message_id="one"), Message("two", message_id="two")])
+        assert ns.get_queue_runtime_properties("src").dead_letter_message_count == 2  # forwarding failed at the send
+    p = sq(root, "resubmit", "src")
+    assert p.returncode == 1, p.stderr
+    assert "Resubmitted 2 dead letter(s)" in p.stdout
+    assert "2 resubmitted message(s) came straight back" in " ".join(p.stderr.split())
+    with Namespace(root) as ns:
+        rp = ns.get_queue_runtime_properties("src")
+        assert (rp.active_message_count, rp.dead_letter_message_count) == (0, 2)
+        assert ns.broker.entity("queue", "src").table.log.load().version < 20  # a few commits, not thousands
+
+
 def test_resubmit_keeps_duplicates_and_needs_via_topic(root: Path) -> None:
     """A copy dropped by duplicate detection leaves its dead letter in place; subscriptions need --via-topic."""
     with Namespace(root) as ns:

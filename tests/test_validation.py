@@ -373,3 +373,11 @@ def test_settle_rejects_non_messages_and_bad_reasons(loaded: Namespace) -> None:
         with pytest.raises(MessageLockLostError):
             r.complete_message(m)
     assert loaded.get_queue_runtime_properties("q").total_message_count == 2
+
+
+def test_a_negative_duration_is_shown_as_written(ns: Namespace) -> None:
+    """Errors showed Python's form of a negative timedelta ("-1 day, 23:59:55" for -5 s)."""
+    with pytest.raises(InvalidOperationError, match=r"must be positive, got -0:00:05$"):
+        ns.create_queue("x", default_message_time_to_live=timedelta(seconds=-5))
+    with pytest.raises(InvalidOperationError, match=r"must not be negative, got -5:00:00$"):
+        ns.run_maintenance(vacuum_retention=timedelta(hours=-5))

@@ -661,19 +661,27 @@ def resubmit(
     if result.at_least_once:
         how.append(f"{result.at_least_once} sent then completed")
     detail = f" ({', '.join(how)})" if how else ""
-    if result.resubmitted == 0 and not result.not_accepted:
+    if result.resubmitted == 0 and not result.not_accepted and not result.returned:
         plain(f"No dead letters in {target.label}: nothing to resubmit.")
         return
     if result.resubmitted:
         done(f"Resubmitted {result.resubmitted} dead letter(s) to {result.destination.label}{detail}.")
+    problems = []
     if result.not_accepted:
         why = "dropped by duplicate detection: the id is still in the detection window"
         if result.destination.kind == TOPIC:
             why += ", or no subscription matched"
-        fail(
+        problems.append(
             f"{result.not_accepted} dead letter(s) were not resubmitted ({why}); they stay in the dead-letter queue"
             f"{' (' + str(result.resubmitted) + ' were)' if result.resubmitted else ''}."
         )
+    if result.returned:
+        problems.append(
+            f"{result.returned} resubmitted message(s) came straight back to the dead-letter queue ({target.label} "
+            "forwards to a destination that is missing or disabled): fix its forward_to, then resubmit again."
+        )
+    if problems:
+        fail(" ".join(problems))
 
 
 @app.command()

@@ -454,6 +454,7 @@ class ResubmitResult:
     transactional: int = 0  # sent and completed in one transaction (exactly once)
     at_least_once: int = 0  # sent, then completed (a crash in between leaves a duplicate)
     not_accepted: int = 0  # dropped by duplicate detection (or matched no subscription): left in the dead-letter queue
+    returned: int = 0  # dead-lettered again while this ran (a forward that cannot travel): left there, not resent
 
     @property
     def resubmitted(self) -> int:
@@ -477,7 +478,9 @@ def resubmit(
     the topic: a transaction acts on one entity), are sent and then completed: at least once, so a
     crash between the two leaves the copy and the dead letter. On a duplicate-detecting entity each
     copy is sent alone; one dropped as a duplicate (its id is still in the detection window) stays
-    in the dead-letter queue and is counted as not accepted.
+    in the dead-letter queue and is counted as not accepted. Only dead letters enqueued before the
+    resubmit began are moved: a copy that comes straight back (its entity forwards to a destination
+    deleted or disabled since) is left there and counted as returned, so the run ends.
     """
     if target.kind == TOPIC:
         raise _topic_is_not_readable(ns, target)
@@ -489,7 +492,8 @@ def resubmit(
         )
     dedupe = bool(getattr(settings(ns, destination), "requires_duplicate_detection", False))
     result = ResubmitResult(destination)
-    held: dict[int, ReceivedMessage] = {}  # not accepted: kept locked (so not received again) until the end
+    held: dict[int, ReceivedMessage] = {}  # not accepted or returned: kept locked (so not received again) until the end
+    started = datetime.now(UTC)
     with receiver(ns, target, dead_letter=True) as r, sender(ns, destination) as s:
         while limit is None or result.resubmitted < limit:
             want = batch if limit is None else min(batch, limit - result.resubmitted)
@@ -500,6 +504,9 @@ def resubmit(
             for m in got:
                 if m.sequence_number in held:
                     held[m.sequence_number] = m  # its lock lapsed and we received it again
+                elif m.enqueued_time_utc is not None and m.enqueued_time_utc >= started:
+                    held[m.sequence_number] = m  # enqueued since this began: a copy of ours that came back
+                    result.returned += 1
                 else:
                     fresh.append(m)
             if dedupe:

@@ -178,12 +178,17 @@ def check_duration(
     # A plain timedelta, to the microsecond as stored: pandas' Timedelta holds nanoseconds, and 1 ns would pass as positive.
     value = timedelta(days=value.days, seconds=value.seconds, microseconds=value.microseconds)
     if value <= minimum and minimum == timedelta(0):
-        raise InvalidOperationError(f"{field} must be positive, got {value}")
+        raise InvalidOperationError(f"{field} must be positive, got {show_duration(value)}")
     if value < minimum:
-        raise InvalidOperationError(f"{field} must be at least {minimum}, got {value}")
+        raise InvalidOperationError(f"{field} must be at least {minimum}, got {show_duration(value)}")
     if maximum is not None and value > maximum:
-        raise InvalidOperationError(f"{field} must be at most {maximum}, got {value}")
+        raise InvalidOperationError(f"{field} must be at most {maximum}, got {show_duration(value)}")
     return value
+
+
+def show_duration(value: timedelta) -> str:
+    """A duration for an error message: negative ones as "-0:00:05", not Python's "-1 day, 23:59:55"."""
+    return f"-{-value}" if value < timedelta(0) else str(value)
 
 
 def check_ttl(value: object, field: str) -> timedelta | None:

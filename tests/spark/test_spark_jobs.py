@@ -93,6 +93,15 @@ def test_maintenance_refuses_a_root_without_namespace_and_opens_either_tier(tmp_
     assert maintenance.main(["--root", str(premium), "--no-vacuum"]) == 0
 
 
+def test_consumers_refuse_a_root_without_namespace(tmp_path):
+    """The consumer made a new, empty namespace at a mistyped root and reported 0 messages consumed; it fails now."""
+    missing = tmp_path / "typo"
+    path = write_config(tmp_path, 10)
+    with pytest.raises(SystemExit) as exit_info:
+        consumer.main(["--config", str(path), "--root", str(missing), "--no-progress"])
+    assert exit_info.value.code == 1 and not missing.exists()
+
+
 def test_bad_settings_and_transforms_are_named_before_spark_starts(tmp_path):
     """A bad number or transform is a one-line error naming the setting (expected_failures), raised before any Spark work."""
     path = write_config(tmp_path, 10)
@@ -100,6 +109,7 @@ def test_bad_settings_and_transforms_are_named_before_spark_starts(tmp_path):
         ("queue.lock_duration=abc", "setting queue.lock_duration must be a number, got 'abc'"),
         ("producer.generate=-5", "setting producer.generate must be at least 0, got -5"),
         ("consumer.batch_size=0", "setting consumer.batch_size must be at least 1, got 0"),
+        ("consumer.batch_size=1.5", "setting consumer.batch_size must be an integer, got 1.5"),  # was cut to 1
     ):
         cfg = common.load_config(path, common.overrides_from(producer.parse_args(["--set", override])))
         section, key = override.split("=")[0].split(".")
