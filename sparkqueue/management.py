@@ -630,6 +630,15 @@ class Management:
             with contextlib.suppress(EntityNotFoundError):
                 self.broker.entry(kind, target)
                 return
+        topic, sub = Address.split_path(target)
+        pair = (topic, sub) if sub is not None else Address.split_short(target)
+        if pair is not None:
+            with contextlib.suppress(EntityNotFoundError):
+                self.broker.entry(SUBSCRIPTION, sub_entity_name(*pair))
+                raise InvalidOperationError(
+                    f"{setting} names subscription {target!r}: messages are forwarded to a queue or topic "
+                    f"(forward to topic {pair[0]!r}, whose rules decide its subscriptions; nothing was changed)"
+                )
         raise EntityNotFoundError(
             f"{setting} names {target!r}, but no queue or topic of that name exists in namespace {self.broker.root!r}; "
             "create the destination first (nothing was changed)"

@@ -548,3 +548,13 @@ def test_what_peek_json_prints_sends_again_with_jsonl(root: Path, tmp_path: Path
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"body": "x", "sequence_numbr": 1}\n')  # a misspelt field is still refused
     assert "unknown field(s) sequence_numbr" in sq(root, "send", "dst", "-f", str(bad), "--jsonl").stderr
+
+
+def test_peek_from_a_sequence_number_says_what_it_looked_for(root: Path) -> None:
+    """With --from-sequence past every message, the CLI said "No messages in queue 'q'" though the queue held some."""
+    with Namespace(root) as ns:
+        ns.create_queue("q")
+        with ns.get_queue_sender("q") as s:
+            (seq,) = s.send_messages(Message("m"))
+    assert "No messages numbered" in ok(root, "peek", "q", "--from-sequence", str(seq + 1))
+    assert "Peeked 1 message(s)" in ok(root, "peek", "q", "--from-sequence", str(seq))

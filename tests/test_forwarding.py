@@ -774,3 +774,13 @@ def test_transaction_send_to_topic_fans_out(ns: Namespace) -> None:
         )
     assert sub_ids(ns, "t", "a") == Counter({f"m{i}": 1 for i in range(3)})
     assert sub_ids(ns, "t", "b") == Counter({"m1": 1})
+
+
+def test_a_subscription_as_destination_is_named_as_such(ns: Namespace) -> None:
+    """forward_to a subscription said "no queue or topic of that name exists"; it says what is wrong now."""
+    ns.create_topic("t")
+    ns.create_subscription("t", "s")
+    for target in ("t/s", "T/S"):  # the long form "t/Subscriptions/s" is refused as a name already
+        with pytest.raises(InvalidOperationError, match=r"names subscription .*forwarded to a queue or topic"):
+            ns.create_queue("q", forward_to=target)
+    assert [q.name for q in ns.list_queues()] == []

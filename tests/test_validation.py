@@ -381,3 +381,11 @@ def test_a_negative_duration_is_shown_as_written(ns: Namespace) -> None:
         ns.create_queue("x", default_message_time_to_live=timedelta(seconds=-5))
     with pytest.raises(InvalidOperationError, match=r"must not be negative, got -5:00:00$"):
         ns.run_maintenance(vacuum_retention=timedelta(hours=-5))
+
+
+def test_a_root_that_cannot_be_made_is_a_storage_error_naming_it(tmp_path) -> None:
+    """delta-rs's own error (its classes live in the module `_internal`) escaped as a raw TableNotFoundError."""
+    from sparkqueue.errors import StorageError
+
+    with pytest.raises(StorageError, match=r"creating the catalog /proc/sparkqueue-nowhere/ns/_catalog failed"):
+        Namespace("/proc/sparkqueue-nowhere/ns")

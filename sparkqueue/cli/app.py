@@ -497,7 +497,15 @@ def peek(
     name: EntityName,
     count: Annotated[int, typer.Option("--count", "-n", min=1, max=1_000_000, help="Messages to show.")] = 10,
     dead_letter: Annotated[bool, typer.Option("--dead-letter", help="Browse the dead-letter sub-queue.")] = False,
-    from_sequence: Annotated[int | None, typer.Option(min=0, max=2**63 - 1, help="Start at this sequence number.")] = None,
+    from_sequence: Annotated[
+        int | None,
+        typer.Option(
+            min=0,
+            max=2**63 - 1,
+            help="Start at the first message numbered this or more (partitions in order: a number's top 16 bits are its "
+            "partition), so the last number shown plus 1 gives the next page.",
+        ),
+    ] = None,
     session: Session = None,
     as_json: AsJson = False,
 ) -> None:
@@ -505,16 +513,19 @@ def peek(
     ns = state(ctx).namespace()
     target = ops.resolve(ns, name)
     msgs = ops.peek(ns, target, count, dead_letter=dead_letter, from_sequence=from_sequence, session=session)
-    _print_messages(msgs, target, dead_letter, as_json, "Peeked")
+    after = f" numbered {from_sequence} or more" if from_sequence is not None else ""
+    _print_messages(msgs, target, dead_letter, as_json, "Peeked", after)
 
 
-def _print_messages(msgs: list[ReceivedMessage], target: ops.Target, dead_letter: bool, as_json: bool, verb: str) -> None:
+def _print_messages(
+    msgs: list[ReceivedMessage], target: ops.Target, dead_letter: bool, as_json: bool, verb: str, after: str = ""
+) -> None:
     if as_json:
         print_json([render.message_dict(m) for m in msgs])
         return
     where = f"{target.label}{' (dead-letter)' if dead_letter else ''}"
     if not msgs:
-        plain(f"No messages in {where}.")
+        plain(f"No messages{after} in {where}.")
         return
     title = f"{verb} {len(msgs)} message(s) from {where}"
     out.print(render.messages_table(msgs, title, width=out.width, dead_letter=dead_letter))

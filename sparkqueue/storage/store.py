@@ -540,8 +540,10 @@ def delta_rs_errors(uri: str, what: str) -> Iterator[None]:
     try:
         yield
     except Exception as exc:
+        from deltalake.exceptions import DeltaError  # its classes live in the module "_internal", not "deltalake..."
+
         module = type(exc).__module__ or ""
-        if not (module.startswith("deltalake") or isinstance(exc, OSError)):
+        if not (module.startswith("deltalake") or isinstance(exc, (DeltaError, OSError))):
             raise
         raise StorageError(f"{what} {uri} failed: {_first_line(exc)}") from exc
 
