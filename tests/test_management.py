@@ -758,3 +758,15 @@ def test_a_namespace_pickles_as_its_location_so_a_spark_closure_can_capture_it(t
     with pytest.raises(EntityNotFoundError, match="no sparkqueue namespace"):  # a pickle reopens, never makes, one
         pickle.loads(frozen)
     assert not (tmp_path / "ns").exists()
+
+
+def test_a_name_of_the_other_kind_is_named_in_the_error(ns: Namespace) -> None:
+    """A subscription on a queue's name said only "topic 'orders' does not exist"; the error says what the name is."""
+    ns.create_queue("orders")
+    ns.create_topic("Events")
+    with pytest.raises(EntityNotFoundError, match=r"topic 'orders' does not exist .*\('orders' is a queue\)"):
+        ns.create_subscription("orders", "eu")
+    with pytest.raises(EntityNotFoundError, match=r"queue 'events' does not exist .*\('events' is a topic\)"):
+        ns.get_queue("events")
+    with pytest.raises(EntityNotFoundError, match=r"queue 'nope' does not exist in namespace '[^']*'$"):
+        ns.get_queue("nope")

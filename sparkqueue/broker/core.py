@@ -158,8 +158,17 @@ class Broker:
             entry = self.catalog.get(Address.of(entity_type, stored).key) if stored != name else None
         if entry is None:
             shown = Address.of(entity_type, name).path
-            raise EntityNotFoundError(f"{entity_type} {shown!r} does not exist in namespace {self.root!r}")
+            raise EntityNotFoundError(
+                f"{entity_type} {shown!r} does not exist in namespace {self.root!r}{self._is_other(entity_type, name)}"
+            )
         return entry
+
+    def _is_other(self, entity_type: str, name: str) -> str:
+        """ " (it is a topic)" when a queue name names a topic instead, or the other way round; else ""."""
+        other = {QUEUE: TOPIC, TOPIC: QUEUE}.get(entity_type)
+        if other is None or self.catalog.get(Address.of(other, self._spelled_alike(other, name)).key) is None:
+            return ""
+        return f" ({name!r} is a {other})"
 
     def canonical(self, entity_type: str, name: str) -> str:
         """The stored spelling of an entity name given in another case, as Service Bus names ignore case; else `name`.
