@@ -69,7 +69,7 @@ def namespace_tier(root: str, recorded: object, asked: str | None) -> str:
     if recorded not in TIERS:
         raise StorageCorruptedError(f"namespace {root}: its marker records an unknown tier {recorded!r}")
     if asked is not None and asked != recorded:
-        raise InvalidOperationError(f"namespace {root} is a {recorded} namespace; open it with tier={recorded!r} or none")
+        raise InvalidOperationError(f"namespace {root} is a {recorded} namespace; open it as {recorded}, or name no tier")
     return str(recorded)
 
 

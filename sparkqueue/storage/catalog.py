@@ -130,7 +130,10 @@ class Catalog:
 
     def _no_namespace(self) -> EntityNotFoundError:
         """The error for a root that holds no namespace."""
-        return EntityNotFoundError(f"there is no sparkqueue namespace at {self.root_store.uri!r}; Namespace(root) creates one")
+        return EntityNotFoundError(
+            f"there is no sparkqueue namespace at {self.root_store.uri!r}; check the root, or create one there "
+            "(Namespace(root), or `sparkqueue --root ROOT create ...`)"
+        )
 
     def _marker(self) -> dict[str, Any] | None:
         """The namespace marker's contents, None when there is none; a damaged or newer one is refused."""
