@@ -167,6 +167,7 @@ def main(argv: list[str] | None = None) -> int:
         cfg = common.load_config(args.config, common.overrides_from(args, FLAGS))
         settings(cfg)  # bad settings fail before Spark starts
         load_transform(str(cfg["consumer"]["transform"]))
+        common.namespace(cfg, create=False).close()  # a mistyped root fails before Spark starts too
         spark = common.session(cfg, verbose=args.verbose)
         started = time.perf_counter()
         try:

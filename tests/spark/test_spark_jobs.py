@@ -93,13 +93,17 @@ def test_maintenance_refuses_a_root_without_namespace_and_opens_either_tier(tmp_
     assert maintenance.main(["--root", str(premium), "--no-vacuum"]) == 0
 
 
-def test_consumers_refuse_a_root_without_namespace(tmp_path):
-    """The consumer made a new, empty namespace at a mistyped root and reported 0 messages consumed; it fails now."""
+def test_consumers_refuse_a_root_without_namespace_before_spark_starts(tmp_path):
+    """The consumer made a new, empty namespace at a mistyped root and reported 0 messages consumed; both consumers
+    now fail in one line before any Spark session starts (a session started here would be the tests' shared one)."""
+    from jobs import stream_consumer
+
     missing = tmp_path / "typo"
     path = write_config(tmp_path, 10)
-    with pytest.raises(SystemExit) as exit_info:
-        consumer.main(["--config", str(path), "--root", str(missing), "--no-progress"])
-    assert exit_info.value.code == 1 and not missing.exists()
+    for job in (consumer, stream_consumer):
+        with pytest.raises(SystemExit) as exit_info:
+            job.main(["--config", str(path), "--root", str(missing), "--no-progress"])
+        assert exit_info.value.code == 1 and not missing.exists()
 
 
 def test_bad_settings_and_transforms_are_named_before_spark_starts(tmp_path):
