@@ -185,10 +185,10 @@ def _in_given_order(sent: pa.Table, stored: pa.Table) -> list[int]:
     share a partition and take their numbers in the order they were stored; a topic copy whose
     rule action changed its keys is matched on its id alone.
     """
-    sent_keys, stored_keys = _match_keys(sent), _match_keys(stored)
     seqs: list[int] = stored.column("sequence_number").to_pylist()
-    if stored_keys == sent_keys:  # one partition, nothing dropped: the common batch needs no mapping
-        return seqs
+    if all(stored.column(c).equals(sent.column(c)) for c in MATCH_COLUMNS):
+        return seqs  # one partition, nothing dropped: the common batch needs no mapping (compared in Arrow, not Python)
+    sent_keys, stored_keys = _match_keys(sent), _match_keys(stored)
     by_key: dict[tuple[str | None, ...], deque[int]] = {}
     for key, seq in zip(stored_keys, seqs, strict=True):
         by_key.setdefault(key, deque()).append(seq)
@@ -205,9 +205,12 @@ def _in_given_order(sent: pa.Table, stored: pa.Table) -> list[int]:
     return out
 
 
+MATCH_COLUMNS = ("message_id", "session_id", "partition_key")  # what places a message in its partition
+
+
 def _match_keys(rows: pa.Table) -> list[tuple[str | None, ...]]:
-    """Per row: (message id, session id, partition key), what places a message in its partition."""
-    return list(zip(*(rows.column(c).to_pylist() for c in ("message_id", "session_id", "partition_key")), strict=True))
+    """Per row: its MATCH_COLUMNS values."""
+    return list(zip(*(rows.column(c).to_pylist() for c in MATCH_COLUMNS), strict=True))
 
 
 def _pop(numbers: deque[int] | None) -> int | None:

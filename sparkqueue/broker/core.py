@@ -164,7 +164,7 @@ class Broker:
         return entry
 
     def _is_other(self, entity_type: str, name: str) -> str:
-        """ " (it is a topic)" when a queue name names a topic instead, or the other way round; else ""."""
+        """For an error: " ('t' is a topic)" when a queue name names a topic instead, or the other way round; else ""."""
         other = {QUEUE: TOPIC, TOPIC: QUEUE}.get(entity_type)
         if other is None or self.catalog.get(Address.of(other, self._spelled_alike(other, name)).key) is None:
             return ""
