@@ -18,6 +18,7 @@ import pytest
 from deltalake import DeltaTable
 
 from sparkqueue.errors import StorageCorruptedError, StorageError
+from sparkqueue.storage.checkpoint import write_checkpoint
 from sparkqueue.storage.index import FileIndex
 from sparkqueue.storage.log import CommitConflict, DeltaLog, Fence
 from sparkqueue.storage.schema import ENTITY_SCHEMA, PARTITION_COLUMN
@@ -422,19 +423,30 @@ def test_a_commit_rebasing_over_a_gap_reports_it_instead_of_filling_it(table: En
 class _EntryLandsAfterItsRead(LocalStore):
     """A store whose first read of one entry misses it, as a read just before a writer commits it does."""
 
-    def __init__(self, root: str, late: str) -> None:
+    def __init__(self, root: str, late: str, misses: int = 1) -> None:
         super().__init__(root)
         self.late: str | None = late
+        self.misses = misses
+        self.listings = 0
 
     def get(self, path: str) -> bytes:
         if path == self.late:
-            self.late = None
+            self.misses -= 1
+            if self.misses == 0:
+                self.late = None
             raise FileNotFoundError(path)
         return super().get(path)
 
+    def list(self, prefix: str = "") -> list[Entry]:
+        self.listings += 1
+        return super().list(prefix)
+
 
 def test_entries_landing_between_the_two_reads_of_an_update_are_not_a_gap(table: EntityTable) -> None:
-    """v read as absent, then v and v+1 land: the check of v+1 reloads and reaches the newest version, raising nothing."""
+    """v read as absent, then v and v+1 land: v is read again and the update reaches the newest version, raising nothing.
+
+    No reload from a listing: with several writers this race is common, and a reload costs the checkpoint.
+    """
     store = _EntryLandsAfterItsRead(table.uri, "")
     other = DeltaLog(store, FileIndex)
     theirs = other.load()
@@ -442,9 +454,34 @@ def test_entries_landing_between_the_two_reads_of_an_update_are_not_a_gap(table:
     for p in range(2):
         table.log.commit(snap, [table.data.write(p, _rows(p, 1, 1))], [], [Fence(f"sparkqueue.seq.{p}", 1)])
     store.late = f"_delta_log/{theirs.version + 1:020d}.json"
+    listings = store.listings
     other.update(theirs)
     assert store.late is None  # the first read did miss it
     assert theirs.version == snap.version and theirs.txns == snap.txns
+    assert store.listings == listings
+
+
+def test_a_reload_that_finds_the_metadata_unchanged_does_not_fail_a_commit_as_a_metadata_change(table: EntityTable) -> None:
+    """A snapshot reloaded from a checkpoint keeps the version of its last metadata change when the metadata is the same.
+
+    A checkpoint cannot tell when the metadata last changed; taking its version refused every
+    commit computed before the reload with "the table's metadata or protocol changed".
+    """
+    store = _EntryLandsAfterItsRead(table.uri, "")
+    other = DeltaLog(store, FileIndex)
+    theirs = other.load()
+    snap = table.snapshot()
+    for p in range(3):
+        table.log.commit(snap, [table.data.write(p, _rows(p, 1, 1))], [], [Fence(f"sparkqueue.seq.{p}", 1)])
+    assert write_checkpoint(table.store, snap)
+    seen = {"sparkqueue.seq.9": theirs.txns.get("sparkqueue.seq.9")}
+    # v is missed twice while v+1 exists: the update reloads from the listing (and the checkpoint) to tell a gap.
+    store.late, store.misses = f"_delta_log/{theirs.version + 1:020d}.json", 2
+    listings = store.listings
+    other.precheck(theirs, [], seen)  # what a change does before it writes its files; no CommitConflict
+    assert store.listings > listings and theirs.version == snap.version
+    version = other.commit(theirs, [table.data.write(9, _rows(9, 1, 1))], [], [Fence("sparkqueue.seq.9", 1)], seen=seen)
+    assert version == snap.version + 1
 
 
 # ---- reader protocol: what sparkqueue cannot read correctly is refused, never read as usual -------------

@@ -291,8 +291,8 @@ class DeltaLog:
         """Move `snap` to the newest version in place (reading only new entries), or reload it when it is too old to trust.
 
         The first absent entry v is the end of the log only when v+1 is absent too. An entry
-        after an absent one is a gap (v went missing: damage) or v and v+1 landed between the two
-        reads; a reload from a listing tells them apart, raising the StorageCorruptedError a fresh
+        after an absent one means v and v+1 landed between the two reads (v reads now), or v went
+        missing (damage): then a reload from a listing raises the StorageCorruptedError a fresh
         load raises for the gap. Without this a live handle read the table as of v-1 and its next
         commit took version v by put-if-absent, forking the history under the entries after it.
         Unreadable actions raise before they are applied, so `snap` stays where it was and every
@@ -306,17 +306,28 @@ class DeltaLog:
             try:
                 actions = self._entry(v)
             except FileNotFoundError:
-                if self.store.exists(_entry_path(v + 1)):
+                if not self.store.exists(_entry_path(v + 1)):
+                    break
+                try:  # usually v and v+1 landed between the reads; a reload costs a listing and the checkpoint
+                    actions = self._entry(v)
+                except FileNotFoundError:
                     return self._reload(snap)
-                break
             snap.apply(v, self._readable(actions, v))
             v += 1
         snap.verified_at = started
         return snap
 
     def _reload(self, snap: Snapshot) -> Snapshot:
-        """Replace `snap` in place by a snapshot loaded from a listing."""
+        """Replace `snap` in place by a snapshot loaded from a listing.
+
+        A checkpoint does not say which version last changed the metadata, so unchanged metadata
+        and protocol keep the version `snap` knew: a commit computed before the reload is not
+        refused as if they had changed.
+        """
         fresh = self.load()
+        same = _set_fields(fresh.metadata) == _set_fields(snap.metadata)
+        if same and _set_fields(fresh.protocol) == _set_fields(snap.protocol):
+            fresh.metadata_version = snap.metadata_version
         snap.__dict__.update(fresh.__dict__)
         return snap
 
@@ -526,6 +537,11 @@ def delete_table(store: Store) -> int:
     if local is not None:
         shutil.rmtree(local, ignore_errors=True)
     return len(files)
+
+
+def _set_fields(action: Mapping[str, Any]) -> dict[str, Any]:
+    """An action's fields that have a value: a checkpoint stores an absent field as null."""
+    return {k: v for k, v in action.items() if v is not None}
 
 
 def _entry_path(version: int) -> str:
