@@ -24,6 +24,7 @@ from procs import PARTITIONS, drain, drain_all, key_for_partition, peek_all
 
 from sparkqueue import Message, Namespace, ReceivedMessage, SubQueue
 from sparkqueue.storage import maintenance
+from sparkqueue.storage.leases import LEASE_DIR, WriteLease
 from sparkqueue.storage.table import EntityTable
 
 CTX = mp.get_context("spawn")
@@ -481,6 +482,37 @@ def test_vacuum_removes_old_never_committed_files_but_keeps_fresh_ones(ns: Names
     ns.run_maintenance(vacuum_retention=timedelta(0))
     assert not os.path.exists(stale)
     assert os.path.exists(fresh)
+    assert os.path.exists(live)
+    with ns.get_queue_receiver("q") as r:
+        assert len(drain_all(r)) == 1
+
+
+def test_vacuum_keeps_old_uncommitted_files_of_a_live_write_lease_only(ns: Namespace, root: str) -> None:
+    """A long write (a DataFrame send) holds a lease: its old uncommitted files stay; a stale lease's files go, and the lease."""
+    ns.create_queue("q")
+    _send_one_by_one(ns, [Message("m", partition_key="k")])
+    path = _table_path(root)
+    (live,) = _live_files(path)
+    folder = os.path.dirname(live)
+    table = EntityTable(path, PARTITIONS)
+    two_hours_ago = time.time() - 7200
+    with WriteLease(table.store) as lease, WriteLease(table.store) as stalled:
+        kept = f"{folder}/part-{lease.tag}-1.lz4.parquet"
+        staged = f"{path}/spark-send/{lease.tag}-0/_temporary/0/part-00000.lz4.parquet"  # Spark's writer, mid-job
+        dropped = f"{folder}/part-{stalled.tag}-1.lz4.parquet"
+        os.makedirs(os.path.dirname(staged))
+        for copy in (kept, staged, dropped):
+            shutil.copy(live, copy)
+            os.utime(copy, (two_hours_ago, two_hours_ago))
+        stalled_file = f"{path}/{LEASE_DIR}/{stalled.id}"
+        os.utime(stalled_file, (two_hours_ago, two_hours_ago))  # its holder stopped refreshing it (killed)
+        ns.run_maintenance(vacuum_retention=timedelta(0))
+        assert os.path.exists(kept) and os.path.exists(staged)
+        assert not os.path.exists(dropped) and not os.path.exists(stalled_file)
+        assert os.path.exists(f"{path}/{LEASE_DIR}/{lease.id}")
+    assert not os.path.exists(f"{path}/{LEASE_DIR}/{lease.id}")  # released
+    ns.run_maintenance(vacuum_retention=timedelta(0))
+    assert not os.path.exists(kept) and not os.path.exists(staged)  # never committed: judged by age once released
     assert os.path.exists(live)
     with ns.get_queue_receiver("q") as r:
         assert len(drain_all(r)) == 1

@@ -160,13 +160,13 @@ def write_attempt(
     """
     spark = prepared.sparkSession
     rows = numbered_rows(prepared, plan, inputs, utcnow())
-    staging = f"{STAGING_PREFIX}/{uuid.uuid4().hex}"
+    staging = f"{STAGING_PREFIX}/{plan.lease}-{uuid.uuid4().hex[:12]}"  # the lease's tag keeps vacuum off (storage/leases.py)
     try:
         with spark_errors(), _conf(spark, WRITE_CONF):
             rows.drop(PARTITION_COLUMN).write.options(**WRITE_OPTIONS).parquet(spark_path(f"{table.uri}/{staging}"))
         written = collect(table, staging, plan)
         check_quota(table, written, written.adds)
-        placed = place(table, staging, written.adds)
+        placed = place(table, staging, written.adds, plan.lease)
         adds = split_oversized(table, placed)
         # Spark's local writer does not fsync: a commit must not outlive its files (split pieces are the engine's, fsynced).
         as_written = {a.path for a in placed}
@@ -293,8 +293,11 @@ def describe(fs: pafs.FileSystem, path: str, rel: str, size: int) -> Described |
     return Described(add, p, meta.num_rows, hi_seq & SEQUENCE_MASK, bound)
 
 
-def place(table: EntityTable, staging: str, adds: list[AddFile]) -> list[AddFile]:
+def place(table: EntityTable, staging: str, adds: list[AddFile], lease: str) -> list[AddFile]:
     """Local files moved into their `partition_id=<p>/` directory (a rename), so the table keeps the engine's layout.
+
+    Their names keep the write lease's tag (`lease`), so vacuum keeps them until the commit as it
+    kept them in the staging directory.
 
     On object stores, where a rename is a copy, the files are committed where Spark wrote them
     (Delta readers take a file's partition from its add action, not from its path).
@@ -306,7 +309,8 @@ def place(table: EntityTable, staging: str, adds: list[AddFile]) -> list[AddFile
         if src is None:
             out.append(a)
             continue
-        rel = f"{PARTITION_COLUMN}={a.partition_values[PARTITION_COLUMN]}/{a.path.rsplit('/', 1)[-1]}"
+        name = a.path.rsplit("/", 1)[-1]
+        rel = f"{PARTITION_COLUMN}={a.partition_values[PARTITION_COLUMN]}/{name if lease in name else f'{lease}-{name}'}"
         dst = table.store.local_path(rel)
         assert dst is not None
         parent = os.path.dirname(dst)

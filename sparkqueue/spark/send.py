@@ -73,6 +73,7 @@ from sparkqueue.spark.session import (
     task_error,
 )
 from sparkqueue.spark.worker import DATAFRAME_REFUSAL, EntityRef, marking_errors
+from sparkqueue.storage.leases import WriteLease
 from sparkqueue.storage.log import AddFile
 from sparkqueue.storage.retry import retry_commit
 from sparkqueue.storage.schema import TIMESTAMP
@@ -120,6 +121,7 @@ class SendPlan:
     stage_rows: int = STAGE_ROWS
     stage_bytes: int = STAGE_BYTES
     bases: tuple[int | None, ...] = ()  # per queue partition: its fence version as the driver read it (None: no fence yet)
+    lease: str = ""  # the tag of the driver's write lease, in every file name (storage/leases.py)
 
 
 def send_dataframe(
@@ -156,14 +158,21 @@ def send_dataframe(
     )
     if preserve_order is None:
         preserve_order = bool(_key_columns(df))
+    # The tasks' files wait for the driver's commit as long as the job runs: a write lease keeps vacuum off them.
+    with WriteLease(entity.table.store) as lease:
+        accepted, touched, how = _send(entity, df, replace(plan, lease=lease.tag), preserve_order, entity_type)
+    if touched:
+        broker.after_send(entity_type, name, touched)
+    log.info("sent %d messages to %s over %d partitions in one commit%s", accepted, entity.name, len(touched), how)
+    return accepted
+
+
+def _send(entity: Entity, df: DataFrame, plan: SendPlan, preserve_order: bool, entity_type: str) -> tuple[int, list[int], str]:
+    """Write and commit the rows by the fastest path that takes them; (accepted, partitions touched, the path for the log)."""
     inputs = input_partitions(df)
     table = entity.table
     if not preserve_order and inputs is not None and jvm_writable(df, plan, entity_type):
-        accepted, touched = send_in_jvm(table, df, plan, inputs, entity.deadline())
-        if touched:
-            broker.after_send(entity_type, name, touched)
-        log.info("sent %d messages to %s over %d partitions in one commit (Spark's writer)", accepted, entity.name, len(touched))
-        return accepted
+        return (*send_in_jvm(table, df, plan, inputs, entity.deadline()), " (Spark's writer)")
     check: DataFrame | None = None
     if preserve_order or _may_have_keys(df, plan) or inputs is None:
         staged = shuffle_by_partition(prepare(df, plan), task_count(df.sparkSession, plan.partition_count), preserve_order)
@@ -183,11 +192,7 @@ def send_dataframe(
         results = write_files(table, staged, replace(plan, bases=bases))
         return commit_send(table, results, bases, deadline, renumbering=renumbering)
 
-    accepted, touched = retry_commit(attempt, deadline, f"DataFrame send to {entity.name}")
-    if touched:
-        broker.after_send(entity_type, name, touched)
-    log.info("sent %d messages to %s over %d partitions in one commit", accepted, entity.name, len(touched))
-    return accepted
+    return (*retry_commit(attempt, deadline, f"DataFrame send to {entity.name}"), "")
 
 
 def jvm_writable(df: DataFrame, plan: SendPlan, entity_type: str) -> bool:
@@ -703,7 +708,7 @@ class PartitionStager:
         self.last[p] = base
         if rows.num_rows == 0:  # every row repeats one an earlier chunk staged
             return
-        stored, new = table.stage(self._snap, p, rows, base, since, expand, self.staged_bytes.get(p, 0))
+        stored, new = table.stage(self._snap, p, rows, base, since, expand, self.staged_bytes.get(p, 0), self.plan.lease)
         adds += new
         self.last[p] = base + stored.num_rows
         self.accepted[p] = self.accepted.get(p, 0) + counted[0]

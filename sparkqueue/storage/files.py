@@ -111,9 +111,12 @@ class DataFiles:
                 _, evicted = self._cache.popitem(last=False)
                 self._cached -= evicted.get_total_buffer_size()
 
-    def write(self, partition: int, rows: pa.Table) -> AddFile:
-        """Write one partition's rows (file schema, no partition column) and describe the file as an add action."""
-        rel = f"{PARTITION_COLUMN}={partition}/part-{uuid.uuid4().hex}.lz4.parquet"
+    def write(self, partition: int, rows: pa.Table, tag: str = "") -> AddFile:
+        """Write one partition's rows (file schema, no partition column) and describe the file as an add action.
+
+        `tag` goes into the file's name (a write lease's, storage/leases.py).
+        """
+        rel = f"{PARTITION_COLUMN}={partition}/part-{tag + '-' if tag else ''}{uuid.uuid4().hex}.lz4.parquet"
         rows = file_rows(rows)
         data = _encode(rows)
         self.store.put_new(rel, memoryview(data))
@@ -129,20 +132,21 @@ class DataFiles:
         (adds,) = self.write_all([(partition, rows, max_rows)])
         return adds
 
-    def write_all(self, pieces: Sequence[tuple[int, pa.Table, int]]) -> list[list[AddFile]]:
+    def write_all(self, pieces: Sequence[tuple[int, pa.Table, int]], tag: str = "") -> list[list[AddFile]]:
         """Write several (partition, rows, max rows per file) pieces as in `write_chunks`, concurrently; each piece's adds.
 
         A commit's files are written side by side (encoding releases the GIL; fsyncs and object
         puts overlap), so a send to many partitions or subscriptions costs about one file's latency.
         All or nothing: when one write fails, the files already written are deleted and the error raised.
+        `tag`: as in `write`.
         """
         jobs = [(i, p, chunk) for i, (p, rows, max_rows) in enumerate(pieces) for chunk in _chunks(rows, max_rows)]
         out: list[list[AddFile]] = [[] for _ in pieces]
         if len(jobs) <= 1:
             for i, p, chunk in jobs:
-                out[i].append(self.write(p, chunk))
+                out[i].append(self.write(p, chunk, tag))
             return out
-        futures = [(i, _writers().submit(self.write, p, chunk)) for i, p, chunk in jobs]
+        futures = [(i, _writers().submit(self.write, p, chunk, tag)) for i, p, chunk in jobs]
         error: BaseException | None = None
         for i, f in futures:
             try:

@@ -31,6 +31,7 @@ from sparkqueue.errors import SparkQueueError
 from sparkqueue.storage.checkpoint import trim_log, write_checkpoint
 from sparkqueue.storage.files import MAX_FILE_BYTES, MAX_FILE_ROWS, remove_action
 from sparkqueue.storage.index import FileInfo
+from sparkqueue.storage.leases import lease_of, live_leases
 from sparkqueue.storage.log import LOG_DIR, CommitConflict, Snapshot, delete_table
 from sparkqueue.storage.schema import STATE_COMPLETED, TIMESTAMP, constant
 from sparkqueue.storage.store import Store
@@ -241,11 +242,15 @@ def vacuum(
     retention the removal time is gone, and a file that is not live is judged by its age; so is a
     file no commit ever referenced (a writer killed between writing and committing), which is kept
     at least ORPHAN_RETENTION because a live writer commits its files within seconds of writing
-    them (docs/storage.md). Left-over temporary files of killed writers go the same way.
+    them (docs/storage.md). Left-over temporary files of killed writers go the same way. Files of
+    a live write lease (a DataFrame send still writing, leases.py) are kept whatever their age;
+    the leases are read before the snapshot, so a lease gone by then was released after its commit
+    landed, and the snapshot holds that commit's files.
     """
     report = report or MaintenanceReport()
-    snap = table.snapshot()
     now = time.time()
+    leased = live_leases(table.store, now)
+    snap = table.snapshot()
     removed_at = _removals(table)
     keep_removed_after = now - retention.total_seconds()
     keep_unknown_after = now - max(retention, ORPHAN_RETENTION).total_seconds()
@@ -253,7 +258,7 @@ def vacuum(
     for e in table.store.list():
         if e.path.startswith(f"{LOG_DIR}/") and not e.path.rsplit("/", 1)[-1].startswith(".tmp-"):
             continue
-        if e.path in snap.files:
+        if e.path in snap.files or lease_of(e.path) in leased:
             continue
         when = removed_at.get(e.path)
         if (when is not None and when < keep_removed_after) or (when is None and e.mtime_s < keep_unknown_after):

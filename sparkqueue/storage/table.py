@@ -303,6 +303,7 @@ class EntityTable:
         dedupe_since: datetime | None = None,
         expand: Expand | None = None,
         pending_bytes: int = 0,
+        lease: str = "",
     ) -> tuple[pa.Table, list[AddFile]]:
         """Number one partition's new rows after `base` and write their files, without committing.
 
@@ -311,11 +312,13 @@ class EntityTable:
         commit must carry `Fence(fence_app_id(partition), base + stored rows)` and expect `base`, so a
         concurrent append to the partition makes it conflict. Duplicates are dropped against `dt` as
         in `append`; `pending_bytes` (rows staged for the partition, not committed yet) counts
-        toward the size quota. Returns the stored rows and the add actions of their files.
+        toward the size quota. `lease`: the tag of the committer's write lease (storage/leases.py),
+        which keeps vacuum off the files until the commit. Returns the stored rows and the add
+        actions of their files.
         """
         with self.existing():
             staged = self._stage(dt, partition, rows, dedupe_since, expand, base, pending_bytes)
-            written = self.data.write_all(staged.pieces)
+            written = self.data.write_all(staged.pieces, lease)
         return staged.rows, [a for adds in written for a in adds]
 
     def _stage(

@@ -352,6 +352,64 @@ def test_a_task_failing_after_others_wrote_their_files_sends_nothing(spark, ns, 
     assert counters[0] == 1
 
 
+@pytest.mark.parametrize("entity", ["queue", "topic"])  # Spark's own writer; Python tasks staging in place
+def test_a_vacuum_while_a_long_dataframe_send_writes_keeps_its_files(spark, ns, numbered, tmp_path, entity):
+    """Files a send's tasks wrote long before its commit survive a vacuum with no retention (the send's write lease).
+
+    The last input partition's task waits for another task's files, makes every file not in the
+    log look two hours old (what a long job's first files are at its end), and runs the
+    namespace's maintenance with `vacuum_retention=timedelta(0)` from its worker process. Before
+    write leases that vacuum deleted the files, and the send failed or committed files that were gone.
+    """
+    if entity == "queue":
+        ns.create_queue("q")
+    else:
+        ns.create_topic("q")
+        ns.create_subscription("q", "s")
+    table_dir = ns.broker.entity(entity, "q").table.uri
+    root, gate_id, seen = ns.root, 3999, str(tmp_path / "seen.json")
+    files_written = _waiting(
+        lambda: any("_delta_log" not in p.parts for p in Path(table_dir).rglob("*.parquet")), "another task's files"
+    )
+
+    def body(i, b):  # a plain Python UDF, run in a Spark worker process
+        if i != gate_id or os.path.exists(seen):
+            return b
+        try:
+            files_written(10.0)
+        except RuntimeError:  # the topic send's validation pass, which writes nothing: wait in the write pass
+            return b
+        old = time.time() - 7200
+        uncommitted = [p for p in Path(table_dir).rglob("*.parquet") if "_delta_log" not in p.parts]
+        for p in Path(table_dir).rglob("*"):
+            if p.is_file() and "_delta_log" not in p.parts and "_sparkqueue_leases" not in p.parts:
+                os.utime(p, (old, old))
+        from sparkqueue import Namespace as Ns
+
+        with Ns(root) as other:
+            reports = other.run_maintenance(vacuum_retention=timedelta(0))
+        vacuumed = reports[f"{entity}:q"].vacuumed_files
+        Path(seen).write_text(json.dumps({"uncommitted": len(uncommitted), "vacuumed": vacuumed}))
+        return b
+
+    df = numbered(4000, partitions=16).withColumn(
+        "body", sf.udf(body, "binary").asNondeterministic()(sf.col("id"), sf.col("body"))
+    )
+    sender = ns.get_queue_sender("q") if entity == "queue" else ns.get_topic_sender("q")
+    with sender as s:
+        assert s.send_dataframe(df) == 4000
+    vacuumed = json.loads(Path(seen).read_text())
+    assert vacuumed["uncommitted"] > 0 and vacuumed["vacuumed"] == 0
+    assert ns.check() == []
+    if entity == "queue":
+        assert sorted(m.message_id for m in peek_all(ns, "q")) == sorted(f"m-{i}" for i in range(4000))
+    else:
+        assert ns.get_subscription_runtime_properties("q", "s").active_message_count == 4000
+        assert DeltaTable(table_dir).to_pyarrow_table().num_rows == 4000
+    ns.run_maintenance(vacuum_retention=timedelta(0))  # the lease ended with the send: nothing is left of it
+    assert not list(Path(table_dir).glob("_sparkqueue_leases/*"))
+
+
 def data_files(table_dir: str) -> list[Path]:
     """Every Parquet file under the table but its log: committed, staged, or being written by a Spark task."""
     return [p for p in Path(table_dir).rglob("*.parquet") if "_delta_log" not in p.parts]
