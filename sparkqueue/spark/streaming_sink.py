@@ -35,7 +35,7 @@ import pyarrow as pa
 from pyspark.sql.datasource import DataSourceStreamArrowWriter, WriterCommitMessage
 from pyspark.sql.types import StructType
 
-from sparkqueue.errors import InvalidOperationError, SparkQueueError
+from sparkqueue.errors import InvalidOperationError, SparkQueueError, StorageError
 from sparkqueue.message import Message, message_label, to_rows
 from sparkqueue.model.entity import utcnow
 from sparkqueue.model.properties import check_status
@@ -139,6 +139,7 @@ class QueueStreamWriter(DataSourceStreamArrowWriter):
             app_id = APP_ID_PREFIX + (self.config.txn_app_id or query_id(self.config.checkpoint or ""))
             dirs = [Staging(m.staging) for m in staged if m.staging]
             tables = [d.read_file(name) for d in dirs for name in d.names()]
+            _check_all_staged(tables, staged, batchId)
             if tables:
                 rows = pa.concat_tables(tables)
                 keys = rows.column(KEY_COLUMN).to_pylist()
@@ -166,6 +167,20 @@ class QueueStreamWriter(DataSourceStreamArrowWriter):
         """A task failed: nothing was sent; drop what the successful tasks staged."""
         remove_dirs([m.staging for m in messages if isinstance(m, StagedBatch) and m.staging])
         log.info("streaming batch %d aborted; nothing was sent to %s", batchId, self.config.address.display)
+
+
+def _check_all_staged(tables: list[pa.Table], staged: list[StagedBatch], batch_id: int) -> None:
+    """StorageError when the staged files hold fewer rows than the tasks reported (a staging cleanup removed some).
+
+    Sending what is left would let Spark record the batch as written with rows missing; failing
+    sends nothing, and the restarted query writes the batch again from its source.
+    """
+    found, reported = sum(t.num_rows for t in tables), sum(m.rows for m in staged)
+    if found != reported:
+        raise StorageError(
+            f"streaming batch {batch_id}: its tasks staged {reported} rows but {found} are left in their staging "
+            "directories (removed by a staging cleanup while the batch ran?); nothing of the batch was sent"
+        )
 
 
 def query_id(checkpoint: str) -> str:

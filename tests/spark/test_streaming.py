@@ -21,6 +21,7 @@ import pyarrow as pa
 import pytest
 from deltalake import DeltaTable
 from pyspark.errors import PySparkException
+from pyspark.sql import functions as sf
 
 from sparkqueue import Message, Namespace, SqlRuleFilter
 from sparkqueue.constants import EntityStatus
@@ -265,6 +266,57 @@ def test_sink_sends_each_micro_batch_once_when_spark_replays_it(spark, tmp_path)
     assert sorted(r.body.decode() for r in got) == sorted(f"file{f}-{i}" for f in range(3) for i in range(40))
     assert {r.application_properties["file"] for r in got} == {"0", "1", "2"}
     assert {r.partition_key for r in got} == {"k0", "k1", "k2", "k3"}
+
+
+def test_sink_fails_a_batch_whose_staged_rows_a_cleanup_removed_and_sends_it_whole_on_restart(spark, tmp_path):
+    """A staging cleanup (another call's, once a task's directory is an hour old) removed rows of a running batch.
+
+    The commit counts the staged rows against what the tasks reported: the batch fails with
+    StorageError and sends nothing (it sent the rows left, and Spark recorded the batch as written).
+    The query restarted from its checkpoint writes the batch again, whole.
+    """
+    root = str(tmp_path / "ns")
+    with Namespace(root) as ns:
+        ns.create_queue("out")
+    src = sink_source(spark, tmp_path)
+    schema = spark.read.parquet(str(src / "f0")).schema
+    staged_dir, cleaned = Path(root) / "_spark_staging" / "stream-send", str(tmp_path / "cleaned")
+
+    def other_tasks_staged() -> bool:
+        return staged_dir.is_dir() and any(staged_dir.iterdir())
+
+    def body(b):  # a plain Python UDF, run in a Spark worker: one task of batch 1 waits, then cleans up
+        if b == "file1-39" and not os.path.exists(cleaned):
+            give_up = time.monotonic() + 60
+            while not other_tasks_staged() and time.monotonic() < give_up:
+                time.sleep(0.05)
+            from sparkqueue.spark.staging import cleanup_staging
+
+            cleanup_staging(root, timedelta(0))
+            Path(cleaned).touch()
+        return b
+
+    def run() -> None:
+        stream = spark.readStream.schema(schema).option("maxFilesPerTrigger", 1).parquet(str(src / "*"))
+        query = (
+            stream.repartition(2)
+            .select(sf.udf(body, "string").asNondeterministic()("body").alias("body"), "partition_key")
+            .writeStream.format("sparkqueue")
+            .option("namespace", root)
+            .option("checkpointLocation", str(tmp_path / "ck"))
+            .trigger(availableNow=True)
+            .start("out")
+        )
+        query.awaitTermination()
+
+    with pytest.raises(Exception, match="staged 40 rows but"):
+        run()
+    assert os.path.exists(cleaned)
+    with Namespace(root) as ns:
+        assert ns.get_queue_runtime_properties("out").active_message_count == 40  # batch 0 only
+    run()
+    got = spark.read.format("sparkqueue").option("namespace", root).load("out").collect()
+    assert sorted(r.body.decode() for r in got) == sorted(f"file{f}-{i}" for f in range(3) for i in range(40))
 
 
 SINK_CHILD = """
