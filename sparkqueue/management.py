@@ -586,6 +586,11 @@ class Management:
                 found = check_table(table, repair=repair)
             except SparkQueueError as exc:
                 found = [Finding(table.uri, str(exc))]
+            except FileNotFoundError:  # no log: deleted since the catalog was read, or damage if the catalog still names it
+                still = self.broker.catalog.get(e.name)
+                if still is None or still.table_path != e.table_path:
+                    continue
+                found = [Finding(table.uri, "the table's log is missing, though the catalog names the table")]
             for f in found:
                 f.table = f"{e.entity_type} {name} ({f.table})"
             findings += found

@@ -669,6 +669,45 @@ def test_a_table_recorded_by_its_absolute_path_is_not_an_orphan(ns: Namespace, m
         assert [str(m) for m in drain(r, 1)] == ["kept"]
 
 
+def test_check_skips_a_queue_another_process_deletes_while_it_runs(ns: Namespace, monkeypatch: pytest.MonkeyPatch) -> None:
+    """check() read the catalog, then another process deleted a queue before check reached it: the queue is skipped.
+
+    Before, a raw FileNotFoundError for the vanished log stopped the check of every later table.
+    """
+    import sparkqueue.management as management
+
+    for q in ("a", "b", "c"):
+        ns.create_queue(q)
+        with ns.get_queue_sender(q) as s:
+            s.send_messages(Message("m"))
+    real = management.check_table
+    seen: list[str] = []
+
+    def deleting_b_first(table: EntityTable, *, repair: bool = False) -> Any:
+        seen.append(table.uri)
+        if len(seen) == 2:  # queue b: another process deletes it just before check reads its log
+            code = f"from sparkqueue import Namespace; Namespace({ns.root!r}).delete_queue('b')"
+            subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
+        return real(table, repair=repair)
+
+    monkeypatch.setattr(management, "check_table", deleting_b_first)
+    for repair in (False, True):
+        seen.clear()
+        if repair:
+            ns.create_queue("b")
+        assert ns.check(repair=repair) == []
+        assert len(seen) == 3  # queue c was checked too
+
+
+def test_check_reports_a_table_whose_log_is_gone_while_the_catalog_names_it(ns: Namespace, root: str) -> None:
+    """A queue whose `_delta_log` directory vanished (the catalog still names it) is a finding, never a crash."""
+    ns.create_queue("q")
+    shutil.rmtree(f"{_table_path(root)}/_delta_log")
+    ns.create_queue("r")  # checked after it
+    (finding,) = ns.check()
+    assert "queue q" in finding.table and "log is missing" in finding.problem
+
+
 def test_check_beside_a_vacuum_at_retention_zero_reports_no_live_file_missing(
     ns: Namespace, monkeypatch: pytest.MonkeyPatch
 ) -> None:
