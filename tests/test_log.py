@@ -484,6 +484,62 @@ def test_a_reload_that_finds_the_metadata_unchanged_does_not_fail_a_commit_as_a_
     assert version == snap.version + 1
 
 
+def test_a_load_a_trim_keeps_racing_raises_a_storage_error(table: EntityTable) -> None:
+    """Every listing names an entry that is gone when read (a trimmer at work): after a few tries, a clear StorageError."""
+    snap = table.snapshot()
+    table.log.commit(snap, [table.data.write(0, _rows(0, 1, 1))], [], [Fence("sparkqueue.seq.0", 1)])
+    store = _EntryLandsAfterItsRead(table.uri, f"_delta_log/{snap.version:020d}.json", misses=1000)
+    with pytest.raises(StorageError, match="a log trim raced"):
+        DeltaLog(store, FileIndex).load()
+
+
+class _PutHeldUp(LocalStore):
+    """A store whose next log put is held up while `meanwhile` runs, as a paused process or a stalled object-store put is."""
+
+    def __init__(self, root: str) -> None:
+        super().__init__(root)
+        self.meanwhile: Callable[[], None] | None = None
+
+    @contextlib.contextmanager
+    def staged(self, data: bytes) -> Iterator[Callable[[str], bool]]:
+        with super().staged(data) as put:
+
+            def held_up(path: str) -> bool:
+                if self.meanwhile is not None:
+                    run, self.meanwhile = self.meanwhile, None
+                    run()
+                return put(path)
+
+            yield held_up
+
+
+def test_a_put_held_up_until_its_version_was_trimmed_is_withdrawn_and_conflicts(table: EntityTable) -> None:
+    """A commit checked the safe window, then its put came after other writers committed, checkpointed and trimmed past it.
+
+    Its version was free only because the trim deleted it: no reader would read the entry behind
+    the checkpoint, so the commit must not count as landed. It is withdrawn and raises CommitConflict.
+    """
+    store = _PutHeldUp(table.uri)
+    mine = DeltaLog(store, FileIndex)
+    snap = mine.load()
+    version = snap.version + 1
+
+    def others_commit_checkpoint_and_trim() -> None:
+        theirs = table.snapshot()
+        for p in range(3):
+            table.log.commit(theirs, [table.data.write(p, _rows(p, 1, 1))], [], [Fence(f"sparkqueue.seq.{p}", 1)])
+        assert write_checkpoint(table.store, theirs)
+        for v in range(theirs.version):  # what trim_log does once they are older than the retention
+            Path(table.uri, "_delta_log", f"{v:020d}.json").unlink()
+        snap.verified_at -= 3600  # the put came an hour after the window was checked
+
+    store.meanwhile = others_commit_checkpoint_and_trim
+    with pytest.raises(CommitConflict, match="trimmed"):
+        mine.commit(snap, [table.data.write(9, _rows(9, 1, 1))], [], [Fence("sparkqueue.seq.9", 1)])
+    assert not Path(table.uri, "_delta_log", f"{version:020d}.json").exists()  # withdrawn: the log is as the others left it
+    assert _second_handle(table).load().txns.get("sparkqueue.seq.9") is None
+
+
 # ---- reader protocol: what sparkqueue cannot read correctly is refused, never read as usual -------------
 
 

@@ -244,6 +244,8 @@ class DeltaLog:
             return self._load()
         except _Gap as gap:
             raise StorageCorruptedError(str(gap)) from None
+        except _Trimmed:
+            raise StorageError(f"table {self.store.uri}: a log trim raced {LOAD_ATTEMPTS} loads in a row; try again") from None
 
     def _load(self) -> Snapshot:
         started = time.monotonic()
@@ -476,6 +478,7 @@ class DeltaLog:
                 if put(_entry_path(version)):
                     if self._deleted_under(version):
                         break  # the table was deleted under this handle: withdrawn below, once the staged name is gone
+                    self._check_not_trimmed(snap, version)
                     snap.apply(version, actions)
                     self._after(snap)
                     return version
@@ -485,6 +488,29 @@ class DeltaLog:
                 raise CommitConflict(f"the commit lost {MAX_REBASES} races in a row")
         self._withdraw(version, adds)
         raise TableDeletedError(f"table {self.store.uri} was deleted while in use; nothing was stored")
+
+    def _check_not_trimmed(self, snap: Snapshot, version: int) -> None:
+        """CommitConflict (the entry withdrawn) when a put held up past the safe window took a version a trim had freed.
+
+        The window was checked before the put, but a process paused, or a put an object store
+        stalled, for longer than the log retention can find version v free because v was trimmed
+        behind a checkpoint: every reader starts at that checkpoint and never reads the entry, so
+        the commit would be acknowledged and lost. Only a slow put pays the listing that tells.
+        """
+        if time.monotonic() - snap.verified_at <= self.safe_gap_s(snap) or not self._behind_checkpoint(version):
+            return
+        with contextlib.suppress(FileNotFoundError):
+            self.store.delete(_entry_path(version))
+        raise CommitConflict(f"the commit was held up past the log's safe window and version {version} had been trimmed")
+
+    def _behind_checkpoint(self, version: int) -> bool:
+        """True when the log holds a checkpoint at `version` or later (one listing)."""
+        for e in self.store.list(f"{LOG_DIR}/"):
+            folder, _, name = e.path.rpartition("/")
+            m = _ENTRY.match(name) if folder == LOG_DIR else None
+            if m is not None and m.group(2) != "json" and int(m.group(1)) >= version:
+                return True
+        return False
 
     def _deleted_under(self, version: int) -> bool:
         """True when the table is being deleted (its tombstone), or was (the entry before `version` gone, only it left).
