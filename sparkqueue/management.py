@@ -36,6 +36,7 @@ from sparkqueue.errors import (
     PartitionUnavailableError,
     QuotaExceededError,
     SparkQueueError,
+    StorageError,
 )
 from sparkqueue.model import limits
 from sparkqueue.model.addresses import QUEUE, RULE, SUBSCRIPTION, TOPIC, Address
@@ -165,6 +166,7 @@ class Management:
             self._create_entry(
                 entity_type, name, props, table_path, require=lambda entries: self._check_entity_quota(props, entries)
             )
+            self._check_table_kept(entity_type, name, table_path)
         except BaseException:
             try:
                 self._remove_table(table_path)
@@ -172,6 +174,24 @@ class Management:
                 log.warning("could not remove the table of the failed create (maintenance removes it later): %s", cleanup)
             raise
         return props
+
+    def _check_table_kept(self, entity_type: str, name: str, table_path: str) -> None:
+        """StorageError, the entry deleted again, when maintenance removed the new table before the catalog named it.
+
+        Maintenance removes a table no entry names once its files are older than the orphan
+        retention (docs/storage.md): a create held up that long between making its table and
+        recording it would leave an entry naming no table, which refuses every send for good.
+        """
+        if EntityTable(self.broker.table_uri(table_path), 1, storage_options=self.broker.store_options).log.exists():
+            return
+        me = Address.of(entity_type, name)
+        children = None if entity_type == QUEUE else (lambda key: Address.parse(key).is_child_of(me))
+        self.broker.catalog.delete([me.key], self.broker.deadline(), children, table_path)
+        self.broker.forget(me.key)
+        raise StorageError(
+            f"{entity_type} {name!r} was not created: maintenance removed its new table while the create was held up "
+            "(longer than the orphan retention) before recording it; create it again"
+        )
 
     def _remove_table(self, table_path: str) -> None:
         """Delete an entity table's files, data first and log last (a half-deleted table reads as deleted)."""

@@ -23,6 +23,7 @@ from deltalake import DeltaTable
 from procs import PARTITIONS, drain, drain_all, key_for_partition, peek_all
 
 from sparkqueue import Message, Namespace, ReceivedMessage, SubQueue
+from sparkqueue.errors import StorageError
 from sparkqueue.storage import maintenance
 from sparkqueue.storage.leases import LEASE_DIR, WriteLease
 from sparkqueue.storage.table import EntityTable
@@ -603,6 +604,38 @@ def _orphan_table(ns: Namespace) -> str:
     path = "entities/queue-orphan"
     EntityTable.create(f"{ns.root}/{path}", ns.storage_options)
     return path
+
+
+@pytest.mark.parametrize("kind", ["queue", "topic"])
+def test_a_create_held_up_until_maintenance_removed_its_table_fails_and_leaves_no_entry(
+    ns: Namespace, monkeypatch: pytest.MonkeyPatch, kind: str
+) -> None:
+    """A create paused between making its table and recording it, longer than the orphan retention, finds its table gone.
+
+    Before, the create returned and the catalog named a table that no longer existed: every send
+    failed for good. Now the create raises StorageError, leaves no entry, and the name can be created again.
+    """
+    real = EntityTable.create
+
+    def held_up(uri: str, storage_options: dict[str, str] | None = None) -> None:
+        real(uri, storage_options)
+        two_hours_ago = time.time() - 7200
+        for f in glob.glob(f"{uri}/**/*", recursive=True):  # the pause lasted two hours
+            os.utime(f, (two_hours_ago, two_hours_ago))
+        code = f"from sparkqueue import Namespace; Namespace({ns.root!r}).run_maintenance()"  # another process's maintenance
+        subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
+        assert not os.path.exists(f"{uri}/_delta_log")  # removed as an orphan
+
+    monkeypatch.setattr(EntityTable, "create", staticmethod(held_up))
+    create = ns.create_queue if kind == "queue" else ns.create_topic
+    with pytest.raises(StorageError, match="maintenance removed its new table"):
+        create("e")
+    monkeypatch.undo()
+    assert (ns.list_queues() if kind == "queue" else ns.list_topics()) == []
+    create("e")  # the name is free
+    sender = ns.get_queue_sender("e") if kind == "queue" else ns.get_topic_sender("e")
+    with sender as s:
+        s.send_messages(Message("after"))
 
 
 def test_maintenance_removes_a_table_no_catalog_entry_names_and_nothing_else(store: Any, monkeypatch: pytest.MonkeyPatch) -> None:
