@@ -519,6 +519,32 @@ def test_vacuum_keeps_old_uncommitted_files_of_a_live_write_lease_only(ns: Names
         assert len(drain_all(r)) == 1
 
 
+def test_a_dataframe_send_whose_write_lease_lapsed_commits_nothing(ns: Namespace, root: str) -> None:
+    """The lease's refreshes failed (or the driver was paused) long enough that vacuum may have taken its files.
+
+    The send's commit refuses (StorageError) and deletes its files instead of committing files
+    that may be gone: before, such a commit made a partition unreadable.
+    """
+    from sparkqueue.spark.commit import Written, commit_renumbering
+
+    ns.create_queue("q")
+    _send_one_by_one(ns, [Message("m", partition_key="k")])
+    table = ns.broker.entity("queue", "q").table
+    (live,) = table.snapshot().files
+    p = live.partition
+    base = table.snapshot().transaction_version(f"sparkqueue.seq.{p}")
+    with WriteLease(table.store) as lease:
+        (adds,) = table.data.write_all([(p, table.data.read(live.path), 1000)], lease.tag)
+        stale = time.time() - 400  # no refresh for almost 7 minutes
+        os.utime(f"{table.uri}/{LEASE_DIR}/{lease.id}", (stale, stale))
+        written = Written(adds, {p: 1}, {p: (base or 0) + 1}, {p: None})
+        with pytest.raises(StorageError, match="was not refreshed"):
+            commit_renumbering(table, adds, written, {p: base}, ns.broker.deadline())
+    assert not any(os.path.exists(f"{table.uri}/{a.path}") for a in adds)
+    with ns.get_queue_receiver("q") as r:
+        assert [str(m) for m in drain_all(r)] == ["m"]
+
+
 def test_maintenance_job_runs_in_a_subprocess(ns: Namespace, root: str) -> None:
     """`python -m jobs.maintenance --root <root>` exits 0 and compacts the namespace's tables."""
     ns.create_queue("q")

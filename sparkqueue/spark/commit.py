@@ -17,7 +17,8 @@ from typing import TYPE_CHECKING
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from sparkqueue.errors import QuotaExceededError
+from sparkqueue.errors import QuotaExceededError, StorageError
+from sparkqueue.storage.leases import require_live
 from sparkqueue.storage.log import AddFile, CommitConflict, Fence
 from sparkqueue.storage.schema import PARTITION_COLUMN, with_columns
 from sparkqueue.storage.table import fence_app_id
@@ -64,6 +65,11 @@ def commit_renumbering(
     while True:
         fences = [Fence(fence_app_id(p), c) for p, c in sorted(last.items())]
         seen = {fence_app_id(p): bases[p] for p in last}
+        try:
+            require_live(table.store, [a.path for a in adds])
+        except StorageError:
+            table.data.delete([a.path for a in adds])
+            raise
         try:
             with table.existing():
                 table.commit(table.snapshot(), adds, [], fences, seen, "WRITE", keep_on_conflict=True)

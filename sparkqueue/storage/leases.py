@@ -22,8 +22,10 @@ import socket
 import threading
 import time
 import uuid
+from collections.abc import Iterable
 from types import TracebackType
 
+from sparkqueue.errors import StorageError
 from sparkqueue.storage.store import Store
 
 log = logging.getLogger(__name__)
@@ -44,11 +46,30 @@ def lease_of(path: str) -> str | None:
     return m.group(1) if m else None
 
 
-def live_leases(store: Store, now: float | None = None) -> set[str]:
-    """Ids of the table's leases rewritten within LEASE_LIVE_S (store times against `now`, seconds since the epoch)."""
+def live_leases(store: Store, now: float | None = None, within_s: float = LEASE_LIVE_S) -> set[str]:
+    """Ids of the table's leases rewritten within `within_s` (store times against `now`, seconds since the epoch)."""
     now = time.time() if now is None else now
     named = ((e.path.rsplit("/", 1)[-1], e.mtime_s) for e in store.list(f"{LEASE_DIR}/"))
-    return {name for name, mtime_s in named if mtime_s >= now - LEASE_LIVE_S and _ID.fullmatch(name)}
+    return {name for name, mtime_s in named if mtime_s >= now - within_s and _ID.fullmatch(name)}
+
+
+def require_live(store: Store, paths: Iterable[str]) -> None:
+    """StorageError unless the leases these files were written under were rewritten within half of LEASE_LIVE_S.
+
+    Called just before the files are committed: a lease whose refreshes failed or whose holder
+    was paused may have gone stale, and vacuum may have deleted the files. Half the bound leaves
+    the other half for the commit itself.
+    """
+    wanted = {lease for lease in map(lease_of, paths) if lease is not None}
+    if not wanted:
+        return
+    fresh = live_leases(store, within_s=LEASE_LIVE_S / 2)
+    lapsed = sorted(wanted - fresh)
+    if lapsed:
+        raise StorageError(
+            f"the write lease {lapsed[0]} in {store.uri} was not refreshed for {LEASE_LIVE_S / 2:.0f} s or more (its refreshes "
+            "failed or the process was paused): vacuum may have removed the files written under it; nothing was committed"
+        )
 
 
 class WriteLease:
