@@ -11,6 +11,7 @@ import json
 import os
 import time
 from collections.abc import Callable, Iterator
+from datetime import timedelta
 from pathlib import Path
 
 import pyarrow as pa
@@ -538,6 +539,31 @@ def test_a_put_held_up_until_its_version_was_trimmed_is_withdrawn_and_conflicts(
         mine.commit(snap, [table.data.write(9, _rows(9, 1, 1))], [], [Fence("sparkqueue.seq.9", 1)])
     assert not Path(table.uri, "_delta_log", f"{version:020d}.json").exists()  # withdrawn: the log is as the others left it
     assert _second_handle(table).load().txns.get("sparkqueue.seq.9") is None
+
+
+def test_a_put_held_up_while_vacuum_took_its_data_file_is_an_error_not_an_acknowledgement(table: EntityTable) -> None:
+    """A commit's put came an hour after its window check; meanwhile vacuum deleted its data file as an old orphan.
+
+    The entry has landed (other writers may build on it), but the commit is not acknowledged:
+    StorageCorruptedError names the lost file, so a sender knows its message was not stored.
+    """
+    from sparkqueue.storage.maintenance import vacuum
+
+    store = _PutHeldUp(table.uri)
+    mine = DeltaLog(store, FileIndex)
+    snap = mine.load()
+    add = table.data.write(9, _rows(9, 1, 1))
+
+    def vacuum_takes_the_file() -> None:
+        two_hours_ago = time.time() - 7200
+        os.utime(Path(table.uri, add.path), (two_hours_ago, two_hours_ago))
+        assert vacuum(table, timedelta(0)).vacuumed_files == 1
+        snap.verified_at -= 3600
+
+    store.meanwhile = vacuum_takes_the_file
+    with pytest.raises(StorageCorruptedError, match=f"vacuumed meanwhile \\({add.path}\\)"):
+        mine.commit(snap, [add], [], [Fence("sparkqueue.seq.9", 1)])
+    assert Path(table.uri, "_delta_log", f"{snap.version + 1:020d}.json").exists()
 
 
 # ---- reader protocol: what sparkqueue cannot read correctly is refused, never read as usual -------------

@@ -478,7 +478,7 @@ class DeltaLog:
                 if put(_entry_path(version)):
                     if self._deleted_under(version):
                         break  # the table was deleted under this handle: withdrawn below, once the staged name is gone
-                    self._check_not_trimmed(snap, version)
+                    self._check_slow_put(snap, version, adds)
                     snap.apply(version, actions)
                     self._after(snap)
                     return version
@@ -489,19 +489,31 @@ class DeltaLog:
         self._withdraw(version, adds)
         raise TableDeletedError(f"table {self.store.uri} was deleted while in use; nothing was stored")
 
-    def _check_not_trimmed(self, snap: Snapshot, version: int) -> None:
-        """CommitConflict (the entry withdrawn) when a put held up past the safe window took a version a trim had freed.
+    def _check_slow_put(self, snap: Snapshot, version: int, adds: Sequence[AddFile]) -> None:
+        """After a put that came later than the safe window: what the hold-up may have broken, reported, never acknowledged.
 
         The window was checked before the put, but a process paused, or a put an object store
         stalled, for longer than the log retention can find version v free because v was trimmed
-        behind a checkpoint: every reader starts at that checkpoint and never reads the entry, so
-        the commit would be acknowledged and lost. Only a slow put pays the listing that tells.
+        behind a checkpoint: every reader starts at that checkpoint and never reads the entry. The
+        entry is withdrawn and CommitConflict raised. A hold-up longer than vacuum's orphan
+        retention may have let vacuum delete the commit's data files: that raises
+        StorageCorruptedError naming them (the entry stands; reads report the partition damaged and
+        `check(repair=True)` drops the files) instead of acknowledging what is lost. Only a slow put
+        pays the listing and the checks.
         """
-        if time.monotonic() - snap.verified_at <= self.safe_gap_s(snap) or not self._behind_checkpoint(version):
+        held_s = time.monotonic() - snap.verified_at
+        if held_s <= self.safe_gap_s(snap):
             return
-        with contextlib.suppress(FileNotFoundError):
-            self.store.delete(_entry_path(version))
-        raise CommitConflict(f"the commit was held up past the log's safe window and version {version} had been trimmed")
+        if self._behind_checkpoint(version):
+            with contextlib.suppress(FileNotFoundError):
+                self.store.delete(_entry_path(version))
+            raise CommitConflict(f"the commit was held up past the log's safe window and version {version} had been trimmed")
+        missing = [a.path for a in adds if not self.store.exists(a.path)]
+        if missing:
+            raise StorageCorruptedError(
+                f"table {self.store.uri}: version {version} landed after its put was held up {held_s:.0f} s, and "
+                f"{len(missing)} of its data files were vacuumed meanwhile ({missing[0]}); their rows are lost"
+            )
 
     def _behind_checkpoint(self, version: int) -> bool:
         """True when the log holds a checkpoint at `version` or later (one listing)."""
