@@ -25,7 +25,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from sparkqueue.errors import EntityNotFoundError, InvalidOperationError, StorageCorruptedError, StorageError
+from sparkqueue.errors import EntityNotFoundError, InvalidOperationError, SparkQueueError, StorageCorruptedError, StorageError
 from sparkqueue.storage.checkpoint import write_checkpoint
 from sparkqueue.storage.files import encode_parquet
 from sparkqueue.storage.log import AddFile, CommitConflict, DeltaLog, Fence, RemoveFile, Snapshot, checkpoint_interval
@@ -38,6 +38,15 @@ CATALOG_DIR = "_catalog"
 MARKER = "_sparkqueue.json"
 FORMAT_VERSION = 1
 CATALOG_FENCE = "sparkqueue.catalog"
+READ_ATTEMPTS = 5  # reads of ever newer versions before a catalog replaced under each of them is an error
+
+
+class _Missing(Exception):  # noqa: N818 - a signal between _read_file and _rows, not an error users see
+    """A file of the snapshot being read is absent."""
+
+    def __init__(self, path: str) -> None:
+        super().__init__(path)
+        self.path = path
 
 
 @dataclass(frozen=True)
@@ -183,28 +192,62 @@ class Catalog:
             return self._snapshot().copy()
 
     def _rows(self, snap: Snapshot | None = None) -> pa.Table:
-        """The whole catalog (it is small), typed as CATALOG_SCHEMA; read again only when its version moved."""
+        """The whole catalog (it is small), typed as CATALOG_SCHEMA; read again only when its version moved.
+
+        A file of `snap` that a newer commit replaced and a vacuum deleted during the read moves `snap`
+        forward in place (_catch_up) and the read starts over, so a change computed from the rows
+        commits against the version they were read at.
+        """
         with self._lock:
             snap = snap or self._snapshot()
-            if self._read is not None and self._read[0] == snap.version:
-                return self._read[1]
-            paths = sorted(snap.files.adds)
-        parts = [self._read_file(p) for p in paths]
-        rows = pa.concat_tables(parts) if parts else CATALOG_SCHEMA.empty_table()
+        attempt = 1
+        while True:
+            with self._lock:
+                if self._read is not None and self._read[0] == snap.version:
+                    return self._read[1]
+                version, paths = snap.version, sorted(snap.files.adds)
+            try:
+                parts = [self._read_file(p) for p in paths]
+            except _Missing as missing:
+                self._catch_up(snap, missing.path, attempt)
+                attempt += 1
+                continue
+            rows = pa.concat_tables(parts) if parts else CATALOG_SCHEMA.empty_table()
+            with self._lock:
+                self._read = (version, rows)
+            return rows
+
+    def _catch_up(self, snap: Snapshot, path: str, attempt: int) -> None:
+        """Move `snap` to the newest version after its file `path` was found missing; StorageCorruptedError if still live there.
+
+        Vacuum at a short retention deletes a file once a newer commit replaced it, while a reader of
+        the older version may be about to read it (docs/storage.md): no damage, the newer version is
+        read instead. Only a file live at the newest version is damage. A catalog replaced under
+        READ_ATTEMPTS reads in a row raises StorageError (retry), so a read cannot loop forever.
+        """
         with self._lock:
-            self._read = (snap.version, rows)
-        return rows
+            try:
+                live = path in self.log.update(snap).files
+            except (SparkQueueError, OSError):  # the log cannot be read either: report the file found missing
+                live = True
+        if live:
+            raise StorageCorruptedError(f"namespace catalog {self.uri}: live file {path} is missing")
+        if attempt >= READ_ATTEMPTS:
+            raise StorageError(
+                f"namespace catalog {self.uri}: its file was replaced and vacuumed under {attempt} reads in a row; "
+                "retry, or vacuum with a longer retention"
+            )
 
     def _read_file(self, path: str) -> pa.Table:
-        """The rows of one live catalog file; StorageCorruptedError naming the catalog and the file if missing or unreadable.
+        """The rows of one live catalog file; StorageCorruptedError naming catalog and file if unreadable, _Missing if absent.
 
         A catalog read as empty would open an empty namespace over orphaned entity tables: a truncated,
-        zeroed or foreign file is damage, never "no entities".
+        zeroed or foreign file is damage, never "no entities". A missing one may have been replaced (_catch_up).
         """
         try:
             data = self.store.get(path)
         except FileNotFoundError as exc:
-            raise StorageCorruptedError(f"namespace catalog {self.uri}: live file {path} is missing") from exc
+            raise _Missing(path) from exc
         try:
             return pq.read_table(pa.BufferReader(data)).select(CATALOG_SCHEMA.names).cast(CATALOG_SCHEMA)
         except (pa.ArrowException, OSError, KeyError) as exc:  # not Parquet, torn, or not the catalog's columns

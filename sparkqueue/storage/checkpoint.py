@@ -32,18 +32,42 @@ def write_checkpoint(store: Store, snap: Snapshot) -> bool:
     Built from the snapshot in memory (its live files' add actions, txn versions, metadata and
     protocol), so it costs a Parquet write of one row per live file, not a reload of the table.
     Two writers checkpointing one version write the same actions: either file serves.
+    `_last_checkpoint` never moves back (_point_at): a slower checkpointer of an older version
+    leaves it at the newer checkpoint, which external readers (delta-rs, Spark) start from.
     """
     try:
         table = checkpoint_table(snap)
         sink = pa.BufferOutputStream()
         pq.write_table(table, sink, compression="snappy")
         store.put(f"{LOG_DIR}/{snap.version:020d}.checkpoint.parquet", sink.getvalue().to_pybytes())
-        last = {"version": snap.version, "size": table.num_rows}
-        store.put(f"{LOG_DIR}/_last_checkpoint", json.dumps(last).encode())
+        _point_at(store, snap.version, table.num_rows)
     except Exception as exc:
         log.warning("checkpoint of %s at version %d skipped: %s", store.uri, snap.version, exc)
         return False
     return True
+
+
+def _point_at(store: Store, version: int, size: int) -> None:
+    """Point `_last_checkpoint` at a checkpoint unless it names a newer one already (a missing or unreadable one is replaced).
+
+    Read, then write: not atomic. Two checkpointers that both read before either writes can leave
+    it at the older of their two versions, until the next checkpoint moves it on (every
+    `delta.checkpointInterval` versions, and every maintenance run). The window is one small read
+    and write, and trim_log keeps the checkpoint it names and the entries after it, so it still
+    names a checkpoint that exists unless a trim read it inside that same window too.
+    """
+    named = last_checkpoint_version(store)
+    if named is None or named < version:
+        store.put(f"{LOG_DIR}/_last_checkpoint", json.dumps({"version": version, "size": size}).encode())
+
+
+def last_checkpoint_version(store: Store) -> int | None:
+    """The version `_last_checkpoint` names; None when it is missing or unreadable (it is a hint: the log is listed anyway)."""
+    try:
+        version = json.loads(store.get(f"{LOG_DIR}/_last_checkpoint"))["version"]
+    except (FileNotFoundError, ValueError, KeyError, TypeError):
+        return None
+    return version if isinstance(version, int) and not isinstance(version, bool) else None
 
 
 def checkpoint_table(snap: Snapshot) -> pa.Table:
@@ -146,7 +170,11 @@ CHECKPOINT_SCHEMA = pa.schema(
 
 
 def trim_log(store: Store, snap: Snapshot) -> int:
-    """Delete log entries older than the log retention that precede the newest checkpoint; returns how many."""
+    """Delete log entries older than the log retention that precede the newest checkpoint; returns how many.
+
+    Nor those from the checkpoint `_last_checkpoint` names on, when it lags (a checkpointer lost the race
+    in _point_at): external readers start there, and the next checkpoint moves it on.
+    """
     entries = []
     for e in store.list(f"{LOG_DIR}/"):
         folder, _, name = e.path.rpartition("/")
@@ -157,6 +185,9 @@ def trim_log(store: Store, snap: Snapshot) -> int:
     if not checkpoints:
         return 0
     newest = max(checkpoints)
+    named = last_checkpoint_version(store)
+    if named is not None and named in checkpoints:
+        newest = min(newest, named)
     cutoff = time.time() - log_retention_s(snap.configuration)
     removed = 0
     for version, _, e in entries:
