@@ -393,8 +393,14 @@ class StreamState:
         return len(items)
 
     def _lock(self, staging: Staging, want: int, items: list[Item]) -> int:
-        """Lock up to `want` messages spread over the partitions (as receive_dataframe does); returns how many."""
+        """Lock up to `want` messages spread over the partitions (as receive_dataframe does); returns how many.
+
+        Nothing renews these locks before the batch is recorded, so locking stops after a third of
+        the lock duration, as _lock_sessions does: a batch that kept locking past the lock duration
+        lost its first messages' locks before it was emitted and completed none of them.
+        """
         entity = self.entity()
+        stop_at = time.monotonic() + entity.policy.lock_duration.total_seconds() / 6
         job = ReceiveJob(
             EntityRef.of(self.ns.broker, self.config.address.entity_type, self.config.address.name),
             self.config.sub_queue,
@@ -415,7 +421,7 @@ class StreamState:
             full = []
             # Partitions lock in parallel threads (commits on different partitions never conflict),
             # each thread on a namespace handle of its own.
-            locked = self.pool.map(partial(self._lock_partition, job, round_no), plan)
+            locked = self.pool.map(partial(self._lock_partition, job, round_no, stop_at), plan)
             for (p, share), (got, pairs) in zip(plan, locked, strict=True):
                 items += self._drop_committed(pairs)
                 total += got
@@ -424,7 +430,7 @@ class StreamState:
                     full.append(p)
             planned = {p for p, _ in plan}
             candidates = full + [p for p in candidates if p not in planned]
-            if total >= want:
+            if total >= want or time.monotonic() >= stop_at:
                 break
         return total
 
@@ -540,14 +546,17 @@ class StreamState:
         assert result is not None
         return result
 
-    def _lock_partition(self, job: ReceiveJob, round_no: int, plan: tuple[int, int]) -> tuple[int, list[Item]]:
-        """Lock up to `share` messages of partition p into the batch's directory; (locked, their (sequence, token) pairs)."""
+    def _lock_partition(self, job: ReceiveJob, round_no: int, stop_at: float, plan: tuple[int, int]) -> tuple[int, list[Item]]:
+        """Lock up to `share` messages of partition p into the batch's directory, in commits until `stop_at` (monotonic).
+
+        Returns how many were locked and their (sequence, token) pairs.
+        """
         p, share = plan
         entity = self._thread_entity()
         got = 0
         chunk = 0
         pairs: list[Item] = []
-        while got < share:
+        while got < share and (got == 0 or time.monotonic() < stop_at):
             ask = min(RECEIVE_CHUNK, share - got)
             written: list[str] = []
             rows = entity.receive_partition(entity.table.snapshot(), p, job.sub_queue, ask, False, written)

@@ -118,6 +118,37 @@ def test_source_renews_the_locks_of_a_batch_that_outlasts_them(spark, tmp_path):
         assert ns.get_queue_runtime_properties("q").total_message_count == 0
 
 
+@pytest.mark.slow  # 300,000 messages through Spark: CI runs it (SPARKQUEUE_SLOW=1)
+def test_a_large_trigger_under_a_short_lock_is_taken_in_batches_each_completed(spark, tmp_path):
+    """maxMessagesPerTrigger far above what can be locked, emitted, renewed and completed within one lock duration.
+
+    Before, the source locked all 300,000 as one batch (its renewal starts once the batch is
+    recorded): the first locks lapsed before it was emitted, and the run ended with every message
+    still in the queue. Locking now stops after a sixth of the lock duration, so the batch is what
+    its renewal and completion can keep: each message is emitted once and the queue ends empty.
+    """
+    n = 300_000
+    root = str(tmp_path / "ns")
+    with Namespace(root) as ns:
+        ns.create_queue("q", lock_duration=timedelta(seconds=5), enable_partitioning=False)
+    with Namespace(root) as ns, ns.get_queue_sender("q") as s:
+        sent = spark.range(0, n, 1, 2).selectExpr("concat('b', id) AS body", "concat('m', id) AS message_id")
+        assert s.send_dataframe(sent) == n
+    out = str(tmp_path / "out")
+
+    def write(df, batch_id: int) -> None:
+        df.select("message_id").write.mode("overwrite").parquet(f"{out}/batch={batch_id}")
+
+    stream = spark.readStream.format("sparkqueue").option("namespace", root).option("maxMessagesPerTrigger", n).load("q")
+    query = stream.writeStream.foreachBatch(write).option("checkpointLocation", str(tmp_path / "ck"))
+    query.trigger(availableNow=True).start().awaitTermination()
+    emitted = spark.read.parquet(out)
+    assert emitted.count() == n and emitted.select("message_id").distinct().count() == n
+    assert emitted.select("batch").distinct().count() > 1
+    with Namespace(root) as ns:
+        assert ns.get_queue_runtime_properties("q").total_message_count == 0
+
+
 def test_source_streams_a_session_queue_in_session_order(spark, tmp_path):
     """A session queue streams whole sessions under their locks: each message once, a session's messages in order
     (within a batch and across batches), and every batch completed."""
