@@ -18,6 +18,7 @@ from typing import Any
 import pytest
 from azurite import Store
 from deltalake import DeltaTable
+from lossy_proxy import LossyProxy
 from procs import drain_all, receive_and_complete, send_and_lock_until_killed, send_dying_at_commit
 
 from sparkqueue import Message, Namespace, SubQueue
@@ -197,6 +198,93 @@ def test_wrong_credentials_and_missing_containers_are_clear_errors(azurite: Any)
         Namespace(f"az://{container}/ns", storage_options=bad_key)
     with pytest.raises(StorageError, match="no-such-container"):
         Namespace("az://no-such-container/ns", storage_options=azurite.storage_options())
+
+
+def _lossy(azurite: Any, kind: str) -> tuple[LossyProxy, Namespace, Namespace, list[bool]]:
+    """A namespace reaching Azurite through a proxy that, once armed, drops the reply of one conditional log-entry create.
+
+    kind "entity": an entity table's entry; "catalog": the catalog's. Returns the proxy, the namespace
+    behind it, one reaching Azurite directly (another process's view), and the arming switch.
+    """
+    armed = [False]
+    folder = "/_catalog/_delta_log/" if kind == "catalog" else "/entities/"
+
+    def rule(method: str, path: str, headers: dict[str, str]) -> bool:
+        hit = armed[0] and method == "PUT" and folder in path and ".json" in path and "if-none-match" in headers
+        if hit and "_delta_log/" in path:
+            armed[0] = False
+            return True
+        return False
+
+    proxy = LossyProxy(azurite.port, rule)
+    container = azurite.create_container()
+    root = f"az://{container}/ns"
+    Namespace(root, storage_options=azurite.storage_options()).create_queue("q")
+    return (
+        proxy,
+        Namespace(root, storage_options=proxy.storage_options(azurite.storage_options())),
+        Namespace(root, storage_options=azurite.storage_options()),
+        armed,
+    )
+
+
+def test_a_commit_whose_reply_was_lost_counts_as_landed(azurite: Any) -> None:
+    """The log entry's conditional create succeeded, its reply was lost, and obstore's retry was refused as existing.
+
+    Before, that refusal read as a lost race: the send's data file was deleted under the entry that
+    named it (the partition damaged, the acknowledged message gone), and a completion that landed was
+    reported as not applied. The entry carries a unique id, so the refused create recognizes its own.
+    """
+    proxy, ns, direct, armed = _lossy(azurite, "entity")
+    try:
+        with ns.get_queue_sender("q") as s:
+            s.send_messages(Message("first"))
+            armed[0] = True
+            s.send_messages(Message("second"))
+        assert proxy.dropped == 1
+        assert direct.check() == []
+        with ns.get_queue_receiver("q") as r:
+            got = r.receive_messages(10, max_wait_time=5)
+            assert sorted(str(m) for m in got) == ["first", "second"]
+            armed[0] = True
+            r.complete_messages(got)  # lands with its reply lost: no MessageLockLostError
+        assert proxy.dropped == 2
+        assert direct.get_queue_runtime_properties("q").total_message_count == 0
+    finally:
+        proxy.stop()
+
+
+def test_a_catalog_commit_whose_reply_was_lost_counts_as_landed(azurite: Any) -> None:
+    """Before, the create's catalog file was deleted under the entry that had made it live: every call of every process
+    then failed with "namespace catalog …: live file … is missing"."""
+    proxy, ns, direct, armed = _lossy(azurite, "catalog")
+    try:
+        armed[0] = True
+        ns.create_queue("q2")
+        assert proxy.dropped == 1
+        assert [q.name for q in direct.list_queues()] == ["q", "q2"]
+        assert direct.check() == []
+    finally:
+        proxy.stop()
+
+
+def test_a_container_deleted_under_an_open_namespace_is_an_error_not_a_stale_view(azurite: Any) -> None:
+    """Before, its 404s read as "no newer log entry": the open namespace kept showing the queue and its messages."""
+    from azure.storage.blob import BlobServiceClient
+    from azurite import ACCOUNT, KEY
+
+    container = azurite.create_container()
+    with Namespace(f"az://{container}/ns", storage_options=azurite.storage_options()) as ns:
+        ns.create_queue("q")
+        with ns.get_queue_sender("q") as s:
+            s.send_messages([Message("a"), Message("b")])
+        assert ns.get_queue_runtime_properties("q").active_message_count == 2
+        conn = f"DefaultEndpointsProtocol=http;AccountName={ACCOUNT};AccountKey={KEY};BlobEndpoint={azurite.endpoint};"
+        BlobServiceClient.from_connection_string(conn).delete_container(container)
+        with pytest.raises(StorageError, match="container or bucket does not exist"):
+            ns.get_queue_runtime_properties("q")
+        with pytest.raises(StorageError, match="container or bucket does not exist"), ns.get_queue_receiver("q") as r:
+            r.peek_messages(5)
 
 
 @pytest.mark.parametrize("key", ["azure_allow_http", "AZURE_ALLOW_HTTP"])

@@ -21,6 +21,7 @@ import os
 import re
 import shutil
 import time
+import uuid
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol, Self
@@ -625,6 +626,7 @@ def _actions(
         "operationParameters": {},
         "isBlindAppend": not removes,
         "clientVersion": CLIENT_VERSION,
+        "txnId": uuid.uuid4().hex,  # unique bytes: a conditional create refused after a lost reply tells its own entry
     }
     out: list[dict[str, Any]] = [{"commitInfo": info}]
     out += [{"txn": {"appId": f.app_id, "version": f.version, "lastUpdated": now_ms}} for f in fences]

@@ -318,6 +318,12 @@ class ObjectStore(Store):
             obstore.put(self._store, path, data)
 
     def put_if_absent(self, path: str, data: bytes) -> bool:
+        """A conditional create; when refused, True still if the object holds exactly `data` (our own create).
+
+        A create whose reply was lost is retried by obstore and refused as existing although it
+        landed: taken as a lost race, a commit's entry would stand while its data files were
+        deleted. A commit's entry carries a unique id (log.py), so equal bytes are ours.
+        """
         import obstore
         from obstore.exceptions import AlreadyExistsError, PreconditionError
 
@@ -325,7 +331,10 @@ class ObjectStore(Store):
             try:
                 obstore.put(self._store, path, data, mode="create")
             except (AlreadyExistsError, PreconditionError):
-                return False
+                try:
+                    return self.get(path) == data
+                except FileNotFoundError:
+                    return False
             return True
 
     def list(self, prefix: str = "") -> list[Entry]:
@@ -511,12 +520,19 @@ def _whole(key: str, value: object) -> int:
         raise InvalidOperationError(f"storage option {key} must be a whole number, got {value!r}") from None
 
 
+# Error codes object stores answer a request in a container or bucket that does not exist with (Azure, S3 and GCS).
+_NO_BUCKET_CODES = ("ContainerNotFound", "NoSuchBucket")
+
+
 @contextlib.contextmanager
 def _translate(uri: str, path: str) -> Iterator[None]:
     """Turn store failures other than a missing object into StorageError naming the store."""
     try:
         yield
-    except FileNotFoundError:
+    except FileNotFoundError as exc:
+        code = next((c for c in _NO_BUCKET_CODES if c in str(exc)), None)
+        if code is not None:  # not a missing object: a missing container or bucket, where "absent" would read as empty
+            raise StorageError(f"store {uri!r} failed on {path!r}: its container or bucket does not exist ({code})") from exc
         raise
     except (PermissionError, IsADirectoryError, NotADirectoryError) as exc:
         raise StorageError(f"store {uri!r} refused access to {path!r}: {exc}") from exc
