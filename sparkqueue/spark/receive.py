@@ -101,14 +101,14 @@ def receive_dataframe(
     give_up = time.monotonic() + wait_s
     poll = POLL_MIN_S
     rounds = 0
-    while True:
-        got, rounds = gather(session, job, entity, want, rounds)
-        if got or time.monotonic() >= give_up:
-            break
-        time.sleep(min(poll, max(0.0, give_up - time.monotonic())))
-        poll = min(POLL_MAX_S, poll * 2)
-    log.info("received %d of %d messages from %s into %s", got, want, job.ref.name, job.staging.uri)
-    try:
+    try:  # a round or task failing after others committed: what they locked is given back too
+        while True:
+            got, rounds = gather(session, job, entity, want, rounds)
+            if got or time.monotonic() >= give_up:
+                break
+            time.sleep(min(poll, max(0.0, give_up - time.monotonic())))
+            poll = min(POLL_MAX_S, poll * 2)
+        log.info("received %d of %d messages from %s into %s", got, want, job.ref.name, job.staging.uri)
         return read_staged(session, job, utcnow())
     except BaseException:
         give_back(entity, job)

@@ -6,8 +6,10 @@ import multiprocessing as mp
 import threading
 import time
 from datetime import timedelta
+from pathlib import Path
 
 import procs
+import pyarrow.parquet as pq
 import pytest
 from chispa import assert_df_equality
 from pyspark.sql import functions as sf
@@ -23,6 +25,39 @@ LONG_LOCK = timedelta(minutes=5)  # the longest allowed: a busy CI machine must 
 def statuses(result) -> dict[str, int]:
     """Count of each status in a settle result."""
     return {r.status: r["count"] for r in result.groupBy("status").count().collect()}
+
+
+def test_a_receive_whose_spark_job_fails_after_some_tasks_locked_gives_their_messages_back(spark, ns, numbered):
+    """The lock job is cancelled once a task has committed locks: the call raises, and nothing stays locked.
+
+    Before, only a failure to read the staged result gave the locks back; messages locked by the
+    tasks that had committed stayed hidden until their lock expired (and, received and deleted,
+    went unreported).
+    """
+    ns.create_queue("q", lock_duration=timedelta(minutes=5))
+    with ns.get_queue_sender("q") as s:
+        assert s.send_dataframe(numbered(40_000, partitions=4)) == 40_000
+    staged = Path(ns.root) / "_spark_staging" / "receive"
+
+    def cancel_once_locked() -> None:
+        give_up = time.monotonic() + 120  # a bound on a hang, not a timed assertion
+        while not any(staged.rglob("part-*.parquet")) and time.monotonic() < give_up:
+            time.sleep(0.005)
+        spark.sparkContext.cancelAllJobs()
+
+    canceller = threading.Thread(target=cancel_once_locked)
+    canceller.start()
+    with ns.get_queue_receiver("q") as r, pytest.raises(Exception, match="cancel"):
+        r.receive_dataframe(40_000)
+    canceller.join()
+    # A cancelled Python task may go on committing locks for a moment (Spark kills its worker after a
+    # timeout): those the call cannot know of stay locked. Count every lock the job took once it is quiet.
+    locked = -1
+    while locked != (locked := sum(pq.read_metadata(f).num_rows for f in staged.rglob("part-*.parquet"))):
+        time.sleep(3)
+    with ns.get_queue_receiver("q") as r:
+        receivable = len(procs.drain_all(r, batch=5_000))
+    assert locked > 0 and receivable > 40_000 - locked  # the locks taken before the call failed were given back
 
 
 def test_received_dataframe_is_locked_once_and_reads_the_same_rows_again(spark, ns, numbered):
