@@ -442,18 +442,28 @@ def _ttl_us(types: dict[str, st.DataType]) -> Column:
     dtype = types.get("time_to_live")
     if dtype is None or isinstance(dtype, st.NullType):
         return sf.lit(None).cast("long")
-    if isinstance(dtype, st.DayTimeIntervalType):
-        return sf.expr("unix_micros(timestamp_micros(0) + time_to_live)")
-    if isinstance(dtype, st.NumericType):  # as the core: NaN and infinities refused, TTL_NEVER and more is no expiry
+    if isinstance(dtype, st.DayTimeIntervalType):  # any day-time interval fits a long of microseconds
+        micros = sf.expr("unix_micros(timestamp_micros(0) + time_to_live)")
+        never_us = int(limits.TTL_NEVER.total_seconds()) * 1_000_000
+        return _ttl_rule(micros, never_us, micros, sf.col("time_to_live").cast("string"))
+    if isinstance(dtype, st.NumericType):  # as the core: NaN and infinities refused
         seconds = sf.col("time_to_live").cast("double")
         bad = sf.isnan(seconds) | (sf.abs(seconds) == float("inf"))
-        return (
-            sf.when(bad, _fail(InvalidOperationError, "time_to_live must be a finite number of seconds, got ", seconds))
-            .when(seconds >= limits.TTL_NEVER.total_seconds(), sf.lit(None))
-            .otherwise((seconds * 1_000_000).cast("long"))
-            .cast("long")
-        )
+        shown = sf.concat(seconds.cast("string"), sf.lit(" seconds"))
+        not_finite = _fail(InvalidOperationError, "time_to_live must be a finite number of seconds, got ", seconds)
+        ttl = _ttl_rule(seconds, limits.TTL_NEVER.total_seconds(), seconds * 1_000_000, shown)
+        return sf.when(bad, not_finite).otherwise(ttl)
     raise InvalidOperationError(f"time_to_live must be seconds (a number) or a day-time interval, got {dtype.simpleString()}")
+
+
+def _ttl_rule(value: Column, never: float, micros: Column, shown: Column) -> Column:
+    """The core's TTL rule (limits.check_ttl), before a cast could overflow: `never` or more never expires, <= 0 is refused."""
+    return (
+        sf.when(value >= never, sf.lit(None))
+        .when(value <= 0, _fail(InvalidOperationError, "time_to_live must be positive, got ", shown))
+        .otherwise(micros.cast("long"))
+        .cast("long")
+    )
 
 
 def _scheduled(types: dict[str, st.DataType]) -> Column:

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import threading
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -37,6 +38,7 @@ from pyspark.sql.types import StructType
 
 from sparkqueue.errors import InvalidOperationError, SparkQueueError, StorageError
 from sparkqueue.message import Message, message_label, to_rows
+from sparkqueue.model import limits
 from sparkqueue.model.entity import utcnow
 from sparkqueue.model.properties import check_status
 from sparkqueue.spark.session import task_error
@@ -267,5 +269,16 @@ def _ttls(column: pa.Array) -> list[timedelta | None]:
         ttls: list[timedelta | None] = column.to_pylist()
         return ttls
     if pa.types.is_integer(column.type) or pa.types.is_floating(column.type) or pa.types.is_decimal(column.type):
-        return [None if v is None else timedelta(seconds=float(v)) for v in column.to_pylist()]
+        return [None if v is None else _seconds_ttl(float(v)) for v in column.to_pylist()]
     raise InvalidOperationError(f"time_to_live must be seconds (a number) or an interval, got {column.type}")
+
+
+def _seconds_ttl(seconds: float) -> timedelta | None:
+    """A TTL from seconds by send_dataframe's rule (send._ttl_us), checked before a timedelta could overflow."""
+    if not math.isfinite(seconds):
+        raise InvalidOperationError(f"time_to_live must be a finite number of seconds, got {seconds!r}")
+    if seconds >= limits.TTL_NEVER.total_seconds():
+        return None  # as limits.check_ttl: Service Bus's infinite TTL or more never expires
+    if seconds <= 0:
+        raise InvalidOperationError(f"time_to_live must be positive, got {seconds!r} seconds")
+    return timedelta(seconds=seconds)

@@ -1,0 +1,135 @@
+"""time_to_live through every send path (docs/semantics.md §5): send_messages, send_dataframe and the sink agree."""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+from datetime import timedelta
+from functools import reduce
+from pathlib import Path
+
+import pytest
+from pyspark.errors import PySparkException
+from pyspark.sql import DataFrame, SparkSession
+
+from sparkqueue import Message, Namespace
+from sparkqueue.errors import SparkQueueError
+from sparkqueue.model.limits import TTL_NEVER
+from sparkqueue.spark.session import translate
+
+pytestmark = pytest.mark.spark
+
+Outcome = list[timedelta | None] | str  # each row's stored TTL, or the refusal of the whole send
+_names = itertools.count()
+
+
+def refusal(exc: SparkQueueError) -> str:
+    """An error as compared across paths: its class and its text up to the value (each path shows the value its own way)."""
+    return f"{type(exc).__name__}: {str(exc).split(', got ')[0]}"
+
+
+def new_queue(ns: Namespace) -> str:
+    """A fresh queue of the namespace, so each send is read back alone."""
+    name = f"q{next(_names)}"
+    ns.create_queue(name)
+    return name
+
+
+def stored(ns: Namespace, queue: str, n: int) -> list[timedelta | None]:
+    """The TTL stored for messages m0 .. m<n-1> of the queue."""
+    with ns.get_queue_receiver(queue) as r:
+        by_id = {m.message_id: m.time_to_live for m in r.peek_messages(n + 1)}
+    return [by_id[f"m{i}"] for i in range(n)]
+
+
+def frame(spark: SparkSession, ttls: list[str], keyed: bool = False) -> DataFrame:
+    """One row per SQL expression, as its time_to_live (rows of one call share a type: a union would widen it)."""
+    key = ["'k' AS partition_key"] if keyed else []
+    rows = [
+        spark.range(1).selectExpr(f"'m{i}' AS message_id", "'x' AS body", f"{t} AS time_to_live", *key)
+        for i, t in enumerate(ttls)
+    ]
+    return reduce(DataFrame.unionByName, rows)
+
+
+def via_messages(ns: Namespace, ttls: list[timedelta]) -> Outcome:
+    """What send_messages stores for these TTLs, or how it refuses them."""
+    queue = new_queue(ns)
+    try:
+        with ns.get_queue_sender(queue) as s:
+            s.send_messages([Message("x", message_id=f"m{i}", time_to_live=t) for i, t in enumerate(ttls)])
+    except SparkQueueError as exc:
+        return refusal(exc)
+    return stored(ns, queue, len(ttls))
+
+
+def via_dataframe(spark: SparkSession, ns: Namespace, ttls: list[str], keyed: bool) -> Outcome:
+    """What send_dataframe stores (Spark's writer unkeyed, the staged path keyed), or how it refuses them."""
+    queue = new_queue(ns)
+    try:
+        with ns.get_queue_sender(queue) as s:
+            s.send_dataframe(frame(spark, ttls, keyed))
+    except SparkQueueError as exc:
+        return refusal(exc)
+    return stored(ns, queue, len(ttls))
+
+
+def via_sink(spark: SparkSession, ns: Namespace, tmp_path: Path, ttls: list[str]) -> Outcome:
+    """What the streaming sink stores from a file stream of these rows, or the sparkqueue error that failed its query."""
+    queue = new_queue(ns)
+    src = tmp_path / "src" / queue
+    frame(spark, ttls).coalesce(1).write.parquet(str(src))
+    stream = spark.readStream.schema(spark.read.parquet(str(src)).schema).parquet(str(src)).writeStream.format("sparkqueue")
+    stream = stream.option("namespace", ns.root).option("checkpointLocation", str(tmp_path / "ck" / queue))
+    query = stream.trigger(availableNow=True).start(queue)
+    with contextlib.suppress(PySparkException):
+        query.awaitTermination(120)
+    failure = query.exception()
+    if failure is None:
+        return stored(ns, queue, len(ttls))
+    error = translate(failure)
+    assert error is not None, f"the query failed without a sparkqueue error: {str(failure)[:800]}"
+    return refusal(error)
+
+
+def every_path(spark: SparkSession, ns: Namespace, tmp_path: Path, ttls: list[str]) -> dict[str, Outcome]:
+    """The outcome of send_dataframe (both paths) and of the sink for the same rows."""
+    return {
+        "send_dataframe": via_dataframe(spark, ns, ttls, keyed=False),
+        "send_dataframe keyed": via_dataframe(spark, ns, ttls, keyed=True),
+        "sink": via_sink(spark, ns, tmp_path, ttls),
+    }
+
+
+@pytest.mark.parametrize("ttl", ["CAST(-1e20 AS DOUBLE)", "CAST(-9223372036854775808 AS BIGINT)", "CAST(-1e25 AS DECIMAL(38,0))"])
+def test_hugely_negative_seconds_are_refused_as_send_messages_refuses_a_negative_ttl(spark, ns, tmp_path, ttl):
+    """Too negative for microseconds in a long (or for a timedelta): refused as not positive, not as a raw overflow."""
+    expected = via_messages(ns, [-timedelta(days=999_999_999)])
+    assert expected == "InvalidOperationError: time_to_live must be positive"
+    assert every_path(spark, ns, tmp_path, [ttl]) == dict.fromkeys(("send_dataframe", "send_dataframe keyed", "sink"), expected)
+
+
+def test_the_sink_takes_seconds_past_ttl_never_as_never_and_refuses_nan_as_send_dataframe(spark, ns, tmp_path):
+    """1e14 seconds (past what a timedelta holds) never expires, as a TTL of TTL_NEVER or more in send_messages."""
+    never = TTL_NEVER.total_seconds()
+    seconds = ["CAST(1e14 AS DOUBLE)", f"CAST({never} AS DOUBLE)", f"CAST({never - 1} AS DOUBLE)", "CAST(90.5 AS DOUBLE)"]
+    expected = via_messages(ns, [timedelta.max, TTL_NEVER, TTL_NEVER - timedelta(seconds=1), timedelta(seconds=90.5)])
+    assert expected == [None, None, TTL_NEVER - timedelta(seconds=1), timedelta(seconds=90.5)]
+    assert every_path(spark, ns, tmp_path, seconds) == dict.fromkeys(("send_dataframe", "send_dataframe keyed", "sink"), expected)
+    # NaN has no timedelta for send_messages: the sink refuses it as send_dataframe does
+    nan = "InvalidOperationError: time_to_live must be a finite number of seconds"
+    assert via_sink(spark, ns, tmp_path, ["double('NaN')"]) == via_dataframe(spark, ns, ["double('NaN')"], keyed=False) == nan
+
+
+def test_an_interval_of_ttl_never_or_more_never_expires_on_every_path(spark, ns, tmp_path):
+    """A day-time interval follows the TTL_NEVER rule of numbers and timedeltas: stored as no TTL, not as 20,000,000 days."""
+    days = [20_000_000, TTL_NEVER.days, TTL_NEVER.days - 1, 2]
+    expected = via_messages(ns, [timedelta(days=d) for d in days])
+    assert expected == [None, None, timedelta(days=TTL_NEVER.days - 1), timedelta(days=2)]
+    intervals = [f"INTERVAL '{d}' DAY" for d in days]
+    assert every_path(spark, ns, tmp_path, intervals) == dict.fromkeys(
+        ("send_dataframe", "send_dataframe keyed", "sink"), expected
+    )
+    negative = via_messages(ns, [-timedelta(days=1)])
+    assert negative == "InvalidOperationError: time_to_live must be positive"
+    assert via_dataframe(spark, ns, ["INTERVAL '-1' DAY"], keyed=False) == negative
