@@ -299,6 +299,13 @@ def test_a_client_option_with_its_store_prefix_works_as_delta_rs_takes_it(azurit
         assert ns.get_queue_runtime_properties("q").active_message_count == 1
 
 
+@pytest.mark.parametrize("uri", ["az://c/a%20b", "s3://bucket/ns%2Fq"])
+def test_an_object_store_root_with_a_url_escape_is_refused(uri: str) -> None:
+    """The store decodes it: before, 'az://c/a%20b' opened (and wrote) the namespace stored at 'a b'."""
+    with pytest.raises(InvalidOperationError, match="URL escape"):
+        Namespace(uri)
+
+
 @pytest.mark.parametrize("uri", ["abfss://c@/x", "abfss://@acct.dfs.core.windows.net/x"])
 def test_an_abfs_uri_without_container_or_account_is_refused(uri: str) -> None:
     with pytest.raises(InvalidOperationError, match="names no container"):

@@ -416,6 +416,11 @@ def _object_store_root(text: str, scheme: str, rest: str) -> str:
     segments = path.rstrip("/").split("/") if path.rstrip("/") else []
     if any(seg in ("", ".", "..") for seg in segments):
         raise InvalidOperationError(f"namespace URI {text!r} has an empty, '.' or '..' segment; write the path it means")
+    if _URL_ESCAPE.search(path):  # the store decodes it: 'a%20b' would name the namespace at 'a b'
+        raise InvalidOperationError(
+            f"namespace URI {text!r} holds a URL escape ('%' and two hex digits), which the store decodes into "
+            "another path; write the path it means"
+        )
     return f"{scheme}://{rest.rstrip('/')}"
 
 
