@@ -313,8 +313,8 @@ def test_sink_fails_a_batch_whose_staged_rows_a_cleanup_removed_and_sends_it_who
     schema = spark.read.parquet(str(src / "f0")).schema
     staged_dir, cleaned = Path(root) / "_spark_staging" / "stream-send", str(tmp_path / "cleaned")
 
-    def other_tasks_staged() -> bool:
-        return staged_dir.is_dir() and any(staged_dir.iterdir())
+    def other_tasks_staged() -> bool:  # a finished file (written under a temporary name, then renamed)
+        return staged_dir.is_dir() and any(staged_dir.rglob("part-*.parquet"))
 
     def body(b):  # a plain Python UDF, run in a Spark worker: one task of batch 1 waits, then cleans up
         if b == "file1-39" and not os.path.exists(cleaned):
