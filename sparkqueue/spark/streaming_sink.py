@@ -126,7 +126,10 @@ class QueueStreamWriter(DataSourceStreamArrowWriter):
                 rows = rows.append_column(KEY_COLUMN, pa.array(keys, pa.string()))
                 if staging is None:
                     staging = Staging.create(ns.root, "stream-send")
-                staging.write(f"part-{i:05d}.parquet", rows)
+                try:
+                    staging.write(f"part-{i:05d}.parquet", rows)
+                except OSError as exc:  # e.g. its directory removed by a staging cleanup (staging.py)
+                    raise StorageError(f"staging the batch's rows in {staging.uri} failed: {exc}") from exc
                 count += rows.num_rows
         except SparkQueueError as exc:
             raise task_error(exc) from exc
