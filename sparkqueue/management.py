@@ -166,13 +166,13 @@ class Management:
             self._create_entry(
                 entity_type, name, props, table_path, require=lambda entries: self._check_entity_quota(props, entries)
             )
-            self._check_table_kept(entity_type, name, table_path)
         except BaseException:
             try:
                 self._remove_table(table_path)
             except Exception as cleanup:  # the store may be what failed: the create's own error is the one to report
                 log.warning("could not remove the table of the failed create (maintenance removes it later): %s", cleanup)
             raise
+        self._check_table_kept(entity_type, name, table_path)  # after the try: the entry is recorded, the table stays
         return props
 
     def _check_table_kept(self, entity_type: str, name: str, table_path: str) -> None:
@@ -182,7 +182,11 @@ class Management:
         retention (docs/storage.md): a create held up that long between making its table and
         recording it would leave an entry naming no table, which refuses every send for good.
         """
-        if EntityTable(self.broker.table_uri(table_path), 1, storage_options=self.broker.store_options).log.exists():
+        try:
+            if EntityTable(self.broker.table_uri(table_path), 1, storage_options=self.broker.store_options).log.exists():
+                return
+        except (SparkQueueError, OSError) as exc:  # no answer is not "gone": the table was made, keep the create
+            log.warning("could not check that the table of %s %s is still there: %s", entity_type, name, exc)
             return
         me = Address.of(entity_type, name)
         children = None if entity_type == QUEUE else (lambda key: Address.parse(key).is_child_of(me))

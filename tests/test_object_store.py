@@ -371,3 +371,12 @@ def test_a_namespace_configured_by_the_environment_alone_pickles_and_reopens(sto
         with again.get_queue_sender("q") as s:
             s.send_messages(Message("x"))
         assert ns.get_queue_runtime_properties("q").active_message_count == 1
+
+
+def test_a_path_naming_a_missing_bucket_code_is_still_just_a_missing_object(tmp_path: Path) -> None:
+    """The missing-container check reads the service's error code, not the message, which holds the path too."""
+    from sparkqueue.storage.store import ObjectStore
+
+    (tmp_path / "NoSuchBucket-ContainerNotFound" / "ns").mkdir(parents=True)
+    store = ObjectStore(f"file://{tmp_path}/NoSuchBucket-ContainerNotFound/ns", {})
+    assert store.exists("_delta_log/00000000000000000001.json") is False

@@ -517,11 +517,14 @@ class DeltaLog:
             )
 
     def _behind_checkpoint(self, version: int) -> bool:
-        """True when the log holds a checkpoint at `version` or later (one listing)."""
+        """True when the log holds a checkpoint past `version` (one listing): a trimmed v always has one after it.
+
+        A checkpoint at v itself was made by a reader of this very entry, which must then stand.
+        """
         for e in self.store.list(f"{LOG_DIR}/"):
             folder, _, name = e.path.rpartition("/")
             m = _ENTRY.match(name) if folder == LOG_DIR else None
-            if m is not None and m.group(2) != "json" and int(m.group(1)) >= version:
+            if m is not None and m.group(2) != "json" and int(m.group(1)) > version:
                 return True
         return False
 

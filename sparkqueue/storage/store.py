@@ -535,7 +535,8 @@ def _translate(uri: str, path: str) -> Iterator[None]:
     try:
         yield
     except FileNotFoundError as exc:
-        code = next((c for c in _NO_BUCKET_CODES if c in str(exc)), None)
+        match = _SERVICE_CODE.search(str(exc))  # the service's <Code>, never the path (which may hold the same words)
+        code = match.group(1) if match and match.group(1) in _NO_BUCKET_CODES else None
         if code is not None:  # not a missing object: a missing container or bucket, where "absent" would read as empty
             raise StorageError(f"store {uri!r} failed on {path!r}: its container or bucket does not exist ({code})") from exc
         raise
