@@ -395,7 +395,7 @@ class StreamState:
     def _lock(self, staging: Staging, want: int, items: list[Item]) -> int:
         """Lock up to `want` messages spread over the partitions (as receive_dataframe does); returns how many.
 
-        Nothing renews these locks before the batch is recorded, so locking stops after a third of
+        Nothing renews these locks before the batch is recorded, so locking stops after a sixth of
         the lock duration, as _lock_sessions does: a batch that kept locking past the lock duration
         lost its first messages' locks before it was emitted and completed none of them.
         """
