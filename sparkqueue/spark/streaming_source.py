@@ -396,8 +396,8 @@ class StreamState:
         """Lock up to `want` messages spread over the partitions (as receive_dataframe does); returns how many.
 
         Nothing renews these locks before the batch is recorded, so locking stops after a sixth of
-        the lock duration, as _lock_sessions does: a batch that kept locking past the lock duration
-        lost its first messages' locks before it was emitted and completed none of them.
+        the lock duration (its first renewal, of every message at once, needs time too): a batch
+        that kept locking past the lock duration lost its first locks before it was emitted.
         """
         entity = self.entity()
         stop_at = time.monotonic() + entity.policy.lock_duration.total_seconds() / 6
