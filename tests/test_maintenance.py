@@ -545,6 +545,26 @@ def test_a_dataframe_send_whose_write_lease_lapsed_commits_nothing(ns: Namespace
         assert [str(m) for m in drain_all(r)] == ["m"]
 
 
+def test_a_write_lease_that_went_unrefreshed_too_long_is_not_refreshed_back_to_life(
+    ns: Namespace, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A paused driver resumes: its refresh thread must not revive a lease vacuum may have judged stale meanwhile."""
+    from sparkqueue.storage import leases
+
+    monkeypatch.setattr(leases, "LEASE_REFRESH_S", 0.05)
+    ns.create_queue("q")
+    table = ns.broker.entity("queue", "q").table
+    with WriteLease(table.store) as lease:
+        path = f"{table.uri}/{LEASE_DIR}/{lease.id}"
+        lease._written -= leases.LEASE_LIVE_S  # as after a pause of ten minutes (monotonic time counts it)
+        give_up = time.monotonic() + 30  # a bound on a hang, not a timed assertion
+        while os.path.exists(path) and time.monotonic() < give_up:
+            time.sleep(0.05)
+        assert not os.path.exists(path)
+        with pytest.raises(StorageError, match="was not refreshed"):
+            leases.require_live(table.store, [f"partition_id=0/part-{lease.tag}-x.lz4.parquet"])
+
+
 def test_maintenance_job_runs_in_a_subprocess(ns: Namespace, root: str) -> None:
     """`python -m jobs.maintenance --root <root>` exits 0 and compacts the namespace's tables."""
     ns.create_queue("q")

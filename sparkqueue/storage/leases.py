@@ -78,6 +78,9 @@ class WriteLease:
     `tag` goes into the name of every file written under the lease. The lease file is rewritten
     by a daemon thread every LEASE_REFRESH_S and deleted on exit; a refresh that fails is logged
     and tried again at the next tick (the lease stays live for LEASE_LIVE_S after its last refresh).
+    A lease that went unrefreshed for half of LEASE_LIVE_S (failed refreshes, a paused process) is
+    broken for good: vacuum may have judged it stale meanwhile, so it is deleted, never refreshed
+    back to life, and `require_live` refuses the commit.
     """
 
     def __init__(self, store: Store) -> None:
@@ -86,6 +89,7 @@ class WriteLease:
         self.tag = f"lease-{self.id}"
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        self._written = time.monotonic()  # when the lease file was last written
 
     def __enter__(self) -> WriteLease:
         self._write()  # before any file: an error here stops the write before it starts
@@ -107,9 +111,15 @@ class WriteLease:
     def _write(self) -> None:
         body = {"host": socket.gethostname(), "pid": os.getpid(), "refreshed_ms": int(time.time() * 1000)}
         self.store.put(self._path, json.dumps(body).encode())
+        self._written = time.monotonic()
 
     def _refresh(self) -> None:
         while not self._stop.wait(LEASE_REFRESH_S):
+            if time.monotonic() - self._written > LEASE_LIVE_S / 2:
+                log.warning("write lease %s in %s went unrefreshed too long; its commit will be refused", self.id, self.store.uri)
+                with contextlib.suppress(Exception):
+                    self.store.delete(self._path)
+                return
             try:
                 self._write()
             except Exception as exc:
