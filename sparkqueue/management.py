@@ -188,10 +188,9 @@ class Management:
         except (SparkQueueError, OSError) as exc:  # no answer is not "gone": the table was made, keep the create
             log.warning("could not check that the table of %s %s is still there: %s", entity_type, name, exc)
             return
-        me = Address.of(entity_type, name)
-        children = None if entity_type == QUEUE else (lambda key: Address.parse(key).is_child_of(me))
-        self.broker.catalog.delete([me.key], self.broker.deadline(), children, table_path)
-        self.broker.forget(me.key)
+        key = Address.of(entity_type, name).key
+        self.broker.catalog.delete([key], self.broker.deadline(), _children_of(entity_type, name), table_path)
+        self.broker.forget(key)
         raise StorageError(
             f"{entity_type} {name!r} was not created: maintenance removed its new table while the create was held up "
             "(longer than the orphan retention) before recording it; create it again"
@@ -258,12 +257,7 @@ class Management:
         entity = self.broker.entity(entity_type, name)
         self._require_all_partitions(entity, f"delete {entity_type} {name!r}")
         entry = self.broker.entry(entity_type, name)
-        me = Address.of(entity_type, name)
-
-        def child(key: str) -> bool:  # subscriptions and rules, found in the commit: one created meanwhile goes too
-            return Address.parse(key).is_child_of(me)
-
-        children = None if entity_type == QUEUE else child
+        children = _children_of(entity_type, name)
         keys = [entry.name]
         if children is not None:
             keys += [e.name for e in self.broker.catalog.entries() if children(e.name)]  # to forget their cached settings
@@ -672,6 +666,17 @@ class Management:
             f"{setting} names {target!r}, but no queue or topic of that name exists in namespace {self.broker.root!r}; "
             "create the destination first (nothing was changed)"
         )
+
+
+def _children_of(entity_type: str, name: str) -> Callable[[str], bool] | None:
+    """Which catalog keys are the entity's children (a topic's subscriptions and rules); None for a queue.
+
+    Catalog deletes test it on the rows their commit replaces, so a child created meanwhile goes too.
+    """
+    if entity_type == QUEUE:
+        return None
+    me = Address.of(entity_type, name)
+    return lambda key: Address.parse(key).is_child_of(me)
 
 
 def _stored_rule(flt: Any, action: Any) -> tuple[RuleFilter, SqlRuleAction | None]:
