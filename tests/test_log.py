@@ -21,7 +21,7 @@ from deltalake import DeltaTable
 from sparkqueue.errors import StorageCorruptedError, StorageError
 from sparkqueue.storage.checkpoint import write_checkpoint
 from sparkqueue.storage.index import FileIndex
-from sparkqueue.storage.log import CommitConflict, DeltaLog, Fence
+from sparkqueue.storage.log import CommitConflict, DeltaLog, Fence, Snapshot
 from sparkqueue.storage.schema import ENTITY_SCHEMA, PARTITION_COLUMN
 from sparkqueue.storage.store import Entry, LocalStore, resolve_root
 from sparkqueue.storage.table import EntityTable
@@ -49,6 +49,12 @@ def table(tmp_path: Path) -> EntityTable:
     uri = str(tmp_path / "t")
     EntityTable.create(uri)
     return EntityTable(uri, 16)
+
+
+def _one_row_commits(table: EntityTable, snap: Snapshot, partitions: int) -> None:
+    """Another writer's work: one commit per partition 0..partitions-1, each a one-row file moving its fence to 1."""
+    for p in range(partitions):
+        table.log.commit(snap, [table.data.write(p, _rows(p, 1, 1))], [], [Fence(f"sparkqueue.seq.{p}", 1)])
 
 
 def _second_handle(table: EntityTable) -> DeltaLog:
@@ -254,8 +260,7 @@ def test_a_truncated_entry_is_reported(table: EntityTable) -> None:
 
 def test_a_missing_entry_in_the_middle_is_reported(table: EntityTable) -> None:
     snap = table.snapshot()
-    for p in range(3):
-        table.log.commit(snap, [table.data.write(p, _rows(p, 1, 1))], [], [Fence(f"sparkqueue.seq.{p}", 1)])
+    _one_row_commits(table, snap, 3)
     os.unlink(Path(table.uri, "_delta_log", f"{snap.version - 1:020d}.json"))
     with pytest.raises(StorageCorruptedError, match="missing"):
         _second_handle(table).load()
@@ -276,8 +281,7 @@ class _ListingRacingACommit(LocalStore):
 
 def test_an_entry_a_listing_missed_while_it_was_committed_is_found_by_listing_again(table: EntityTable) -> None:
     snap = table.snapshot()
-    for p in range(3):
-        table.log.commit(snap, [table.data.write(p, _rows(p, 1, 1))], [], [Fence(f"sparkqueue.seq.{p}", 1)])
+    _one_row_commits(table, snap, 3)
     store = _ListingRacingACommit(table.uri, f"{snap.version - 1:020d}.json")
     loaded = DeltaLog(store, FileIndex).load()
     assert store.hidden is None  # the first listing did miss it
@@ -298,8 +302,7 @@ class _ListingAlwaysMissing(LocalStore):
 def test_an_entry_every_listing_misses_is_looked_up_by_name_before_it_is_called_missing(table: EntityTable) -> None:
     """Four listings in a row missed entries under three busy writers: the namespace then failed to open as damaged."""
     snap = table.snapshot()
-    for p in range(3):
-        table.log.commit(snap, [table.data.write(p, _rows(p, 1, 1))], [], [Fence(f"sparkqueue.seq.{p}", 1)])
+    _one_row_commits(table, snap, 3)
     hidden = f"{snap.version - 1:020d}.json"
     assert DeltaLog(_ListingAlwaysMissing(table.uri, hidden), FileIndex).load().version == snap.version
     os.unlink(Path(table.uri, "_delta_log", hidden))  # gone for real: damage, reported
@@ -391,8 +394,7 @@ def test_a_live_handle_reports_an_entry_missing_after_its_version_and_never_comm
     live = EntityTable(table.uri, 16)  # a handle opened before the damage, as a running process has
     stale = live.snapshot()
     snap = table.snapshot()
-    for p in range(3):
-        table.log.commit(snap, [table.data.write(p, _rows(p, 1, 1))], [], [Fence(f"sparkqueue.seq.{p}", 1)])
+    _one_row_commits(table, snap, 3)
     gone = Path(table.uri, "_delta_log", f"{stale.version + 1:020d}.json")
     gone.unlink()
     with pytest.raises(StorageCorruptedError, match=f"log entries {stale.version + 1} are missing") as fresh_error:
@@ -412,8 +414,7 @@ def test_a_commit_rebasing_over_a_gap_reports_it_instead_of_filling_it(table: En
     other = _second_handle(table)
     theirs = other.load()
     snap = table.snapshot()
-    for p in range(3):
-        table.log.commit(snap, [table.data.write(p, _rows(p, 1, 1))], [], [Fence(f"sparkqueue.seq.{p}", 1)])
+    _one_row_commits(table, snap, 3)
     gone = Path(table.uri, "_delta_log", f"{theirs.version + 2:020d}.json")
     gone.unlink()
     with pytest.raises(StorageCorruptedError, match=f"log entries {theirs.version + 2} are missing"):
@@ -452,8 +453,7 @@ def test_entries_landing_between_the_two_reads_of_an_update_are_not_a_gap(table:
     other = DeltaLog(store, FileIndex)
     theirs = other.load()
     snap = table.snapshot()
-    for p in range(2):
-        table.log.commit(snap, [table.data.write(p, _rows(p, 1, 1))], [], [Fence(f"sparkqueue.seq.{p}", 1)])
+    _one_row_commits(table, snap, 2)
     store.late = f"_delta_log/{theirs.version + 1:020d}.json"
     listings = store.listings
     other.update(theirs)
@@ -472,8 +472,7 @@ def test_a_reload_that_finds_the_metadata_unchanged_does_not_fail_a_commit_as_a_
     other = DeltaLog(store, FileIndex)
     theirs = other.load()
     snap = table.snapshot()
-    for p in range(3):
-        table.log.commit(snap, [table.data.write(p, _rows(p, 1, 1))], [], [Fence(f"sparkqueue.seq.{p}", 1)])
+    _one_row_commits(table, snap, 3)
     assert write_checkpoint(table.store, snap)
     seen = {"sparkqueue.seq.9": theirs.txns.get("sparkqueue.seq.9")}
     # v is missed twice while v+1 exists: the update reloads from the listing (and the checkpoint) to tell a gap.
@@ -527,8 +526,7 @@ def test_a_put_held_up_until_its_version_was_trimmed_is_withdrawn_and_conflicts(
 
     def others_commit_checkpoint_and_trim() -> None:
         theirs = table.snapshot()
-        for p in range(3):
-            table.log.commit(theirs, [table.data.write(p, _rows(p, 1, 1))], [], [Fence(f"sparkqueue.seq.{p}", 1)])
+        _one_row_commits(table, theirs, 3)
         assert write_checkpoint(table.store, theirs)
         for v in range(theirs.version):  # what trim_log does once they are older than the retention
             Path(table.uri, "_delta_log", f"{v:020d}.json").unlink()
