@@ -361,3 +361,49 @@ def test_a_forwarder_that_read_its_run_before_an_expiry_removes_no_dead_letter(
         main, dead = everywhere_of(ns, ("src", "dst"))
         assert main == Counter({"m0": 1, "m2": 1})
         assert dead == Counter({"m1": 1})
+
+
+# A receiver that dead-letters messages into a forwarded dead-letter queue and dies (SIGKILL to itself) right after
+# the forwarder claimed them, before any copy reached the destination.
+DIES_AFTER_CLAIM = r"""
+import os, signal, sys
+from sparkqueue import Namespace
+from sparkqueue.model import forwarding
+
+forwarding._deliver = lambda *a, **k: os.kill(os.getpid(), signal.SIGKILL)
+with Namespace(sys.argv[1]) as ns, ns.get_queue_receiver("src") as receiver:
+    for m in receiver.receive_messages(max_message_count=1, max_wait_time=5):
+        receiver.dead_letter_message(m, reason="crash-test")
+print("not killed", flush=True)
+"""
+
+
+@pytest.mark.parametrize("gone", ["destination", "route"])
+def test_dead_letters_a_killed_forwarder_claimed_become_receivable_when_their_route_is_gone(root: str, gone: str) -> None:
+    """A forwarder SIGKILLed after claiming dead letters left them unreceivable for good once the destination was
+    deleted (or the route removed): nothing ever finished or released the claim. A claim now lapses like a lock."""
+    with Namespace(root) as ns:
+        ns.create_queue("dst")
+        ns.create_queue("src", forward_dead_lettered_messages_to="dst", lock_duration=timedelta(seconds=2))
+        with ns.get_queue_sender("src") as s:
+            s.send_messages([Message(f"s{i}", message_id=f"s{i}", partition_key="k") for i in range(3)])
+        with ns.get_queue_receiver("src") as r:
+            for m in r.receive_messages(max_message_count=2, max_wait_time=5):
+                r.dead_letter_message(m, reason="before")  # forwarded at once: dst holds s0, s1
+    done = subprocess.run([sys.executable, "-c", DIES_AFTER_CLAIM, root], capture_output=True, timeout=120)
+    assert done.returncode == -signal.SIGKILL, done.stderr.decode()[-2000:]
+    with Namespace(root) as ns:
+        if gone == "destination":
+            ns.delete_queue("dst")
+        else:
+            props = ns.get_queue("src")
+            props.forward_dead_lettered_messages_to = None
+            ns.update_queue(props)
+        ns.forward_pending_messages()
+        with ns.get_queue_receiver("src", sub_queue=SubQueue.DEAD_LETTER) as r:
+            assert [m.message_id for m in peek_all(r)] == ["s2"]  # the claimed dead letter is still there
+            got: list[str] = []
+            give_up = time.monotonic() + 30
+            while not got and time.monotonic() < give_up:  # receivable once the claim lapsed (2 s)
+                got = [m.message_id for m in r.receive_messages(max_message_count=10, max_wait_time=1)]
+            assert got == ["s2"]

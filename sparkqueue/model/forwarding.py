@@ -187,11 +187,13 @@ def _key_conflicts(rows: pa.Table) -> pa.Array:
 def _forward_dead_letters(entity: Entity, route: Route, p: int, resolve: Resolver) -> int:
     """Forward a batch of a partition's dead letters (after finishing any abandoned claim); returns how many left.
 
-    (1) A source commit claims the batch: its rows get a claim token as lock token and no
-    availability, so receivers skip them. (2) The copies are appended to the destination under
-    the txn app id of that claim, once. (3) The rows are removed at the source. A forwarder that
-    finds claimed rows (their forwarder died, or is still at work) finishes that claim: the app id
-    tells whether (2) already happened. Dead letters that cannot travel stay where they are.
+    (1) A source commit claims the batch: its rows get a claim token as lock token, locked for the
+    entity's lock duration, so receivers skip them. (2) The copies are appended to the destination
+    under the txn app id of that claim, once. (3) The rows are removed at the source. A forwarder
+    that finds claimed rows (their forwarder died, or is still at work) finishes that claim: the
+    app id tells whether (2) already happened. Dead letters that cannot travel stay where they are,
+    and a claim nobody finishes (the destination or the route went away) lapses like a receiver's
+    lock, so its dead letters become receivable again.
     """
     try:
         dest, expand = resolve(route.destination)
@@ -244,7 +246,8 @@ def _claim(entity: Entity, p: int) -> tuple[pa.Table, str, bool]:
     if batch.num_rows == 0:
         return batch, "", False
     token = f"{CLAIM_PREFIX}{uuid.uuid4().hex}"
-    entity.table.apply(dt, p, lifecycle.changes(batch, OP_SET, lock_token=token, locked_until_utc=None, available_at_utc=None))
+    until = now + entity.policy.lock_duration  # a lock: it lapses if no forwarder ever finishes the claim
+    entity.table.apply(dt, p, lifecycle.changes(batch, OP_SET, lock_token=token, locked_until_utc=until, available_at_utc=until))
     return batch, token, False
 
 
