@@ -604,11 +604,10 @@ class Management:
                 found = check_table(table, repair=repair)
             except SparkQueueError as exc:
                 found = [Finding(table.uri, str(exc))]
-            except FileNotFoundError:  # no log: deleted since the catalog was read, or damage if the catalog still names it
-                still = self.broker.catalog.get(e.name)
-                if still is None or still.table_path != e.table_path:
-                    continue
+            except FileNotFoundError:
                 found = [Finding(table.uri, "the table's log is missing, though the catalog names the table")]
+            if found and not self._still_named(e):
+                continue  # deleted since the catalog was read: what check found was that delete at work
             for f in found:
                 f.table = f"{e.entity_type} {name} ({f.table})"
             findings += found
@@ -616,6 +615,11 @@ class Management:
             with self.broker.lock:
                 self.broker.tables.clear()  # handles re-read the repaired log
         return findings
+
+    def _still_named(self, entry: CatalogEntry) -> bool:
+        """True when the catalog still names the entry's table (a delete removes the entry before the table)."""
+        still = self.broker.catalog.get(entry.name)
+        return still is not None and still.table_path == entry.table_path
 
     def _check_action_fits(self, topic_name: str, subscription_name: str, action: Any) -> None:
         """Refuse an action whose copies the subscription could never deliver (EntityNotFoundError if it does not exist)."""

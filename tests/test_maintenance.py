@@ -778,6 +778,52 @@ def test_check_skips_a_queue_another_process_deletes_while_it_runs(ns: Namespace
         assert len(seen) == 3  # queue c was checked too
 
 
+# Another process's delete_queue('b'), caught half-way: tombstone written, data files gone, log not yet.
+HALF_DELETE = r"""
+import sys
+import sparkqueue.management as management
+from sparkqueue import Namespace
+from sparkqueue.storage.log import LOG_DIR, TOMBSTONE
+
+def half(store):
+    store.put(TOMBSTONE, b"")
+    for e in store.list():
+        if e.path != TOMBSTONE and not e.path.startswith(f"{LOG_DIR}/"):
+            store.delete(e.path)
+    return 0
+
+management.delete_table = half
+Namespace(sys.argv[1]).delete_queue("b")
+"""
+
+
+def test_check_skips_a_queue_caught_half_way_through_another_process_s_delete(
+    ns: Namespace, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """check() read the catalog, then reached queue b while another process was deleting it (data gone, log not yet).
+
+    Before, the missing data files were reported as damage of a queue that no longer exists.
+    """
+    import sparkqueue.management as management
+
+    for q in ("a", "b", "c"):
+        ns.create_queue(q)
+        with ns.get_queue_sender(q) as s:
+            s.send_messages(Message("m"))
+    real = management.check_table
+    seen: list[str] = []
+
+    def half_deleting_b_first(table: EntityTable, *, repair: bool = False) -> Any:
+        seen.append(table.uri)
+        if len(seen) == 2:
+            subprocess.run([sys.executable, "-c", HALF_DELETE, ns.root], check=True, timeout=120)
+        return real(table, repair=repair)
+
+    monkeypatch.setattr(management, "check_table", half_deleting_b_first)
+    assert ns.check() == []
+    assert len(seen) == 3
+
+
 def test_check_reports_a_table_whose_log_is_gone_while_the_catalog_names_it(ns: Namespace, root: str) -> None:
     """A queue whose `_delta_log` directory vanished (the catalog still names it) is a finding, never a crash."""
     ns.create_queue("q")
