@@ -125,6 +125,45 @@ def test_a_catalog_replaced_under_every_read_gives_up_after_a_few_reads(root: st
     assert [q.name for q in Namespace(root).list_queues()] == ["a", *changes]
 
 
+class _FlakyLogStore(_PausingStore):
+    """A `_PausingStore` whose first read of a log entry after `fail_next` is set fails as a dropped connection would."""
+
+    fail_next = False
+
+    def get(self, path: str) -> bytes:
+        if path.startswith("_delta_log/") and self.fail_next:
+            self.fail_next = False
+            raise StorageError(f"{self.uri}: connection reset reading {path}")
+        return super().get(path)
+
+
+def test_a_transient_error_while_catching_up_after_a_vacuumed_catalog_file_is_retryable_not_damage(root: str) -> None:
+    """The catalog file under a read was replaced and vacuumed, and the log read that tells so failed once.
+
+    Before, that read failure was reported as damage (StorageCorruptedError: restore a backup) of a healthy catalog.
+    """
+    writer = Namespace(root)
+    writer.create_queue("a")
+    reader = Namespace(root)
+    assert [q.name for q in reader.list_queues()] == ["a"]
+    writer.create_queue("b")
+    store: _FlakyLogStore
+
+    def replace_vacuum_then_fail_once() -> None:
+        if not store.fail_next and "c" not in [q.name for q in writer.list_queues()]:
+            writer.create_queue("c")
+            writer.run_maintenance(vacuum_retention=timedelta(0))
+            store.fail_next = True
+
+    catalog = reader.broker.catalog
+    store = _FlakyLogStore(catalog.store.uri, replace_vacuum_then_fail_once)
+    catalog.store = catalog.log.store = store
+    with pytest.raises(StorageError, match="connection reset") as raised:
+        reader.list_queues()
+    assert not isinstance(raised.value, StorageCorruptedError)
+    assert [q.name for q in reader.list_queues()] == ["a", "b", "c"]  # the retry reads the newer version
+
+
 # ---- _last_checkpoint ---------------------------------------------------------------------------
 
 

@@ -228,8 +228,13 @@ class Catalog:
         with self._lock:
             try:
                 live = path in self.log.update(snap).files
-            except (SparkQueueError, OSError):  # the log cannot be read either: report the file found missing
-                live = True
+            except StorageCorruptedError:
+                raise
+            except (SparkQueueError, OSError) as exc:  # the log cannot be read now: that tells nothing of damage
+                raise StorageError(
+                    f"namespace catalog {self.uri}: file {path} was not found, and reading the log to tell why failed "
+                    f"({exc}); retry"
+                ) from exc
         if live:
             raise StorageCorruptedError(f"namespace catalog {self.uri}: live file {path} is missing")
         if attempt >= READ_ATTEMPTS:
