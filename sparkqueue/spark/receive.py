@@ -19,6 +19,7 @@ asked for.
 from __future__ import annotations
 
 import logging
+import math
 import random
 import time
 import uuid
@@ -50,6 +51,7 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 RECEIVE_CHUNK = 16_384  # messages per lock commit inside a task (two send files)
+LOCKING_SHARE = 6  # locking stops after lock_duration / LOCKING_SHARE, so no lock lapses before the call returns
 CLOCK_SKEW = timedelta(seconds=30)  # how far apart the driver's and executors' clocks may be
 MAX_ROUNDS = 64  # a safety bound: rounds end on their own (see gather)
 POLL_MIN_S, POLL_MAX_S = 0.05, 1.0
@@ -165,6 +167,7 @@ def gather(spark: SparkSession, job: ReceiveJob, entity: Entity, want: int, roun
         shift = random.randrange(len(candidates))
         candidates = candidates[shift:] + candidates[:shift]
     total = 0
+    stop_at = time.monotonic() + locking_time_s(entity, job.delete)
     for _ in range(MAX_ROUNDS):
         plan = shares(want - total, candidates, estimate)
         if not plan:
@@ -182,9 +185,17 @@ def gather(spark: SparkSession, job: ReceiveJob, entity: Entity, want: int, roun
         planned = {p for p, _ in plan}
         full = [r.partition_id for r in results if r.received >= r.requested and estimate[r.partition_id] > 0]
         candidates = full + [p for p in candidates if p not in planned]  # untried partitions go last
-        if total >= want:
+        if total >= want or (total and time.monotonic() >= stop_at):
             break
     return total, rounds
+
+
+def locking_time_s(entity: Entity, delete: bool = False) -> float:
+    """How long a receive keeps taking more locks: one that locked on for a lock duration returned lapsed locks.
+
+    A RECEIVE_AND_DELETE receive holds no lock, so it has no such bound.
+    """
+    return math.inf if delete else entity.policy.lock_duration.total_seconds() / LOCKING_SHARE
 
 
 def candidate_partitions(entity: Entity, sub_queue: str) -> dict[int, int]:
@@ -247,14 +258,18 @@ def lock_task(
 
 
 def lock_partition(job: ReceiveJob, entity: Entity, p: int, share: int, round_no: int) -> int:
-    """Lock up to `share` messages of partition p in commits of job.chunk, staging each commit's messages in a file."""
+    """Lock up to `share` messages of partition p in commits of job.chunk, staging each commit's messages in a file.
+
+    After the first commit, no new one starts once the locking time (`locking_time_s`) has passed.
+    """
     got = 0
     chunk_no = 0
+    stop_at = time.monotonic() + locking_time_s(entity, job.delete)
     # A retried task: drop what a failed attempt staged (its locks lapse). Removed messages have no
     # other copy, so in RECEIVE_AND_DELETE mode they stay (their files are named per attempt).
     if not job.delete and job.staging.remove(f"part-p{p:05d}-r{round_no:03d}-"):
         log.info("partition %d: discarded what a failed attempt of this lock task had staged", p)
-    while got < share:
+    while got < share and (got == 0 or time.monotonic() < stop_at):
         ask = min(job.chunk, share - got)
         written: list[str] = []
         rows = entity.receive_partition(entity.table.snapshot(), p, job.sub_queue, ask, job.delete, written)

@@ -378,3 +378,20 @@ def test_a_receive_whose_dataframe_cannot_be_made_gives_its_locks_back_at_once(s
         monkeypatch.undo()
         again = r.receive_messages(50, max_wait_time=1)
     assert len(again) == 50 and {m.delivery_count for m in again} == {0}
+
+
+def test_a_receive_stops_locking_before_its_first_locks_could_lapse(spark, ns, numbered):
+    """Many small lock commits under a 3 s lock: the call returned messages whose locks had lapsed during it.
+
+    Locking now stops after a sixth of the lock duration: fewer messages than asked, every lock still held.
+    """
+    from sparkqueue.spark.receive import receive_dataframe
+
+    ns.create_queue("q", enable_partitioning=False, lock_duration=timedelta(seconds=3))  # one partition, one lock task
+    with ns.get_queue_sender("q") as s:
+        s.send_dataframe(numbered(4000))
+    df = receive_dataframe(ns.broker, "queue", "q", 4000, spark, chunk=10)  # 400 commits take longer than 3 s
+    returned = time.time()
+    rows = df.select("sequence_number", "locked_until_utc").collect()
+    assert 0 < len(rows) < 4000
+    assert min(r.locked_until_utc.timestamp() for r in rows) > returned
