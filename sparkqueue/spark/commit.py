@@ -4,8 +4,10 @@ Both DataFrame send paths (Spark's writer, jvm_send; the Python tasks, send) num
 partition's rows from the fence the driver read before the job. A concurrent sender that moved
 a fence makes the commit conflict; instead of running the whole Spark job again (which a steady
 sender would make conflict again, until the operation timeout), the files of just the moved
-partitions are rewritten with their sequence numbers shifted past the new fence, the quota is
-checked again, and the commit is tried again (docs/storage.md, "Staged appends").
+partitions are rewritten numbered densely after the new fence, the quota is checked again, and
+the commit is tried again (docs/storage.md, "Staged appends"). On a duplicate-detecting entity
+the rewrite also drops the messages whose id the concurrent sender sent meanwhile: its messages
+are the rows numbered between the old fence and the new one.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ from sparkqueue.errors import QuotaExceededError, StorageError
 from sparkqueue.storage.leases import require_live
 from sparkqueue.storage.log import AddFile, CommitConflict, Fence
 from sparkqueue.storage.schema import PARTITION_COLUMN, with_columns
-from sparkqueue.storage.table import fence_app_id
+from sparkqueue.storage.table import fence_app_id, sequence_number
 
 if TYPE_CHECKING:
     from sparkqueue.storage.retry import Deadline
@@ -47,21 +49,21 @@ def commit_renumbering(
     bases: dict[int, int | None],
     deadline: Deadline,
     *,
-    renumbering: bool = True,
-) -> None:
+    dedupe: bool = False,
+) -> int:
     """Commit the files once, moving the fences from `bases`; when a concurrent sender moved some, renumber only those.
 
     A conflict whose cause is a moved fence rewrites just the files of the partitions whose fence
-    moved (their rows shifted after the new fence, with pyarrow: no Spark job), checks the quota
-    again (the other sender's messages count now) and commits again;
-    the other partitions' files are committed as Spark wrote them. Any other conflict, or one past
-    the deadline, deletes every file and raises (the caller runs the whole send again or gives up).
-    After an error other than a conflict the commit may have landed (EntityTable.commit): the files stay.
-    `renumbering=False` treats every conflict as the latter kind (duplicate detection: the concurrent
-    sender's messages may repeat some of these, which only a fresh attempt can drop).
+    moved (`renumber`, with pyarrow: no Spark job), checks the quota again (the other sender's
+    messages count now) and commits again; the other partitions' files are committed as Spark
+    wrote them. Any other conflict, or one past the deadline, deletes every file and raises (the
+    caller runs the whole send again or gives up). After an error other than a conflict the
+    commit may have landed (EntityTable.commit): the files stay. With `dedupe`, returns how many
+    messages were dropped as repeats of a concurrent sender's; else 0.
     """
     adds = list(adds)
     last = dict(written.last)
+    dropped = 0
     while True:
         fences = [Fence(fence_app_id(p), c) for p, c in sorted(last.items())]
         seen = {fence_app_id(p): bases[p] for p in last}
@@ -73,23 +75,27 @@ def commit_renumbering(
         try:
             with table.existing():
                 table.commit(table.snapshot(), adds, [], fences, seen, "WRITE", keep_on_conflict=True)
-            return
+            return dropped
         except CommitConflict:
             fresh = fence_bases_of(table, sorted(last))
-            moved = {p: (fresh[p] or 0) - (bases[p] or 0) for p in last if fresh[p] != bases[p]}
-            if not renumbering or not moved or deadline.expired() or any(d < 0 for d in moved.values()):
+            moved = {p: (bases[p] or 0, fresh[p] or 0) for p in last if fresh[p] != bases[p]}
+            if not moved or deadline.expired() or any(new < old for old, new in moved.values()):
                 table.data.delete([a.path for a in adds])
                 raise
             log.info("a concurrent sender moved the fences of partitions %s: renumbering their files only", sorted(moved))
-            adds = renumber(table, adds, moved)
+            adds, renumbered = renumber(table, adds, moved, dedupe)
             try:
                 check_quota(table, written, adds)  # the concurrent send added bytes to those partitions
             except QuotaExceededError:
                 table.data.delete([a.path for a in adds])
                 raise
-            for p, d in moved.items():
-                last[p] += d
+            for p, (count, repeats) in renumbered.items():
+                dropped += repeats
                 bases[p] = fresh[p]
+                if count:
+                    last[p] = moved[p][1] + count
+                else:  # every message of the partition repeated one: the commit leaves its fence alone
+                    del last[p]
 
 
 def fence_bases_of(table: EntityTable, partitions: list[int]) -> dict[int, int | None]:
@@ -99,25 +105,46 @@ def fence_bases_of(table: EntityTable, partitions: list[int]) -> dict[int, int |
     return {p: snap.transaction_version(fence_app_id(p)) for p in partitions}
 
 
-def renumber(table: EntityTable, adds: list[AddFile], moved: dict[int, int]) -> list[AddFile]:
-    """The files of the moved partitions rewritten with their sequence numbers shifted (engine's writer); the rest kept."""
-    out = []
-    for a in adds:
-        p = int(a.partition_values[PARTITION_COLUMN])
-        shift = moved.get(p)
-        if shift is None:
-            out.append(a)
-            continue
-        rows = table.data.read(a.path)
-        seqs = pc.add(rows.column("sequence_number"), pa.scalar(shift, pa.int64()))
-        rows = with_columns(rows, sequence_number=seqs)
-        try:
-            out.append(table.data.write(p, rows))
-        except BaseException:
-            table.data.delete([x.path for x in out if x not in adds])
-            raise
-        table.data.delete([a.path])
-    return out
+def renumber(
+    table: EntityTable, adds: list[AddFile], moved: dict[int, tuple[int, int]], dedupe: bool
+) -> tuple[list[AddFile], dict[int, tuple[int, int]]]:
+    """Rewrite the files of partitions whose fence moved from old to new, numbered densely after new; the rest kept.
+
+    With `dedupe`, rows whose message id the concurrent sender sent (numbered old+1..new) are dropped.
+    Returns the adds and, per moved partition, (numbers used, messages dropped). A message's rows
+    (a topic's copies) share one number, so numbers map through the sorted distinct old ones.
+    """
+    out = [a for a in adds if int(a.partition_values[PARTITION_COLUMN]) not in moved]
+    done: dict[int, tuple[int, int]] = {}
+    snap = None
+    if dedupe:
+        with table.existing():
+            snap = table.snapshot()
+    written: list[AddFile] = []
+    try:
+        for p, (old, new) in moved.items():
+            mine = [a for a in adds if int(a.partition_values[PARTITION_COLUMN]) == p]
+            files = [table.data.read(a.path) for a in mine]
+            repeats = 0
+            if snap is not None and files:
+                theirs = table.rows_between(snap, p, sequence_number(p, old + 1), sequence_number(p, new), ["message_id"])
+                ids = theirs.column("message_id").combine_chunks()
+                gone = [pc.is_in(f.column("message_id"), value_set=ids) for f in files]
+                dropped_ids = [f.filter(g).column("message_id") for f, g in zip(files, gone, strict=True)]
+                repeats = len(pc.unique(pa.chunked_array(dropped_ids, pa.string())))  # a message's copies: one message
+                files = [f.filter(pc.invert(g)) for f, g in zip(files, gone, strict=True)]
+            numbers = pc.unique(pa.chunked_array([f.column("sequence_number") for f in files], pa.int64())).sort()
+            first = pa.scalar(sequence_number(p, new + 1), pa.int64())
+            for rows in files:
+                if rows.num_rows:
+                    seqs = pc.add(pc.index_in(rows.column("sequence_number"), value_set=numbers), first)
+                    written.append(table.data.write(p, with_columns(rows, sequence_number=seqs.cast(pa.int64()))))
+            done[p] = (len(numbers), repeats)
+    except BaseException:
+        table.data.delete([a.path for a in written])
+        raise
+    table.data.delete([a.path for a in adds if a not in out])
+    return out + written, done
 
 
 def check_quota(table: EntityTable, written: Written, adds: list[AddFile]) -> None:

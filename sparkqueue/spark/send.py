@@ -7,10 +7,9 @@ task's files in ONE Delta commit that moves the fences and expects the versions 
 that fails anywhere (a bad row, a quota, a failing task) commits nothing, and the files its tasks
 wrote are deleted (vacuum removes what a killed task left). A concurrent sender that moved one of
 the fences makes the commit conflict: the files of the partitions it moved are renumbered after
-its messages and the commit is tried again (spark/commit.py), so a steady sender cannot starve a
-long send; on a duplicate-detecting entity, whose repeats only a fresh attempt can drop, the files
-are deleted and the whole send runs again. Either way until it lands or the operation timeout
-passes (OperationTimeoutError).
+its messages (on a duplicate-detecting entity without the messages whose id it sent meanwhile)
+and the commit is tried again (spark/commit.py), so a steady sender cannot starve a long send,
+until it lands or the operation timeout passes (OperationTimeoutError).
 
 Keyed rows (a session id, a partition key, or a message id on a duplicate-detecting entity), or
 any send asked to keep the DataFrame's order, take two stages separated by a shuffle:
@@ -180,9 +179,7 @@ def _send(entity: Entity, df: DataFrame, plan: SendPlan, preserve_order: bool, e
         staged, check = in_place(df, plan, inputs)
 
     deadline = entity.deadline()
-    # With duplicate detection, a concurrent sender's messages may repeat some of the DataFrame's: only a fresh
-    # attempt drops them, so a moved fence runs the send again instead of renumbering its files.
-    renumbering = not plan.settings.requires_duplicate_detection
+    dedupe = plan.settings.requires_duplicate_detection  # a concurrent sender's messages may repeat some of the DataFrame's
 
     def attempt() -> tuple[int, list[int]]:
         bases = fence_bases(table, plan.partition_count)
@@ -190,7 +187,7 @@ def _send(entity: Entity, df: DataFrame, plan: SendPlan, preserve_order: bool, e
             with spark_errors():
                 check.collect()
         results = write_files(table, staged, replace(plan, bases=bases))
-        return commit_send(table, results, bases, deadline, renumbering=renumbering)
+        return commit_send(table, results, bases, deadline, dedupe=dedupe)
 
     return (*retry_commit(attempt, deadline, f"DataFrame send to {entity.name}"), "")
 
@@ -249,13 +246,13 @@ def write_files(table: EntityTable, staged: DataFrame, plan: SendPlan) -> list[R
 
 
 def commit_send(
-    table: EntityTable, results: list[Row], bases: tuple[int | None, ...], deadline: Deadline, *, renumbering: bool
+    table: EntityTable, results: list[Row], bases: tuple[int | None, ...], deadline: Deadline, *, dedupe: bool
 ) -> tuple[int, list[int]]:
     """Commit every task's files in one commit that moves the fences of the partitions written; (accepted, partitions).
 
     The tasks numbered each partition from `bases`. A concurrent append to some of them makes the
-    commit conflict: their files are then renumbered after it and the commit tried again
-    (commit.commit_renumbering), or, without `renumbering`, deleted with CommitConflict raised.
+    commit conflict: their files are then renumbered after it (`dedupe`: without the messages it
+    repeated) and the commit tried again (commit.commit_renumbering).
     """
     adds: list[AddFile] = []
     last: dict[int, int] = {}
@@ -269,11 +266,12 @@ def commit_send(
             last[r.partition_id] = r.last
         if r.accepted:
             touched.append(r.partition_id)
+    dropped = 0
     if adds:
         counts = {p: n - (bases[p] or 0) for p, n in last.items()}
         written = Written(adds, counts, last, dict.fromkeys(last))  # no bound of the bytes: a recheck sums them
-        commit_renumbering(table, adds, written, dict(enumerate(bases)), deadline, renumbering=renumbering)
-    return sum(r.accepted for r in results), sorted(touched)
+        dropped = commit_renumbering(table, adds, written, dict(enumerate(bases)), deadline, dedupe=dedupe)
+    return sum(r.accepted for r in results) - dropped, sorted(touched)
 
 
 class _PathList(AccumulatorParam[list[str]]):

@@ -464,9 +464,9 @@ def test_a_concurrent_core_sender_moves_the_fences_and_the_dataframe_send_lands_
     The DataFrame's first attempt numbered its rows from fences that then moved, so its commit
     conflicts. The files of the moved partitions are renumbered after the core messages and the
     commit lands (no second Spark job, which a steady sender would make conflict again); on a
-    duplicate-detecting queue the send runs again instead, and drops the message id the core
-    sender sent meanwhile. Every partition ends numbered 1..N with no gap or repeat, the core
-    messages in their send order and the DataFrame's after them.
+    duplicate-detecting queue the renumbering also drops the message id the core sender sent
+    meanwhile. Every partition ends numbered 1..N with no gap or repeat, the core messages in their
+    send order and the DataFrame's after them.
     """
     dedupe = mode == "deduplicated"
     ns.create_queue("q", requires_duplicate_detection=dedupe)
@@ -509,16 +509,17 @@ def test_a_concurrent_core_sender_moves_the_fences_and_the_dataframe_send_lands_
     on_disk = {f.name for f in Path(table_dir).glob("partition_id=*/*.parquet")}
     live = {u.rsplit("/", 1)[-1] for u in DeltaTable(table_dir).file_uris()}
     assert on_disk == live  # the conflicting attempt's files were deleted
-    # Spark wrote the rows once and only the moved partitions' files were renumbered; with duplicate detection, never
-    assert ("renumbering their files only" in caplog.text) is not dedupe
+    # Spark wrote the rows once and only the moved partitions' files were renumbered
+    assert "renumbering their files only" in caplog.text
 
 
 STEADY_SENDER = """
 import os, sys, time
 from sparkqueue import Message, Namespace
 root, stop, sent = sys.argv[1], sys.argv[2], sys.argv[3]
+topic = sys.argv[4:] == ["topic"]  # send to topic "t" instead of queue "q"
 n = 0
-with Namespace(root) as ns, ns.get_queue_sender("q") as s:
+with Namespace(root) as ns, (ns.get_topic_sender("t") if topic else ns.get_queue_sender("q")) as s:
     while not os.path.exists(stop) and n < 5000:
         s.send_messages(Message(f"core-{n}", message_id=f"c-{n}"))
         n += 1
@@ -549,6 +550,51 @@ def test_conflicts_past_the_operation_timeout_raise_and_send_nothing(spark, root
         core = int(sent.read_text())
         assert DeltaTable(ns.broker.entity("queue", "q").table.uri).to_pyarrow_table().num_rows == core
         assert {m.message_id for m in peek_all(ns, "q")} == {f"c-{i}" for i in range(core)}
+
+
+@pytest.mark.parametrize("kind", ["queue", "topic"])
+def test_a_steady_sender_of_the_same_ids_does_not_starve_a_deduplicating_dataframe_send(spark, ns, numbered, tmp_path, kind):
+    """A core sender keeps sending to every partition of a duplicate-detecting entity, some of the DataFrame's ids among
+    its messages, while the DataFrame send runs. Before, each moved fence ran the whole Spark job again, which the
+    steady sender made conflict again until the operation timeout. Now the moved partitions are renumbered without
+    the repeated ids: the send lands, and every id is stored once, by whichever sender sent it first."""
+    stop, sent = tmp_path / "stop", tmp_path / "sent"
+    if kind == "topic":
+        ns.create_topic("t", requires_duplicate_detection=True)
+        for sub in ("a", "b"):
+            ns.create_subscription("t", sub)
+    else:
+        ns.create_queue("q", requires_duplicate_detection=True)
+    entity = ns.broker.entity(kind, "t" if kind == "topic" else "q")
+    child = subprocess.Popen(
+        [sys.executable, "-c", STEADY_SENDER, ns.root, str(stop), str(sent), kind],
+        env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)},
+    )
+    n = 2000
+    try:
+        _waiting(lambda: DeltaTable(entity.table.uri).to_pyarrow_table(columns=["message_id"]).num_rows > 0, "the core sender")()
+        slow = sf.udf(lambda b: time.sleep(0.001) or b, "binary")  # the job outlasts many of the core sender's commits
+        df = numbered(n).withColumn("message_id", sf.concat(sf.lit("c-"), sf.col("id").cast("string")))
+        sender = ns.get_topic_sender("t") if kind == "topic" else ns.get_queue_sender("q")
+        with sender as s:
+            accepted = s.send_dataframe(df.withColumn("body", slow(sf.col("body"))))
+    finally:
+        stop.touch()
+        assert child.wait(timeout=120) == 0
+    core = int(sent.read_text())
+    receivers = [ns.get_subscription_receiver("t", x) for x in ("a", "b")] if kind == "topic" else [ns.get_queue_receiver("q")]
+    for receiver in receivers:
+        with receiver as r:
+            got = [m for batch in iter(lambda r=r: r.peek_messages(5000), []) for m in batch]
+        assert Counter(m.message_id for m in got) == Counter(f"c-{i}" for i in range(max(n, core)))  # each id once
+        from_frame = [m for m in got if not str(m).startswith("core-")]
+        assert len(from_frame) == accepted and 0 < accepted < n  # the core sender sent some of the DataFrame's ids first
+    rows = DeltaTable(entity.table.uri).to_pyarrow_table(columns=["partition_id", "sequence_number"]).to_pylist()
+    by_partition: dict[int, set[int]] = {}
+    for row in rows:  # a topic numbers each copy: dense over the table's rows
+        by_partition.setdefault(row["partition_id"], set()).add(row["sequence_number"] & SEQUENCE_MASK)
+    for p, counters in by_partition.items():
+        assert sorted(counters) == list(range(1, len(counters) + 1)), p
 
 
 def test_small_stages_keep_duplicate_detection_and_dense_numbering(spark, ns, numbered):
@@ -632,5 +678,5 @@ def test_a_send_committing_into_a_deleted_queue_marks_its_table_deleted(ns):
         other.delete_queue("q")
         other.create_queue("q")
     with pytest.raises(TableDeletedError):
-        commit_send(entity.table, results, bases, entity.deadline(), renumbering=True)
+        commit_send(entity.table, results, bases, entity.deadline(), dedupe=False)
     assert entity.table.deleted
