@@ -378,10 +378,8 @@ print("not killed", flush=True)
 """
 
 
-@pytest.mark.parametrize("gone", ["destination", "route"])
-def test_dead_letters_a_killed_forwarder_claimed_become_receivable_when_their_route_is_gone(root: str, gone: str) -> None:
-    """A forwarder SIGKILLed after claiming dead letters left them unreceivable for good once the destination was
-    deleted (or the route removed): nothing ever finished or released the claim. A claim now lapses like a lock."""
+def _dead_letter_forwarding_pair(root: str) -> None:
+    """Queue src (2 s locks) forwarding its dead letters to dst; s0 and s1 forwarded already, s2 still in src."""
     with Namespace(root) as ns:
         ns.create_queue("dst")
         ns.create_queue("src", forward_dead_lettered_messages_to="dst", lock_duration=timedelta(seconds=2))
@@ -390,6 +388,14 @@ def test_dead_letters_a_killed_forwarder_claimed_become_receivable_when_their_ro
         with ns.get_queue_receiver("src") as r:
             for m in r.receive_messages(max_message_count=2, max_wait_time=5):
                 r.dead_letter_message(m, reason="before")  # forwarded at once: dst holds s0, s1
+
+
+@pytest.mark.parametrize("gone", ["destination", "route", "disabled"])
+def test_dead_letters_a_killed_forwarder_claimed_become_receivable_when_their_route_is_gone(root: str, gone: str) -> None:
+    """A forwarder SIGKILLed after claiming dead letters left them unreceivable for good once the destination was
+    deleted or disabled (or the route removed): nothing ever finished or released the claim. A claim a lock duration
+    old is now cancelled by the next forward (maintenance runs one), and the dead letters are receivable again."""
+    _dead_letter_forwarding_pair(root)
     done = subprocess.run([sys.executable, "-c", DIES_AFTER_CLAIM, root], capture_output=True, timeout=120)
     assert done.returncode == -signal.SIGKILL, done.stderr.decode()[-2000:]
     with Namespace(root) as ns:
@@ -397,13 +403,65 @@ def test_dead_letters_a_killed_forwarder_claimed_become_receivable_when_their_ro
             ns.delete_queue("dst")
         else:
             props = ns.get_queue("src")
-            props.forward_dead_lettered_messages_to = None
-            ns.update_queue(props)
-        ns.forward_pending_messages()
+            if gone == "route":
+                props.forward_dead_lettered_messages_to = None
+                ns.update_queue(props)
+            else:
+                ns.update_queue(ns.get_queue("dst"), status="Disabled")
+        ns.forward_pending_messages()  # too early: the claim has not lapsed, its forwarder may be at work
         with ns.get_queue_receiver("src", sub_queue=SubQueue.DEAD_LETTER) as r:
-            assert [m.message_id for m in peek_all(r)] == ["s2"]  # the claimed dead letter is still there
-            got: list[str] = []
-            give_up = time.monotonic() + 30
-            while not got and time.monotonic() < give_up:  # receivable once the claim lapsed (2 s)
-                got = [m.message_id for m in r.receive_messages(max_message_count=10, max_wait_time=1)]
-            assert got == ["s2"]
+            assert [m.message_id for m in peek_all(r)] == ["s2"]
+            assert r.receive_messages(max_message_count=10, max_wait_time=0.5) == []  # claimed: no receiver takes it
+            time.sleep(2.1)  # the claim lapses
+            ns.forward_pending_messages()
+            assert [m.message_id for m in r.receive_messages(max_message_count=10, max_wait_time=5)] == ["s2"]
+
+
+# A forwarder that stops (SIGSTOP to itself) after claiming a dead letter, right before appending its copy.
+PAUSES_AFTER_CLAIM = r"""
+import os, signal, sys
+from sparkqueue import Namespace
+from sparkqueue.model import forwarding
+
+deliver = forwarding._deliver
+def paused(*a, **k):
+    print("claimed", flush=True)
+    os.kill(os.getpid(), signal.SIGSTOP)
+    return deliver(*a, **k)
+forwarding._deliver = paused
+with Namespace(sys.argv[1]) as ns, ns.get_queue_receiver("src") as receiver:
+    for m in receiver.receive_messages(max_message_count=1, max_wait_time=5):
+        receiver.dead_letter_message(m, reason="paused")
+print("resumed", flush=True)
+"""
+
+
+@pytest.mark.parametrize("then", ["forwarded", "cancelled"])
+def test_a_forwarder_paused_past_its_claim_never_delivers_a_dead_letter_twice(root: str, then: str) -> None:
+    """A forwarder stops between its claim and its append for longer than the claim lasts. Meanwhile another process
+    either forwards the dead letter itself or, the destination being disabled, cancels the claim and a dead-letter
+    receiver completes the message. Then the first forwarder resumes: it must append no second copy."""
+    _dead_letter_forwarding_pair(root)
+    child = subprocess.Popen(
+        [sys.executable, "-c", PAUSES_AFTER_CLAIM, root], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
+    try:
+        assert child.stdout is not None and child.stdout.readline() == "claimed\n"
+        time.sleep(2.1)  # the claim lapses while its forwarder is stopped
+        with Namespace(root) as ns:
+            if then == "cancelled":
+                ns.update_queue(ns.get_queue("dst"), status="Disabled")
+            ns.forward_pending_messages()
+            if then == "cancelled":
+                with ns.get_queue_receiver("src", sub_queue=SubQueue.DEAD_LETTER) as r:
+                    (m,) = r.receive_messages(max_message_count=10, max_wait_time=5)
+                    r.complete_message(m)
+                ns.update_queue(ns.get_queue("dst"), status="Active")
+    finally:
+        child.send_signal(signal.SIGCONT)
+        out, err = child.communicate(timeout=120)
+    assert child.returncode == 0 and out == "resumed\n", err[-2000:]
+    with Namespace(root) as ns:
+        main, dead = everywhere_of(ns, ("src", "dst"))
+        expected = ["s0", "s1", "s2"] if then == "forwarded" else ["s0", "s1"]
+        assert main == Counter(expected) and dead == Counter()

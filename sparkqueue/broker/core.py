@@ -25,7 +25,7 @@ from sparkqueue.model.addresses import QUEUE, RULE, SUBSCRIPTION, TOPIC, Address
 from sparkqueue.model.deadlines import effective
 from sparkqueue.model.entity import Entity, SettleResult
 from sparkqueue.model.filters import action_from_dict, filter_from_dict
-from sparkqueue.model.forwarding import MAX_HOPS, forward, routes
+from sparkqueue.model.forwarding import MAX_HOPS, cancel_lapsed_claims, forward, routes
 from sparkqueue.model.properties import (
     AnyEntityProperties,
     QueueProperties,
@@ -363,13 +363,19 @@ class Broker:
         return out
 
     def forward_pending_messages(self) -> None:
-        """Finish every pending auto-forward in the namespace (after a crash, or when forward_to was set later)."""
+        """Finish every pending auto-forward in the namespace (after a crash, or when forward_to was set later).
+
+        An entity that no longer forwards its dead letters gets the claims a dead forwarder left on them
+        cancelled (model/forwarding.py), so they become receivable again.
+        """
         for entry in self.catalog.entries():
             if entry.entity_type in (QUEUE, SUBSCRIPTION):
                 try:
                     entity = self.entity(entry.entity_type, Address.parse(entry.name).name)
                     if routes(entity):
                         self.pump(entity)
+                    if not getattr(entity.props, "forward_dead_lettered_messages_to", None):
+                        cancel_lapsed_claims(entity, self.resolve)
                 except SparkQueueError as exc:  # one faulty entity never blocks the others
                     log.error("forwarding from %s skipped: %s", entry.name, exc)
 

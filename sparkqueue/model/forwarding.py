@@ -55,7 +55,7 @@ FULL_REASON = "ForwardingDestinationQuotaExceeded"
 DISABLED_REASON = "ForwardingDestinationDisabled"
 KEYS_REASON = "ForwardingPartitionKeyConflict"  # a rule action gave a copy a session id its partition key contradicts
 BATCH = 1000
-CLAIM_PREFIX = "forward:"  # lock token of dead letters claimed by a forwarder (never a receiver's token)
+CLAIM_PREFIX = "forward:"  # lock token of dead letters claimed by a forwarder (never a receiver's token): Claim
 
 # Resolves a destination name to (entity, fan-out for topics), or raises EntityNotFoundError.
 Resolver = Callable[[str], tuple[Entity, Expand | None]]
@@ -187,14 +187,15 @@ def _key_conflicts(rows: pa.Table) -> pa.Array:
 def _forward_dead_letters(entity: Entity, route: Route, p: int, resolve: Resolver) -> int:
     """Forward a batch of a partition's dead letters (after finishing any abandoned claim); returns how many left.
 
-    (1) A source commit claims the batch: its rows get a claim token as lock token, locked for the
-    entity's lock duration, so receivers skip them. (2) The copies are appended to the destination
-    under the txn app id of that claim, once. (3) The rows are removed at the source. A forwarder
-    that finds claimed rows (their forwarder died, or is still at work) finishes that claim: the
-    app id tells whether (2) already happened. Dead letters that cannot travel stay where they are,
-    and a claim nobody finishes (the destination or the route went away) lapses like a receiver's
-    lock, so its dead letters become receivable again.
+    (1) A source commit claims the batch: its rows get a claim token as lock token and no
+    availability, so receivers skip them. (2) The copies are appended to the destination under
+    the txn app id of that claim, once. (3) The rows are removed at the source. A forwarder that
+    finds claimed rows for this destination (their forwarder died, or is still at work) finishes
+    that claim: the app id tells whether (2) already happened. A claim that lapsed (a lock
+    duration old) and that its destination cannot finish is cancelled (`_cancel_lapsed_claims`).
+    Dead letters that cannot travel stay where they are.
     """
+    _cancel_lapsed_claims(entity, p, resolve, route.destination)
     try:
         dest, expand = resolve(route.destination)
         check_status(dest.props, "send", dest.name)
@@ -205,50 +206,151 @@ def _forward_dead_letters(entity: Entity, route: Route, p: int, resolve: Resolve
         return 0
     total = 0
     while True:
-        batch, token, abandoned = retry_commit(lambda: _claim(entity, p), entity.deadline(), f"claim in {entity.name}")
-        if batch.num_rows == 0:
+        batch, claim, abandoned = retry_commit(
+            lambda: _claim(entity, p, route.destination), entity.deadline(), f"claim in {entity.name}"
+        )
+        if claim is None:
             return total
         now = utcnow()
-        app = f"{_app_id(entity, route, p)}.{token.removeprefix(CLAIM_PREFIX)}"
+        claimed = with_columns(batch, lock_token=constant(claim.token, pa.string(), batch.num_rows))  # as the claim left them
         try:
-            _deliver(dest, expand, _copies(batch, now, dest), Fence(app, 1))
-            changes, moved = lifecycle.changes(batch, lifecycle.removal(entity.policy)), int(batch.num_rows)
-        except (EntityNotFoundError, QuotaExceededError):  # release the claim: they stay dead letters here
-            changes, moved = lifecycle.changes(batch, OP_SET, lock_token=None, locked_until_utc=None, available_at_utc=now), 0
+            _deliver(dest, expand, _copies(batch, now, dest), Fence(claim.app_id(entity, p), 1))
+        except (EntityNotFoundError, QuotaExceededError):  # they stay dead letters here
+            _cancel(entity, p, claimed, claim, resolve)
+            return total
         except SparkQueueError as exc:  # destination unavailable: the claim stays for a later forwarder
             log.warning("forwarding dead letters %s -> %s deferred: %s", entity.name, route.destination, exc)
             return total
-        claimed = with_columns(batch, lock_token=constant(token, pa.string(), batch.num_rows))  # the rows as the claim left them
+        changes = lifecycle.changes(batch, lifecycle.removal(entity.policy))
         retry_commit(
             functools.partial(_settle_source, entity, p, changes, claimed), entity.deadline(), f"forward from {entity.name}"
         )
-        total += moved
-        if not abandoned or moved == 0:
+        total += int(batch.num_rows)
+        if not abandoned:
             return total
 
 
-def _claim(entity: Entity, p: int) -> tuple[pa.Table, str, bool]:
-    """Claim dead letters of a partition for forwarding: (rows, claim token, whether it is an earlier claim).
+@dataclass(frozen=True)
+class Claim:
+    """A forwarder's claim on dead letters, held in their lock token: forward:<claimed at, ms>:<id>:<destination>.
 
-    Dead letters that cannot travel (past the hop limit, keys no partition takes) are never claimed: they stay.
+    The token names the destination, so whoever resolves the claim later looks there, whatever the route is by then.
+    """
+
+    token: str
+    claimed_ms: int
+    key: str
+    destination: str | None  # None: a token of an older version (forward:<id>), for the route's destination
+
+    @classmethod
+    def new(cls, now: datetime, destination: str) -> Claim:
+        ms, key = int(now.timestamp() * 1000), uuid.uuid4().hex
+        return cls(f"{CLAIM_PREFIX}{ms}:{key}:{destination}", ms, key, destination)
+
+    @classmethod
+    def parse(cls, token: str) -> Claim:
+        parts = token.removeprefix(CLAIM_PREFIX).split(":", 2)
+        if len(parts) < 3 or not parts[0].isdigit():
+            return cls(token, 0, token.removeprefix(CLAIM_PREFIX), None)
+        return cls(token, int(parts[0]), parts[1], parts[2])
+
+    def lapsed(self, entity: Entity, now: datetime) -> bool:
+        """True once the claim is a lock duration old: its forwarder is taken for dead."""
+        return self.claimed_ms / 1000 + entity.policy.lock_duration.total_seconds() <= now.timestamp()
+
+    def app_id(self, entity: Entity, p: int) -> str:
+        """The destination txn app id recording that this claim's copies were appended (or never will be)."""
+        return f"{_app_id(entity, Route(SUB_QUEUE_DEAD_LETTER, ''), p)}.{self.key}"
+
+
+def _claimed_rows(entity: Entity, dt: Snapshot, p: int) -> tuple[pa.Table, pa.Array]:
+    """The partition's dead letters, and per row whether a forwarder's claim holds it."""
+    rows = entity.table.scan(dt, p, ROW_COLUMNS, subscription=entity.subscription)
+    rows = rows.filter(pc.equal(rows.column("sub_queue"), SUB_QUEUE_DEAD_LETTER))
+    return rows, pc.fill_null(pc.starts_with(rows.column("lock_token"), CLAIM_PREFIX), False)
+
+
+def _claim(entity: Entity, p: int, destination: str) -> tuple[pa.Table, Claim | None, bool]:
+    """Claim dead letters of a partition for forwarding: (rows, their claim or None, whether it is an earlier claim).
+
+    An earlier claim for this destination is taken over (its forwarder died, or finishes it too:
+    the txn app id appends the copies once). Dead letters that cannot travel (past the hop limit,
+    keys no partition takes), and those another claim holds, are never claimed.
     """
     dt = entity.table.snapshot()
     now = utcnow()
-    rows = entity.table.scan(dt, p, ROW_COLUMNS, subscription=entity.subscription)
-    rows = rows.filter(pc.equal(rows.column("sub_queue"), SUB_QUEUE_DEAD_LETTER))
-    claimed = pc.fill_null(pc.starts_with(rows.column("lock_token"), CLAIM_PREFIX), False)
-    if pc.any(claimed).as_py():
-        token = rows.filter(claimed).column("lock_token")[0].as_py()
-        return rows.filter(pc.fill_null(pc.equal(rows.column("lock_token"), token), False)), token, True
+    rows, claimed = _claimed_rows(entity, dt, p)
+    for token in pc.unique(rows.filter(claimed).column("lock_token")).to_pylist():
+        claim = Claim.parse(token)
+        if claim.destination in (None, destination):
+            return rows.filter(pc.fill_null(pc.equal(rows.column("lock_token"), token), False)), claim, True
     free = pc.invert(pc.fill_null(pc.greater(rows.column("locked_until_utc"), pa.scalar(now, TIMESTAMP)), False))
     can_travel = pc.and_(pc.less_equal(pc.add(rows.column("transfer_hop_count"), 1), MAX_HOPS), pc.invert(_key_conflicts(rows)))
-    batch = rows.filter(pc.and_(free, can_travel)).slice(0, BATCH)
+    batch = rows.filter(pc.and_(pc.and_(free, pc.invert(claimed)), can_travel)).slice(0, BATCH)
     if batch.num_rows == 0:
-        return batch, "", False
-    token = f"{CLAIM_PREFIX}{uuid.uuid4().hex}"
-    until = now + entity.policy.lock_duration  # a lock: it lapses if no forwarder ever finishes the claim
-    entity.table.apply(dt, p, lifecycle.changes(batch, OP_SET, lock_token=token, locked_until_utc=until, available_at_utc=until))
-    return batch, token, False
+        return batch, None, False
+    claim = Claim.new(now, destination)
+    hidden = lifecycle.changes(batch, OP_SET, lock_token=claim.token, locked_until_utc=None, available_at_utc=None)
+    entity.table.apply(dt, p, hidden)
+    return batch, claim, False
+
+
+def cancel_lapsed_claims(entity: Entity, resolve: Resolver) -> None:
+    """Cancel every lapsed dead-letter claim of the entity (for an entity that no longer forwards its dead letters)."""
+    for p in range(entity.partition_count):
+        if entity.available(p):
+            _cancel_lapsed_claims(entity, p, resolve, None)
+
+
+def _cancel_lapsed_claims(entity: Entity, p: int, resolve: Resolver, current: str | None) -> None:
+    """Cancel the partition's lapsed claims that no forwarder will finish: for another destination than `current`
+    (the route changed or is gone), or for one that is missing, disabled or full."""
+    now = utcnow()
+    rows, claimed = _claimed_rows(entity, entity.table.snapshot(), p)
+    for token in pc.unique(rows.filter(claimed).column("lock_token")).to_pylist():
+        claim = Claim.parse(token)
+        if not claim.lapsed(entity, now):
+            continue
+        if claim.destination in (None, current):
+            try:
+                dest, _ = resolve(current or "")
+                check_status(dest.props, "send", dest.name)
+                continue  # the forwarding loop finishes it
+            except (EntityNotFoundError, MessagingEntityDisabledError):
+                pass
+        held = rows.filter(pc.fill_null(pc.equal(rows.column("lock_token"), token), False))
+        _cancel(entity, p, held, claim, resolve)
+
+
+def _cancel(entity: Entity, p: int, held: pa.Table, claim: Claim, resolve: Resolver) -> None:
+    """End a claim without forwarding: its rows become receivable dead letters again, unless its copies went out.
+
+    A forwarder of the claim may still be at work (paused, or it raced this one): the claim's app id is
+    first recorded at its destination, so its append is skipped from then on. If the app id is there
+    already, the copies went out, and the rows are removed instead. A destination that is gone takes no copies.
+    """
+    app = claim.app_id(entity, p)
+    try:
+        dest = resolve(claim.destination or "")[0]
+        delivered = not retry_commit(lambda: _record_app(dest, app), dest.deadline(), f"cancel a forward to {dest.name}")
+    except EntityNotFoundError:  # gone: nothing can be appended there any more
+        delivered = False
+    now = utcnow()
+    if delivered:
+        changes = lifecycle.changes(held, lifecycle.removal(entity.policy))
+    else:
+        changes = lifecycle.changes(held, OP_SET, lock_token=None, locked_until_utc=None, available_at_utc=now)
+    retry_commit(functools.partial(_settle_source, entity, p, changes, held), entity.deadline(), f"cancel claim in {entity.name}")
+    log.info("dead-letter claim on %d message(s) of %s %s", held.num_rows, entity.name, "finished" if delivered else "released")
+
+
+def _record_app(dest: Entity, app: str) -> bool:
+    """Record txn `app` at the destination with nothing appended; False when it was there already (copies went out)."""
+    dt = dest.table.snapshot()
+    if dt.transaction_version(app) is not None:
+        return False
+    dest.table.commit(dt, [], [], [Fence(app, 1)], {app: None}, "WRITE")
+    return True
 
 
 def _leading_run(entity: Entity, dt: Snapshot, p: int, sub_queue: str, now: datetime) -> pa.Table:
