@@ -93,6 +93,23 @@ def test_forwarding_loop_stops_at_hop_limit(ns: Namespace) -> None:
     assert queue_ids(ns, "a", dead_letter=True) == Counter({f"m{i}": 1 for i in range(3)})
 
 
+def test_a_send_forwards_through_a_topic_with_many_forwarding_subscriptions(ns: Namespace) -> None:
+    """q forwards to topic t, whose 12 subscriptions each forward to dst: the send delivers all 12 copies at once.
+
+    Before, one forward handled at most 10 entities, so 3 subscriptions kept their copies in their main queues
+    (unreceivable there: they forward) until forward_pending_messages or maintenance.
+    """
+    ns.create_queue("dst", enable_partitioning=False)
+    ns.create_topic("t", enable_partitioning=False)
+    for i in range(12):
+        ns.create_subscription("t", f"s{i:02d}", forward_to="dst")
+    ns.create_queue("q", enable_partitioning=False, forward_to="t")
+    ns.get_queue_sender("q").send_messages(batch("m", 1))
+    assert queue_ids(ns, "dst") == Counter({"m0": 12})
+    for i in range(12):
+        assert ns.get_subscription_runtime_properties("t", f"s{i:02d}").total_message_count == 0
+
+
 def test_a_queue_cannot_forward_to_itself(ns: Namespace) -> None:
     """As in Service Bus, forward_to naming the queue itself (in any case) is refused at create and update; nothing changes."""
     with pytest.raises(InvalidOperationError, match="itself"):

@@ -312,16 +312,24 @@ class Broker:
             return self.entity(TOPIC, name), self.expander(TOPIC, name)
 
     def pump(self, entity: Entity, partitions: list[int] | None = None) -> None:
-        """Forward what waits on the entity, then on every forwarding entity it reached (chains end at the hop limit)."""
-        todo: list[tuple[Entity, list[int] | None]] = [(entity, partitions)]
-        for _ in range(2 * (MAX_HOPS + 1)):
-            if not todo:
+        """Forward what waits on the entity, then, hop by hop, on every forwarding entity it reached.
+
+        Each round forwards from every entity the previous round reached, however many (a topic may
+        have any number of forwarding subscriptions). A message travels at most MAX_HOPS hops, so
+        chains and cycles end within MAX_HOPS + 1 rounds.
+        """
+        level: list[tuple[Entity, list[int] | None]] = [(entity, partitions)]
+        for _ in range(MAX_HOPS + 2):
+            reached: dict[tuple[str, str | None], Entity] = {}
+            for source, parts in level:
+                if not routes(source):
+                    continue
+                for dest in forward(source, self.resolve, parts):
+                    for e in self.forwarding_entities(dest):
+                        reached.setdefault((e.table.uri, e.subscription), e)
+            if not reached:
                 return
-            source, parts = todo.pop(0)
-            if not routes(source):
-                continue
-            for dest in forward(source, self.resolve, parts):
-                todo.extend((e, None) for e in self.forwarding_entities(dest))
+            level = [(e, None) for e in reached.values()]
 
     def forward_now(self, entity: Entity, partitions: list[int]) -> None:
         """Forward right after an operation that landed (send, settle, receive): a failure is logged, never raised.
