@@ -17,7 +17,7 @@ import signal
 import threading
 import time
 from collections import defaultdict
-from datetime import timedelta
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
@@ -145,6 +145,29 @@ def child_ended_holder(root: str, queue: str, rounds: int, barrier: Any, out_pat
                 try:
                     receiver.session.renew_lock()  # makes the row again, racing an accept that makes it too
                     _record(out_path, {"round": r, "holder": "renewed"})
+                except SessionLockLostError:
+                    _record(out_path, {"round": r, "holder": "lost"})
+                barrier.wait(timeout=60)
+
+
+def child_ended_receiver(root: str, queue: str, rounds: int, barrier: Any, out_path: str) -> None:
+    """Per round: end session e<r>, schedule 1,000 messages ahead of a new one, then receive as the race starts.
+
+    The new message lies past the rows an accept rewrites, in another file: the receive, which makes the session's
+    row again, must still conflict with an accept making it too.
+    """
+    with Namespace(root) as ns, ns.get_queue_sender(queue) as sender:
+        for r in range(rounds):
+            with ns.get_queue_receiver(queue, session_id=f"e{r}") as receiver:
+                (first,) = receiver.receive_messages(max_message_count=1, max_wait_time=5)
+                receiver.complete_message(first)  # the last one: the session ends (its row goes)
+                later = datetime.now(UTC) + timedelta(hours=1)
+                sender.schedule_messages([Message("scheduled", session_id=f"e{r}") for _ in range(1000)], later)
+                sender.send_messages(Message("now", session_id=f"e{r}"))
+                barrier.wait(timeout=60)
+                try:
+                    got = receiver.receive_messages(max_message_count=1, max_wait_time=1)
+                    _record(out_path, {"round": r, "holder": "renewed" if got else "empty"})
                 except SessionLockLostError:
                     _record(out_path, {"round": r, "holder": "lost"})
                 barrier.wait(timeout=60)
@@ -400,6 +423,20 @@ def test_an_ended_session_made_again_by_its_holder_and_by_an_accept_at_once_has_
         got in ({"holder": "renewed", "acceptor": "refused"}, {"holder": "lost", "acceptor": "accepted"})
         for got in by_round.values()
     )
+
+
+def test_an_ended_session_received_again_by_its_holder_and_accepted_at_once_has_one_holder(root: str, tmp_path: Path) -> None:
+    """The holder of an ended session receiving a new message (1,000 scheduled ones ahead of it) while another process
+    accepts the session: one of them holds it, never both. Before, the receive numbered the session's new row from
+    the message it delivered, which the accept did not rewrite: both commits landed (5 rounds in 12)."""
+    rounds = 12
+    by_round = _race_rounds(root, tmp_path, "e", rounds, child_ended_receiver, child_racing_acceptor)
+    both = [r for r, got in by_round.items() if got == {"holder": "renewed", "acceptor": "accepted"}]
+    assert not both, f"rounds {both}: the holder received and another receiver accepted the same session"
+    assert all(
+        got in ({"holder": "renewed", "acceptor": "refused"}, {"holder": "lost", "acceptor": "accepted"})
+        for got in by_round.values()
+    ), by_round
 
 
 def test_a_renewal_racing_close_in_another_thread_never_locks_the_session_again(root: str, tmp_path: Path) -> None:

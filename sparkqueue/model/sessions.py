@@ -283,7 +283,9 @@ class Sessions:
             return empty_rows()
         d = lifecycle.deliver(head, now, self.entity.policy, delete=delete)
         changes = _session_until_changes(d.changes, lock.locked_until)
-        self._apply(dt, lock.partition, lock.session_id, pa.concat_tables([changes, touch]), new_row, anchor=_first_seq(changes))
+        # A new row is anchored on the session's first message (as an accept's is), not on the one delivered: an
+        # accept making the row at the same time rewrites that first message's file, so one of the two conflicts.
+        self._apply(dt, lock.partition, lock.session_id, pa.concat_tables([changes, touch]), new_row)
         lock.ended = False
         if d.dead_lettered:
             self.entity.dead_lettered([lock.partition])
