@@ -203,8 +203,9 @@ class Receiver:
     def _receive(self, n: int, wait: float) -> list[ReceivedMessage]:
         out: list[ReceivedMessage] = []
         now = utcnow()
-        if self.session is not None and self._cache and lock_expired(self.session.locked_until_utc):
+        if self.session is not None and self._cache and lock_expired(self.session.locked_until_utc) and not self._deleting:
             self._cache.clear()  # the session lock is gone: the next holder gets them; the receive below raises
+            # (RECEIVE_AND_DELETE: the store holds them no more, so they are handed out below all the same)
         if self.session is not None and self.session._rewind:
             # A message was abandoned: it comes back before the later messages waiting in the cache. The store's
             # first n available messages merged with the cache give this receive's first n exactly; the rewind

@@ -951,3 +951,22 @@ def test_a_session_receiver_given_a_closed_renewer_gives_the_session_back(ns: Na
         ns.get_queue_receiver("q", session_id="s", auto_lock_renewer=renewer)
     with ns.get_queue_receiver("q", session_id="s") as r:  # not left locked until expiry
         assert [str(m) for m in r.receive_messages(1)] == ["m"]
+
+
+def test_a_receive_and_delete_session_receiver_hands_out_its_prefetched_messages_after_the_lock_lapses(
+    ns: Namespace,
+) -> None:
+    """RECEIVE_AND_DELETE with a prefetch: the prefetched messages are gone from the queue already. Before, a lapsed
+    session lock made the receiver drop them (as peek-lock does, for the next holder): nobody ever got them."""
+    ns.create_queue("q", requires_session=True, lock_duration=timedelta(seconds=1))
+    with ns.get_queue_sender("q") as s:
+        s.send_messages([Message(f"m{i}", session_id="s1") for i in range(6)])
+    r = ns.get_queue_receiver("q", session_id="s1", receive_mode=ReceiveMode.RECEIVE_AND_DELETE, prefetch_count=5)
+    got = [str(m) for m in r.receive_messages(1, max_wait_time=5)]
+    time.sleep(1.5)  # the session lock lapses
+    got += [str(m) for m in r.receive_messages(5, max_wait_time=0.5)]
+    with pytest.raises(SessionLockLostError):  # nothing cached any more: the store read needs the lock
+        r.receive_messages(1, max_wait_time=0.5)
+    r.close()
+    assert got == [f"m{i}" for i in range(6)]
+    assert ns.get_queue_runtime_properties("q").total_message_count == 0
