@@ -465,3 +465,63 @@ def test_a_forwarder_paused_past_its_claim_never_delivers_a_dead_letter_twice(ro
         main, dead = everywhere_of(ns, ("src", "dst"))
         expected = ["s0", "s1", "s2"] if then == "forwarded" else ["s0", "s1"]
         assert main == Counter(expected) and dead == Counter()
+
+
+# A forwarder that opens the namespace, waits for "go" on stdin, forwards, and stops (SIGSTOP to itself) right before
+# appending its copies.
+PAUSES_BEFORE_APPEND = r"""
+import os, signal, sys
+from sparkqueue import Namespace
+from sparkqueue.model import forwarding
+
+deliver = forwarding._deliver
+def paused(*a, **k):
+    print("paused", flush=True)
+    os.kill(os.getpid(), signal.SIGSTOP)
+    return deliver(*a, **k)
+forwarding._deliver = paused
+with Namespace(sys.argv[1]) as ns:
+    print("ready", flush=True)
+    sys.stdin.readline()
+    ns.forward_pending_messages()
+print("resumed", flush=True)
+"""
+
+
+def test_a_message_a_concurrent_forwarder_expired_while_another_delivered_it_is_not_also_a_dead_letter(
+    root: str,
+) -> None:
+    """Forwarder A reads m1 live and stops before its append; m1 expires, and forwarder B dead-letters it (expiry
+    dead-letters on this queue); A resumes and appends m1. Before, m1 ended both forwarded and dead-lettered."""
+    with Namespace(root) as ns:
+        ns.create_queue("dst")
+        ns.create_queue("src", enable_partitioning=False, dead_lettering_on_message_expiration=True)
+    child = subprocess.Popen(
+        [sys.executable, "-c", PAUSES_BEFORE_APPEND, root],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert child.stdout is not None and child.stdin is not None and child.stdout.readline() == "ready\n"
+        with Namespace(root) as ns:
+            with ns.get_queue_sender("src") as s:
+                s.send_messages(Message("m1", message_id="m1", time_to_live=timedelta(seconds=4)))
+            expires = time.monotonic() + 4
+            ns.update_queue(ns.get_queue("src"), forward_to="dst")  # m1 waits: forward_pending_messages forwards it
+            child.stdin.write("go\n")
+            child.stdin.flush()
+            assert child.stdout.readline() == "paused\n"  # A read m1 while it was live
+            time.sleep(max(0.0, expires - time.monotonic()) + 0.2)
+            with Namespace(root) as b:
+                b.forward_pending_messages()  # B: m1 expired, so it is dead-lettered
+                with b.get_queue_receiver("src", sub_queue=SubQueue.DEAD_LETTER) as r:
+                    assert [m.message_id for m in peek_all(r)] == ["m1"]
+    finally:
+        child.send_signal(signal.SIGCONT)
+        out, err = child.communicate(timeout=120)
+    assert child.returncode == 0 and out == "resumed\n", err[-2000:]
+    with Namespace(root) as ns:
+        main, dead = everywhere_of(ns, ("src", "dst"))
+        assert (main, dead) == (Counter({"m1": 1}), Counter())

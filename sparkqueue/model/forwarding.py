@@ -172,9 +172,33 @@ def _forward_run(entity: Entity, route: Route, p: int, resolve: Resolver) -> tup
     dead = [(over, HOP_LIMIT_REASON), (conflict, KEYS_REASON)] + ([(travels, failure)] if failure else [])
     gone = pc.and_(movable, held) if failure else pc.or_(pc.and_(movable, held), travels)
     changes = _source_changes(entity, run, dead, gone, now)
-    retry_commit(lambda: _settle_source(entity, p, changes, run), entity.deadline(), f"forward from {entity.name}")
+    whole = retry_commit(lambda: _settle_source(entity, p, changes, run), entity.deadline(), f"forward from {entity.name}")
+    if not whole and not failure and pc.any(travels).as_py():  # a concurrent forwarder changed some of them meanwhile
+        _drop_dead_twins(entity, p, run.filter(travels))
     log.debug("%d message(s) left %s for %s (partition %d)", changes.num_rows, entity.name, route.destination, p)
     return int(changes.num_rows), False
+
+
+def _drop_dead_twins(entity: Entity, p: int, delivered: pa.Table) -> None:
+    """Remove dead letters another forwarder made of messages this one has just delivered.
+
+    Between this forwarder's read and its append, a concurrent one may have dead-lettered some of the
+    same messages (they expired meanwhile, or it found the destination full or missing). Their copies
+    went out all the same, so the dead letters go, unless a receiver or a dead-letter forwarder holds one.
+    """
+    dt = entity.table.snapshot()
+    now_rows = entity.table.rows_by_sequence(dt, p, delivered.column("sequence_number"), ROW_COLUMNS, entity.subscription)
+    dead = pc.and_(pc.equal(now_rows.column("sub_queue"), SUB_QUEUE_DEAD_LETTER), pc.is_null(now_rows.column("lock_token")))
+    twins = now_rows.filter(dead)
+    if twins.num_rows == 0:
+        return
+    changes = lifecycle.changes(twins, lifecycle.removal(entity.policy))
+    retry_commit(lambda: _settle_source(entity, p, changes, twins), entity.deadline(), f"forward from {entity.name}")
+    log.warning(
+        "%d message(s) of %s dead-lettered by a concurrent forwarder while delivered here: the dead letters were removed",
+        twins.num_rows,
+        entity.name,
+    )
 
 
 def _key_conflicts(rows: pa.Table) -> pa.Array:
@@ -431,21 +455,22 @@ def _source_changes(entity: Entity, run: pa.Table, dead: list[tuple[pa.Array, st
     return pa.concat_tables(parts) if parts else empty_changes()
 
 
-def _settle_source(entity: Entity, p: int, changes: pa.Table, read: pa.Table) -> None:
-    """Apply the source changes to the rows still as this forwarder `read` them.
+def _settle_source(entity: Entity, p: int, changes: pa.Table, read: pa.Table) -> bool:
+    """Apply the source changes to the rows still as this forwarder `read` them; False when some were not.
 
     A concurrent forwarder may have settled them, or expired one into the dead-letter queue, where
     a receiver may hold it now: a change computed from the old read would remove that dead letter or
     wipe its lock.
     """
     if changes.num_rows == 0:
-        return
+        return True
     dt = entity.table.snapshot()
     seqs = changes.column("sequence_number")
     mine = read.filter(pc.is_in(read.column("sequence_number"), value_set=seqs))
     still = changes.filter(pc.is_in(seqs, value_set=_as_read(entity, dt, p, mine)))
     if still.num_rows:
         entity.table.apply(dt, p, still)
+    return bool(still.num_rows == changes.num_rows)
 
 
 _STATE = ["sequence_number", "sub_queue", "state", "lock_token"]  # what a concurrent change to a row alters
