@@ -243,7 +243,8 @@ class Management:
         props = dataclasses.replace(props, name=Address.of(entity_type, name).leaf)
         entity = self.broker.entity(entity_type, name)
         entry = self.broker.entry(entity_type, name)
-        props = check_update(PROPERTY_TYPES[entity_type].from_json(entry.properties), props, self.broker.tier)
+        old = PROPERTY_TYPES[entity_type].from_json(entry.properties)
+        props = check_update(old, props, self.broker.tier)
         self._require_all_partitions(entity, f"update {entity_type} {name!r}")
         # Checked against this entry's settings: the change applies only while the key still names its table, so
         # an entity deleted and made again meanwhile (other fixed settings) is not rewritten with these.
@@ -251,6 +252,8 @@ class Management:
         if not self.broker.catalog.update(key, props.to_json(), self.broker.deadline(), entry.table_path):
             raise EntityNotFoundError(f"{entity_type} {name!r} does not exist (it was deleted meanwhile)")
         self.broker.forget(key)
+        if _new_route(old, props):
+            self.broker.forward_after_route_change(entity_type, name)
 
     def _delete_entries(self, entity_type: str, name: str) -> CatalogEntry:
         """Delete an entity's catalog entry and its children's (subscriptions, rules) in one commit."""
@@ -670,6 +673,14 @@ class Management:
             f"{setting} names {target!r}, but no queue or topic of that name exists in namespace {self.broker.root!r}; "
             "create the destination first (nothing was changed)"
         )
+
+
+def _new_route(old: EntityProperties, new: EntityProperties) -> bool:
+    """True when an update sets a forwarding destination the entity did not have (either route)."""
+    return any(
+        getattr(new, f, None) and getattr(new, f, None) != getattr(old, f, None)
+        for f in ("forward_to", "forward_dead_lettered_messages_to")
+    )
 
 
 def _children_of(entity_type: str, name: str) -> Callable[[str], bool] | None:

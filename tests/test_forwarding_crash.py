@@ -101,6 +101,24 @@ print("not killed", flush=True)
 """
 
 
+# Sets a queue's forward_to and dies (SIGKILL) right after the update's commit, before it forwards what waits.
+UPDATE_THEN_DIE = r"""
+import os, signal, sys
+from sparkqueue import Namespace
+from sparkqueue.broker.core import Broker
+
+Broker.forward_after_route_change = lambda *a, **k: os.kill(os.getpid(), signal.SIGKILL)
+with Namespace(sys.argv[1]) as ns:
+    ns.update_queue(ns.get_queue(sys.argv[2]), forward_to=sys.argv[3])
+"""
+
+
+def set_forward_to_leaving_messages_waiting(root: str, queue: str, destination: str) -> None:
+    """Set forward_to in a process killed before it forwards: the queue's messages wait for the next forwarder."""
+    done = subprocess.run([sys.executable, "-c", UPDATE_THEN_DIE, root, queue, destination], capture_output=True, timeout=120)
+    assert done.returncode == -signal.SIGKILL, done.stderr.decode()[-2000:]
+
+
 def acked_ids(path: Path) -> list[str]:
     """Message ids of every send that returned (complete lines only)."""
     if not path.exists():
@@ -240,9 +258,7 @@ def test_an_expired_message_stays_dead_lettered_when_a_forwarder_is_killed_after
                 [Message("expiring", message_id="e", time_to_live=timedelta(seconds=1)), Message("kept", message_id="k")]
             )
         time.sleep(1.2)
-        props = ns.get_queue("src")
-        props.forward_to = "dst"
-        ns.update_queue(props)
+    set_forward_to_leaving_messages_waiting(root, "src", "dst")
     done = subprocess.run(
         [sys.executable, "-c", DIES_BETWEEN_APPEND_AND_SETTLE, root, "pending", "0"], capture_output=True, timeout=120
     )
@@ -496,6 +512,10 @@ def test_a_message_a_concurrent_forwarder_expired_while_another_delivered_it_is_
     with Namespace(root) as ns:
         ns.create_queue("dst")
         ns.create_queue("src", enable_partitioning=False, dead_lettering_on_message_expiration=True)
+        with ns.get_queue_sender("src") as s:
+            s.send_messages(Message("m1", message_id="m1", time_to_live=timedelta(seconds=6)))
+        expires = time.monotonic() + 6
+    set_forward_to_leaving_messages_waiting(root, "src", "dst")  # m1 waits: forward_pending_messages forwards it
     child = subprocess.Popen(
         [sys.executable, "-c", PAUSES_BEFORE_APPEND, root],
         stdin=subprocess.PIPE,
@@ -505,19 +525,14 @@ def test_a_message_a_concurrent_forwarder_expired_while_another_delivered_it_is_
     )
     try:
         assert child.stdout is not None and child.stdin is not None and child.stdout.readline() == "ready\n"
-        with Namespace(root) as ns:
-            with ns.get_queue_sender("src") as s:
-                s.send_messages(Message("m1", message_id="m1", time_to_live=timedelta(seconds=4)))
-            expires = time.monotonic() + 4
-            ns.update_queue(ns.get_queue("src"), forward_to="dst")  # m1 waits: forward_pending_messages forwards it
-            child.stdin.write("go\n")
-            child.stdin.flush()
-            assert child.stdout.readline() == "paused\n"  # A read m1 while it was live
-            time.sleep(max(0.0, expires - time.monotonic()) + 0.2)
-            with Namespace(root) as b:
-                b.forward_pending_messages()  # B: m1 expired, so it is dead-lettered
-                with b.get_queue_receiver("src", sub_queue=SubQueue.DEAD_LETTER) as r:
-                    assert [m.message_id for m in peek_all(r)] == ["m1"]
+        child.stdin.write("go\n")
+        child.stdin.flush()
+        assert child.stdout.readline() == "paused\n"  # A read m1 while it was live
+        time.sleep(max(0.0, expires - time.monotonic()) + 0.2)
+        with Namespace(root) as b:
+            b.forward_pending_messages()  # B: m1 expired, so it is dead-lettered
+            with b.get_queue_receiver("src", sub_queue=SubQueue.DEAD_LETTER) as r:
+                assert [m.message_id for m in peek_all(r)] == ["m1"]
     finally:
         child.send_signal(signal.SIGCONT)
         out, err = child.communicate(timeout=120)
@@ -525,3 +540,50 @@ def test_a_message_a_concurrent_forwarder_expired_while_another_delivered_it_is_
     with Namespace(root) as ns:
         main, dead = everywhere_of(ns, ("src", "dst"))
         assert (main, dead) == (Counter({"m1": 1}), Counter())
+
+
+# A sender in another process: "warm" sends one message (its cached settings of src are fresh then), "go" sends
+# three more to three partitions at once, by those cached settings.
+STALE_SENDER = r"""
+import sys
+from sparkqueue import Message, Namespace
+
+with Namespace(sys.argv[1]) as ns, ns.get_queue_sender("src") as sender:
+    for line in sys.stdin:
+        if line.strip() == "warm":
+            sender.send_messages(Message("warm", message_id="warm", partition_key="k0"))
+        else:
+            sender.send_messages([Message(f"stale{i}", message_id=f"stale{i}", partition_key=f"k{i + 1}") for i in range(3)])
+        print("done", flush=True)
+"""
+
+
+def test_messages_sent_by_settings_cached_before_forward_to_was_set_are_forwarded(root: str) -> None:
+    """Another process sends right after forward_to is set, by its cached settings (up to 1 s old): its messages were
+    stored unforwarded, and unreceivable (the queue forwards), until forward_pending_messages or maintenance ran.
+    The update now forwards once every process's cache shows the route."""
+    import threading
+
+    with Namespace(root) as ns:
+        ns.create_queue("dst")
+        ns.create_queue("src")
+    child = subprocess.Popen([sys.executable, "-c", STALE_SENDER, root], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    assert child.stdin is not None and child.stdout is not None
+    try:
+        with Namespace(root) as ns:
+            child.stdin.write("warm\n")
+            child.stdin.flush()
+            assert child.stdout.readline() == "done\n"
+            update = threading.Thread(target=lambda: ns.update_queue(ns.get_queue("src"), forward_to="dst"))
+            update.start()
+            child.stdin.write("go\n")
+            child.stdin.flush()
+            assert child.stdout.readline() == "done\n"
+            update.join(60)
+            assert not update.is_alive()
+            main, _ = everywhere_of(ns, ("src", "dst"))
+            assert main == Counter({"warm": 1, "stale0": 1, "stale1": 1, "stale2": 1})
+            assert ns.get_queue_runtime_properties("src").total_message_count == 0
+    finally:
+        child.stdin.close()
+        assert child.wait(timeout=60) == 0

@@ -342,6 +342,18 @@ class Broker:
         except SparkQueueError as exc:
             log.warning("forwarding from %s deferred: %s", entity.name, exc)
 
+    def forward_after_route_change(self, entity_type: str, name: str) -> None:
+        """After a route was set on an entity: once no process trusts its older cached settings, forward what waits.
+
+        Other processes send by settings up to PROPERTIES_TTL_S old, so their sends right after the change
+        stored messages without forwarding them; a pump once that time has passed moves them on.
+        """
+        time.sleep(PROPERTIES_TTL_S)
+        try:
+            self.pump(self.entity(entity_type, name))
+        except SparkQueueError as exc:
+            log.warning("forwarding from %s after its route changed deferred: %s", name, exc)
+
     def _forward_dead_letters(self, entity: Entity, partitions: list[int]) -> None:
         """Forward what a receive just dead-lettered, when the entity forwards its dead letters."""
         if getattr(entity.props, "forward_dead_lettered_messages_to", None):
