@@ -801,3 +801,27 @@ def test_a_subscription_as_destination_is_named_as_such(ns: Namespace) -> None:
         with pytest.raises(InvalidOperationError, match=r"names subscription .*forwarded to a queue or topic"):
             ns.create_queue("q", forward_to=target)
     assert [q.name for q in ns.list_queues()] == []
+
+
+def test_a_deferred_dead_letter_is_not_forwarded(ns: Namespace) -> None:
+    """A dead letter a receiver of the dead-letter sub-queue deferred stays there for receive_deferred_messages.
+
+    Before, forwarding the dead letters took it too: it arrived active at the destination and was gone from the source.
+    """
+    ns.create_queue("dst")
+    ns.create_queue("src")
+    with ns.get_queue_sender("src") as s:
+        s.send_messages([Message("d", message_id="d"), Message("e", message_id="e")])
+    with ns.get_queue_receiver("src") as r:
+        for m in drain(r, 2):
+            r.dead_letter_message(m, reason="bad")
+    with ns.get_queue_receiver("src", sub_queue=SubQueue.DEAD_LETTER) as dlq:
+        got = {m.message_id: m for m in drain(dlq, 2)}
+        d = got["d"]
+        dlq.defer_message(d)
+        dlq.abandon_message(got["e"])
+    ns.update_queue(ns.get_queue("src"), forward_dead_lettered_messages_to="dst")  # forwards the dead letters waiting
+    assert queue_ids(ns, "dst") == Counter({"e": 1})
+    with ns.get_queue_receiver("src", sub_queue=SubQueue.DEAD_LETTER) as dlq:
+        (again,) = dlq.receive_deferred_messages(d.sequence_number)
+        assert again.message_id == "d"

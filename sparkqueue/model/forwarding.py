@@ -299,7 +299,8 @@ def _claim(entity: Entity, p: int, destination: str) -> tuple[pa.Table, Claim | 
 
     An earlier claim for this destination is taken over (its forwarder died, or finishes it too:
     the txn app id appends the copies once). Dead letters that cannot travel (past the hop limit,
-    keys no partition takes), and those another claim holds, are never claimed.
+    keys no partition takes), deferred ones (a receiver of the sub-queue deferred them to take them
+    by sequence number) and those another claim holds are never claimed.
     """
     dt = entity.table.snapshot()
     now = utcnow()
@@ -310,6 +311,7 @@ def _claim(entity: Entity, p: int, destination: str) -> tuple[pa.Table, Claim | 
             return rows.filter(pc.fill_null(pc.equal(rows.column("lock_token"), token), False)), claim, True
     free = pc.invert(pc.fill_null(pc.greater(rows.column("locked_until_utc"), pa.scalar(now, TIMESTAMP)), False))
     can_travel = pc.and_(pc.less_equal(pc.add(rows.column("transfer_hop_count"), 1), MAX_HOPS), pc.invert(_key_conflicts(rows)))
+    can_travel = pc.and_(can_travel, pc.equal(rows.column("state"), STATE_ACTIVE))  # a deferred one waits for its receiver
     batch = rows.filter(pc.and_(pc.and_(free, pc.invert(claimed)), can_travel)).slice(0, BATCH)
     if batch.num_rows == 0:
         return batch, None, False
