@@ -825,3 +825,35 @@ def test_a_deferred_dead_letter_is_not_forwarded(ns: Namespace) -> None:
     with ns.get_queue_receiver("src", sub_queue=SubQueue.DEAD_LETTER) as dlq:
         (again,) = dlq.receive_deferred_messages(d.sequence_number)
         assert again.message_id == "d"
+
+
+@pytest.mark.parametrize("route", ["kept", "removed"])
+def test_a_claim_of_the_older_token_format_is_finished_or_released(ns: Namespace, route: str) -> None:
+    """A namespace written by an older version may hold dead letters claimed as `forward:<id>` (no time, no destination):
+    with the route still set the next forward finishes the claim; with the route removed it releases the dead letter."""
+    from sparkqueue.model import lifecycle
+    from sparkqueue.model.entity import ROW_COLUMNS
+    from sparkqueue.storage.table import OP_SET
+
+    ns.create_queue("dst")
+    ns.create_queue("src", enable_partitioning=False)
+    with ns.get_queue_sender("src") as s:
+        s.send_messages(Message("d", message_id="d"))
+    with ns.get_queue_receiver("src") as r:
+        (m,) = drain(r, 1)
+        r.dead_letter_message(m, reason="bad")
+    entity = ns.broker.entity("queue", "src")
+    dt = entity.table.snapshot()
+    row = entity.table.scan(dt, 0, ROW_COLUMNS)
+    claim = lifecycle.changes(row, OP_SET, lock_token="forward:0123abcd", locked_until_utc=None, available_at_utc=None)
+    entity.table.apply(dt, 0, claim)
+    with ns.get_queue_receiver("src", sub_queue=SubQueue.DEAD_LETTER) as dlq:
+        assert dlq.receive_messages(max_wait_time=0.5) == []  # claimed
+    if route == "kept":
+        ns.update_queue(ns.get_queue("src"), forward_dead_lettered_messages_to="dst")  # forwards what waits
+        assert queue_ids(ns, "dst") == Counter({"d": 1})
+        assert queue_ids(ns, "src", dead_letter=True) == Counter()
+    else:
+        ns.forward_pending_messages()
+        with ns.get_queue_receiver("src", sub_queue=SubQueue.DEAD_LETTER) as dlq:
+            assert [x.message_id for x in dlq.receive_messages(max_wait_time=5)] == ["d"]

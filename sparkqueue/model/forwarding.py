@@ -240,7 +240,7 @@ def _forward_dead_letters(entity: Entity, route: Route, p: int, resolve: Resolve
         try:
             _deliver(dest, expand, _copies(batch, now, dest), Fence(claim.app_id(entity, p), 1))
         except (EntityNotFoundError, QuotaExceededError):  # they stay dead letters here
-            _cancel(entity, p, claimed, claim, resolve)
+            _cancel(entity, p, claimed, claim.app_id(entity, p), route.destination, resolve)
             return total
         except SparkQueueError as exc:  # destination unavailable: the claim stays for a later forwarder
             log.warning("forwarding dead letters %s -> %s deferred: %s", entity.name, route.destination, exc)
@@ -337,30 +337,33 @@ def _cancel_lapsed_claims(entity: Entity, p: int, resolve: Resolver, current: st
         claim = Claim.parse(token)
         if not claim.lapsed(entity, now):
             continue
-        if claim.destination in (None, current):
+        target = claim.destination or current  # an older claim was for the route's destination
+        if target is not None and target == current:
             try:
-                dest, _ = resolve(current or "")
+                dest, _ = resolve(target)
                 check_status(dest.props, "send", dest.name)
                 continue  # the forwarding loop finishes it
             except (EntityNotFoundError, MessagingEntityDisabledError):
                 pass
         held = rows.filter(pc.fill_null(pc.equal(rows.column("lock_token"), token), False))
-        _cancel(entity, p, held, claim, resolve)
+        _cancel(entity, p, held, claim.app_id(entity, p), target, resolve)
 
 
-def _cancel(entity: Entity, p: int, held: pa.Table, claim: Claim, resolve: Resolver) -> None:
-    """End a claim without forwarding: its rows become receivable dead letters again, unless its copies went out.
+def _cancel(entity: Entity, p: int, held: pa.Table, app: str, destination: str | None, resolve: Resolver) -> None:
+    """End a claim (txn app id `app`) without forwarding: its rows become receivable again, unless its copies went out.
 
     A forwarder of the claim may still be at work (paused, or it raced this one): the claim's app id is
     first recorded at its destination, so its append is skipped from then on. If the app id is there
-    already, the copies went out, and the rows are removed instead. A destination that is gone takes no copies.
+    already, the copies went out, and the rows are removed instead. A destination that is gone (or
+    unknown: an older claim whose route was removed) takes no copies.
     """
-    app = claim.app_id(entity, p)
+    delivered = False
     try:
-        dest = resolve(claim.destination or "")[0]
-        delivered = not retry_commit(lambda: _record_app(dest, app), dest.deadline(), f"cancel a forward to {dest.name}")
+        if destination is not None:
+            dest = resolve(destination)[0]
+            delivered = not retry_commit(lambda: _record_app(dest, app), dest.deadline(), f"cancel a forward to {dest.name}")
     except EntityNotFoundError:  # gone: nothing can be appended there any more
-        delivered = False
+        pass
     now = utcnow()
     if delivered:
         changes = lifecycle.changes(held, lifecycle.removal(entity.policy))
