@@ -857,3 +857,20 @@ def test_a_claim_of_the_older_token_format_is_finished_or_released(ns: Namespace
         ns.forward_pending_messages()
         with ns.get_queue_receiver("src", sub_queue=SubQueue.DEAD_LETTER) as dlq:
             assert [x.message_id for x in dlq.receive_messages(max_wait_time=5)] == ["d"]
+
+
+def test_dead_letters_forwarded_to_a_topic_no_subscription_takes_leave_the_source(ns: Namespace) -> None:
+    """Dead letters forwarded to a topic whose only subscription's filter selects none of them go (as any message no
+    rule selects), once. Before, the append stored nothing and recorded nothing, so the claim's outcome was unknown."""
+    ns.create_topic("t")
+    ns.create_subscription("t", "none")
+    ns.delete_rule("t", "none", "$Default")
+    ns.create_rule("t", "none", "never", filter=SqlRuleFilter("1 = 0"))
+    ns.create_queue("src", forward_dead_lettered_messages_to="t")
+    ns.get_queue_sender("src").send_messages(batch("m", 3))
+    with ns.get_queue_receiver("src") as r:
+        for m in drain(r, 3):
+            r.dead_letter_message(m, reason="bad")
+    ns.forward_pending_messages()
+    assert queue_ids(ns, "src", dead_letter=True) == Counter()
+    assert sub_ids(ns, "t", "none") == Counter()

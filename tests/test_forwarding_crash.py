@@ -587,3 +587,57 @@ def test_messages_sent_by_settings_cached_before_forward_to_was_set_are_forwarde
     finally:
         child.stdin.close()
         assert child.wait(timeout=60) == 0
+
+
+# A forward that stops (SIGSTOP to itself) right after recording a dead-letter claim as cancelled at its destination.
+PAUSES_AFTER_CANCEL_RECORD = r"""
+import os, signal, sys
+from sparkqueue import Namespace
+from sparkqueue.model import forwarding
+
+record = forwarding._record_cancel
+def paused(*a, **k):
+    outcome = record(*a, **k)
+    print("recorded", flush=True)
+    os.kill(os.getpid(), signal.SIGSTOP)
+    return outcome
+forwarding._record_cancel = paused
+with Namespace(sys.argv[1]) as ns:
+    ns.forward_pending_messages()
+print("resumed", flush=True)
+"""
+
+
+def test_a_claim_cancelled_while_its_forwarder_was_paused_leaves_the_dead_letter_receivable(root: str) -> None:
+    """Forwarder A claims s2 and stops before its append; the claim lapses and, dst being disabled, B records the claim
+    as cancelled at dst and stops before releasing s2; A resumes: its append is skipped. Before, A then removed s2 as
+    if its copy had gone out, and B's release found nothing to release: s2 was lost."""
+    _dead_letter_forwarding_pair(root)
+    a = subprocess.Popen(
+        [sys.executable, "-c", PAUSES_AFTER_CLAIM, root], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
+    b: subprocess.Popen[str] | None = None
+    try:
+        assert a.stdout is not None and a.stdout.readline() == "claimed\n"
+        time.sleep(2.1)  # the claim lapses
+        with Namespace(root) as ns:
+            ns.update_queue(ns.get_queue("dst"), status="Disabled")
+        b = subprocess.Popen(
+            [sys.executable, "-c", PAUSES_AFTER_CANCEL_RECORD, root], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+        )
+        assert b.stdout is not None and b.stdout.readline() == "recorded\n"
+        a.send_signal(signal.SIGCONT)
+        out, err = a.communicate(timeout=120)
+        assert a.returncode == 0 and out == "resumed\n", err[-2000:]
+    finally:
+        a.send_signal(signal.SIGCONT)
+        if b is not None:
+            b.send_signal(signal.SIGCONT)
+            out, err = b.communicate(timeout=120)
+            assert b.returncode == 0 and out.endswith("resumed\n"), err[-2000:]
+    with Namespace(root) as ns:
+        ns.update_queue(ns.get_queue("dst"), status="Active")
+        main, dead = everywhere_of(ns, ("src", "dst"))
+        assert (main, dead) == (Counter({"s0": 1, "s1": 1}), Counter({"s2": 1}))
+        with ns.get_queue_receiver("src", sub_queue=SubQueue.DEAD_LETTER) as r:
+            assert [m.message_id for m in r.receive_messages(max_message_count=10, max_wait_time=5)] == ["s2"]

@@ -55,6 +55,7 @@ FULL_REASON = "ForwardingDestinationQuotaExceeded"
 DISABLED_REASON = "ForwardingDestinationDisabled"
 KEYS_REASON = "ForwardingPartitionKeyConflict"  # a rule action gave a copy a session id its partition key contradicts
 BATCH = 1000
+DELIVERED, CANCELLED = 1, 2  # txn versions of a dead-letter claim's app id at its destination (an append skips both)
 CLAIM_PREFIX = "forward:"  # lock token of dead letters claimed by a forwarder (never a receiver's token): Claim
 
 # Resolves a destination name to (entity, fan-out for topics), or raises EntityNotFoundError.
@@ -237,13 +238,18 @@ def _forward_dead_letters(entity: Entity, route: Route, p: int, resolve: Resolve
             return total
         now = utcnow()
         claimed = with_columns(batch, lock_token=constant(claim.token, pa.string(), batch.num_rows))  # as the claim left them
+        app = claim.app_id(entity, p)
         try:
-            _deliver(dest, expand, _copies(batch, now, dest), Fence(claim.app_id(entity, p), 1))
+            _deliver(dest, expand, _copies(batch, now, dest), Fence(app, DELIVERED))
+            outcome = dest.table.snapshot().transaction_version(app)
         except (EntityNotFoundError, QuotaExceededError):  # they stay dead letters here
-            _cancel(entity, p, claimed, claim.app_id(entity, p), route.destination, resolve)
+            _cancel(entity, p, claimed, app, route.destination, resolve)
             return total
         except SparkQueueError as exc:  # destination unavailable: the claim stays for a later forwarder
             log.warning("forwarding dead letters %s -> %s deferred: %s", entity.name, route.destination, exc)
+            return total
+        if outcome != DELIVERED:  # another process cancelled the claim first: its rows are released, not removed
+            _cancel(entity, p, claimed, app, route.destination, resolve)
             return total
         changes = lifecycle.changes(batch, lifecycle.removal(entity.policy))
         retry_commit(
@@ -353,15 +359,16 @@ def _cancel(entity: Entity, p: int, held: pa.Table, app: str, destination: str |
     """End a claim (txn app id `app`) without forwarding: its rows become receivable again, unless its copies went out.
 
     A forwarder of the claim may still be at work (paused, or it raced this one): the claim's app id is
-    first recorded at its destination, so its append is skipped from then on. If the app id is there
-    already, the copies went out, and the rows are removed instead. A destination that is gone (or
-    unknown: an older claim whose route was removed) takes no copies.
+    first recorded at its destination as CANCELLED, so its append is skipped from then on. If the app id
+    is there as DELIVERED already, the copies went out, and the rows are removed instead. A destination
+    that is gone (or unknown: an older claim whose route was removed) takes no copies.
     """
     delivered = False
     try:
         if destination is not None:
             dest = resolve(destination)[0]
-            delivered = not retry_commit(lambda: _record_app(dest, app), dest.deadline(), f"cancel a forward to {dest.name}")
+            outcome = retry_commit(lambda: _record_cancel(dest, app), dest.deadline(), f"cancel a forward to {dest.name}")
+            delivered = outcome == DELIVERED
     except EntityNotFoundError:  # gone: nothing can be appended there any more
         pass
     now = utcnow()
@@ -373,13 +380,14 @@ def _cancel(entity: Entity, p: int, held: pa.Table, app: str, destination: str |
     log.info("dead-letter claim on %d message(s) of %s %s", held.num_rows, entity.name, "finished" if delivered else "released")
 
 
-def _record_app(dest: Entity, app: str) -> bool:
-    """Record txn `app` at the destination with nothing appended; False when it was there already (copies went out)."""
+def _record_cancel(dest: Entity, app: str) -> int:
+    """Record txn `app` as CANCELLED at the destination unless it holds an outcome already; the outcome it holds now."""
     dt = dest.table.snapshot()
-    if dt.transaction_version(app) is not None:
-        return False
-    dest.table.commit(dt, [], [], [Fence(app, 1)], {app: None}, "WRITE")
-    return True
+    done = dt.transaction_version(app)
+    if done is not None:
+        return done
+    dest.table.commit(dt, [], [], [Fence(app, CANCELLED)], {app: None}, "WRITE")
+    return CANCELLED
 
 
 def _leading_run(entity: Entity, dt: Snapshot, p: int, sub_queue: str, now: datetime) -> pa.Table:

@@ -258,10 +258,10 @@ class EntityTable:
         Assigns sequence numbers from each partition's fence, drops rows whose message_id was
         accepted in the partition since `dedupe_since` (when given) or repeats within the batch,
         and returns the stored rows. `expand` (topic fan-out) turns the surviving rows into the rows
-        to store. `once` makes the append idempotent: it commits with that txn (app id, version)
-        and is skipped, returning no rows, when the table already has the app id at that version or
-        later; rows whose `sequence_number` (the source's, for a forward) is at most the recorded
-        version were appended by an earlier attempt and are dropped. Raises CommitConflict when
+        to store. `once` makes the append idempotent: it commits with that txn (app id, version),
+        even when no row is left to store, and is skipped, returning no rows, when the table already
+        has the app id at that version or later; rows whose `sequence_number` (the source's, for a
+        forward) is at most the recorded version were appended by an earlier attempt and are dropped. Raises CommitConflict when
         another sender to one of the partitions won the race (the caller retries on a fresh snapshot).
         """
         with self.existing():
@@ -283,6 +283,8 @@ class EntityTable:
         ]
         stored = [st.rows for st in staged if st.rows.num_rows]
         if not stored:
+            if once is not None:  # nothing to store (duplicates, no subscriber): the append still happened, once
+                self.commit(dt, [], [], [once], {once.app_id: dt.transaction_version(once.app_id)}, "WRITE")
             return rows.schema.empty_table()
         fences = [st.fence for st in staged if st.fence is not None]
         seen = {st.app: st.seen for st in staged}
