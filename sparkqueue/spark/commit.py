@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
+from enum import Enum
 from typing import TYPE_CHECKING
 
 import pyarrow as pa
@@ -23,13 +24,21 @@ from sparkqueue.errors import QuotaExceededError, StorageError
 from sparkqueue.storage.leases import require_live
 from sparkqueue.storage.log import AddFile, CommitConflict, Fence
 from sparkqueue.storage.schema import PARTITION_COLUMN, with_columns
-from sparkqueue.storage.table import fence_app_id, sequence_number
+from sparkqueue.storage.table import accepted_rows, fence_app_id, sequence_number
 
 if TYPE_CHECKING:
     from sparkqueue.storage.retry import Deadline
     from sparkqueue.storage.table import EntityTable
 
 log = logging.getLogger(__name__)
+
+
+class Repeats(Enum):
+    """What a renumbering does about a concurrent sender's messages repeating the send's (duplicate detection)."""
+
+    NONE = "none"  # no duplicate detection: nothing to drop
+    DROP = "drop"  # a queue's: its rows repeating an id the concurrent sender sent are dropped
+    RERUN = "rerun"  # a topic's: a copy's id may be a rule action's, so only a fresh send can drop repeats
 
 
 @dataclass(frozen=True)
@@ -49,7 +58,7 @@ def commit_renumbering(
     bases: dict[int, int | None],
     deadline: Deadline,
     *,
-    dedupe: bool = False,
+    repeats: Repeats = Repeats.NONE,
 ) -> int:
     """Commit the files once, moving the fences from `bases`; when a concurrent sender moved some, renumber only those.
 
@@ -58,8 +67,9 @@ def commit_renumbering(
     messages count now) and commits again; the other partitions' files are committed as Spark
     wrote them. Any other conflict, or one past the deadline, deletes every file and raises (the
     caller runs the whole send again or gives up). After an error other than a conflict the
-    commit may have landed (EntityTable.commit): the files stay. With `dedupe`, returns how many
-    messages were dropped as repeats of a concurrent sender's; else 0.
+    commit may have landed (EntityTable.commit): the files stay. Returns how many messages were
+    dropped as repeats of a concurrent sender's (Repeats.DROP); with Repeats.RERUN any conflict is
+    of the latter kind.
     """
     adds = list(adds)
     last = dict(written.last)
@@ -79,18 +89,19 @@ def commit_renumbering(
         except CommitConflict:
             fresh = fence_bases_of(table, sorted(last))
             moved = {p: (bases[p] or 0, fresh[p] or 0) for p in last if fresh[p] != bases[p]}
-            if not moved or deadline.expired() or any(new < old for old, new in moved.values()):
+            stale = repeats is Repeats.RERUN or deadline.expired() or any(new < old for old, new in moved.values())
+            if not moved or stale:
                 table.data.delete([a.path for a in adds])
                 raise
             log.info("a concurrent sender moved the fences of partitions %s: renumbering their files only", sorted(moved))
-            adds, renumbered = renumber(table, adds, moved, dedupe)
+            adds, renumbered = renumber(table, adds, moved, repeats is Repeats.DROP)
             try:
                 check_quota(table, written, adds)  # the concurrent send added bytes to those partitions
             except QuotaExceededError:
                 table.data.delete([a.path for a in adds])
                 raise
-            for p, (count, repeats) in renumbered.items():
-                dropped += repeats
+            for p, (count, repeated) in renumbered.items():
+                dropped += repeated
                 bases[p] = fresh[p]
                 if count:
                     last[p] = moved[p][1] + count
@@ -106,18 +117,18 @@ def fence_bases_of(table: EntityTable, partitions: list[int]) -> dict[int, int |
 
 
 def renumber(
-    table: EntityTable, adds: list[AddFile], moved: dict[int, tuple[int, int]], dedupe: bool
+    table: EntityTable, adds: list[AddFile], moved: dict[int, tuple[int, int]], drop_repeats: bool
 ) -> tuple[list[AddFile], dict[int, tuple[int, int]]]:
     """Rewrite the files of partitions whose fence moved from old to new, numbered densely after new; the rest kept.
 
-    With `dedupe`, rows whose message id the concurrent sender sent (numbered old+1..new) are dropped.
-    Returns the adds and, per moved partition, (numbers used, messages dropped). A message's rows
-    (a topic's copies) share one number, so numbers map through the sorted distinct old ones.
+    With `drop_repeats` (a queue's files), rows whose message id the concurrent sender's accepted
+    messages (numbered old+1..new) carry are dropped. Returns the adds and, per moved partition,
+    (numbers used, messages dropped); numbers map through the sorted distinct old ones.
     """
     out = [a for a in adds if int(a.partition_values[PARTITION_COLUMN]) not in moved]
     done: dict[int, tuple[int, int]] = {}
     snap = None
-    if dedupe:
+    if drop_repeats:
         with table.existing():
             snap = table.snapshot()
     written: list[AddFile] = []
@@ -127,9 +138,10 @@ def renumber(
             files = [table.data.read(a.path) for a in mine]
             repeats = 0
             if snap is not None and files:
-                theirs = table.rows_between(snap, p, sequence_number(p, old + 1), sequence_number(p, new), ["message_id"])
-                ids = theirs.column("message_id").combine_chunks()
-                gone = [pc.is_in(f.column("message_id"), value_set=ids) for f in files]
+                span = sequence_number(p, old + 1), sequence_number(p, new)
+                theirs = table.rows_between(snap, p, *span, ["message_id", "subscription", "kind"])
+                ids = theirs.filter(accepted_rows(theirs)).column("message_id").combine_chunks()
+                gone = [pc.is_in(f.column("message_id"), value_set=ids, skip_nulls=True) for f in files]
                 dropped_ids = [f.filter(g).column("message_id") for f, g in zip(files, gone, strict=True)]
                 repeats = len(pc.unique(pa.chunked_array(dropped_ids, pa.string())))  # a message's copies: one message
                 files = [f.filter(pc.invert(g)) for f, g in zip(files, gone, strict=True)]

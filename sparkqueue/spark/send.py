@@ -7,9 +7,10 @@ task's files in ONE Delta commit that moves the fences and expects the versions 
 that fails anywhere (a bad row, a quota, a failing task) commits nothing, and the files its tasks
 wrote are deleted (vacuum removes what a killed task left). A concurrent sender that moved one of
 the fences makes the commit conflict: the files of the partitions it moved are renumbered after
-its messages (on a duplicate-detecting entity without the messages whose id it sent meanwhile)
+its messages (on a duplicate-detecting queue without the messages whose id it sent meanwhile)
 and the commit is tried again (spark/commit.py), so a steady sender cannot starve a long send,
-until it lands or the operation timeout passes (OperationTimeoutError).
+until it lands or the operation timeout passes (OperationTimeoutError). A duplicate-detecting
+topic's send runs again instead (commit.Repeats).
 
 Keyed rows (a session id, a partition key, or a message id on a duplicate-detecting entity), or
 any send asked to keep the DataFrame's order, take two stages separated by a shuffle:
@@ -57,11 +58,11 @@ from sparkqueue.broker import refuse_in_transaction
 from sparkqueue.errors import InvalidOperationError, MessageSizeExceededError, PartitionUnavailableError, StorageError
 from sparkqueue.message import SendSettings, message_rows, properties_json, send_settings
 from sparkqueue.model import limits
-from sparkqueue.model.addresses import QUEUE
+from sparkqueue.model.addresses import QUEUE, TOPIC
 from sparkqueue.model.entity import utcnow
 from sparkqueue.model.partitioning import partition_for_key
 from sparkqueue.model.properties import check_status
-from sparkqueue.spark.commit import Written, commit_renumbering
+from sparkqueue.spark.commit import Repeats, Written, commit_renumbering
 from sparkqueue.spark.session import (
     bucket_key,
     check_dataframe,
@@ -179,7 +180,9 @@ def _send(entity: Entity, df: DataFrame, plan: SendPlan, preserve_order: bool, e
         staged, check = in_place(df, plan, inputs)
 
     deadline = entity.deadline()
-    dedupe = plan.settings.requires_duplicate_detection  # a concurrent sender's messages may repeat some of the DataFrame's
+    repeats = Repeats.NONE  # what a concurrent sender's messages repeating some of the DataFrame's need
+    if plan.settings.requires_duplicate_detection:
+        repeats = Repeats.RERUN if entity_type == TOPIC else Repeats.DROP
 
     def attempt() -> tuple[int, list[int]]:
         bases = fence_bases(table, plan.partition_count)
@@ -187,7 +190,7 @@ def _send(entity: Entity, df: DataFrame, plan: SendPlan, preserve_order: bool, e
             with spark_errors():
                 check.collect()
         results = write_files(table, staged, replace(plan, bases=bases))
-        return commit_send(table, results, bases, deadline, dedupe=dedupe)
+        return commit_send(table, results, bases, deadline, repeats=repeats)
 
     return (*retry_commit(attempt, deadline, f"DataFrame send to {entity.name}"), "")
 
@@ -246,13 +249,13 @@ def write_files(table: EntityTable, staged: DataFrame, plan: SendPlan) -> list[R
 
 
 def commit_send(
-    table: EntityTable, results: list[Row], bases: tuple[int | None, ...], deadline: Deadline, *, dedupe: bool
+    table: EntityTable, results: list[Row], bases: tuple[int | None, ...], deadline: Deadline, *, repeats: Repeats
 ) -> tuple[int, list[int]]:
     """Commit every task's files in one commit that moves the fences of the partitions written; (accepted, partitions).
 
     The tasks numbered each partition from `bases`. A concurrent append to some of them makes the
-    commit conflict: their files are then renumbered after it (`dedupe`: without the messages it
-    repeated) and the commit tried again (commit.commit_renumbering).
+    commit conflict: their files are then renumbered after it (without the messages it repeated,
+    `repeats`) and the commit tried again, or the send runs again (commit.commit_renumbering).
     """
     adds: list[AddFile] = []
     last: dict[int, int] = {}
@@ -270,7 +273,7 @@ def commit_send(
     if adds:
         counts = {p: n - (bases[p] or 0) for p, n in last.items()}
         written = Written(adds, counts, last, dict.fromkeys(last))  # no bound of the bytes: a recheck sums them
-        dropped = commit_renumbering(table, adds, written, dict(enumerate(bases)), deadline, dedupe=dedupe)
+        dropped = commit_renumbering(table, adds, written, dict(enumerate(bases)), deadline, repeats=repeats)
     return sum(r.accepted for r in results) - dropped, sorted(touched)
 
 

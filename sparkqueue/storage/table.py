@@ -99,6 +99,17 @@ def fence_app_id(partition: int) -> str:
     return f"sparkqueue.seq.{partition}"
 
 
+def accepted_rows(rows: pa.Table) -> pa.Array:
+    """Per row (columns subscription, kind): does it record a message id the entity accepted?
+
+    A queue's message rows and a topic's id records (ID_RECORD) do; a topic's subscription copies
+    (whose ids a rule action may have changed) and session state rows do not.
+    """
+    sub = rows.column("subscription")
+    accepted = pc.or_(pc.is_null(sub), pc.fill_null(pc.equal(sub, ID_RECORD), False))
+    return pc.and_(accepted, pc.equal(rows.column("kind"), KIND_MESSAGE))
+
+
 def sequence_number(partition: int, counter: int) -> int:
     """Compose a sequence number: partition id in the top 16 bits, counter below."""
     return (partition << SEQUENCE_BITS) | counter
@@ -397,9 +408,7 @@ class EntityTable:
         if not files:
             return part
         existing = self._read(files, ["message_id", "enqueued_time_utc", "subscription", "kind"])
-        sub = existing.column("subscription")
-        accepted = pc.or_(pc.is_null(sub), pc.fill_null(pc.equal(sub, ID_RECORD), False))
-        accepted = pc.and_(accepted, pc.equal(existing.column("kind"), KIND_MESSAGE))  # not a session's state row
+        accepted = accepted_rows(existing)
         recent = existing.filter(
             pc.and_(accepted, pc.greater_equal(existing.column("enqueued_time_utc"), pa.scalar(since, TIMESTAMP)))
         )

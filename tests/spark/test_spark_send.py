@@ -552,49 +552,80 @@ def test_conflicts_past_the_operation_timeout_raise_and_send_nothing(spark, root
         assert {m.message_id for m in peek_all(ns, "q")} == {f"c-{i}" for i in range(core)}
 
 
-@pytest.mark.parametrize("kind", ["queue", "topic"])
-def test_a_steady_sender_of_the_same_ids_does_not_starve_a_deduplicating_dataframe_send(spark, ns, numbered, tmp_path, kind):
-    """A core sender keeps sending to every partition of a duplicate-detecting entity, some of the DataFrame's ids among
+def test_a_steady_sender_of_the_same_ids_does_not_starve_a_deduplicating_dataframe_send(spark, ns, numbered, tmp_path):
+    """A core sender keeps sending to every partition of a duplicate-detecting queue, some of the DataFrame's ids among
     its messages, while the DataFrame send runs. Before, each moved fence ran the whole Spark job again, which the
     steady sender made conflict again until the operation timeout. Now the moved partitions are renumbered without
     the repeated ids: the send lands, and every id is stored once, by whichever sender sent it first."""
     stop, sent = tmp_path / "stop", tmp_path / "sent"
-    if kind == "topic":
-        ns.create_topic("t", requires_duplicate_detection=True)
-        for sub in ("a", "b"):
-            ns.create_subscription("t", sub)
-    else:
-        ns.create_queue("q", requires_duplicate_detection=True)
-    entity = ns.broker.entity(kind, "t" if kind == "topic" else "q")
+    ns.create_queue("q", requires_duplicate_detection=True)
+    entity = ns.broker.entity("queue", "q")
     child = subprocess.Popen(
-        [sys.executable, "-c", STEADY_SENDER, ns.root, str(stop), str(sent), kind],
+        [sys.executable, "-c", STEADY_SENDER, ns.root, str(stop), str(sent)],
         env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)},
     )
     n = 2000
     try:
-        _waiting(lambda: DeltaTable(entity.table.uri).to_pyarrow_table(columns=["message_id"]).num_rows > 0, "the core sender")()
+        _waiting(lambda: ns.get_queue_runtime_properties("q").total_message_count > 0, "the core sender")()
         slow = sf.udf(lambda b: time.sleep(0.001) or b, "binary")  # the job outlasts many of the core sender's commits
         df = numbered(n).withColumn("message_id", sf.concat(sf.lit("c-"), sf.col("id").cast("string")))
-        sender = ns.get_topic_sender("t") if kind == "topic" else ns.get_queue_sender("q")
-        with sender as s:
+        with ns.get_queue_sender("q") as s:
             accepted = s.send_dataframe(df.withColumn("body", slow(sf.col("body"))))
     finally:
         stop.touch()
         assert child.wait(timeout=120) == 0
     core = int(sent.read_text())
-    receivers = [ns.get_subscription_receiver("t", x) for x in ("a", "b")] if kind == "topic" else [ns.get_queue_receiver("q")]
-    for receiver in receivers:
-        with receiver as r:
-            got = [m for batch in iter(lambda r=r: r.peek_messages(5000), []) for m in batch]
-        assert Counter(m.message_id for m in got) == Counter(f"c-{i}" for i in range(max(n, core)))  # each id once
-        from_frame = [m for m in got if not str(m).startswith("core-")]
-        assert len(from_frame) == accepted and 0 < accepted < n  # the core sender sent some of the DataFrame's ids first
+    got = peek_all(ns, "q")
+    assert Counter(m.message_id for m in got) == Counter(f"c-{i}" for i in range(max(n, core)))  # each id once
+    from_frame = [m for m in got if not str(m).startswith("core-")]
+    assert len(from_frame) == accepted and 0 < accepted < n  # the core sender sent some of the DataFrame's ids first
     rows = DeltaTable(entity.table.uri).to_pyarrow_table(columns=["partition_id", "sequence_number"]).to_pylist()
     by_partition: dict[int, set[int]] = {}
-    for row in rows:  # a topic numbers each copy: dense over the table's rows
+    for row in rows:
         by_partition.setdefault(row["partition_id"], set()).add(row["sequence_number"] & SEQUENCE_MASK)
     for p, counters in by_partition.items():
-        assert sorted(counters) == list(range(1, len(counters) + 1)), p
+        assert sorted(counters) == list(range(1, len(counters) + 1)), p  # dense numbering
+
+
+TOPIC_SENDER = """
+import sys
+from pathlib import Path
+from sparkqueue import Message, Namespace
+root, done = sys.argv[1], sys.argv[2]
+with Namespace(root) as ns, ns.get_topic_sender("t") as s:
+    s.send_messages(Message("core-X", message_id="X"))
+Path(done).touch()
+"""
+
+
+def test_a_deduplicating_topic_send_whose_fence_moved_drops_only_the_repeated_message(spark, ns, tmp_path):
+    """A core sender sends X to a duplicate-detecting topic while a DataFrame send of X, Z and A runs; subscription s2's
+    rule action sets every copy's id to 'Z'. Renumbering the files dropped rows by their own id: Z and A's s2 copies
+    (id 'Z', which the core sender's s2 copy carries too) went, and 1 was returned. The send now runs again and drops
+    X only: every subscription gets Z and A, and 2 is returned."""
+    from sparkqueue import SqlRuleAction, SqlRuleFilter
+
+    ns.create_topic("t", requires_duplicate_detection=True, enable_partitioning=False)
+    ns.create_subscription("t", "s1")
+    ns.create_subscription("t", "s2")
+    ns.delete_rule("t", "s2", "$Default")
+    ns.create_rule("t", "s2", "z", filter=SqlRuleFilter("1 = 1"), action=SqlRuleAction("SET sys.MessageId = 'Z'"))
+    done = tmp_path / "done"
+
+    def body(i, b):  # the first evaluation of row 0 (after the driver read the fences) has the core sender send X
+        if i == 0 and not done.exists():
+            subprocess.run([sys.executable, "-c", TOPIC_SENDER, ns.root, str(done)], check=True, timeout=120)
+        return b
+
+    gated = sf.udf(body, "binary").asNondeterministic()
+    rows = [(0, b"df-X", "X"), (1, b"df-Z", "Z"), (2, b"df-A", "A")]
+    df = spark.createDataFrame(rows, "id long, body binary, message_id string").coalesce(1)
+    with ns.get_topic_sender("t") as s:
+        assert s.send_dataframe(df.withColumn("body", gated(sf.col("id"), sf.col("body")))) == 2
+    for sub, ids in (("s1", {"core-X": "X", "df-Z": "Z", "df-A": "A"}), ("s2", {"core-X": "Z", "df-Z": "Z", "df-A": "Z"})):
+        with ns.get_subscription_receiver("t", sub) as r:
+            got = r.peek_messages(10, sequence_number=0)
+        assert {str(m): m.message_id for m in got} == ids, sub
 
 
 def test_small_stages_keep_duplicate_detection_and_dense_numbering(spark, ns, numbered):
@@ -647,6 +678,7 @@ def test_a_send_committing_into_a_deleted_queue_marks_its_table_deleted(ns):
     from pyspark.sql import Row
 
     from sparkqueue.message import send_settings
+    from sparkqueue.spark.commit import Repeats
     from sparkqueue.spark.send import WRITE_COLUMNS, PartitionStager, SendPlan, commit_send, fence_bases
     from sparkqueue.spark.worker import EntityRef
     from sparkqueue.storage.log import TableDeletedError
@@ -678,5 +710,5 @@ def test_a_send_committing_into_a_deleted_queue_marks_its_table_deleted(ns):
         other.delete_queue("q")
         other.create_queue("q")
     with pytest.raises(TableDeletedError):
-        commit_send(entity.table, results, bases, entity.deadline(), dedupe=False)
+        commit_send(entity.table, results, bases, entity.deadline(), repeats=Repeats.NONE)
     assert entity.table.deleted

@@ -223,7 +223,7 @@ def test_source_refuses_an_entity_that_takes_no_receives(spark, tmp_path):
     send(root, "fwd", 2)
     with Namespace(root) as ns:
         props = ns.get_queue("fwd")
-        props.forward_to = "dst"  # set after the messages arrived: they wait to travel
+        props.forward_to = "dst"  # set after the messages arrived: the update forwards them
         ns.update_queue(props)
     for name, match in (("off", "ReceiveDisabled"), ("fwd", "forwards its messages")):
         with pytest.raises(PySparkException, match=match):
@@ -235,7 +235,7 @@ def test_source_refuses_an_entity_that_takes_no_receives(spark, tmp_path):
             q.trigger(availableNow=True).start().awaitTermination()
     with Namespace(root) as ns:
         assert ns.get_queue_runtime_properties("off").active_message_count == 2
-        assert ns.get_queue_runtime_properties("fwd").active_message_count == 2
+        assert ns.get_queue_runtime_properties("dst").active_message_count == 2
 
 
 def test_sink_refuses_an_entity_whose_sends_are_disabled(spark, tmp_path):
