@@ -42,7 +42,7 @@ DEFAULTS: dict[str, Any] = {
         "max_messages": 1_000_000,
         "max_wait_time": 0,
         "transform": "jobs.transforms:uppercase",
-        "output": "./sparkqueue-data/output/orders",
+        "output": "",  # default: <namespace root>/_output/<queue> (jobs.consumer.output_path)
     },
     "stream_consumer": {"checkpoint": "", "max_messages_per_trigger": 50_000, "trigger": "available_now"},
 }
@@ -277,7 +277,19 @@ def summary(exc: BaseException) -> str:
     lines = [ln.strip().lstrip(": ") for ln in str(exc).splitlines()]
     lines = [ln for ln in lines if ln and not ln.startswith(("at ", "An error occurred while calling", "JVM stacktrace"))]
     first = lines[0] if lines else ""
+    cause = _python_cause(lines)
+    if cause and cause not in first:  # a Python error inside the Spark job (foreachBatch, a task): say which
+        first = f"{first[:300]} ... {cause}"
     return f"{type(exc).__name__}: {first[:1000]}"
+
+
+def _python_cause(lines: list[str]) -> str:
+    """The last 'SomeError: message' line of a Python traceback a Spark error carries, or ''."""
+    for ln in reversed(lines):
+        name, sep, _ = ln.partition(": ")
+        if sep and name.replace(".", "").isidentifier() and name.split(".")[-1].endswith(("Error", "Exception")):
+            return ln[:600]
+    return ""
 
 
 @contextmanager
@@ -288,6 +300,12 @@ def expected_failures(verbose: bool) -> Iterator[None]:
     failed, and `--verbose` shows the whole trace.
     """
     failures: tuple[type[BaseException], ...] = (SparkQueueError, OSError, ValueError, KeyError, tomllib.TOMLDecodeError)
+    try:  # the consumers' output tables (deltalake): a path that is no table, a schema it refuses
+        from deltalake.exceptions import DeltaError
+
+        failures += (DeltaError,)
+    except ImportError:
+        pass
     try:
         from py4j.protocol import Py4JError
         from pyspark.errors import PySparkException

@@ -15,6 +15,7 @@ holds. `--crash-after-write` exits right after the write of the first batch, for
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib
 import logging
 import os
@@ -40,7 +41,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 from jobs import common
 from sparkqueue.errors import InvalidOperationError
-from sparkqueue.spark import STATUS_OK, release
+from sparkqueue.spark import RECEIVED_SCHEMA, STATUS_OK, release
 from sparkqueue.storage.retry import Deadline, retry_commit
 
 log = logging.getLogger("jobs.consumer")
@@ -102,11 +103,43 @@ def output_rows(received: DataFrame, transform: Callable[[DataFrame], DataFrame]
     return out.withColumn("queue", sf.lit(queue)).withColumn("processed_at_utc", sf.current_timestamp())
 
 
-def write_output(out: DataFrame, path: str, queue: str) -> int:
-    """Merge the rows into the output table (created when missing) in one Spark task; returns rows inserted."""
-    schema = to_arrow_schema(out.schema, timezone="UTC")
-    schema = pa.schema([f.with_nullable(True) for f in schema])
+def output_path(cfg: dict[str, Any]) -> str:
+    """consumer.output, or by default `<namespace root>/_output/<queue>` (next to the stream consumer's checkpoints)."""
+    path = str(cfg["consumer"]["output"])
+    return path or f"{str(cfg['namespace']['root']).rstrip('/')}/_output/{cfg['queue']['name']}"
+
+
+def prepare_output(spark: SparkSession, transform: Callable[[DataFrame], DataFrame], queue: str, path: str) -> pa.Schema:
+    """The output table's schema, checked before any message is received: the table is made when missing, and an
+    existing one must have the columns and types this transform produces (else a merge would drop what it lacks)."""
+    if os.path.exists(path) and not os.path.isdir(path):
+        raise InvalidOperationError(f"output {path!r} is a file, not a Delta table directory")
+    empty = spark.createDataFrame([], RECEIVED_SCHEMA)
+    schema = pa.schema(
+        [f.with_nullable(True) for f in to_arrow_schema(output_rows(empty, transform, queue).schema, timezone="UTC")]
+    )
     DeltaTable.create(path, schema=schema, partition_by=["queue"], mode="ignore")
+    have = pa.schema(DeltaTable(path).schema().to_arrow())  # deltalake gives an arro3 schema
+    if _columns(have) != _columns(schema):
+        raise InvalidOperationError(
+            f"output table {path!r} has columns {_shown(have)}, but this transform makes {_shown(schema)}: "
+            "write to another --output, or use the transform that made the table"
+        )
+    return schema
+
+
+def _columns(schema: Any) -> list[tuple[str, str]]:
+    """(name, type) per column, with types compared as Delta stores them (no large/view variants, no nullability)."""
+    plain = {"large_string": "string", "string_view": "string", "large_binary": "binary", "binary_view": "binary"}
+    return [(f.name, plain.get(str(f.type), str(f.type))) for f in schema]
+
+
+def _shown(schema: Any) -> str:
+    return ", ".join(name for name, _ in _columns(schema))
+
+
+def write_output(out: DataFrame, path: str, queue: str, schema: pa.Schema) -> int:
+    """Merge the rows into the output table (see prepare_output) in one Spark task; returns rows inserted."""
     counts = out.coalesce(1).mapInArrow(partial(merge_task, path, queue, schema), "inserted long").collect()
     return sum(r.inserted for r in counts)
 
@@ -150,13 +183,14 @@ def progress_bar(enabled: bool, total: int) -> Iterator[Callable[[int], None]]:
 
 def run(cfg: dict[str, Any], spark: SparkSession, *, crash_after_write: bool = False, progress: bool = True) -> ConsumerResult:
     """Drain up to consumer.max_messages messages: receive, transform, merge, complete, batch by batch."""
-    c = cfg["consumer"]
-    transform = load_transform(str(c["transform"]))
+    transform = load_transform(str(cfg["consumer"]["transform"]))
     limit, batch = common.number(cfg, "consumer.max_messages"), common.number(cfg, "consumer.batch_size", int, 1)
     wait = common.number(cfg, "consumer.max_wait_time", float)
     result = ConsumerResult()
     with common.namespace(cfg, create=False) as ns:  # a mistyped root is an error: consumers never make a namespace
         queue = common.ensure_queue(ns, cfg)
+        path = output_path(cfg)
+        schema = prepare_output(spark, transform, queue, path)
         backlog = ns.get_queue_runtime_properties(queue).active_message_count
         with (
             ns.get_queue_receiver(queue, max_wait_time=wait or None) as receiver,  # 0: do not wait
@@ -167,7 +201,12 @@ def run(cfg: dict[str, Any], spark: SparkSession, *, crash_after_write: bool = F
                 n = received.count()
                 if n == 0:
                     break
-                written = write_output(output_rows(received, transform, queue), str(c["output"]), queue)
+                try:
+                    written = write_output(output_rows(received, transform, queue), path, queue, schema)
+                except BaseException:  # nothing of the batch is completed: give its messages back at once
+                    with contextlib.suppress(Exception):
+                        receiver.abandon_dataframe(received).count()
+                    raise
                 if crash_after_write:
                     log.warning("crash drill: exiting after writing %d rows, before completing %d messages", written, n)
                     logging.shutdown()
@@ -185,11 +224,12 @@ def run(cfg: dict[str, Any], spark: SparkSession, *, crash_after_write: bool = F
                     log.warning("%d messages lost their lock before completion; they come again and the merge skips them", n - ok)
                 advance(n)
     log.info(
-        "consumed %d messages from %s in %d batches: %d rows written, %d completed, %d lock lost",
+        "consumed %d messages from %s in %d batches: %d rows written to %s, %d completed, %d lock lost",
         result.received,
         queue,
         result.batches,
         result.written,
+        path,
         result.completed,
         result.lock_lost,
     )

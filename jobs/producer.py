@@ -53,7 +53,10 @@ def build_frame(spark: SparkSession, cfg: dict[str, Any]) -> DataFrame:
     """The messages to send: the source's rows, or generated ones."""
     p = cfg["producer"]
     if p["source"]:
-        df = spark.read.format(p["format"]).load(p["source"])
+        reader = spark.read.format(p["format"])
+        if str(p["format"]).lower() == "csv":  # a CSV source names its columns in its first line
+            reader = reader.option("header", True)
+        df = reader.load(p["source"])
         if "body" in df.columns:
             return df
         fields = [c for c in df.columns if c in MESSAGE_FIELDS]

@@ -39,10 +39,9 @@ if __package__ in (None, ""):  # run as a file (spark-submit jobs/stream_consume
 import pyarrow as pa
 from deltalake import CommitProperties, DeltaTable, Transaction, write_deltalake
 from pyspark.sql import DataFrame, SparkSession
-from pyspark.sql.pandas.types import to_arrow_schema
 
 from jobs import common
-from jobs.consumer import load_transform, output_rows
+from jobs.consumer import load_transform, output_path, output_rows, prepare_output
 from sparkqueue.errors import InvalidOperationError
 from sparkqueue.spark.streaming_sink import query_id
 
@@ -106,16 +105,15 @@ def append_task(
     yield pa.RecordBatch.from_pydict({"written": pa.array([written], pa.int64())})
 
 
-def batch_writer(cfg: dict[str, Any], checkpoint: str, crash_after_write: int | None = None) -> Callable[[DataFrame, int], None]:
-    """The foreachBatch function: transform, then append once per (query id, batch id)."""
-    c = cfg["consumer"]
-    transform = load_transform(str(c["transform"]))
-    queue, path = cfg["queue"]["name"], str(c["output"])
+def batch_writer(
+    cfg: dict[str, Any], checkpoint: str, schema: pa.Schema, crash_after_write: int | None = None
+) -> Callable[[DataFrame, int], None]:
+    """The foreachBatch function: transform, then append once per (query id, batch id) to the table prepare_output made."""
+    transform = load_transform(str(cfg["consumer"]["transform"]))
+    queue, path = cfg["queue"]["name"], output_path(cfg)
 
     def write(received: DataFrame, batch_id: int) -> None:
         out = output_rows(received, transform, queue)
-        schema = pa.schema([f.with_nullable(True) for f in to_arrow_schema(out.schema, timezone="UTC")])
-        DeltaTable.create(path, schema=schema, partition_by=["queue"], mode="ignore")
         app_id = f"sparkqueue.stream-consumer.{query_id(checkpoint)}"
         task = partial(append_task, path, app_id, batch_id, schema)
         written = sum(r.written for r in out.coalesce(1).mapInArrow(task, "written long").collect())
@@ -134,20 +132,21 @@ def run(cfg: dict[str, Any], spark: SparkSession, *, crash_after_write: int | No
     with common.namespace(cfg, create=False) as ns:  # a mistyped root is an error: consumers never make a namespace
         queue = common.ensure_queue(ns, cfg)
         root = ns.root
+    schema = prepare_output(spark, load_transform(str(cfg["consumer"]["transform"])), queue, output_path(cfg))
     stream = (
         spark.readStream.format("sparkqueue")
         .option("namespace", root)
         .option("maxMessagesPerTrigger", int(s["max_messages_per_trigger"]))
         .load(queue)
     )
-    writer = stream.writeStream.foreachBatch(batch_writer(cfg, str(s["checkpoint"]), crash_after_write))
+    writer = stream.writeStream.foreachBatch(batch_writer(cfg, str(s["checkpoint"]), schema, crash_after_write))
     writer = writer.option("checkpointLocation", str(s["checkpoint"])).queryName(f"sparkqueue-{queue}")
     if str(s["trigger"]) == AVAILABLE_NOW:
         writer = writer.trigger(availableNow=True)
     else:
         writer = writer.trigger(processingTime=f"{float(s['trigger'])} seconds")
     query = writer.start()
-    log.info("streaming query %s consuming %s (checkpoint %s)", query.id, queue, s["checkpoint"])
+    log.info("streaming query %s consuming %s into %s (checkpoint %s)", query.id, queue, output_path(cfg), s["checkpoint"])
     query.awaitTermination()
     progress = query.recentProgress
     rows = sum(int(_figure(p, "numInputRows")) for p in progress)

@@ -106,6 +106,8 @@ class State:
         if not self.root.strip():
             raise CliError("the namespace root is empty: pass --root PATH or set SPARKQUEUE_ROOT")
         root = resolve_root(self.root)  # a bad root raises InvalidOperationError, reported as any library error
+        if is_local(root) and Path(root).exists() and not Path(root).is_dir():
+            raise CliError(f"namespace root {self.root!r} is a file, not a directory: pass --root PATH of a directory")
         if not create and is_local(root) and not Path(root).is_dir():
             raise CliError(
                 f"namespace root {self.root!r} does not exist: pass --root PATH or set SPARKQUEUE_ROOT "

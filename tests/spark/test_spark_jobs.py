@@ -128,6 +128,35 @@ def test_bad_settings_and_transforms_are_named_before_spark_starts(tmp_path):
     assert exit_info.value.code == 1
 
 
+def test_a_consumer_refuses_an_output_table_of_other_columns_before_receiving(spark, tmp_path):
+    """An output table made by another transform: the merge dropped the columns it lacked (the bodies), completed the
+    messages and reported success. The consumers now refuse before receiving, and nothing is locked or completed;
+    an output path that is a file is refused as well. By default the output follows the namespace root."""
+    from jobs import stream_consumer
+
+    path = write_config(tmp_path, 10)
+    cfg = common.load_config(path, common.overrides_from(producer.parse_args(["--set", "producer.generate=20"])))
+    assert producer.run(cfg, spark) == 20
+    cfg["consumer"]["max_messages"] = 5
+    assert consumer.run(cfg, spark, progress=False).completed == 5  # the default transform (uppercase) made the table
+    other = dict(cfg, consumer={**cfg["consumer"], "transform": "jobs.transforms:identity"})
+    with pytest.raises(InvalidOperationError, match=r"has columns .*body_upper.*, but this transform makes .*body"):
+        consumer.run(other, spark, progress=False)
+    with pytest.raises(InvalidOperationError, match=r"has columns .*body_upper.*, but this transform makes .*body"):
+        stream_consumer.run(other, spark)
+    a_file = tmp_path / "a-file"
+    a_file.write_text("x")
+    with pytest.raises(InvalidOperationError, match=r"is a file, not a Delta table directory"):
+        consumer.run(dict(cfg, consumer={**cfg["consumer"], "output": str(a_file)}), spark, progress=False)
+    with Namespace(str(tmp_path / "ns")) as ns:
+        props = ns.get_queue_runtime_properties("jobs-q")
+        assert (props.active_message_count, props.total_message_count) == (15, 15)  # none locked, none completed
+        with ns.get_queue_receiver("jobs-q") as r:
+            assert len(r.receive_messages(15, max_wait_time=5)) == 15
+    default = dict(cfg, consumer={**cfg["consumer"], "output": ""})
+    assert consumer.output_path(default) == f"{tmp_path / 'ns'}/_output/jobs-q"
+
+
 @pytest.mark.slow  # ~30 s: the job's first run is killed and rerun; CI runs it with the slow tests
 def test_consumer_killed_after_writing_leaves_no_duplicate_output(spark, tmp_path):
     path = write_config(tmp_path, 10)
