@@ -208,3 +208,16 @@ def test_an_older_pyspark_is_refused_at_import_with_a_clear_message():
     assert out.returncode == 0, out.stderr
     assert out.stdout.startswith("pyspark | sparkqueue's Spark features need PySpark 4.2 or later")
     assert "this is PySpark 4.1.4" in out.stdout
+
+
+def test_a_csv_source_is_read_with_its_header(spark, tmp_path):
+    """`--format csv` sent the header line as a message, with columns _c0, _c1, ... and no partition key."""
+    source = tmp_path / "in.csv"
+    source.write_text("id,partition_key,qty\n1,k1,5\n2,k2,7\n")
+    cfg = common.load_config(write_config(tmp_path, 10))
+    cfg["producer"].update(source=str(source), format="csv")
+    rows = sorted(producer.build_frame(spark, cfg).collect(), key=lambda r: r.partition_key)
+    assert [(r.partition_key, r.body) for r in rows] == [
+        ("k1", '{"id":"1","partition_key":"k1","qty":"5"}'),
+        ("k2", '{"id":"2","partition_key":"k2","qty":"7"}'),
+    ]
