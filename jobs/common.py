@@ -226,6 +226,12 @@ def namespace(cfg: dict[str, Any], *, create: bool | None = None) -> Namespace:
     )
 
 
+def check_numbers(cfg: dict[str, Any], *checks: tuple[str, type[int] | type[float], float]) -> None:
+    """Check numeric settings (key, type, minimum) before Spark starts: a bad one fails in a second, not after ten."""
+    for key, kind, minimum in (("queue.lock_duration", float, 0), *checks):
+        number(cfg, key, kind, minimum)
+
+
 def ensure_queue(ns: Namespace, cfg: dict[str, Any]) -> str:
     """The configured queue's name, creating the queue with the configured settings when allowed and missing."""
     q = cfg["queue"]

@@ -243,6 +243,9 @@ def main(argv: list[str] | None = None) -> int:
     with common.expected_failures(args.verbose):
         cfg = common.load_config(args.config, common.overrides_from(args, FLAGS))
         load_transform(str(cfg["consumer"]["transform"]))  # a bad transform fails before Spark starts
+        common.check_numbers(
+            cfg, ("consumer.max_messages", int, 0), ("consumer.batch_size", int, 1), ("consumer.max_wait_time", float, 0)
+        )
         common.namespace(cfg, create=False).close()  # so does a mistyped root
         spark = common.session(cfg, verbose=args.verbose)
         started = time.perf_counter()

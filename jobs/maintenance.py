@@ -68,6 +68,10 @@ def main(argv: list[str] | None = None) -> int:
     common.setup_logging(args.verbose)
     console = make_console()
     with common.expected_failures(args.verbose):
+        if args.interval < 0 or args.runs < 0:
+            raise ValueError(f"--interval and --runs must not be negative, got {args.interval} and {args.runs}")
+        if args.runs > 1 and args.interval == 0:
+            raise ValueError(f"--runs {args.runs} needs --interval SECONDS between the runs")
         overrides = {"namespace.root": args.root} if args.root else {}
         cfg = common.load_config(args.config, overrides)
         retention = timedelta(hours=args.vacuum_retention_hours)

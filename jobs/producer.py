@@ -87,6 +87,7 @@ def main(argv: list[str] | None = None) -> int:
     common.setup_logging(args.verbose)
     with common.expected_failures(args.verbose):
         cfg = common.load_config(args.config, common.overrides_from(args, FLAGS))
+        common.check_numbers(cfg, ("producer.generate", int, 0), ("producer.body_bytes", int, 0))
         spark = common.session(cfg, verbose=args.verbose)
         try:
             run(cfg, spark)

@@ -126,6 +126,19 @@ def test_bad_settings_and_transforms_are_named_before_spark_starts(tmp_path):
     with pytest.raises(SystemExit) as exit_info:  # the job's one-line failure (expected_failures), exit status 1
         consumer.main(["--config", str(path), "--transform", "nosuch:fn", "--no-progress"])
     assert exit_info.value.code == 1
+    from jobs import maintenance
+
+    Namespace(str(tmp_path / "ns")).close()
+    for job, args in (  # numbers the jobs checked only once Spark had started (about ten seconds in)
+        (consumer.main, ["--batch-size", "0", "--no-progress"]),
+        (consumer.main, ["--max-wait-time", "-3", "--no-progress"]),
+        (producer.main, ["--generate", "-5"]),
+        (maintenance.main, ["--runs", "2"]),  # ran once, silently
+        (maintenance.main, ["--interval", "-1"]),
+    ):
+        with pytest.raises(SystemExit) as exit_info:
+            job(["--config", str(path), *args])
+        assert exit_info.value.code == 1
 
 
 def test_a_consumer_refuses_an_output_table_of_other_columns_before_receiving(spark, tmp_path):
