@@ -233,7 +233,8 @@ class Receiver:
         if self.session is not None:
             rows = self.session._sessions.receive(self.session._lock, want, delete=self._deleting, wait_s=wait_s)
         else:
-            rows = self._entity().receive(self._sub_queue, want, delete=self._deleting, wait_s=wait_s)
+            entity = self._entity()
+            rows = entity.receive(self._sub_queue, want, delete=self._deleting, wait_s=wait_s, check=self._check_receivable)
         got = received_messages(rows, utcnow())
         take = n - len(out)
         out.extend(got[:take])

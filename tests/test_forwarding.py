@@ -874,3 +874,37 @@ def test_dead_letters_forwarded_to_a_topic_no_subscription_takes_leave_the_sourc
     ns.forward_pending_messages()
     assert queue_ids(ns, "src", dead_letter=True) == Counter()
     assert sub_ids(ns, "t", "none") == Counter()
+
+
+def test_a_receive_waiting_when_forward_to_is_set_takes_nothing_after(root: str) -> None:
+    """A receive waiting for messages (max_wait_time) when another process sets forward_to: it kept polling the main
+    sub-queue, which the forwarders now own, and could take a message they also forwarded. It now stops polling
+    with InvalidOperationError, as a receive started after the change does."""
+    import threading
+
+    from sparkqueue import ReceiveMode
+
+    with Namespace(root) as ns:
+        ns.create_queue("dst")
+        ns.create_queue("src")
+    outcome: dict[str, object] = {}
+    started = threading.Event()
+
+    def waiting() -> None:
+        with Namespace(root) as other, other.get_queue_receiver("src", receive_mode=ReceiveMode.RECEIVE_AND_DELETE) as r:
+            started.set()
+            try:
+                outcome["got"] = [m.message_id for m in r.receive_messages(5, max_wait_time=15)]
+            except InvalidOperationError as exc:
+                outcome["refused"] = str(exc)
+
+    thread = threading.Thread(target=waiting)
+    thread.start()
+    assert started.wait(30)
+    time.sleep(0.3)  # the receive is polling
+    with Namespace(root) as ns:
+        ns.update_queue(ns.get_queue("src"), forward_to="dst")
+        ns.get_queue_sender("src").send_messages(Message("m1", message_id="m1"))
+        thread.join(60)
+        assert "refused" in outcome and "forward" in str(outcome["refused"]), outcome
+        assert queue_ids(ns, "dst") == Counter({"m1": 1})

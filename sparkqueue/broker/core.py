@@ -208,6 +208,7 @@ class Broker:
             cached = self.cache.get(key)
             if cached is not None and time.monotonic() - cached.loaded_at < PROPERTIES_TTL_S and not cached.entity.table.deleted:
                 return cached.entity
+        read_at = time.monotonic()  # settings are as old as the read's start: a slow read must not extend their life
         entry = self.entry(entity_type, name)
         name = Address.parse(entry.name).name  # as stored, when `name` differs in case
         props = PROPERTY_TYPES[entity_type].from_json(entry.properties)
@@ -215,7 +216,7 @@ class Broker:
             cached = self.cache.get(key)
             if cached is not None and cached.table_path == entry.table_path:
                 cached.entity.props = props
-                cached.loaded_at = time.monotonic()
+                cached.loaded_at = read_at
                 return cached.entity
             sub_key: str | None
             if entity_type == SUBSCRIPTION:
@@ -226,7 +227,7 @@ class Broker:
                 owner = key
             table = self.table(path, props.partition_count, owner)
             entity = Entity(props, table, self.operation_timeout, sub_key, self._forward_dead_letters)
-            self.cache[key] = _Cached(entity, entry.table_path, time.monotonic())
+            self.cache[key] = _Cached(entity, entry.table_path, read_at)
             return entity
 
     def table_uri(self, table_path: str) -> str:
@@ -258,6 +259,7 @@ class Broker:
         with self.lock:
             cached = self.rules.get(key)
         if cached is None or time.monotonic() - cached.loaded_at >= PROPERTIES_TTL_S:
+            read_at = time.monotonic()  # as in entity(): the rules are as old as the read's start
             entries = self.catalog.entries()  # one read for the topic, its subscriptions and rules
             topic = next((e for e in entries if e.name == key), None) or _alike_entry(entries, key)  # canonical
             if topic is None:
@@ -273,7 +275,7 @@ class Broker:
                 props = SubscriptionProperties.from_json(e.properties)
                 if props.forward_to or props.forward_dead_lettered_messages_to:
                     forwarding.append(sub)
-            cached = _CachedRules(self.subscribers(name, entries), record_ids, time.monotonic(), forwarding)
+            cached = _CachedRules(self.subscribers(name, entries), record_ids, read_at, forwarding)
             with self.lock:
                 self.rules[key] = cached
         return cached
@@ -346,9 +348,10 @@ class Broker:
         """After a route was set on an entity: once no process trusts its older cached settings, forward what waits.
 
         Other processes send by settings up to PROPERTIES_TTL_S old, so their sends right after the change
-        stored messages without forwarding them; a pump once that time has passed moves them on.
+        stored messages without forwarding them; a pump once that time has passed (with half as much again
+        for a send that read its settings just in time and commits a little later) moves them on.
         """
-        time.sleep(PROPERTIES_TTL_S)
+        time.sleep(1.5 * PROPERTIES_TTL_S)
         try:
             self.pump(self.entity(entity_type, name))
         except SparkQueueError as exc:

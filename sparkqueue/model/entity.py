@@ -208,11 +208,19 @@ class Entity:
 
     # ---- receive -----------------------------------------------------------------------------
 
-    def receive(self, sub_queue: str, max_count: int, *, delete: bool, wait_s: float) -> pa.Table:
-        """Take up to max_count available messages from all partitions, waiting up to wait_s for the first."""
+    def receive(
+        self, sub_queue: str, max_count: int, *, delete: bool, wait_s: float, check: Callable[[], None] | None = None
+    ) -> pa.Table:
+        """Take up to max_count available messages from all partitions, waiting up to wait_s for the first.
+
+        `check` runs before every poll and raises when the entity may no longer be received from (its
+        settings changed during the wait: disabled, or forwarding now).
+        """
         give_up = time.monotonic() + wait_s
         poll = POLL_MIN_S
         while True:
+            if check is not None:
+                check()
             got = self._receive_once(sub_queue, max_count, delete)
             if got.num_rows or time.monotonic() >= give_up:
                 return got
