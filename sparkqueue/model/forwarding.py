@@ -295,8 +295,7 @@ class Claim:
 
 def _claimed_rows(entity: Entity, dt: Snapshot, p: int) -> tuple[pa.Table, pa.Array]:
     """The partition's dead letters, and per row whether a forwarder's claim holds it."""
-    rows = entity.table.scan(dt, p, ROW_COLUMNS, subscription=entity.subscription)
-    rows = rows.filter(pc.equal(rows.column("sub_queue"), SUB_QUEUE_DEAD_LETTER))
+    rows = entity.table.scan(dt, p, ROW_COLUMNS, subscription=entity.subscription, sub_queue=SUB_QUEUE_DEAD_LETTER)
     return rows, pc.fill_null(pc.starts_with(rows.column("lock_token"), CLAIM_PREFIX), False)
 
 

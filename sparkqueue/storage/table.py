@@ -522,16 +522,17 @@ class EntityTable:
         subscription: str | None = None,
         kind: str = KIND_MESSAGE,
         session_id: str | None = None,
+        sub_queue: str | None = None,
     ) -> pa.Table:
         """Live rows of one kind (messages by default) in a partition, in sequence order.
 
-        Optionally from a sequence number, of one session, and at most `limit` of them.
-        Completed tombstones are never returned.
+        Optionally from a sequence number, of one session or sub-queue (files whose statistics rule
+        it out are not read), and at most `limit` of them. Completed tombstones are never returned.
         """
-        files = [f for f in self.files(dt, partition) if f.may_hold(kind, None, subscription, session_id)]
+        files = [f for f in self.files(dt, partition) if f.may_hold(kind, sub_queue, subscription, session_id)]
         if from_seq is not None:
             files = [f for f in files if f.max_seq >= from_seq]
-        cols = list(dict.fromkeys(["sequence_number", "kind", "subscription", "state", "session_id", *columns]))
+        cols = list(dict.fromkeys(["sequence_number", "kind", "subscription", "state", "session_id", "sub_queue", *columns]))
         out: list[pa.Table] = []
         count = 0
         for f in files:
@@ -541,6 +542,8 @@ class EntityTable:
                 mask = pc.and_(mask, pc.greater_equal(t.column("sequence_number"), from_seq))
             if session_id is not None:
                 mask = pc.and_(mask, pc.fill_null(pc.equal(t.column("session_id"), session_id), False))
+            if sub_queue is not None:
+                mask = pc.and_(mask, pc.equal(t.column("sub_queue"), sub_queue))
             t = keep_rows(t, mask)
             out.append(t)
             count += t.num_rows
