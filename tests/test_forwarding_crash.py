@@ -85,7 +85,7 @@ from sparkqueue.model import forwarding
 
 root, mode, n = sys.argv[1], sys.argv[2], int(sys.argv[3])
 appended, settle, deliver = [], forwarding._settle_source, forwarding._deliver
-forwarding._deliver = lambda *a, **k: (deliver(*a, **k), appended.append(True))
+forwarding._deliver = lambda *a, **k: (deliver(*a, **k), appended.append(True))[0]
 forwarding._settle_source = lambda *a, **k: os.kill(os.getpid(), signal.SIGKILL) if appended else settle(*a, **k)
 with Namespace(root) as ns:
     if mode == "pending":  # forward what waits at the source (forward_to was set after the sends)
@@ -340,7 +340,7 @@ deliver = forwarding._deliver
 def slow(*a, **k):
     print("holds its run", flush=True)
     time.sleep(float(sys.argv[2]))
-    deliver(*a, **k)
+    return deliver(*a, **k)
 forwarding._deliver = slow
 with Namespace(sys.argv[1], create=False) as ns:
     ns.forward_pending_messages()

@@ -154,6 +154,7 @@ def _forward_run(entity: Entity, route: Route, p: int, resolve: Resolver) -> tup
         return int(changes.num_rows), True
     travels = pc.and_(movable, pc.invert(held))
     failure = MISSING_REASON if dest is None else None
+    appended = pa.array([], pa.string())  # message ids of the copies this forwarder's own append stored
     try:
         if dest is not None:
             check_status(dest.props, "send", dest.name)
@@ -162,7 +163,7 @@ def _forward_run(entity: Entity, route: Route, p: int, resolve: Resolver) -> tup
                 if len(_as_read(entity, entity.table.snapshot(), p, travel)) < travel.num_rows:
                     return 0, True  # another forwarder expired, or settled, some of them since the read: read again
                 top = pc.max(run.column("sequence_number")).as_py()
-                _deliver(dest, expand, _copies(travel, now, dest), Fence(app, top))
+                appended = _deliver(dest, expand, _copies(travel, now, dest), Fence(app, top)).column("message_id")
     except QuotaExceededError:
         failure = FULL_REASON
     except MessagingEntityDisabledError:
@@ -174,14 +175,18 @@ def _forward_run(entity: Entity, route: Route, p: int, resolve: Resolver) -> tup
     gone = pc.and_(movable, held) if failure else pc.or_(pc.and_(movable, held), travels)
     changes = _source_changes(entity, run, dead, gone, now)
     whole = retry_commit(lambda: _settle_source(entity, p, changes, run), entity.deadline(), f"forward from {entity.name}")
-    if not whole and not failure and pc.any(travels).as_py():  # a concurrent forwarder changed some of them meanwhile
-        _drop_dead_twins(entity, p, run.filter(travels))
+    if not whole and len(appended):  # a concurrent forwarder changed some of those this one appended
+        mine = run.filter(travels)
+        _drop_dead_twins(entity, p, mine.filter(pc.is_in(mine.column("message_id"), value_set=appended)))
     log.debug("%d message(s) left %s for %s (partition %d)", changes.num_rows, entity.name, route.destination, p)
     return int(changes.num_rows), False
 
 
 def _drop_dead_twins(entity: Entity, p: int, delivered: pa.Table) -> None:
-    """Remove dead letters another forwarder made of messages this one has just delivered.
+    """Remove dead letters another forwarder made of messages this one has just appended itself.
+
+    Only copies this forwarder's append stored count: one its fence skipped (another forwarder's run
+    covered them, which may have expired a message rather than delivered it) proves nothing.
 
     Between this forwarder's read and its append, a concurrent one may have dead-lettered some of the
     same messages (they expired meanwhile, or it found the destination full or missing). Their copies
@@ -432,8 +437,8 @@ def _copies(rows: pa.Table, now: datetime, dest: Entity) -> pa.Table:
     return with_columns(out, **values).cast(ENTITY_SCHEMA)
 
 
-def _deliver(dest: Entity, expand: Expand | None, rows: pa.Table, once: Fence) -> None:
-    """Send the copies to the destination, keeping each message's partition key.
+def _deliver(dest: Entity, expand: Expand | None, rows: pa.Table, once: Fence) -> pa.Table:
+    """Send the copies to the destination, keeping each message's partition key; returns the rows it stored.
 
     A queue that requires sessions takes a copy without a session id into its dead letters
     (SessionIdRequired), as a session-requiring subscription does at fan-out.
@@ -450,7 +455,7 @@ def _deliver(dest: Entity, expand: Expand | None, rows: pa.Table, once: Fence) -
             strict=True,
         )
     ]
-    dest.send(rows, keys, expand, once)
+    return dest.send(rows, keys, expand, once)
 
 
 def _source_changes(entity: Entity, run: pa.Table, dead: list[tuple[pa.Array, str]], gone: pa.Array, now: datetime) -> pa.Table:
