@@ -233,8 +233,8 @@ class Receiver:
         if self.session is not None:
             rows = self.session._sessions.receive(self.session._lock, want, delete=self._deleting, wait_s=wait_s)
         else:
-            entity = self._entity()
-            rows = entity.receive(self._sub_queue, want, delete=self._deleting, wait_s=wait_s, check=self._check_receivable)
+            check = self._check_receivable
+            rows = self._entity().receive(self._sub_queue, want, delete=self._deleting, wait_s=wait_s, check=check)
         got = received_messages(rows, utcnow())
         take = n - len(out)
         out.extend(got[:take])

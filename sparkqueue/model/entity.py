@@ -213,19 +213,19 @@ class Entity:
     ) -> pa.Table:
         """Take up to max_count available messages from all partitions, waiting up to wait_s for the first.
 
-        `check` runs before every poll and raises when the entity may no longer be received from (its
-        settings changed during the wait: disabled, or forwarding now).
+        `check` runs after each wait and raises when the entity may no longer be received from (its
+        settings changed during the wait: disabled, or forwarding now); the caller checked before the first poll.
         """
         give_up = time.monotonic() + wait_s
         poll = POLL_MIN_S
         while True:
-            if check is not None:
-                check()
             got = self._receive_once(sub_queue, max_count, delete)
             if got.num_rows or time.monotonic() >= give_up:
                 return got
             time.sleep(min(poll, max(0.0, give_up - time.monotonic())))
             poll = min(POLL_MAX_S, poll * 2)
+            if check is not None:
+                check()
 
     def _receive_once(self, sub_queue: str, max_count: int, delete: bool) -> pa.Table:
         """One pass over the partitions from a rotating start, gathering until max_count."""

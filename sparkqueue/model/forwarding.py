@@ -19,7 +19,7 @@ from __future__ import annotations
 import functools
 import logging
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from datetime import datetime
 
@@ -185,12 +185,11 @@ def _forward_run(entity: Entity, route: Route, p: int, resolve: Resolver) -> tup
 def _drop_dead_twins(entity: Entity, p: int, delivered: pa.Table) -> None:
     """Remove dead letters another forwarder made of messages this one has just appended itself.
 
-    Only copies this forwarder's append stored count: one its fence skipped (another forwarder's run
-    covered them, which may have expired a message rather than delivered it) proves nothing.
-
     Between this forwarder's read and its append, a concurrent one may have dead-lettered some of the
     same messages (they expired meanwhile, or it found the destination full or missing). Their copies
     went out all the same, so the dead letters go, unless a receiver or a dead-letter forwarder holds one.
+    Only copies this forwarder's append stored count: one its fence skipped (another forwarder's run
+    covered them, which may have expired a message rather than delivered it) proves nothing.
     """
     dt = entity.table.snapshot()
     now_rows = entity.table.rows_by_sequence(dt, p, delivered.column("sequence_number"), ROW_COLUMNS, entity.subscription)
@@ -304,6 +303,12 @@ def _claimed_rows(entity: Entity, dt: Snapshot, p: int) -> tuple[pa.Table, pa.Ar
     return rows, pc.fill_null(pc.starts_with(rows.column("lock_token"), CLAIM_PREFIX), False)
 
 
+def _claims(rows: pa.Table, claimed: pa.Array) -> Iterator[tuple[Claim, pa.Table]]:
+    """Each claim among the dead letters (`_claimed_rows`) with the rows it holds."""
+    for token in pc.unique(rows.filter(claimed).column("lock_token")).to_pylist():
+        yield Claim.parse(token), rows.filter(pc.fill_null(pc.equal(rows.column("lock_token"), token), False))
+
+
 def _claim(entity: Entity, p: int, destination: str) -> tuple[pa.Table, Claim | None, bool]:
     """Claim dead letters of a partition for forwarding: (rows, their claim or None, whether it is an earlier claim).
 
@@ -315,10 +320,9 @@ def _claim(entity: Entity, p: int, destination: str) -> tuple[pa.Table, Claim | 
     dt = entity.table.snapshot()
     now = utcnow()
     rows, claimed = _claimed_rows(entity, dt, p)
-    for token in pc.unique(rows.filter(claimed).column("lock_token")).to_pylist():
-        claim = Claim.parse(token)
+    for claim, held in _claims(rows, claimed):
         if claim.destination in (None, destination):
-            return rows.filter(pc.fill_null(pc.equal(rows.column("lock_token"), token), False)), claim, True
+            return held, claim, True
     free = pc.invert(pc.fill_null(pc.greater(rows.column("locked_until_utc"), pa.scalar(now, TIMESTAMP)), False))
     can_travel = pc.and_(pc.less_equal(pc.add(rows.column("transfer_hop_count"), 1), MAX_HOPS), pc.invert(_key_conflicts(rows)))
     can_travel = pc.and_(can_travel, pc.equal(rows.column("state"), STATE_ACTIVE))  # a deferred one waits for its receiver
@@ -342,9 +346,7 @@ def _cancel_lapsed_claims(entity: Entity, p: int, resolve: Resolver, current: st
     """Cancel the partition's lapsed claims that no forwarder will finish: for another destination than `current`
     (the route changed or is gone), or for one that is missing, disabled or full."""
     now = utcnow()
-    rows, claimed = _claimed_rows(entity, entity.table.snapshot(), p)
-    for token in pc.unique(rows.filter(claimed).column("lock_token")).to_pylist():
-        claim = Claim.parse(token)
+    for claim, held in _claims(*_claimed_rows(entity, entity.table.snapshot(), p)):
         if not claim.lapsed(entity, now):
             continue
         target = claim.destination or current  # an older claim was for the route's destination
@@ -355,7 +357,6 @@ def _cancel_lapsed_claims(entity: Entity, p: int, resolve: Resolver, current: st
                 continue  # the forwarding loop finishes it
             except (EntityNotFoundError, MessagingEntityDisabledError):
                 pass
-        held = rows.filter(pc.fill_null(pc.equal(rows.column("lock_token"), token), False))
         _cancel(entity, p, held, claim.app_id(entity, p), target, resolve)
 
 

@@ -5,9 +5,9 @@ partition's rows from the fence the driver read before the job. A concurrent sen
 a fence makes the commit conflict; instead of running the whole Spark job again (which a steady
 sender would make conflict again, until the operation timeout), the files of just the moved
 partitions are rewritten numbered densely after the new fence, the quota is checked again, and
-the commit is tried again (docs/storage.md, "Staged appends"). On a duplicate-detecting entity
+the commit is tried again (docs/storage.md, "Staged appends"). On a duplicate-detecting queue
 the rewrite also drops the messages whose id the concurrent sender sent meanwhile: its messages
-are the rows numbered between the old fence and the new one.
+are the rows numbered between the old fence and the new one (see Repeats for topics).
 """
 
 from __future__ import annotations
@@ -143,7 +143,7 @@ def renumber(
                 ids = theirs.filter(accepted_rows(theirs)).column("message_id").combine_chunks()
                 gone = [pc.is_in(f.column("message_id"), value_set=ids, skip_nulls=True) for f in files]
                 dropped_ids = [f.filter(g).column("message_id") for f, g in zip(files, gone, strict=True)]
-                repeats = len(pc.unique(pa.chunked_array(dropped_ids, pa.string())))  # a message's copies: one message
+                repeats = len(pc.unique(pa.chunked_array(dropped_ids, pa.string())))
                 files = [f.filter(pc.invert(g)) for f, g in zip(files, gone, strict=True)]
             numbers = pc.unique(pa.chunked_array([f.column("sequence_number") for f in files], pa.int64())).sort()
             first = pa.scalar(sequence_number(p, new + 1), pa.int64())

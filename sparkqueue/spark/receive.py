@@ -51,7 +51,7 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 RECEIVE_CHUNK = 16_384  # messages per lock commit inside a task (two send files)
-LOCKING_SHARE = 6  # locking stops after lock_duration / LOCKING_SHARE, so no lock lapses before the call returns
+LOCKING_SHARE = 6  # no new lock commit starts after lock_duration / LOCKING_SHARE (each task's first excepted)
 CLOCK_SKEW = timedelta(seconds=30)  # how far apart the driver's and executors' clocks may be
 MAX_ROUNDS = 64  # a safety bound: rounds end on their own (see gather)
 POLL_MIN_S, POLL_MAX_S = 0.05, 1.0

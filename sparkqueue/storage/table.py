@@ -272,8 +272,9 @@ class EntityTable:
         to store. `once` makes the append idempotent: it commits with that txn (app id, version),
         even when no row is left to store, and is skipped, returning no rows, when the table already
         has the app id at that version or later; rows whose `sequence_number` (the source's, for a
-        forward) is at most the recorded version were appended by an earlier attempt and are dropped. Raises CommitConflict when
-        another sender to one of the partitions won the race (the caller retries on a fresh snapshot).
+        forward) is at most the recorded version were appended by an earlier attempt and are
+        dropped. Raises CommitConflict when another sender to one of the partitions won the race
+        (the caller retries on a fresh snapshot).
         """
         with self.existing():
             return self._append(rows, dedupe_since, expand, once)
@@ -532,7 +533,8 @@ class EntityTable:
         files = [f for f in self.files(dt, partition) if f.may_hold(kind, sub_queue, subscription, session_id)]
         if from_seq is not None:
             files = [f for f in files if f.max_seq >= from_seq]
-        cols = list(dict.fromkeys(["sequence_number", "kind", "subscription", "state", "session_id", "sub_queue", *columns]))
+        scoped = ["sub_queue"] if sub_queue is not None else []  # read only when it filters
+        cols = list(dict.fromkeys(["sequence_number", "kind", "subscription", "state", "session_id", *scoped, *columns]))
         out: list[pa.Table] = []
         count = 0
         for f in files:
