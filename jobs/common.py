@@ -226,10 +226,16 @@ def namespace(cfg: dict[str, Any], *, create: bool | None = None) -> Namespace:
     )
 
 
-def check_numbers(cfg: dict[str, Any], *checks: tuple[str, type[int] | type[float], float]) -> None:
-    """Check numeric settings (key, type, minimum) before Spark starts: a bad one fails in a second, not after ten."""
-    for key, kind, minimum in (("queue.lock_duration", float, 0), *checks):
-        number(cfg, key, kind, minimum)
+Numbers = tuple[tuple[str, type[int] | type[float], float], ...]  # (setting, type, minimum) of a job's numeric settings
+
+
+def numbers(cfg: dict[str, Any], spec: Numbers) -> list[Any]:
+    """The settings `spec` names, checked (`number`), in its order; queue.lock_duration is checked too.
+
+    A job calls it before Spark starts, so a bad value fails in a second rather than after ten, and again for the values.
+    """
+    number(cfg, "queue.lock_duration", float)
+    return [number(cfg, key, kind, minimum) for key, kind, minimum in spec]
 
 
 def ensure_queue(ns: Namespace, cfg: dict[str, Any]) -> str:

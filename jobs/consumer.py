@@ -48,6 +48,11 @@ log = logging.getLogger("jobs.consumer")
 
 CRASH_EXIT_CODE = 75
 MERGE_TIMEOUT_S = 300.0
+NUMBERS: common.Numbers = (
+    ("consumer.max_messages", int, 0),
+    ("consumer.batch_size", int, 1),
+    ("consumer.max_wait_time", float, 0),
+)
 FLAGS = {
     "batch_size": "consumer.batch_size",
     "max_messages": "consumer.max_messages",
@@ -184,8 +189,7 @@ def progress_bar(enabled: bool, total: int) -> Iterator[Callable[[int], None]]:
 def run(cfg: dict[str, Any], spark: SparkSession, *, crash_after_write: bool = False, progress: bool = True) -> ConsumerResult:
     """Drain up to consumer.max_messages messages: receive, transform, merge, complete, batch by batch."""
     transform = load_transform(str(cfg["consumer"]["transform"]))
-    limit, batch = common.number(cfg, "consumer.max_messages"), common.number(cfg, "consumer.batch_size", int, 1)
-    wait = common.number(cfg, "consumer.max_wait_time", float)
+    limit, batch, wait = common.numbers(cfg, NUMBERS)
     result = ConsumerResult()
     with common.namespace(cfg, create=False) as ns:  # a mistyped root is an error: consumers never make a namespace
         queue = common.ensure_queue(ns, cfg)
@@ -243,9 +247,7 @@ def main(argv: list[str] | None = None) -> int:
     with common.expected_failures(args.verbose):
         cfg = common.load_config(args.config, common.overrides_from(args, FLAGS))
         load_transform(str(cfg["consumer"]["transform"]))  # a bad transform fails before Spark starts
-        common.check_numbers(
-            cfg, ("consumer.max_messages", int, 0), ("consumer.batch_size", int, 1), ("consumer.max_wait_time", float, 0)
-        )
+        common.numbers(cfg, NUMBERS)
         common.namespace(cfg, create=False).close()  # so does a mistyped root
         spark = common.session(cfg, verbose=args.verbose)
         started = time.perf_counter()

@@ -40,6 +40,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
+NUMBERS: common.Numbers = (("producer.generate", int, 0), ("producer.body_bytes", int, 0))
 FLAGS = {
     "source": "producer.source",
     "format": "producer.format",
@@ -61,7 +62,7 @@ def build_frame(spark: SparkSession, cfg: dict[str, Any]) -> DataFrame:
             return df
         fields = [c for c in df.columns if c in MESSAGE_FIELDS]
         return df.select(sf.to_json(sf.struct(*df.columns)).alias("body"), *fields)
-    n, size = common.number(cfg, "producer.generate"), common.number(cfg, "producer.body_bytes")
+    n, size = common.numbers(cfg, NUMBERS)
     body = sf.rpad(sf.concat(sf.lit('{"n": '), sf.col("id").cast("string"), sf.lit("}")), size, " ")
     cols = [body.cast("binary").alias("body")]
     if p["id_prefix"]:
@@ -87,7 +88,7 @@ def main(argv: list[str] | None = None) -> int:
     common.setup_logging(args.verbose)
     with common.expected_failures(args.verbose):
         cfg = common.load_config(args.config, common.overrides_from(args, FLAGS))
-        common.check_numbers(cfg, ("producer.generate", int, 0), ("producer.body_bytes", int, 0))
+        common.numbers(cfg, NUMBERS)
         spark = common.session(cfg, verbose=args.verbose)
         try:
             run(cfg, spark)
