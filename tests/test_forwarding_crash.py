@@ -18,6 +18,7 @@ import time
 from collections import Counter
 from datetime import timedelta
 from pathlib import Path
+from typing import Any
 
 import pytest
 from procs import peek_all
@@ -433,23 +434,49 @@ def test_dead_letters_a_killed_forwarder_claimed_become_receivable_when_their_ro
             assert [m.message_id for m in r.receive_messages(max_message_count=10, max_wait_time=5)] == ["s2"]
 
 
-# A forwarder that stops (SIGSTOP to itself) after claiming a dead letter, right before appending its copy.
-PAUSES_AFTER_CLAIM = r"""
+# A process that stops (SIGSTOP to itself) at one point of forwarding, prints "paused" there, and "resumed" at the end.
+# argv: root, the forwarding function to stop in ("_deliver": before it runs; "_record_cancel": after it ran), and
+# what to do: "dead-letter" (receive one message of src and dead-letter it, which forwards it), "forward"
+# (forward_pending_messages), or "go-forward" (print "ready", wait for a line on stdin, then forward).
+PAUSING = r"""
 import os, signal, sys
 from sparkqueue import Namespace
 from sparkqueue.model import forwarding
 
-deliver = forwarding._deliver
+root, point, action = sys.argv[1:4]
+real = getattr(forwarding, point)
 def paused(*a, **k):
-    print("claimed", flush=True)
+    outcome = real(*a, **k) if point == "_record_cancel" else None
+    print("paused", flush=True)
     os.kill(os.getpid(), signal.SIGSTOP)
-    return deliver(*a, **k)
-forwarding._deliver = paused
-with Namespace(sys.argv[1]) as ns, ns.get_queue_receiver("src") as receiver:
-    for m in receiver.receive_messages(max_message_count=1, max_wait_time=5):
-        receiver.dead_letter_message(m, reason="paused")
+    return outcome if point == "_record_cancel" else real(*a, **k)
+setattr(forwarding, point, paused)
+with Namespace(root) as ns:
+    if action == "dead-letter":
+        with ns.get_queue_receiver("src") as receiver:
+            for m in receiver.receive_messages(max_message_count=1, max_wait_time=5):
+                receiver.dead_letter_message(m, reason="paused")
+    else:
+        if action == "go-forward":
+            print("ready", flush=True)
+            sys.stdin.readline()
+        ns.forward_pending_messages()
 print("resumed", flush=True)
 """
+
+
+def resume(child: subprocess.Popen[str]) -> str:
+    """Let a stopped PAUSING child go on (SIGCONT) and wait for it: it must exit 0. Returns what it printed since."""
+    child.send_signal(signal.SIGCONT)
+    out, err = child.communicate(timeout=120)
+    assert child.returncode == 0, err[-2000:]
+    return out
+
+
+def pausing(root: str, point: str, action: str, **popen: Any) -> subprocess.Popen[str]:
+    """Start the PAUSING child (text pipes for stdout and stderr; more Popen arguments as given)."""
+    args = [sys.executable, "-c", PAUSING, root, point, action]
+    return subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **popen)
 
 
 @pytest.mark.parametrize("then", ["forwarded", "cancelled"])
@@ -458,11 +485,9 @@ def test_a_forwarder_paused_past_its_claim_never_delivers_a_dead_letter_twice(ro
     either forwards the dead letter itself or, the destination being disabled, cancels the claim and a dead-letter
     receiver completes the message. Then the first forwarder resumes: it must append no second copy."""
     _dead_letter_forwarding_pair(root)
-    child = subprocess.Popen(
-        [sys.executable, "-c", PAUSES_AFTER_CLAIM, root], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
-    )
+    child = pausing(root, "_deliver", "dead-letter")
     try:
-        assert child.stdout is not None and child.stdout.readline() == "claimed\n"
+        assert child.stdout is not None and child.stdout.readline() == "paused\n"  # after its claim, before its append
         time.sleep(2.1)  # the claim lapses while its forwarder is stopped
         with Namespace(root) as ns:
             if then == "cancelled":
@@ -474,34 +499,12 @@ def test_a_forwarder_paused_past_its_claim_never_delivers_a_dead_letter_twice(ro
                     r.complete_message(m)
                 ns.update_queue(ns.get_queue("dst"), status="Active")
     finally:
-        child.send_signal(signal.SIGCONT)
-        out, err = child.communicate(timeout=120)
-    assert child.returncode == 0 and out == "resumed\n", err[-2000:]
+        out = resume(child)
+    assert out == "resumed\n"
     with Namespace(root) as ns:
         main, dead = everywhere_of(ns, ("src", "dst"))
         expected = ["s0", "s1", "s2"] if then == "forwarded" else ["s0", "s1"]
         assert main == Counter(expected) and dead == Counter()
-
-
-# A forwarder that opens the namespace, waits for "go" on stdin, forwards, and stops (SIGSTOP to itself) right before
-# appending its copies.
-PAUSES_BEFORE_APPEND = r"""
-import os, signal, sys
-from sparkqueue import Namespace
-from sparkqueue.model import forwarding
-
-deliver = forwarding._deliver
-def paused(*a, **k):
-    print("paused", flush=True)
-    os.kill(os.getpid(), signal.SIGSTOP)
-    return deliver(*a, **k)
-forwarding._deliver = paused
-with Namespace(sys.argv[1]) as ns:
-    print("ready", flush=True)
-    sys.stdin.readline()
-    ns.forward_pending_messages()
-print("resumed", flush=True)
-"""
 
 
 def test_a_message_a_concurrent_forwarder_expired_while_another_delivered_it_is_not_also_a_dead_letter(
@@ -516,13 +519,7 @@ def test_a_message_a_concurrent_forwarder_expired_while_another_delivered_it_is_
             s.send_messages(Message("m1", message_id="m1", time_to_live=timedelta(seconds=6)))
         expires = time.monotonic() + 6
     set_forward_to_leaving_messages_waiting(root, "src", "dst")  # m1 waits: forward_pending_messages forwards it
-    child = subprocess.Popen(
-        [sys.executable, "-c", PAUSES_BEFORE_APPEND, root],
-        stdin=subprocess.PIPE,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
+    child = pausing(root, "_deliver", "go-forward", stdin=subprocess.PIPE)
     try:
         assert child.stdout is not None and child.stdin is not None and child.stdout.readline() == "ready\n"
         child.stdin.write("go\n")
@@ -534,9 +531,8 @@ def test_a_message_a_concurrent_forwarder_expired_while_another_delivered_it_is_
             with b.get_queue_receiver("src", sub_queue=SubQueue.DEAD_LETTER) as r:
                 assert [m.message_id for m in peek_all(r)] == ["m1"]
     finally:
-        child.send_signal(signal.SIGCONT)
-        out, err = child.communicate(timeout=120)
-    assert child.returncode == 0 and out == "resumed\n", err[-2000:]
+        out = resume(child)
+    assert out == "resumed\n"
     with Namespace(root) as ns:
         main, dead = everywhere_of(ns, ("src", "dst"))
         assert (main, dead) == (Counter({"m1": 1}), Counter())
@@ -589,52 +585,25 @@ def test_messages_sent_by_settings_cached_before_forward_to_was_set_are_forwarde
         assert child.wait(timeout=60) == 0
 
 
-# A forward that stops (SIGSTOP to itself) right after recording a dead-letter claim as cancelled at its destination.
-PAUSES_AFTER_CANCEL_RECORD = r"""
-import os, signal, sys
-from sparkqueue import Namespace
-from sparkqueue.model import forwarding
-
-record = forwarding._record_cancel
-def paused(*a, **k):
-    outcome = record(*a, **k)
-    print("recorded", flush=True)
-    os.kill(os.getpid(), signal.SIGSTOP)
-    return outcome
-forwarding._record_cancel = paused
-with Namespace(sys.argv[1]) as ns:
-    ns.forward_pending_messages()
-print("resumed", flush=True)
-"""
-
-
 def test_a_claim_cancelled_while_its_forwarder_was_paused_leaves_the_dead_letter_receivable(root: str) -> None:
     """Forwarder A claims s2 and stops before its append; the claim lapses and, dst being disabled, B records the claim
     as cancelled at dst and stops before releasing s2; A resumes: its append is skipped. Before, A then removed s2 as
     if its copy had gone out, and B's release found nothing to release: s2 was lost."""
     _dead_letter_forwarding_pair(root)
-    a = subprocess.Popen(
-        [sys.executable, "-c", PAUSES_AFTER_CLAIM, root], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
-    )
+    a = pausing(root, "_deliver", "dead-letter")
     b: subprocess.Popen[str] | None = None
     try:
-        assert a.stdout is not None and a.stdout.readline() == "claimed\n"
+        assert a.stdout is not None and a.stdout.readline() == "paused\n"  # after its claim, before its append
         time.sleep(2.1)  # the claim lapses
         with Namespace(root) as ns:
             ns.update_queue(ns.get_queue("dst"), status="Disabled")
-        b = subprocess.Popen(
-            [sys.executable, "-c", PAUSES_AFTER_CANCEL_RECORD, root], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
-        )
-        assert b.stdout is not None and b.stdout.readline() == "recorded\n"
-        a.send_signal(signal.SIGCONT)
-        out, err = a.communicate(timeout=120)
-        assert a.returncode == 0 and out == "resumed\n", err[-2000:]
+        b = pausing(root, "_record_cancel", "forward")
+        assert b.stdout is not None and b.stdout.readline() == "paused\n"  # the claim recorded as cancelled
+        assert resume(a) == "resumed\n"
     finally:
         a.send_signal(signal.SIGCONT)
         if b is not None:
-            b.send_signal(signal.SIGCONT)
-            out, err = b.communicate(timeout=120)
-            assert b.returncode == 0 and out.endswith("resumed\n"), err[-2000:]
+            assert resume(b).endswith("resumed\n")
     with Namespace(root) as ns:
         ns.update_queue(ns.get_queue("dst"), status="Active")
         main, dead = everywhere_of(ns, ("src", "dst"))

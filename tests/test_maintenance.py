@@ -748,11 +748,9 @@ def test_a_table_recorded_by_its_absolute_path_is_not_an_orphan(ns: Namespace, m
         assert [str(m) for m in drain(r, 1)] == ["kept"]
 
 
-def test_check_skips_a_queue_another_process_deletes_while_it_runs(ns: Namespace, monkeypatch: pytest.MonkeyPatch) -> None:
-    """check() read the catalog, then another process deleted a queue before check reached it: the queue is skipped.
-
-    Before, a raw FileNotFoundError for the vanished log stopped the check of every later table.
-    """
+def _check_deleting_b_midway(ns: Namespace, monkeypatch: pytest.MonkeyPatch, child: list[str]) -> list[str]:
+    """Queues a, b and c with a message each; check() then runs `python <child>` (a process deleting b) right before
+    it checks queue b. Returns the list of tables check() reaches (the caller may clear it between checks)."""
     import sparkqueue.management as management
 
     for q in ("a", "b", "c"):
@@ -764,12 +762,21 @@ def test_check_skips_a_queue_another_process_deletes_while_it_runs(ns: Namespace
 
     def deleting_b_first(table: EntityTable, *, repair: bool = False) -> Any:
         seen.append(table.uri)
-        if len(seen) == 2:  # queue b: another process deletes it just before check reads its log
-            code = f"from sparkqueue import Namespace; Namespace({ns.root!r}).delete_queue('b')"
-            subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
+        if len(seen) == 2:  # queue b
+            subprocess.run([sys.executable, *child], check=True, timeout=120)
         return real(table, repair=repair)
 
     monkeypatch.setattr(management, "check_table", deleting_b_first)
+    return seen
+
+
+def test_check_skips_a_queue_another_process_deletes_while_it_runs(ns: Namespace, monkeypatch: pytest.MonkeyPatch) -> None:
+    """check() read the catalog, then another process deleted a queue before check reached it: the queue is skipped.
+
+    Before, a raw FileNotFoundError for the vanished log stopped the check of every later table.
+    """
+    code = f"from sparkqueue import Namespace; Namespace({ns.root!r}).delete_queue('b')"
+    seen = _check_deleting_b_midway(ns, monkeypatch, ["-c", code])  # just before check reads b's log
     for repair in (False, True):
         seen.clear()
         if repair:
@@ -804,22 +811,7 @@ def test_check_skips_a_queue_caught_half_way_through_another_process_s_delete(
 
     Before, the missing data files were reported as damage of a queue that no longer exists.
     """
-    import sparkqueue.management as management
-
-    for q in ("a", "b", "c"):
-        ns.create_queue(q)
-        with ns.get_queue_sender(q) as s:
-            s.send_messages(Message("m"))
-    real = management.check_table
-    seen: list[str] = []
-
-    def half_deleting_b_first(table: EntityTable, *, repair: bool = False) -> Any:
-        seen.append(table.uri)
-        if len(seen) == 2:
-            subprocess.run([sys.executable, "-c", HALF_DELETE, ns.root], check=True, timeout=120)
-        return real(table, repair=repair)
-
-    monkeypatch.setattr(management, "check_table", half_deleting_b_first)
+    seen = _check_deleting_b_midway(ns, monkeypatch, ["-c", HALF_DELETE, ns.root])
     assert ns.check() == []
     assert len(seen) == 3
 

@@ -413,16 +413,20 @@ def _race_rounds(
     return by_round
 
 
-def test_an_ended_session_made_again_by_its_holder_and_by_an_accept_at_once_has_one_holder(root: str, tmp_path: Path) -> None:
-    """The holder of an ended session renewing while another process accepts it: one of them holds it, never both."""
-    rounds = 30
-    by_round = _race_rounds(root, tmp_path, "e", rounds, child_ended_holder, child_racing_acceptor)
+def _assert_one_holder_each_round(by_round: dict[int, dict[str, str]]) -> None:
+    """Each round, either the ended holder made its session's row again ("renewed") or the acceptor took it, not both."""
     both = [r for r, got in by_round.items() if got == {"holder": "renewed", "acceptor": "accepted"}]
-    assert not both, f"rounds {both}: the holder renewed and another receiver accepted the same session"
+    assert not both, f"rounds {both}: the ended holder kept the session and another receiver accepted it too"
     assert all(
         got in ({"holder": "renewed", "acceptor": "refused"}, {"holder": "lost", "acceptor": "accepted"})
         for got in by_round.values()
-    )
+    ), by_round
+
+
+def test_an_ended_session_made_again_by_its_holder_and_by_an_accept_at_once_has_one_holder(root: str, tmp_path: Path) -> None:
+    """The holder of an ended session renewing while another process accepts it: one of them holds it, never both."""
+    rounds = 30
+    _assert_one_holder_each_round(_race_rounds(root, tmp_path, "e", rounds, child_ended_holder, child_racing_acceptor))
 
 
 def test_an_ended_session_received_again_by_its_holder_and_accepted_at_once_has_one_holder(root: str, tmp_path: Path) -> None:
@@ -430,13 +434,7 @@ def test_an_ended_session_received_again_by_its_holder_and_accepted_at_once_has_
     accepts the session: one of them holds it, never both. Before, the receive numbered the session's new row from
     the message it delivered, which the accept did not rewrite: both commits landed (5 rounds in 12)."""
     rounds = 12
-    by_round = _race_rounds(root, tmp_path, "e", rounds, child_ended_receiver, child_racing_acceptor)
-    both = [r for r, got in by_round.items() if got == {"holder": "renewed", "acceptor": "accepted"}]
-    assert not both, f"rounds {both}: the holder received and another receiver accepted the same session"
-    assert all(
-        got in ({"holder": "renewed", "acceptor": "refused"}, {"holder": "lost", "acceptor": "accepted"})
-        for got in by_round.values()
-    ), by_round
+    _assert_one_holder_each_round(_race_rounds(root, tmp_path, "e", rounds, child_ended_receiver, child_racing_acceptor))
 
 
 def test_a_renewal_racing_close_in_another_thread_never_locks_the_session_again(root: str, tmp_path: Path) -> None:
