@@ -746,6 +746,38 @@ def test_duplicate_detection_at_destination(ns: Namespace) -> None:
     assert queue_ids(ns, "dst") == Counter({"same": 1})
 
 
+def test_dead_letters_forwarded_into_a_duplicate_detecting_queue_are_never_dropped(ns: Namespace) -> None:
+    """Dead letters reach a duplicate-detecting destination that accepted their ids; later sends of those ids are duplicates."""
+    ns.create_queue("dst", requires_duplicate_detection=True)
+    ns.create_queue("src", forward_dead_lettered_messages_to="dst")
+    ns.get_queue_sender("dst").send_messages(Message("direct", message_id="a"))
+    ns.get_queue_sender("src").send_messages([Message("dead", message_id="a"), Message("dead", message_id="b")])
+    with ns.get_queue_receiver("src") as r:
+        for m in drain(r, 2):
+            r.dead_letter_message(m, reason="Poison")
+    assert queue_ids(ns, "src", dead_letter=True) == Counter()
+    assert queue_ids(ns, "dst") == Counter({"a": 2, "b": 1})
+    ns.get_queue_sender("dst").send_messages([Message("again", message_id="a"), Message("again", message_id="b")])
+    with ns.get_queue_receiver("dst") as r:
+        got = drain(r, 3)
+    assert sorted((m.message_id, str(m)) for m in got) == [("a", "dead"), ("a", "direct"), ("b", "dead")]
+
+
+def test_a_duplicate_detecting_queue_takes_its_own_dead_letters_back(ns: Namespace) -> None:
+    """A queue forwarding its dead letters back into itself gets them back, though its window holds their ids."""
+    ns.create_queue("q", requires_duplicate_detection=True)
+    ns.update_queue(ns.get_queue("q"), forward_dead_lettered_messages_to="q")
+    ns.get_queue_sender("q").send_messages(Message("body", message_id="x"))
+    with ns.get_queue_receiver("q") as r:
+        (m,) = drain(r, 1)
+        r.dead_letter_message(m, reason="Retry later")
+        (back,) = drain(r, 1)
+        assert (back.message_id, str(back), back.dead_letter_reason, back.delivery_count) == ("x", "body", "Retry later", 0)
+        r.complete_message(back)
+    assert queue_ids(ns, "q") == Counter()
+    assert queue_ids(ns, "q", dead_letter=True) == Counter()
+
+
 def test_forwarding_by_another_process_namespace(root: str) -> None:
     """Messages stored by one client are forwarded by another client's forward_pending_messages()."""
     with Namespace(root) as a:

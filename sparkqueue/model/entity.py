@@ -184,19 +184,28 @@ class Entity:
         return out
 
     def send(
-        self, rows: pa.Table, keys: Sequence[str | None], expand: Expand | None = None, once: Fence | None = None
+        self,
+        rows: pa.Table,
+        keys: Sequence[str | None],
+        expand: Expand | None = None,
+        once: Fence | None = None,
+        *,
+        detect_duplicates: bool = True,
     ) -> pa.Table:
         """Store rows atomically in one commit (placing them by key); returns the stored rows with sequence numbers.
 
         On a duplicate-detecting entity, rows whose message_id the partition accepted within the
-        detection window are dropped and not returned.
+        detection window are dropped and not returned, unless `detect_duplicates` is False (dead
+        letters forwarded here: accepted once already, they are never dropped, docs/semantics.md §9).
         """
         if rows.num_rows == 0:
             return rows
         parts = pa.array(self.place(keys), pa.int32())
         rows = rows.set_column(rows.schema.get_field_index(PARTITION_COLUMN), PARTITION_COLUMN, parts)
         return retry_commit(
-            lambda: self.table.append(rows, self.dedupe_since(), expand, once), self.deadline(), f"send to {self.name}"
+            lambda: self.table.append(rows, self.dedupe_since() if detect_duplicates else None, expand, once),
+            self.deadline(),
+            f"send to {self.name}",
         )
 
     def dedupe_since(self) -> datetime | None:

@@ -244,7 +244,7 @@ def _forward_dead_letters(entity: Entity, route: Route, p: int, resolve: Resolve
         claimed = with_columns(batch, lock_token=constant(claim.token, pa.string(), batch.num_rows))  # as the claim left them
         app = claim.app_id(entity, p)
         try:
-            _deliver(dest, expand, _copies(batch, now, dest), Fence(app, DELIVERED))
+            _deliver(dest, expand, _copies(batch, now, dest), Fence(app, DELIVERED), dead_letters=True)
             outcome = dest.table.snapshot().transaction_version(app)
         except (EntityNotFoundError, QuotaExceededError):  # they stay dead letters here
             _cancel(entity, p, claimed, app, route.destination, resolve)
@@ -438,11 +438,14 @@ def _copies(rows: pa.Table, now: datetime, dest: Entity) -> pa.Table:
     return with_columns(out, **values).cast(ENTITY_SCHEMA)
 
 
-def _deliver(dest: Entity, expand: Expand | None, rows: pa.Table, once: Fence) -> pa.Table:
+def _deliver(dest: Entity, expand: Expand | None, rows: pa.Table, once: Fence, *, dead_letters: bool = False) -> pa.Table:
     """Send the copies to the destination, keeping each message's partition key; returns the rows it stored.
 
     A queue that requires sessions takes a copy without a session id into its dead letters
-    (SessionIdRequired), as a session-requiring subscription does at fan-out.
+    (SessionIdRequired), as a session-requiring subscription does at fan-out. A duplicate-detecting
+    destination drops forwarded messages whose id it accepted within its window, but never dead
+    letters: they were accepted once already (often by this very entity), and their claim's txn
+    app id already makes the append happen once.
     """
     if getattr(dest.props, "requires_session", False) and expand is None:
         rows = sessionless_dead_lettered(rows, "queue")
@@ -456,7 +459,7 @@ def _deliver(dest: Entity, expand: Expand | None, rows: pa.Table, once: Fence) -
             strict=True,
         )
     ]
-    return dest.send(rows, keys, expand, once)
+    return dest.send(rows, keys, expand, once, detect_duplicates=not dead_letters)
 
 
 def _source_changes(entity: Entity, run: pa.Table, dead: list[tuple[pa.Array, str]], gone: pa.Array, now: datetime) -> pa.Table:
