@@ -21,7 +21,7 @@ from deltalake import DeltaTable
 from sparkqueue.errors import StorageCorruptedError, StorageError
 from sparkqueue.storage.checkpoint import write_checkpoint
 from sparkqueue.storage.index import FileIndex
-from sparkqueue.storage.log import CommitConflict, DeltaLog, Fence, Snapshot
+from sparkqueue.storage.log import MARK_PREFIX, MARK_RETENTION_MS, CommitConflict, DeltaLog, Fence, Snapshot
 from sparkqueue.storage.schema import ENTITY_SCHEMA, PARTITION_COLUMN
 from sparkqueue.storage.store import Entry, LocalStore, resolve_root
 from sparkqueue.storage.table import EntityTable
@@ -239,6 +239,35 @@ def test_checkpoint_then_load_from_it_after_the_log_is_trimmed(tmp_path: Path) -
     # The statistics that receives prune on survive the checkpoint, whichever form delta-rs stores them in.
     assert {f.path: f for f in fresh.files} == {f.path: f for f in snap.files}
     assert DeltaTable(uri).to_pyarrow_table().num_rows == 250
+
+
+def test_checkpoints_drop_forwarding_marks_a_retention_old_and_keep_every_other_txn(table: EntityTable) -> None:
+    """A mark not updated for MARK_RETENTION_MS leaves the next checkpoint; fences and other txns never do."""
+    snap = table.snapshot()
+    mark, fence, sink = f"{MARK_PREFIX}q..deadletter.0.abc", "sparkqueue.seq.0", "stream.query.1"
+    add = table.data.write(0, _rows(0, 1, 1))
+    table.log.commit(snap, [add], [], [Fence(fence, 1), Fence(mark, 1), Fence(sink, 3)])
+    written = snap.txn_times[mark]
+
+    def checkpoint_then_load(source: Snapshot, at_ms: int) -> Snapshot:
+        assert write_checkpoint(table.store, source, at_ms)
+        fresh = DeltaLog(LocalStore(table.uri), FileIndex).load()
+        assert fresh.version == snap.version and sorted(f.path for f in fresh.files) == [add.path]
+        return fresh
+
+    assert checkpoint_then_load(snap, written + MARK_RETENTION_MS).txns == snap.txns
+    fresh = checkpoint_then_load(snap, written + MARK_RETENTION_MS + 1)
+    assert fresh.txns == {fence: 1, sink: 3}
+    assert fresh.txn_times == {fence: written, sink: written}
+    dt = DeltaTable(table.uri)
+    assert (dt.transaction_version(mark), dt.transaction_version(fence), dt.transaction_version(sink)) == (None, 1, 3)
+    # A checkpoint that gave no times (as older ones wrote): its marks count from the next checkpoint on.
+    timeless = snap.copy()
+    timeless.txn_times.clear()
+    later = written + 10 * MARK_RETENTION_MS
+    fresh = checkpoint_then_load(timeless, later)
+    assert fresh.txns == snap.txns and fresh.txn_times[mark] == later
+    assert checkpoint_then_load(fresh, later + MARK_RETENTION_MS + 1).txns == {fence: 1, sink: 3}
 
 
 def test_a_zero_byte_newest_entry_is_reported_never_read_as_absent(table: EntityTable) -> None:

@@ -32,7 +32,7 @@ from sparkqueue.model.entity import ROW_COLUMNS, Entity, utcnow
 from sparkqueue.model.partitioning import partition_key
 from sparkqueue.model.properties import check_status
 from sparkqueue.model.topics import sessionless_dead_lettered
-from sparkqueue.storage.log import Fence, Snapshot
+from sparkqueue.storage.log import MARK_PREFIX, Fence, Snapshot
 from sparkqueue.storage.retry import retry_commit
 from sparkqueue.storage.schema import (
     ENTITY_SCHEMA,
@@ -101,7 +101,7 @@ def forward(entity: Entity, resolve: Resolver, partitions: list[int] | None = No
 def _app_id(entity: Entity, route: Route, p: int) -> str:
     """The destination txn app id recording how far this source partition has forwarded on this route."""
     source = f"{entity.table.uri.rsplit('/', 1)[-1]}.{entity.subscription or ''}.{route.sub_queue}.{p}"
-    return f"sparkqueue.fwd.{source}"
+    return f"{MARK_PREFIX}{source}"
 
 
 def _forward_batch(entity: Entity, route: Route, p: int, resolve: Resolver) -> int:

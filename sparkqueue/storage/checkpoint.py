@@ -18,7 +18,7 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from sparkqueue.storage.log import LOG_DIR, Snapshot, log_retention_s
+from sparkqueue.storage.log import LOG_DIR, MARK_PREFIX, MARK_RETENTION_MS, Snapshot, log_retention_s
 from sparkqueue.storage.store import Store
 
 log = logging.getLogger(__name__)
@@ -26,17 +26,18 @@ log = logging.getLogger(__name__)
 _LOG_FILE = re.compile(r"^(\d{20})\.(json|crc|checkpoint\.parquet|checkpoint\.\d+\.\d+\.parquet)$")
 
 
-def write_checkpoint(store: Store, snap: Snapshot) -> bool:
+def write_checkpoint(store: Store, snap: Snapshot, now_ms: int | None = None) -> bool:
     """Write a classic single-file checkpoint of `snap` and point `_last_checkpoint` at it; False (logged) when it failed.
 
     Built from the snapshot in memory (its live files' add actions, txn versions, metadata and
     protocol), so it costs a Parquet write of one row per live file, not a reload of the table.
-    Two writers checkpointing one version write the same actions: either file serves.
+    Two writers checkpointing one version write the same actions (but for idempotence marks one
+    of them found expired at `now_ms`, `kept_txns`): either file serves.
     `_last_checkpoint` never moves back (_point_at): a slower checkpointer of an older version
     leaves it at the newer checkpoint, which external readers (delta-rs, Spark) start from.
     """
     try:
-        table = checkpoint_table(snap)
+        table = checkpoint_table(snap, now_ms)
         sink = pa.BufferOutputStream()
         pq.write_table(table, sink, compression="snappy")
         store.put(f"{LOG_DIR}/{snap.version:020d}.checkpoint.parquet", sink.getvalue().to_pybytes())
@@ -45,6 +46,24 @@ def write_checkpoint(store: Store, snap: Snapshot) -> bool:
         log.warning("checkpoint of %s at version %d skipped: %s", store.uri, snap.version, exc)
         return False
     return True
+
+
+def kept_txns(snap: Snapshot, now_ms: int | None = None) -> list[tuple[str, int, int]]:
+    """The txns a checkpoint at `now_ms` keeps, as (app id, version, lastUpdated): all but expired idempotence marks.
+
+    A mark (MARK_PREFIX) guards against a forwarder repeating an append it may have made; one not
+    updated for MARK_RETENTION_MS has no forwarder left to guard against, and kept for good they
+    slowed every load (100,000 of them took 0.45 s). A txn whose time the log does not give
+    (checkpoints before this one wrote none) counts from `now_ms`.
+    """
+    now = int(time.time() * 1000) if now_ms is None else now_ms
+    horizon = now - MARK_RETENTION_MS
+    out = []
+    for app, version in sorted(snap.txns.items()):
+        updated = snap.txn_times.get(app, now)
+        if updated >= horizon or not app.startswith(MARK_PREFIX):
+            out.append((app, version, updated))
+    return out
 
 
 def _point_at(store: Store, version: int, size: int) -> None:
@@ -70,8 +89,8 @@ def last_checkpoint_version(store: Store) -> int | None:
     return version if isinstance(version, int) and not isinstance(version, bool) else None
 
 
-def checkpoint_table(snap: Snapshot) -> pa.Table:
-    """The checkpoint rows of a snapshot: protocol, metadata, one per txn and one per live file's add action."""
+def checkpoint_table(snap: Snapshot, now_ms: int | None = None) -> pa.Table:
+    """The checkpoint rows of a snapshot: protocol, metadata, one per kept txn and one per live file's add action."""
     p, m = snap.protocol, snap.metadata
     rows: list[dict[str, Any]] = [
         {
@@ -98,7 +117,7 @@ def checkpoint_table(snap: Snapshot) -> pa.Table:
             }
         },
     ]
-    rows += [{"txn": {"appId": app, "version": v, "lastUpdated": None}} for app, v in sorted(snap.txns.items())]
+    rows += [{"txn": {"appId": app, "version": v, "lastUpdated": t}} for app, v, t in kept_txns(snap, now_ms)]
     for a in snap.files.actions():
         rows.append(
             {

@@ -54,6 +54,11 @@ READABLE_READER_FEATURES = frozenset({"timestampNtz"})
 
 
 DEFAULT_LOG_RETENTION_S = 30 * 86400.0  # Delta's default logRetentionDuration
+# Txn app ids under this prefix are short-lived idempotence marks (forwarding's): a checkpoint drops one
+# not updated for MARK_RETENTION_MS. Every other txn (partition fences, stream sinks) is kept for good
+# (docs/storage.md, "Idempotent appends").
+MARK_PREFIX = "sparkqueue.fwd."
+MARK_RETENTION_MS = 7 * 86400 * 1000
 _INTERVAL = re.compile(r"^\s*interval\s+(\d+)\s+(\w+?)s?\s*$", re.IGNORECASE)
 _UNIT_S = {"second": 1, "minute": 60, "hour": 3600, "day": 86400, "week": 604800}
 
@@ -161,6 +166,7 @@ class Snapshot:
     txns: dict[str, int] = field(default_factory=dict)
     verified_at: float = 0.0
     metadata_version: int = 0  # the version that last changed metadata or protocol
+    txn_times: dict[str, int] = field(default_factory=dict)  # each txn's lastUpdated (ms), where the log gave one
 
     def transaction_version(self, app_id: str) -> int | None:
         """The version recorded for a `txn` application id, or None."""
@@ -181,6 +187,7 @@ class Snapshot:
             dict(self.txns),
             self.verified_at,
             self.metadata_version,
+            dict(self.txn_times),
         )
 
     def apply(self, version: int, actions: Iterable[Mapping[str, Any]]) -> None:
@@ -191,7 +198,10 @@ class Snapshot:
             elif "remove" in action:
                 self.files.remove(_unquote(action["remove"]["path"]))
             elif "txn" in action:
-                self.txns[action["txn"]["appId"]] = int(action["txn"]["version"])
+                txn = action["txn"]
+                self.txns[txn["appId"]] = int(txn["version"])
+                if txn.get("lastUpdated") is not None:
+                    self.txn_times[txn["appId"]] = int(txn["lastUpdated"])
             elif "metaData" in action:
                 self.metadata = action["metaData"]
                 self.metadata_version = version
