@@ -551,7 +551,7 @@ def send(
     ] = False,
     batch: Annotated[int, typer.Option(min=1, max=10_000, help="Messages per atomic send.")] = 500,
 ) -> None:
-    """Send one message per line of a file (or per JSON-lines record with --jsonl)."""
+    """Send one message per non-empty line of a file (or per JSON-lines record with --jsonl); empty lines are skipped."""
     if str(file) != "-" and not file.is_file():
         raise typer.BadParameter(f"file {str(file)!r} does not exist or is not a file", param_hint="'--file' / '-f'")
     ns = state(ctx).namespace()
