@@ -252,8 +252,9 @@ class Management:
         if not self.broker.catalog.update(key, props.to_json(), self.broker.deadline(), entry.table_path):
             raise EntityNotFoundError(f"{entity_type} {name!r} does not exist (it was deleted meanwhile)")
         self.broker.forget(key)
-        if _new_route(old, props):
-            self.broker.forward_after_route_change(entity_type, name)
+        left = _left_destination(old, props)
+        if left or _new_route(old, props):
+            self.broker.forward_after_route_change(entity_type, name, left, _new_route(old, props))
 
     def _delete_entries(self, entity_type: str, name: str) -> CatalogEntry:
         """Delete an entity's catalog entry and its children's (subscriptions, rules) in one commit."""
@@ -681,6 +682,12 @@ def _new_route(old: EntityProperties, new: EntityProperties) -> bool:
         getattr(new, f, None) and getattr(new, f, None) != getattr(old, f, None)
         for f in ("forward_to", "forward_dead_lettered_messages_to")
     )
+
+
+def _left_destination(old: EntityProperties, new: EntityProperties) -> str | None:
+    """The forward_to an update changes or removes (None when it keeps it)."""
+    before = getattr(old, "forward_to", None)
+    return before if before != getattr(new, "forward_to", None) else None
 
 
 def _children_of(entity_type: str, name: str) -> Callable[[str], bool] | None:

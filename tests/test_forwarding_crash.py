@@ -248,6 +248,29 @@ def test_a_forwarder_killed_between_append_and_settle_leaves_each_message_once_a
         assert ns.get_queue_runtime_properties("src").total_message_count == 0
 
 
+@pytest.mark.parametrize("then", ["removed", "changed"])
+def test_originals_a_killed_forwarder_delivered_are_settled_when_forward_to_is_removed_or_changed(root: str, then: str) -> None:
+    """Only the old destination records that they went: the update settles them there, so none is received or sent twice."""
+    n = 20
+    with Namespace(root) as ns:
+        ns.create_queue("dst")
+        ns.create_queue("other")
+        ns.create_queue("src", forward_to="dst")
+    args = [sys.executable, "-c", DIES_BETWEEN_APPEND_AND_SETTLE, root, "send", str(n)]
+    done = subprocess.run(args, capture_output=True, timeout=120)
+    assert done.returncode == -signal.SIGKILL, done.stderr.decode()[-2000:]
+    ids = Counter(f"s{i}" for i in range(n))
+    with Namespace(root) as ns:
+        ns.update_queue(ns.get_queue("src"), forward_to=None if then == "removed" else "other")
+        ns.forward_pending_messages()
+        assert everywhere_of(ns, ("dst",)) == (ids, Counter())
+        assert everywhere_of(ns, ("src", "other")) == (Counter(), Counter())
+        with ns.get_queue_sender("src") as s:  # the route as it is now holds for later messages
+            s.send_messages(Message("later", message_id="later"))
+        where = "src" if then == "removed" else "other"
+        assert everywhere_of(ns, (where,)) == (Counter({"later": 1}), Counter())
+
+
 def test_an_expired_message_stays_dead_lettered_when_a_forwarder_is_killed_after_its_append(root: str) -> None:
     """The copies' fence covered an expired message that stayed at the source: recovery took it as delivered and
     removed it, so a message owed to the dead-letter queue was lost. Expiry now commits before anything travels."""

@@ -25,7 +25,7 @@ from sparkqueue.model.addresses import QUEUE, RULE, SUBSCRIPTION, TOPIC, Address
 from sparkqueue.model.deadlines import effective
 from sparkqueue.model.entity import Entity, SettleResult
 from sparkqueue.model.filters import action_from_dict, filter_from_dict
-from sparkqueue.model.forwarding import MAX_HOPS, cancel_lapsed_claims, forward, routes
+from sparkqueue.model.forwarding import MAX_HOPS, cancel_lapsed_claims, forward, routes, settle_delivered
 from sparkqueue.model.properties import (
     AnyEntityProperties,
     QueueProperties,
@@ -344,16 +344,26 @@ class Broker:
         except SparkQueueError as exc:
             log.warning("forwarding from %s deferred: %s", entity.name, exc)
 
-    def forward_after_route_change(self, entity_type: str, name: str) -> None:
-        """After a route was set on an entity: once no process trusts its older cached settings, forward what waits.
+    def forward_after_route_change(self, entity_type: str, name: str, left: str | None, new_route: bool) -> None:
+        """After an update changed an entity's routes: settle what reached the destination it `left`, then forward what waits.
 
-        Other processes send by settings up to PROPERTIES_TTL_S old, so their sends right after the change
-        stored messages without forwarding them; a pump once that time has passed (with half as much again
-        for a send that read its settings just in time and commits a little later) moves them on.
+        Other processes forward and send by settings up to PROPERTIES_TTL_S old, so right after the
+        change they may still forward to the old destination (one killed before its settle leaves
+        originals that only that destination knows went out, `forwarding.settle_delivered`), or store
+        messages without forwarding them. Once that time has passed (with half as much again for an
+        operation that read its settings just in time and commits a little later), the originals are
+        settled and, on a `new_route`, what waits moves on. Originals are settled at once too, before
+        receivers that see the route removed take them.
         """
-        time.sleep(1.5 * PROPERTIES_TTL_S)
         try:
-            self.pump(self.entity(entity_type, name))
+            entity = self.entity(entity_type, name)
+            if left:
+                settle_delivered(entity, left, self.resolve)
+            time.sleep(1.5 * PROPERTIES_TTL_S)
+            if left:
+                settle_delivered(entity, left, self.resolve)
+            if new_route:
+                self.pump(entity)
         except SparkQueueError as exc:
             log.warning("forwarding from %s after its route changed deferred: %s", name, exc)
 

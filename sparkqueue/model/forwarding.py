@@ -140,10 +140,7 @@ def _forward_run(entity: Entity, route: Route, p: int, resolve: Resolver) -> tup
     except SparkQueueError as exc:  # destination unavailable for now: leave everything for a later attempt
         log.warning("forwarding %s -> %s deferred: %s", entity.name, route.destination, exc)
         return 0, False
-    # Hop limit and key conflicts are decided by the rows alone, so every attempt decides them alike.
-    over = pc.greater(pc.add(run.column("transfer_hop_count"), 1), MAX_HOPS)
-    conflict = pc.and_(pc.invert(over), _key_conflicts(run))
-    movable = pc.invert(pc.or_(over, conflict))
+    over, conflict, movable = _stuck(run)
     held = pc.less_equal(run.column("sequence_number"), -1 if done is None else done)  # delivered by an earlier attempt
     expired = pc.and_(pc.and_(movable, pc.invert(held)), lifecycle.expired_rows(run, now))
     if pc.any(expired).as_py():
@@ -180,6 +177,47 @@ def _forward_run(entity: Entity, route: Route, p: int, resolve: Resolver) -> tup
         _drop_dead_twins(entity, p, mine.filter(pc.is_in(mine.column("message_id"), value_set=appended)))
     log.debug("%d message(s) left %s for %s (partition %d)", changes.num_rows, entity.name, route.destination, p)
     return int(changes.num_rows), False
+
+
+def _stuck(run: pa.Table) -> tuple[pa.Array, pa.Array, pa.Array]:
+    """Masks of a run: past the hop limit, keys in conflict, movable (by the rows alone, so every attempt decides alike)."""
+    over = pc.greater(pc.add(run.column("transfer_hop_count"), 1), MAX_HOPS)
+    conflict = pc.and_(pc.invert(over), _key_conflicts(run))
+    return over, conflict, pc.invert(pc.or_(over, conflict))
+
+
+def settle_delivered(entity: Entity, destination: str, resolve: Resolver) -> int:
+    """Settle the originals a forwarder delivered to `destination`, the entity's old forward_to, and died before settling.
+
+    Only the destination records that they went (its fence for this source), so once the route
+    changed or was removed no forwarder would look there: the originals would travel again, or stay
+    receivable. Each partition's leading run up to that fence is settled as the dead forwarder
+    would have: the copies' originals removed, those past the hop limit or with conflicting keys
+    dead-lettered. Returns how many left; a destination gone or unavailable settles nothing.
+    """
+    try:
+        dest, _ = resolve(destination)
+        fences = dest.table.snapshot()
+    except SparkQueueError as exc:
+        log.info("%s: cannot tell what reached %s, its old destination: %s", entity.name, destination, exc)
+        return 0
+    route, left = Route(SUB_QUEUE_MAIN, destination), 0
+    for p in range(entity.partition_count):
+        done = fences.transaction_version(_app_id(entity, route, p))
+        while done is not None and entity.available(p):
+            now = utcnow()
+            run = _leading_run(entity, entity.table.snapshot(), p, SUB_QUEUE_MAIN, now)
+            held = pc.less_equal(run.column("sequence_number"), done)
+            if not pc.any(held).as_py():
+                break
+            over, conflict, movable = _stuck(run)
+            dead = [(pc.and_(held, over), HOP_LIMIT_REASON), (pc.and_(held, conflict), KEYS_REASON)]
+            changes = _source_changes(entity, run, dead, pc.and_(held, movable), now)
+            retry_commit(functools.partial(_settle_source, entity, p, changes, run), entity.deadline(), f"settle {entity.name}")
+            left += int(changes.num_rows)
+    if left:
+        log.info("%d message(s) %s had forwarded to %s before its route changed left it", left, entity.name, destination)
+    return left
 
 
 def _drop_dead_twins(entity: Entity, p: int, delivered: pa.Table) -> None:
