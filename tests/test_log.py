@@ -525,19 +525,22 @@ def test_a_load_a_trim_keeps_racing_raises_a_storage_error(table: EntityTable) -
 class _PutHeldUp(LocalStore):
     """A store whose next log put is held up while `meanwhile` runs, as a paused process or a stalled object-store put is."""
 
-    def __init__(self, root: str) -> None:
+    def __init__(self, root: str, *, reply_only: bool = False) -> None:
+        """`reply_only`: the put lands at once and only its reply is held up (a slow link)."""
         super().__init__(root)
         self.meanwhile: Callable[[], None] | None = None
+        self.reply_only = reply_only
 
     @contextlib.contextmanager
     def staged(self, data: bytes) -> Iterator[Callable[[str], bool]]:
         with super().staged(data) as put:
 
             def held_up(path: str) -> bool:
+                landed = put(path) if self.reply_only else None
                 if self.meanwhile is not None:
                     run, self.meanwhile = self.meanwhile, None
                     run()
-                return put(path)
+                return put(path) if landed is None else landed
 
             yield held_up
 
@@ -566,6 +569,39 @@ def test_a_put_held_up_until_its_version_was_trimmed_is_withdrawn_and_conflicts(
         mine.commit(snap, [table.data.write(9, _rows(9, 1, 1))], [], [Fence("sparkqueue.seq.9", 1)])
     assert not Path(table.uri, "_delta_log", f"{version:020d}.json").exists()  # withdrawn: the log is as the others left it
     assert _second_handle(table).load().txns.get("sparkqueue.seq.9") is None
+
+
+@pytest.mark.parametrize("trimmed_before", [False, True])
+def test_a_put_that_landed_on_time_stands_though_its_reply_came_after_others_checkpointed_past_it(
+    table: EntityTable, trimmed_before: bool
+) -> None:
+    """Only the reply was late: others committed on the entry and checkpointed it, so it stands and its files stay.
+
+    `trimmed_before`: the entries before it were trimmed meanwhile too (a reply later than the log
+    retention); its files, live in a fresh load, still tell that others read it.
+    """
+    store = _PutHeldUp(table.uri, reply_only=True)
+    mine = DeltaLog(store, FileIndex)
+    snap = mine.load()
+    version = snap.version + 1
+
+    def others_commit_on_it_and_checkpoint() -> None:
+        theirs = table.snapshot()
+        assert theirs.version == version  # they read the entry
+        _one_row_commits(table, theirs, 3)
+        assert write_checkpoint(table.store, theirs)
+        if trimmed_before:
+            for v in range(version):
+                Path(table.uri, "_delta_log", f"{v:020d}.json").unlink()
+        snap.verified_at -= 3600  # the reply came an hour after the window was checked
+
+    store.meanwhile = others_commit_on_it_and_checkpoint
+    add = table.data.write(9, _rows(9, 1, 1))
+    assert mine.commit(snap, [add], [], [Fence("sparkqueue.seq.9", 1)]) == version
+    assert Path(table.uri, "_delta_log", f"{version:020d}.json").exists() and Path(table.uri, add.path).exists()
+    fresh = _second_handle(table).load()
+    assert fresh.txns.get("sparkqueue.seq.9") == 1 and add.path in {f.path for f in fresh.files}
+    assert DeltaTable(table.uri).to_pyarrow_table().num_rows == 4
 
 
 def test_a_put_held_up_while_vacuum_took_its_data_file_is_an_error_not_an_acknowledgement(table: EntityTable) -> None:

@@ -209,7 +209,7 @@ def trim_log(store: Store, snap: Snapshot) -> int:
         newest = min(newest, named)
     cutoff = time.time() - log_retention_s(snap.configuration)
     removed = 0
-    for version, _, e in entries:
+    for version, _, e in sorted(entries, key=lambda x: x[0]):  # in version order: DeltaLog._read_by_others relies on it
         if version < newest and e.mtime_s < cutoff:
             store.delete(e.path)
             removed += 1

@@ -506,7 +506,8 @@ class DeltaLog:
         The window was checked before the put, but a process paused, or a put an object store
         stalled, for longer than the log retention can find version v free because v was trimmed
         behind a checkpoint: every reader starts at that checkpoint and never reads the entry. The
-        entry is withdrawn and CommitConflict raised. A hold-up longer than vacuum's orphan
+        entry is withdrawn and CommitConflict raised, unless others read it (`_read_by_others`: only
+        the reply was late). A hold-up longer than vacuum's orphan
         retention may have let vacuum delete the commit's data files: that raises
         StorageCorruptedError naming them (the entry stands; reads report the partition damaged and
         `check(repair=True)` drops the files) instead of acknowledging what is lost. Only a slow put
@@ -515,7 +516,7 @@ class DeltaLog:
         held_s = time.monotonic() - snap.verified_at
         if held_s <= self.safe_gap_s(snap):
             return
-        if self._behind_checkpoint(version):
+        if self._behind_checkpoint(version) and not self._read_by_others(version, adds):
             with contextlib.suppress(FileNotFoundError):
                 self.store.delete(_entry_path(version))
             raise CommitConflict(f"the commit was held up past the log's safe window and version {version} had been trimmed")
@@ -525,6 +526,20 @@ class DeltaLog:
                 f"table {self.store.uri}: version {version} landed after its put was held up {held_s:.0f} s, and "
                 f"{len(missing)} of its data files were vacuumed meanwhile ({missing[0]}); their rows are lost"
             )
+
+    def _read_by_others(self, version: int, adds: Sequence[AddFile]) -> bool:
+        """True when the entry at `version` landed in turn and others read it, though its put was acknowledged late.
+
+        Only a slow reply, not a slow put, may have held the commit up: the entry then landed on time,
+        others committed on it and a checkpoint folded it in, so withdrawing it would lose what it
+        stored. A trim deletes entries in version order, so the hole a trim left at `version` has none
+        before it; failing that (the entry before was trimmed since), a fresh load that lists one of
+        the commit's files as live read the entry too.
+        """
+        if version > 0 and self.store.exists(_entry_path(version - 1)):
+            return True
+        mine = {a.path for a in adds}
+        return bool(mine) and any(f.path in mine for f in self.load().files)
 
     def _behind_checkpoint(self, version: int) -> bool:
         """True when the log holds a checkpoint past `version` (one listing): a trimmed v always has one after it.
