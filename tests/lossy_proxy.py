@@ -1,4 +1,4 @@
-"""An HTTP proxy in front of Azurite that can lose a reply: the request reaches the store, the client never hears back.
+"""An HTTP proxy in front of Azurite that can lose a reply (the store did the work, the client never hears) or a request.
 
 A lost reply is what a network fault does to a request that succeeded; obstore then retries it.
 `rule(method, path, headers)` picks the requests whose reply is dropped (True). One upstream
@@ -16,11 +16,16 @@ Rule = Callable[[str, str, dict[str, str]], bool]
 
 
 class LossyProxy:
-    """Relays requests to 127.0.0.1:`upstream_port`; drops the reply of those `rule` picks. `dropped` counts them."""
+    """Relays requests to 127.0.0.1:`upstream_port`; drops the reply of those `rule` picks. `dropped` counts them.
 
-    def __init__(self, upstream_port: int, rule: Rule) -> None:
+    `refuse` picks requests that never reach the store (it is unreachable for them); it may also
+    sleep to hold a request up before it is relayed.
+    """
+
+    def __init__(self, upstream_port: int, rule: Rule, refuse: Rule | None = None) -> None:
         self.upstream_port = upstream_port
         self.rule = rule
+        self.refuse = refuse
         self.dropped = 0
         self.server = socket.create_server(("127.0.0.1", 0))
         self.port = self.server.getsockname()[1]
@@ -48,6 +53,8 @@ class LossyProxy:
             if request is None:
                 return
             method, path, headers, raw = request
+            if self.refuse is not None and self.refuse(method, path, headers):
+                return  # closed unanswered: the store never saw it
             with socket.create_connection(("127.0.0.1", self.upstream_port)) as upstream:
                 upstream.sendall(raw)
                 reply = b"".join(iter(lambda: upstream.recv(65536), b""))

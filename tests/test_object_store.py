@@ -19,9 +19,9 @@ import pytest
 from azurite import Store
 from deltalake import DeltaTable
 from lossy_proxy import LossyProxy
-from procs import drain_all, receive_and_complete, send_and_lock_until_killed, send_dying_at_commit
+from procs import drain_all, peek_all, receive_and_complete, send_and_lock_until_killed, send_dying_at_commit
 
-from sparkqueue import Message, Namespace, SubQueue
+from sparkqueue import Message, Namespace, ReceiveMode, SubQueue
 from sparkqueue.errors import InvalidOperationError, StorageError
 from sparkqueue.storage.files import encode_parquet
 
@@ -250,6 +250,72 @@ def test_a_commit_whose_reply_was_lost_counts_as_landed(azurite: Any) -> None:
             r.complete_messages(got)  # lands with its reply lost: no MessageLockLostError
         assert proxy.dropped == 2
         assert direct.get_queue_runtime_properties("q").total_message_count == 0
+    finally:
+        proxy.stop()
+
+
+def _outage_after_entity_commit(azurite: Any, hold_s: float, outage_s: float, folder: str) -> tuple[LossyProxy, list[bool]]:
+    """A proxy that, once armed, holds the next entity log-entry create `hold_s`, lets it land, then refuses every
+    request under `folder` for `outage_s` (the store unreachable right after a commit landed)."""
+    armed, until = [False], [0.0]
+
+    def refuse(method: str, path: str, headers: dict[str, str]) -> bool:
+        if not armed[0]:
+            return False
+        if until[0]:
+            return folder in path and time.monotonic() < until[0]
+        if method == "PUT" and "/entities/" in path and "_delta_log/" in path and "if-none-match" in headers:
+            time.sleep(hold_s)
+            until[0] = time.monotonic() + outage_s
+        return False
+
+    return LossyProxy(azurite.port, lambda *_: False, refuse), armed
+
+
+def test_a_receive_that_meets_a_store_fault_after_taking_messages_returns_them(azurite: Any) -> None:
+    """RECEIVE_AND_DELETE over several partitions: the first partition's deletion landed, the next read failed.
+
+    The receive raised and dropped what it had already deleted: lost. It returns those now.
+    """
+    proxy, armed = _outage_after_entity_commit(azurite, 0.0, 6.0, "/entities/")
+    root = f"az://{azurite.create_container()}/ns"
+    direct = Namespace(root, storage_options=azurite.storage_options())
+    direct.create_queue("q")
+    with direct.get_queue_sender("q") as s:
+        for i in range(4):
+            s.send_messages(Message(f"m{i}"))  # one send each: round-robin over 4 partitions
+    ns = Namespace(root, storage_options=proxy.storage_options(azurite.storage_options()), operation_timeout=3)
+    try:
+        with ns.get_queue_receiver("q", receive_mode=ReceiveMode.RECEIVE_AND_DELETE) as r:
+            ns.get_queue_runtime_properties("q")  # settings cached before the outage
+            armed[0] = True
+            got = [str(m) for m in r.receive_messages(10, max_wait_time=1)]
+        print("GOT", got, "UNTIL", proxy.refuse)
+        assert got
+        with direct.get_queue_receiver("q") as left:
+            rest = [str(m) for m in peek_all(left)]
+        assert sorted(got + rest) == [f"m{i}" for i in range(4)]
+    finally:
+        proxy.stop()
+
+
+def test_a_send_that_landed_is_not_reported_failed_when_the_catalog_is_unreachable_right_after(azurite: Any) -> None:
+    """The send's entry landed after its cached settings went stale; forwarding's catalog read after it then failed.
+
+    The send raised StorageError though it had stored the message, so a caller sending again stored it twice.
+    """
+    proxy, armed = _outage_after_entity_commit(azurite, 1.2, 4.0, "/_catalog/")
+    root = f"az://{azurite.create_container()}/ns"
+    direct = Namespace(root, storage_options=azurite.storage_options())
+    direct.create_queue("q")
+    ns = Namespace(root, storage_options=proxy.storage_options(azurite.storage_options()), operation_timeout=3)
+    try:
+        with ns.get_queue_sender("q") as s:
+            ns.get_queue_runtime_properties("q")
+            armed[0] = True
+            s.send_messages(Message("once", message_id="once"))
+        with direct.get_queue_receiver("q") as r:
+            assert [m.message_id for m in peek_all(r)] == ["once"]
     finally:
         proxy.stop()
 

@@ -461,6 +461,9 @@ class Broker:
             sources = [self.entity(QUEUE, name)] if entity_type == QUEUE else self.forwarding_subscriptions(name)
         except EntityNotFoundError:  # deleted since the send landed: nothing to forward from
             return
+        except SparkQueueError as exc:  # the send stands: its caller must not see an error and send again
+            log.warning("forwarding from %s deferred: %s", name, exc)
+            return
         for e in sources:
             self.forward_now(e, stored_partitions)
 

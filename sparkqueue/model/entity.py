@@ -18,7 +18,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from sparkqueue.errors import MessageLockLostError, PartitionUnavailableError
+from sparkqueue.errors import MessageLockLostError, PartitionUnavailableError, StorageError
 from sparkqueue.model import lifecycle, limits
 from sparkqueue.model.addresses import Address
 from sparkqueue.model.deadlines import effective
@@ -250,7 +250,13 @@ class Entity:
             # take whole files"): a split would rewrite the file's other rows, and a commit on another
             # partition for a few messages costs as much as the first.
             whole_after = max(0, (max_count + 1) // 2 - (max_count - remaining))
-            got = self.receive_partition(dt, p, sub_queue, remaining, delete, whole_after=whole_after)
+            try:
+                got = self.receive_partition(dt, p, sub_queue, remaining, delete, whole_after=whole_after)
+            except StorageError as exc:
+                if not out:
+                    raise
+                log.warning("receive from %s stopped at partition %d (%s): returning what it took", self.name, p, exc)
+                break  # what earlier partitions gave is locked (or deleted) already: returned, never dropped
             if got.num_rows:
                 out.append(got)
                 remaining -= got.num_rows
@@ -292,6 +298,10 @@ class Entity:
                 cands = self.table.candidates(dt, p, sub_queue, now, scan, ROW_COLUMNS, self.subscription, whole_after=whole)
             except PartitionUnavailableError:
                 break
+            except StorageError:
+                if out:
+                    break  # what earlier rounds took stands: returned, never dropped
+                raise
             if cands.num_rows == 0:
                 break
             cands = lifecycle.through_deliverable(cands, now, self.policy, limit)
@@ -304,6 +314,10 @@ class Entity:
                 continue
             except PartitionUnavailableError:
                 break
+            except StorageError:
+                if out:
+                    break  # as above; this commit's outcome is unknown, its locks lapse if it landed
+                raise
             dead = dead or d.dead_lettered > 0
             if d.delivered.num_rows:
                 out.append(d.delivered)
