@@ -254,6 +254,35 @@ def test_a_commit_whose_reply_was_lost_counts_as_landed(azurite: Any) -> None:
         proxy.stop()
 
 
+def test_a_create_that_landed_but_timed_out_counts_as_landed(azurite: Any) -> None:
+    """The log entry's create landed, its reply came after the client's timeout, and obstore did not retry it.
+
+    The send raised StorageError though its message was stored, so a caller sending again stored it twice.
+    """
+    armed = [False]
+
+    def slow_reply(method: str, path: str, headers: dict[str, str]) -> bool:
+        if armed[0] and method == "PUT" and "/entities/" in path and "_delta_log/" in path and "if-none-match" in headers:
+            armed[0] = False
+            time.sleep(2.5)  # the store did the work; the reply comes after the client gave up
+        return False
+
+    proxy = LossyProxy(azurite.port, slow_reply)
+    root = f"az://{azurite.create_container()}/ns"
+    direct = Namespace(root, storage_options=azurite.storage_options())
+    direct.create_queue("q")
+    ns = Namespace(root, storage_options={**proxy.storage_options(azurite.storage_options()), "timeout": "1s"})
+    try:
+        with ns.get_queue_sender("q") as s:
+            armed[0] = True
+            s.send_messages(Message("once", message_id="once"))
+        with direct.get_queue_receiver("q") as r:
+            assert [m.message_id for m in peek_all(r)] == ["once"]
+        assert direct.check() == []
+    finally:
+        proxy.stop()
+
+
 def _outage_after_entity_commit(azurite: Any, hold_s: float, outage_s: float, folder: str) -> tuple[LossyProxy, list[bool]]:
     """A proxy that, once armed, holds the next entity log-entry create `hold_s`, lets it land, then refuses every
     request under `folder` for `outage_s` (the store unreachable right after a commit landed)."""

@@ -39,6 +39,7 @@ CLIENT_OPTION_KEYS = frozenset(
 PROVIDER_PREFIXES = ("aws_", "azure_", "google_")  # a client option may carry its store's prefix (obstore panics on it)
 # delta-rs-only settings (commit locking, unsafe renames) that obstore does not know; sparkqueue needs neither.
 DELTA_ONLY_KEYS = frozenset({"allow_unsafe_rename", "aws_s3_locking_provider", "dynamodb_table_name", "aws_conditional_put"})
+UNKNOWN_CREATE_TRIES = 3  # conditional creates tried while each ends in a timeout or a lost connection
 SYNC_THREADS = 8  # files fsynced at once by LocalStore.sync: the disk flushes their pages in parallel
 
 
@@ -322,20 +323,28 @@ class ObjectStore(Store):
 
         A create whose reply was lost is retried by obstore and refused as existing although it
         landed: taken as a lost race, a commit's entry would stand while its data files were
-        deleted. A commit's entry carries a unique id (log.py), so equal bytes are ours.
+        deleted. A commit's entry carries a unique id (log.py), so equal bytes are ours. obstore does
+        not retry a create that timed out, whose outcome is as unknown: it is tried again here.
         """
         import obstore
-        from obstore.exceptions import AlreadyExistsError, PreconditionError
+        from obstore.exceptions import AlreadyExistsError, GenericError, PreconditionError
 
         with _translate(self.uri, path):
-            try:
-                obstore.put(self._store, path, data, mode="create")
-            except (AlreadyExistsError, PreconditionError):
+            for attempt in range(UNKNOWN_CREATE_TRIES):
                 try:
-                    return self.get(path) == data
-                except FileNotFoundError:
-                    return False
-            return True
+                    obstore.put(self._store, path, data, mode="create")
+                except (AlreadyExistsError, PreconditionError):
+                    try:
+                        return self.get(path) == data
+                    except FileNotFoundError:
+                        return False
+                except GenericError as exc:  # a timeout or a lost connection: the create may have landed
+                    if attempt + 1 == UNKNOWN_CREATE_TRIES:
+                        raise
+                    log.info("create of %s/%s has an unknown outcome (%s); trying again", self.uri, path, _first_line(exc))
+                    continue  # again, with the same bytes: refused as existing, it tells whether the first one landed
+                return True
+        raise AssertionError("unreachable")
 
     def list(self, prefix: str = "") -> list[Entry]:
         import obstore
