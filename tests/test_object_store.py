@@ -24,6 +24,7 @@ from procs import drain_all, peek_all, receive_and_complete, send_and_lock_until
 from sparkqueue import Message, Namespace, ReceiveMode, SubQueue
 from sparkqueue.errors import InvalidOperationError, StorageError
 from sparkqueue.storage.files import encode_parquet
+from sparkqueue.storage.store import open_store
 
 CTX = mp.get_context("spawn")
 
@@ -405,6 +406,27 @@ def test_an_object_store_root_with_a_url_escape_is_refused(uri: str) -> None:
 def test_an_abfs_uri_without_container_or_account_is_refused(uri: str) -> None:
     with pytest.raises(InvalidOperationError, match="names no container"):
         Namespace(uri)
+
+
+@pytest.mark.parametrize("key", ["container_name", "azure_container_name"])
+def test_an_option_naming_another_container_than_the_root_is_refused(azurite: Any, key: str) -> None:
+    """obstore let such an option win over the URI and delta-rs did not: one namespace split over two containers."""
+    here, other = azurite.create_container(), azurite.create_container()
+    Namespace(f"az://{other}/ns", storage_options=azurite.storage_options()).create_queue("in_other")
+    with pytest.raises(InvalidOperationError, match=f"names container {other!r}"):
+        Namespace(f"az://{here}/ns", storage_options={**azurite.storage_options(), key: other})
+    assert open_store(f"az://{here}", azurite.storage_options()).list() == []  # nothing written
+    same = Namespace(f"az://{here}/ns", storage_options={**azurite.storage_options(), key: here})  # agreeing: fine
+    assert same.list_queues() == []
+
+
+def test_an_abfss_root_names_its_account_and_container(tmp_path: Path) -> None:
+    """An account option other than the one an abfss:// URI names is refused before any request."""
+    uri = "abfss://data@acct.dfs.core.windows.net/ns"
+    with pytest.raises(InvalidOperationError, match="names account 'other'"):
+        Namespace(uri, storage_options={"account_name": "other", "account_key": "a2V5"})
+    with pytest.raises(InvalidOperationError, match="names container 'logs'"):
+        Namespace(uri, storage_options={"azure_storage_account_name": "acct", "container_name": "logs"})
 
 
 def test_a_hung_store_fails_within_about_the_operation_timeout(azurite: Any) -> None:

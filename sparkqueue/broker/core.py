@@ -113,7 +113,8 @@ class Broker:
         self.root = resolve_root(root)
         asked = None if tier is None else limits.check_tier(tier)
         self.operation_timeout = limits.check_seconds(operation_timeout, "operation_timeout")  # finite: NaN never expires
-        self.storage_options = check_storage_options(storage_options)  # as given: what a Spark task or a pickle reopens with
+        # As given: what a Spark task or a pickle reopens with.
+        self.storage_options = check_storage_options(storage_options, self.root)
         # What this process's stores use: request timeouts and retries fitted to the operation timeout.
         self.store_options = with_deadline_options(self.root, self.storage_options, self.operation_timeout)
         self.store: Store = open_store(self.root, self.store_options)

@@ -446,8 +446,13 @@ def _local_root(text: str, path: str) -> str:
     return str(local)
 
 
-def check_storage_options(options: Mapping[str, str] | None) -> dict[str, str]:
-    """Storage options as a plain dict of strings (delta-rs's and obstore's shape); anything else is refused."""
+def check_storage_options(options: Mapping[str, str] | None, root: str | None = None) -> dict[str, str]:
+    """Storage options as a plain dict of strings (delta-rs's and obstore's shape); anything else is refused.
+
+    Given the (resolved) `root`, an option naming another container, bucket or account than the
+    root's is refused too: obstore lets such an option win over the URI and delta-rs does not, so the
+    namespace would be split over two locations, one of them outside its root.
+    """
     if options is None:
         return {}
     if not isinstance(options, Mapping):
@@ -457,7 +462,31 @@ def check_storage_options(options: Mapping[str, str] | None) -> dict[str, str]:
         if not isinstance(key, str) or not isinstance(value, (str, bool, int, float)) or isinstance(value, float):
             raise InvalidOperationError(f"storage_options[{key!r}] must be a string, got {value!r}")
         out[key] = str(value).lower() if isinstance(value, bool) else str(value)
+    if root is not None:
+        _check_location(root, out)
     return out
+
+
+LOCATION_KEYS = {"container_name": "container", "bucket": "bucket", "bucket_name": "bucket", "account_name": "account"}
+
+
+def _check_location(root: str, options: Mapping[str, str]) -> None:
+    """Refuse options that name another container, bucket or account than `root` does (see check_storage_options)."""
+    if is_local(root):
+        return
+    parsed = urlparse(root)
+    host = parsed.netloc
+    named = {"container": host, "bucket": host, "account": None}
+    if parsed.scheme.lower() in ("abfs", "abfss") and "@" in host:  # abfss://container@account.dfs.core.windows.net/...
+        container, _, domain = host.partition("@")
+        named.update(container=container, account=domain.split(".", 1)[0])
+    for key, value in options.items():
+        what = LOCATION_KEYS.get(_bare_key(key).removeprefix("storage_"))
+        if what is not None and named[what] is not None and value != named[what]:
+            raise InvalidOperationError(
+                f"storage_options[{key!r}] names {what} {value!r}, but the root {root!r} names {named[what]!r}: "
+                "the root says where the namespace is; leave the option out"
+            )
 
 
 def is_local(root: str) -> bool:
