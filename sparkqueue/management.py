@@ -166,14 +166,30 @@ class Management:
             self._create_entry(
                 entity_type, name, props, table_path, require=lambda entries: self._check_entity_quota(props, entries)
             )
-        except BaseException:
-            try:
-                self._remove_table(table_path)
-            except Exception as cleanup:  # the store may be what failed: the create's own error is the one to report
-                log.warning("could not remove the table of the failed create (maintenance removes it later): %s", cleanup)
-            raise
+        except BaseException as exc:
+            recorded = self._recorded(table_path)
+            if recorded is False:
+                try:
+                    self._remove_table(table_path)
+                except Exception as cleanup:  # the store may be what failed: the create's own error is the one to report
+                    log.warning("could not remove the table of the failed create (maintenance removes it later): %s", cleanup)
+            if not recorded or not isinstance(exc, Exception):
+                raise
+            log.warning("creating %s %s reported %s, but the catalog records it: created", entity_type, name, exc)
         self._check_table_kept(entity_type, name, table_path)  # after the try: the entry is recorded, the table stays
         return props
+
+    def _recorded(self, table_path: str) -> bool | None:
+        """Whether the catalog names the table a failed create made; None when it cannot be read.
+
+        A catalog commit that failed may have landed all the same (a lost reply): its table must then
+        stay, or the entity would name no table for good. Left unnamed, maintenance removes it later.
+        """
+        try:
+            return any(e.table_path == table_path for e in self.broker.catalog.entries())
+        except Exception as exc:
+            log.warning("could not tell whether the failed create of %s was recorded; its table stays: %s", table_path, exc)
+            return None
 
     def _check_table_kept(self, entity_type: str, name: str, table_path: str) -> None:
         """StorageError, the entry deleted again, when maintenance removed the new table before the catalog named it.

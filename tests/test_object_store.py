@@ -7,6 +7,7 @@ a second job would.
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing as mp
 import os
 import signal
@@ -359,6 +360,38 @@ def test_a_catalog_commit_whose_reply_was_lost_counts_as_landed(azurite: Any) ->
         ns.create_queue("q2")
         assert proxy.dropped == 1
         assert [q.name for q in direct.list_queues()] == ["q", "q2"]
+        assert direct.check() == []
+    finally:
+        proxy.stop()
+
+
+def test_a_create_whose_catalog_commit_landed_unacknowledged_keeps_its_table(azurite: Any) -> None:
+    """The catalog entry landed but every reply was lost for a while: the create failed and deleted the new table.
+
+    The queue was then listed, could not be created again, and refused every send for good. Now the
+    table stays (it is removed only when the catalog is read and does not name it).
+    """
+    until = [0.0]
+
+    def lose_catalog_replies(method: str, path: str, headers: dict[str, str]) -> bool:
+        if "/_catalog/" not in path:
+            return False
+        if not until[0] and method == "PUT" and "_delta_log/" in path and "if-none-match" in headers:
+            until[0] = time.monotonic() + 8.0  # longer than the create's tries
+        return bool(until[0]) and time.monotonic() < until[0]
+
+    proxy = LossyProxy(azurite.port, lose_catalog_replies)
+    root = f"az://{azurite.create_container()}/ns"
+    direct = Namespace(root, storage_options=azurite.storage_options())
+    ns = Namespace(root, storage_options=proxy.storage_options(azurite.storage_options()), operation_timeout=1)
+    try:
+        with contextlib.suppress(StorageError):  # the outcome was unknown to it: an error, or success once it could tell
+            ns.create_queue("orders")
+        time.sleep(max(0.0, until[0] - time.monotonic()))
+        assert [q.name for q in direct.list_queues()] == ["orders"]
+        direct.get_queue_sender("orders").send_messages(Message("works"))
+        with direct.get_queue_receiver("orders") as r:
+            assert [str(m) for m in r.receive_messages(1, max_wait_time=5)] == ["works"]
         assert direct.check() == []
     finally:
         proxy.stop()
