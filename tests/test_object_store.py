@@ -523,6 +523,22 @@ def test_a_namespace_configured_by_the_environment_alone_pickles_and_reopens(sto
         assert ns.get_queue_runtime_properties("q").active_message_count == 1
 
 
+def test_options_given_in_part_take_the_rest_from_the_environment(azurite: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Account and key as options, endpoint and plain HTTP from the environment, as delta-rs takes them.
+
+    The request timeout sparkqueue adds replaced every client option obstore read from the
+    environment (AZURE_ALLOW_HTTP): the namespace failed with "builder error".
+    """
+    monkeypatch.setenv("AZURE_STORAGE_ENDPOINT", azurite.endpoint)
+    monkeypatch.setenv("AZURE_ALLOW_HTTP", "true")
+    given = {k: v for k, v in azurite.storage_options().items() if k in ("account_name", "account_key")}
+    with Namespace(f"az://{azurite.create_container()}/ns", storage_options=given) as ns:
+        ns.create_queue("q")
+        ns.get_queue_sender("q").send_messages(Message("x"))
+        assert ns.get_queue_runtime_properties("q").active_message_count == 1
+        assert ns.storage_options == given  # what it pickles: as given
+
+
 def test_a_path_naming_a_missing_bucket_code_is_still_just_a_missing_object(tmp_path: Path) -> None:
     """The missing-container check reads the service's error code, not the message, which holds the path too."""
     from sparkqueue.storage.store import ObjectStore

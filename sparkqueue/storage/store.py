@@ -531,12 +531,26 @@ def with_deadline_options(root: str, options: Mapping[str, str], seconds: float)
     given = {_bare_key(k) for k in options}
     out = dict(options)
     # Client options given at all replace those obstore reads from the environment (AZURE_ALLOW_HTTP, say), so a
-    # namespace configured by environment variables alone keeps them; its retries are still bounded.
+    # namespace configured by environment variables alone keeps them; its retries are still bounded. Options given
+    # in part take the environment's client options along with the timeout, as delta-rs does.
     if options and "timeout" not in given:
+        out.update({k: v for k, v in _environment_client_options(root).items() if k not in given})
         out["timeout"] = f"{max(1, math.ceil(min(30.0, seconds)))}s"
     if "retry_timeout" not in given:
         out["retry_timeout"] = f"{max(1, math.ceil(seconds))}s"
     return out
+
+
+ENVIRONMENT_PREFIXES = {"az": "AZURE_", "azure": "AZURE_", "adl": "AZURE_", "abfs": "AZURE_", "abfss": "AZURE_"}
+ENVIRONMENT_PREFIXES |= {"s3": "AWS_", "s3a": "AWS_", "gs": "GOOGLE_"}
+
+
+def _environment_client_options(root: str) -> dict[str, str]:
+    """The HTTP client options the root's store takes from its environment variables (AZURE_ALLOW_HTTP, ...)."""
+    prefix = ENVIRONMENT_PREFIXES.get(urlparse(root).scheme.lower())
+    if prefix is None:
+        return {}
+    return {k: os.environ[prefix + k.upper()] for k in sorted(CLIENT_OPTION_KEYS) if prefix + k.upper() in os.environ}
 
 
 def _bare_key(key: str) -> str:
