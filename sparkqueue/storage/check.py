@@ -31,7 +31,7 @@ import pyarrow.parquet as pq
 
 from sparkqueue.errors import StorageCorruptedError, StorageError
 from sparkqueue.storage.files import FILE_SCHEMA, remove_action
-from sparkqueue.storage.log import LOG_DIR, CommitConflict
+from sparkqueue.storage.log import LOG_DIR, CommitConflict, entry_actions
 from sparkqueue.storage.schema import PARTITION_COLUMN
 from sparkqueue.storage.store import Store
 from sparkqueue.storage.table import EntityTable
@@ -141,7 +141,7 @@ def _num_records(add: Mapping[str, Any]) -> int | None:
 
 
 def _set_aside_torn_newest_entry(table: EntityTable) -> bool:
-    """Move the newest log entry aside when it is empty or not JSON; True when it did."""
+    """Move the newest log entry aside when it is empty, not JSON or cut short; True when it did."""
     versions = sorted(
         int(name[:20])
         for e in table.store.list(f"{LOG_DIR}/")
@@ -152,12 +152,10 @@ def _set_aside_torn_newest_entry(table: EntityTable) -> bool:
     newest = f"{LOG_DIR}/{versions[-1]:020d}.json"
     data = table.store.get(newest)
     try:
-        lines = [line for line in data.decode("utf-8").splitlines() if line.strip()]
-        torn = not lines or not all(isinstance(json.loads(line), dict) for line in lines)
-    except (UnicodeDecodeError, ValueError):
-        torn = True
-    if not torn:
+        entry_actions(data)
         return False
+    except ValueError:  # torn: empty, not JSON, or cut short
+        pass
     table.store.put(f"{DAMAGED_DIR}/{versions[-1]:020d}.json", data)
     table.store.delete(newest)
     log.warning("moved the torn log entry %s of %s aside to %s", newest, table.uri, DAMAGED_DIR)

@@ -57,6 +57,7 @@ DEFAULT_LOG_RETENTION_S = 30 * 86400.0  # Delta's default logRetentionDuration
 # Txn app ids under this prefix are short-lived idempotence marks (forwarding's): a checkpoint drops one
 # not updated for MARK_RETENTION_MS. Every other txn (partition fences, stream sinks) is kept for good
 # (docs/storage.md, "Idempotent appends").
+ACTION_COUNT = "sparkqueueActions"  # commitInfo field: the actions of the entry, commitInfo included (entry_actions)
 MARK_PREFIX = "sparkqueue.fwd."
 MARK_RETENTION_MS = 7 * 86400 * 1000
 _INTERVAL = re.compile(r"^\s*interval\s+(\d+)\s+(\w+?)s?\s*$", re.IGNORECASE)
@@ -347,14 +348,10 @@ class DeltaLog:
     def _entry(self, version: int) -> list[dict[str, Any]]:
         """The actions of one JSON entry; FileNotFoundError when absent, StorageCorruptedError when unreadable."""
         path = _entry_path(version)
-        data = self.store.get(path)
         try:
-            actions = [json.loads(line) for line in data.decode("utf-8").splitlines() if line.strip()]
-        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-            raise StorageCorruptedError(f"table {self.store.uri}: log entry {path} is truncated or not JSON ({exc})") from exc
-        if not actions or not all(isinstance(a, dict) for a in actions):
-            raise StorageCorruptedError(f"table {self.store.uri}: log entry {path} is empty ({len(data)} bytes)")
-        return actions
+            return entry_actions(self.store.get(path))
+        except ValueError as exc:
+            raise StorageCorruptedError(f"table {self.store.uri}: log entry {path} {exc}") from exc
 
     def _empty(self) -> Snapshot:
         return Snapshot(-1, {}, {}, self.new_files())
@@ -644,10 +641,29 @@ def _check_unmoved(snap: Snapshot, base_meta: int, removed: Sequence[str], expec
         raise CommitConflict("a fence this commit read was moved by another commit")
 
 
+def entry_actions(data: bytes) -> list[dict[str, Any]]:
+    """The actions of one JSON log entry; ValueError saying what is wrong when it is empty, torn or cut short.
+
+    sparkqueue's entries count their actions in their commitInfo (ACTION_COUNT), so an entry cut
+    at a line boundary is told from a smaller commit: read as one, its lost lines would silently
+    drop messages (adds) or bring completed ones back (removes).
+    """
+    try:
+        actions = [json.loads(line) for line in data.decode("utf-8").splitlines() if line.strip()]
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise ValueError(f"is truncated or not JSON ({exc})") from exc
+    if not actions or not all(isinstance(a, dict) for a in actions):
+        raise ValueError(f"is empty ({len(data)} bytes)")
+    expected = (actions[0].get("commitInfo") or {}).get(ACTION_COUNT)
+    if expected is not None and expected != len(actions):
+        raise ValueError(f"is cut short: {len(actions)} of its {expected} actions are there")
+    return actions
+
+
 def _actions(
     adds: Sequence[AddFile], removes: Sequence[RemoveFile], fences: Sequence[Fence], operation: str, now_ms: int
 ) -> list[dict[str, Any]]:
-    """The JSON actions of one commit: commitInfo first, then txn, add and remove."""
+    """The JSON actions of one commit: commitInfo first (counting them all, `entry_actions`), then txn, add and remove."""
     info = {
         "timestamp": now_ms,
         "operation": operation,
@@ -655,6 +671,7 @@ def _actions(
         "isBlindAppend": not removes,
         "clientVersion": CLIENT_VERSION,
         "txnId": uuid.uuid4().hex,  # unique bytes: a conditional create refused after a lost reply tells its own entry
+        ACTION_COUNT: 1 + len(fences) + len(adds) + len(removes),
     }
     out: list[dict[str, Any]] = [{"commitInfo": info}]
     out += [{"txn": {"appId": f.app_id, "version": f.version, "lastUpdated": now_ms}} for f in fences]

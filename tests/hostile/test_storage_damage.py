@@ -72,6 +72,33 @@ def test_a_truncated_newest_commit_is_an_error_naming_the_file(tmp_path: Path) -
         ns.get_queue_receiver("q").receive_messages(1)
 
 
+@pytest.mark.parametrize("cut", ["adds", "removes"])
+def test_an_entry_cut_at_a_line_boundary_is_damage_not_a_smaller_commit(store: Store, cut: str) -> None:
+    """A send's entry cut after its txn line lost its messages silently; a completion's, cut before its removes, brought
+    completed messages back. Every entry counts its actions: check() reports it, and repair sets the newest one aside."""
+    with store.open() as ns:
+        ns.create_queue("q", enable_partitioning=False)
+        with ns.get_queue_sender("q") as s:
+            s.send_messages([Message(f"m{i}") for i in range(5)])
+        if cut == "removes":
+            with ns.get_queue_receiver("q") as r:
+                r.complete_messages(r.receive_messages(5, max_wait_time=5))
+        table = _queue_table(ns)
+        newest = _newest_entry(table)
+        lines = table.store.get(newest).splitlines(keepends=True)  # type: ignore[attr-defined]
+        kept = [line for line in lines if b'"add"' not in line and b'"remove"' not in line]
+        table.store.put(newest, b"".join(kept))  # type: ignore[attr-defined]
+    with store.open() as ns:
+        with pytest.raises(StorageCorruptedError, match="cut short"):
+            ns.get_queue_runtime_properties("q")
+        (finding,) = ns.check()
+        assert "cut short" in finding.problem and Path(newest).name in finding.problem
+        assert ns.check(repair=True)[0].repaired
+        assert ns.check() == []
+        left = ns.get_queue_runtime_properties("q").active_message_count
+        assert left == (0 if cut == "adds" else 5)  # the entry set aside was never acknowledged: as before it
+
+
 def test_a_deleted_catalog_log_is_reported_not_opened_empty(store: Store) -> None:
     with store.open() as ns:
         ns.create_queue("q")
