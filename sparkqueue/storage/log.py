@@ -502,9 +502,12 @@ class DeltaLog:
 
         The window was checked before the put, but a process paused, or a put an object store
         stalled, for longer than the log retention can find version v free because v was trimmed
-        behind a checkpoint: every reader starts at that checkpoint and never reads the entry. The
-        entry is withdrawn and CommitConflict raised, unless others read it (`_read_by_others`: only
-        the reply was late). A hold-up longer than vacuum's orphan
+        behind a checkpoint: every reader starts at that checkpoint and never reads the entry. Or
+        only its reply was late, and others read it and checkpointed past it. Unless the second is
+        certain (`_read_by_others`), the outcome is unknown: StorageError, never CommitConflict, so
+        no caller deletes the files or repeats the commit (a repeat would store it twice, a deletion
+        would lose what others read); the entry stays (unread, a trim removes it; read, the log
+        needs it), and vacuum removes the files if nothing references them. A hold-up longer than vacuum's orphan
         retention may have let vacuum delete the commit's data files: that raises
         StorageCorruptedError naming them (the entry stands; reads report the partition damaged and
         `check(repair=True)` drops the files) instead of acknowledging what is lost. Only a slow put
@@ -514,9 +517,10 @@ class DeltaLog:
         if held_s <= self.safe_gap_s(snap):
             return
         if self._behind_checkpoint(version) and not self._read_by_others(version, adds):
-            with contextlib.suppress(FileNotFoundError):
-                self.store.delete(_entry_path(version))
-            raise CommitConflict(f"the commit was held up past the log's safe window and version {version} had been trimmed")
+            raise StorageError(
+                f"table {self.store.uri}: the outcome of version {version} is unknown: its put or its reply was held "
+                f"up {held_s:.0f} s, past the log's safe window, and a checkpoint has passed it since"
+            )
         missing = [a.path for a in adds if not self.store.exists(a.path)]
         if missing:
             raise StorageCorruptedError(
