@@ -263,3 +263,86 @@ def test_sigkill_soak_many_iterations(tmp_path: Path) -> None:
 
 if __name__ == "__main__" and len(sys.argv) == 5 and sys.argv[1] == "child":
     child(sys.argv[2], sys.argv[3], int(sys.argv[4]))
+
+
+# A sender whose log entry lands, then stops (SIGSTOP to itself) before it hears back: a paused process, or on an
+# object store a reply that came late. argv: root, flag file (present: stop at the next entity entry), result file.
+STOPS_AFTER_ITS_PUT = r"""
+import contextlib, json, os, signal, sys
+import sparkqueue.storage.store as store
+from sparkqueue import Message, Namespace
+
+root, flag, out = sys.argv[1:4]
+staged = store.LocalStore.staged
+
+@contextlib.contextmanager
+def stopping(self, data):
+    with staged(self, data) as put:
+        def put_then_stop(path):
+            landed = put(path)
+            if landed and "/entities/" in self.root and os.path.exists(flag):
+                os.unlink(flag)
+                os.kill(os.getpid(), signal.SIGSTOP)
+            return landed
+        yield put_then_stop
+
+store.LocalStore.staged = stopping
+with Namespace(root) as ns, ns.get_queue_sender("q") as s:
+    try:
+        s.send_messages([Message(f"late-{i}", message_id=f"late-{i}") for i in range(5)])
+        result = "sent"
+    except Exception as exc:
+        result = type(exc).__name__
+with open(out, "w") as f:
+    f.write(result)
+"""
+
+# Creates the queue with a short log retention (its table property), so a trim passes the stopped sender quickly.
+SHORT_RETENTION_QUEUE = r"""
+import sys
+import sparkqueue.storage.table as table
+from sparkqueue import Namespace
+
+table.LOG_RETENTION = "interval 4 seconds"
+with Namespace(sys.argv[1]) as ns:
+    ns.create_queue("q")
+"""
+
+
+def test_a_send_whose_reply_came_after_others_trimmed_past_it_is_never_stored_twice(tmp_path: Path) -> None:
+    """The sender's entry landed in turn; while it was stopped, its messages were completed, the log checkpointed and
+    trimmed past it. It took that for a lost race and sent again: every message stored and delivered twice. Now it
+    cannot tell, and says so (StorageError), and stores nothing more."""
+    root, flag, out = str(tmp_path / "ns"), tmp_path / "flag", tmp_path / "result"
+    subprocess.run([sys.executable, "-c", SHORT_RETENTION_QUEUE, root], check=True, timeout=120)
+    flag.touch()
+    sender = subprocess.Popen([sys.executable, "-c", STOPS_AFTER_ITS_PUT, root, str(flag), str(out)])
+    try:
+        deadline = time.monotonic() + 60
+        while flag.exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        with Namespace(root) as ns:
+            first = _complete_all(ns)
+            time.sleep(5)  # older than the retention
+            with ns.get_queue_sender("q") as s:
+                for i in range(3):
+                    s.send_messages(Message(f"after-{i}", message_id=f"after-{i}"))
+            ns.run_maintenance()  # checkpoint at the head, trim what is older than the retention
+            sender.send_signal(signal.SIGCONT)
+            assert sender.wait(timeout=120) == 0
+            second = _complete_all(ns)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            sender.send_signal(signal.SIGCONT)
+        sender.wait(timeout=120)
+    assert out.read_text() == "StorageError"  # the outcome is unknown to it: neither "sent" nor repeated
+    assert sorted(first) == [f"late-{i}" for i in range(5)]
+    assert sorted(second) == [f"after-{i}" for i in range(3)]
+
+
+def _complete_all(ns: Namespace) -> list[str]:
+    """Receive and complete everything in queue "q"; the message ids."""
+    with ns.get_queue_receiver("q") as r:
+        got = drain_all(r)
+        r.complete_messages(got)
+    return [str(m.message_id) for m in got]
