@@ -64,13 +64,15 @@ from sparkqueue.spark.staging import Staging, filesystem, require_local_root
 from sparkqueue.spark.streaming import EntityAddress, address_of, check_options, positive_int
 from sparkqueue.spark.worker import EntityRef
 from sparkqueue.storage.files import FILE_SCHEMA
-from sparkqueue.storage.schema import SUB_QUEUE_DEAD_LETTER
+from sparkqueue.storage.schema import STATE_ACTIVE, SUB_QUEUE_DEAD_LETTER
 from sparkqueue.storage.table import partition_of
 
 if TYPE_CHECKING:
     from sparkqueue.namespace import Namespace
 
 log = logging.getLogger(__name__)
+
+RELEASE_COLUMNS = ["sequence_number", "sub_queue", "state", "lock_token"]  # what tells an abandon from a lapsed lock
 
 STREAMS_DIR = "_spark_streams"
 DEFAULT_MAX_MESSAGES_PER_TRIGGER = 10_000
@@ -657,21 +659,45 @@ class StreamState:
                 log.warning("stream %s: completing batch %d failed (%s); will retry", self.stream_id, b, exc)
                 return
             lost = [s for (s, _), ok in zip(items, done, strict=True) if not ok]
-            if lost:
+            released = set() if held or not lost else self._released(lost)
+            if released:
+                log.info("stream %s: batch %d: %d abandoned by its sink come again", self.stream_id, b, len(released))
+            lapsed = [s for s in lost if s not in released]
+            if lapsed:
                 now = utcnow().isoformat()
-                self.skip.update({str(s): now for s in lost})
+                self.skip.update({str(s): now for s in lapsed})
                 self._save_skip()
                 log.warning(
                     "stream %s: %d messages of batch %d lost their locks before completion; "
                     "if this stream receives them again it completes them without emitting them",
                     self.stream_id,
-                    len(lost),
+                    len(lapsed),
                     b,
                 )
             with self.lock:
                 self.held.pop(b, None)
             self._remove_batch(b)
             log.info("stream %s: completed batch %d (%d messages)", self.stream_id, b, len(items) - len(lost))
+
+    def _released(self, seqs: list[int]) -> set[int]:
+        """The messages among `seqs` waiting unlocked in the streamed sub-queue: an abandon released them.
+
+        A lock that lapsed leaves its token on the row (or another receiver's); an abandon (a
+        foreachBatch rejecting a message) clears it. Those messages must come again, not be
+        completed unseen as the output of a batch whose lock merely lapsed would be.
+        """
+        entity = self.entity()
+        dt = entity.table.snapshot()
+        by_partition: dict[int, list[int]] = defaultdict(list)
+        for s in seqs:
+            by_partition[partition_of(s)].append(s)
+        out: set[int] = set()
+        for p, ss in by_partition.items():
+            rows = entity.table.rows_by_sequence(dt, p, ss, RELEASE_COLUMNS, entity.subscription)
+            for r in rows.to_pylist():
+                if r["lock_token"] is None and r["sub_queue"] == self.config.sub_queue and r["state"] == STATE_ACTIVE:
+                    out.add(int(r["sequence_number"]))
+        return out
 
     def discard_after(self, n: int) -> None:
         """Drop batch records beyond n, which Spark never logged; their locks are abandoned so the messages return now."""

@@ -118,6 +118,36 @@ def test_source_renews_the_locks_of_a_batch_that_outlasts_them(spark, tmp_path):
         assert ns.get_queue_runtime_properties("q").total_message_count == 0
 
 
+def test_a_message_a_foreach_batch_abandons_comes_again(spark, tmp_path):
+    """A foreachBatch that abandons a message it cannot process gets it again in a later batch.
+
+    Its failed completion went to the stream's skip list, as a lapsed lock's does: the next
+    batch took the message and completed it without emitting it. It was gone, never processed.
+    """
+    root = str(tmp_path / "ns")
+    with Namespace(root) as ns:
+        ns.create_queue("q", lock_duration=timedelta(seconds=30), enable_partitioning=False)
+    send(root, "q", 20)
+    seen: list[tuple[str, int]] = []
+
+    def reject_first(df, batch_id: int) -> None:
+        rows = df.select("message_id", "delivery_count").collect()
+        seen.extend((r.message_id, r.delivery_count) for r in rows)
+        bad = df.where("message_id = 'm-0' AND delivery_count = 0")
+        if bad.count():
+            with Namespace(root) as ns, ns.get_queue_receiver("q") as r:
+                assert [x.status for x in r.abandon_dataframe(bad).collect()] == ["ok"]
+
+    stream = spark.readStream.format("sparkqueue").option("namespace", root).option("maxMessagesPerTrigger", 10).load("q")
+    for _ in range(2):  # a run takes as many messages as were there when it started: m-0's second delivery took one
+        query = stream.writeStream.foreachBatch(reject_first).option("checkpointLocation", str(tmp_path / "ck"))
+        query.trigger(availableNow=True).start().awaitTermination()
+    assert [d for m, d in seen if m == "m-0"] == [0, 1]  # abandoned once, then emitted again
+    assert sorted({m for m, _ in seen}) == sorted(f"m-{i}" for i in range(20))
+    with Namespace(root) as ns:
+        assert ns.get_queue_runtime_properties("q").total_message_count == 0
+
+
 @pytest.mark.slow  # 300,000 messages through Spark: CI runs it (SPARKQUEUE_SLOW=1)
 def test_a_large_trigger_under_a_short_lock_is_taken_in_batches_each_completed(spark, tmp_path):
     """maxMessagesPerTrigger far above what can be locked, emitted, renewed and completed within one lock duration.
