@@ -584,7 +584,12 @@ class Management:
         """The entity tables the catalog names now (a subscription's is its topic's)."""
         root = self.broker.root.rstrip("/") + "/"
         paths = {e.table_path.partition("#")[0] for e in self.broker.catalog.entries() if e.table_path}  # "<topic table>#<key>"
-        return {p.removeprefix(root) for p in paths}  # entries of older namespaces record absolute paths
+        out = set()
+        for p in paths:  # entries of older namespaces record absolute paths, maybe under another spelling of the root
+            rel = p.removeprefix(root)
+            _, sep, name = rel.rpartition(f"/{ENTITIES_DIR}/")
+            out.add(f"{ENTITIES_DIR}/{name}" if sep else rel)  # a table's folder name is its own (a fresh uuid)
+        return out
 
     def _maintain(self, entity_type: str, name: str, vacuum_retention: timedelta | None) -> maintenance.MaintenanceReport:
         """Compact, checkpoint and (when a retention is given) vacuum one queue's or topic's table."""

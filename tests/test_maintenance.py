@@ -726,18 +726,26 @@ def test_a_table_folder_without_files_yet_is_left_for_its_create(ns: Namespace) 
     assert os.path.isdir(folder)
 
 
-def test_a_table_recorded_by_its_absolute_path_is_not_an_orphan(ns: Namespace, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Namespaces made before table paths were relative record absolute ones: such a live table was swept."""
+@pytest.mark.parametrize("spelling", ["root", "another"])
+def test_a_table_recorded_by_its_absolute_path_is_not_an_orphan(
+    ns: Namespace, monkeypatch: pytest.MonkeyPatch, spelling: str
+) -> None:
+    """Namespaces made before table paths were relative record absolute ones: such a live table was swept.
+
+    `another`: recorded under another spelling of the root (a symlink, a mount point), still this namespace's table.
+    """
     import dataclasses
 
     ns.create_queue("q")
     with ns.get_queue_sender("q") as s:
         s.send_messages(Message("kept"))
     real = ns.broker.catalog.entries
+    recorded_root = ns.root if spelling == "root" else "/mnt/elsewhere/ns"
 
     def absolute(*args: Any, **kwargs: Any) -> Any:
         return [
-            dataclasses.replace(e, table_path=f"{ns.root}/{e.table_path}") if e.table_path else e for e in real(*args, **kwargs)
+            dataclasses.replace(e, table_path=f"{recorded_root}/{e.table_path}") if e.table_path else e
+            for e in real(*args, **kwargs)
         ]
 
     monkeypatch.setattr(ns.broker.catalog, "entries", absolute)
