@@ -591,7 +591,8 @@ class StreamState:
         """
         if not self.skip:
             return pairs
-        again = [(s, t) for s, t in pairs if str(s) in self.skip]
+        table = self._table_id()
+        again = [(s, t) for s, t in pairs if f"{s}@{table}" in self.skip]
         if not again:
             return pairs
         if session is not None:
@@ -600,7 +601,7 @@ class StreamState:
             result = self._settle_on(self.ns, again, lifecycle.COMPLETE)
         for (s, _), ok in zip(again, result.ok, strict=True):
             if ok:
-                self.skip.pop(str(s), None)
+                self.skip.pop(f"{s}@{table}", None)
         self._save_skip()
         log.info("stream %s: completed %d redelivered messages whose output was already committed", self.stream_id, len(again))
         keep = {s for s, _ in again}
@@ -665,7 +666,8 @@ class StreamState:
             lapsed = [s for s in lost if s not in released]
             if lapsed:
                 now = utcnow().isoformat()
-                self.skip.update({str(s): now for s in lapsed})
+                table = self._table_id()
+                self.skip.update({f"{s}@{table}": now for s in lapsed})
                 self._save_skip()
                 log.warning(
                     "stream %s: %d messages of batch %d lost their locks before completion; "
@@ -728,7 +730,19 @@ class StreamState:
     def _load_skip(self) -> dict[str, str]:
         skip = dict(self._read_json(f"{self.path}/{SKIP_FILE}") or {})
         cutoff = utcnow() - SKIP_RETENTION
-        return {s: at for s, at in skip.items() if datetime.fromisoformat(at) >= cutoff}
+        table = self._table_id() if skip else ""
+        return {  # a bare number: written before keys named their table, for the entity's table then
+            (s if "@" in s else f"{s}@{table}"): at for s, at in skip.items() if datetime.fromisoformat(at) >= cutoff
+        }
+
+    def _table_id(self) -> str:
+        """The entity's table (and subscription), which skip-list keys name with the sequence number (<seq>@<table>).
+
+        An entity deleted and made again under the same name has another table, which numbers its
+        messages from the start again: the old table's entries must not match them.
+        """
+        entity = self.entity()
+        return entity.table.uri.rsplit("/", 1)[-1] + (f"#{entity.subscription}" if entity.subscription else "")
 
     def _save_skip(self) -> None:
         self._write_json(f"{self.path}/{SKIP_FILE}", self.skip)

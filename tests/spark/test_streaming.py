@@ -686,6 +686,38 @@ def test_a_batch_whose_completion_fails_keeps_its_locks_renewed_until_it_complet
         assert ns.get_queue_runtime_properties("q").total_message_count == 0
 
 
+def test_skipped_messages_of_a_deleted_entity_do_not_hide_those_of_the_one_made_again(tmp_path):
+    """A restarted stream completes a batch whose locks lapsed: its messages go to the skip list. The queue is then
+    deleted and made again under the same name; its new messages reuse those sequence numbers and were completed
+    unseen. They are emitted now."""
+    from sparkqueue.spark.streaming_source import StreamState, source_config
+
+    root = str(tmp_path / "ns")
+    with Namespace(root) as ns:
+        ns.create_queue("q", enable_partitioning=False, lock_duration=timedelta(seconds=5))
+    send(root, "q", 3, prefix="old")
+    config = source_config({"namespace": root, "path": "q"})
+    first = StreamState(config, "stream-1", available_now=False)
+    assert first.receive(0, 10) == 3
+    first.stop()  # the query goes down: nothing renews the batch's locks
+    time.sleep(6)
+    again = StreamState(config, "stream-1", available_now=False)  # restarted from its checkpoint
+    try:
+        again.complete_through(0)  # Spark had committed batch 0: its lapsed messages are skipped if they come again
+        assert len(again.skip) == 3
+        with Namespace(root) as ns:
+            ns.delete_queue("q")
+            ns.create_queue("q", enable_partitioning=False)
+        send(root, "q", 3, prefix="new")
+        time.sleep(1.5)  # the stream's cached settings name the new table
+        assert again.receive(1, 10) == 3
+        again.complete_through(1)
+    finally:
+        again.stop()
+    with Namespace(root) as ns:
+        assert ns.get_queue_runtime_properties("q").total_message_count == 0
+
+
 def _session_queue(root: str, sessions: int, per: int, lock: timedelta | None = None) -> None:
     """A session queue holding `per` messages of each of `sessions` sessions, sent round by round."""
     with Namespace(root) as ns:
