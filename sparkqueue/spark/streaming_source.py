@@ -702,7 +702,11 @@ class StreamState:
         return out
 
     def discard_after(self, n: int) -> None:
-        """Drop batch records beyond n, which Spark never logged; their locks are abandoned so the messages return now."""
+        """Drop batch records beyond n, which Spark never logged; their locks are released so the messages return now.
+
+        No query ever saw those messages, so the release takes their delivery back: a query that keeps
+        crashing in that window does not push them toward max_delivery_count and the dead letters.
+        """
         for b in self.batches():
             if b <= n:
                 continue
@@ -716,8 +720,8 @@ class StreamState:
                 with self.session_ops:
                     self._release(held)  # the sessions and their messages come back at once
             elif items:
-                try:
-                    self._settle_on(self.ns, items, lifecycle.ABANDON)
+                try:  # released uncounted: no query saw this batch (as a failed receive_dataframe gives its messages back)
+                    self.entity().settle(self.config.sub_queue, items, lifecycle.RELEASE)
                 except SparkQueueError as exc:
                     log.info("stream %s: abandoning unlogged batch %d failed (%s); its locks lapse", self.stream_id, b, exc)
             self._remove_batch(b)

@@ -686,6 +686,33 @@ def test_a_batch_whose_completion_fails_keeps_its_locks_renewed_until_it_complet
         assert ns.get_queue_runtime_properties("q").total_message_count == 0
 
 
+def test_a_batch_spark_never_logged_gives_its_messages_back_without_counting_a_delivery(tmp_path):
+    """A driver that died after the source recorded a batch but before Spark logged it: no query saw those messages.
+
+    The restart discarded the record and abandoned its locks, which counted a delivery: a query
+    crashing in that window again and again dead-lettered messages it never processed.
+    """
+    from sparkqueue.spark.streaming_source import StreamState, source_config
+
+    root = str(tmp_path / "ns")
+    with Namespace(root) as ns:
+        ns.create_queue("q", enable_partitioning=False)
+    send(root, "q", 3)
+    config = source_config({"namespace": root, "path": "q"})
+    crashed = StreamState(config, "stream-1", available_now=False)
+    assert crashed.receive(0, 10) == 3
+    crashed.stop()
+    restarted = StreamState(config, "stream-1", available_now=False)
+    try:
+        restarted.discard_after(-1)  # Spark's checkpoint logged no batch
+        assert restarted.batches() == []
+    finally:
+        restarted.stop()
+    with Namespace(root) as ns, ns.get_queue_receiver("q") as r:
+        got = r.receive_messages(10, max_wait_time=5)
+        assert sorted((m.message_id, m.delivery_count) for m in got) == [("m-0", 0), ("m-1", 0), ("m-2", 0)]
+
+
 def test_skipped_messages_of_a_deleted_entity_do_not_hide_those_of_the_one_made_again(tmp_path):
     """A restarted stream completes a batch whose locks lapsed: its messages go to the skip list. The queue is then
     deleted and made again under the same name; its new messages reuse those sequence numbers and were completed
