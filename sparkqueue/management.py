@@ -268,9 +268,9 @@ class Management:
         if not self.broker.catalog.update(key, props.to_json(), self.broker.deadline(), entry.table_path):
             raise EntityNotFoundError(f"{entity_type} {name!r} does not exist (it was deleted meanwhile)")
         self.broker.forget(key)
-        left = _left_destination(old, props)
-        if left or _new_route(old, props):
-            self.broker.forward_after_route_change(entity_type, name, left, _new_route(old, props))
+        left, new_route = _left_destination(old, props), _new_route(old, props)
+        if left or new_route:
+            self.broker.forward_after_route_change(entity_type, name, left, new_route)
 
     def _delete_entries(self, entity_type: str, name: str) -> CatalogEntry:
         """Delete an entity's catalog entry and its children's (subscriptions, rules) in one commit."""

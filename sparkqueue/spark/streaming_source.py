@@ -723,7 +723,7 @@ class StreamState:
                 try:  # released uncounted: no query saw this batch (as a failed receive_dataframe gives its messages back)
                     self.entity().settle(self.config.sub_queue, items, lifecycle.RELEASE)
                 except SparkQueueError as exc:
-                    log.info("stream %s: abandoning unlogged batch %d failed (%s); its locks lapse", self.stream_id, b, exc)
+                    log.info("stream %s: releasing unlogged batch %d failed (%s); its locks lapse", self.stream_id, b, exc)
             self._remove_batch(b)
             log.info(
                 "stream %s: discarded batch %d, which Spark never logged (%d messages released)", self.stream_id, b, len(items)

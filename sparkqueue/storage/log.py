@@ -54,10 +54,10 @@ READABLE_READER_FEATURES = frozenset({"timestampNtz"})
 
 
 DEFAULT_LOG_RETENTION_S = 30 * 86400.0  # Delta's default logRetentionDuration
+ACTION_COUNT = "sparkqueueActions"  # commitInfo field: the actions of the entry, commitInfo included (entry_actions)
 # Txn app ids under this prefix are short-lived idempotence marks (forwarding's): a checkpoint drops one
 # not updated for MARK_RETENTION_MS. Every other txn (partition fences, stream sinks) is kept for good
 # (docs/storage.md, "Idempotent appends").
-ACTION_COUNT = "sparkqueueActions"  # commitInfo field: the actions of the entry, commitInfo included (entry_actions)
 MARK_PREFIX = "sparkqueue.fwd."
 MARK_RETENTION_MS = 7 * 86400 * 1000
 _INTERVAL = re.compile(r"^\s*interval\s+(\d+)\s+(\w+?)s?\s*$", re.IGNORECASE)
@@ -507,8 +507,8 @@ class DeltaLog:
         certain (`_read_by_others`), the outcome is unknown: StorageError, never CommitConflict, so
         no caller deletes the files or repeats the commit (a repeat would store it twice, a deletion
         would lose what others read); the entry stays (unread, a trim removes it; read, the log
-        needs it), and vacuum removes the files if nothing references them. A hold-up longer than vacuum's orphan
-        retention may have let vacuum delete the commit's data files: that raises
+        needs it), and vacuum removes the files if nothing references them. A hold-up longer than
+        vacuum's orphan retention may have let vacuum delete the commit's data files: that raises
         StorageCorruptedError naming them (the entry stands; reads report the partition damaged and
         `check(repair=True)` drops the files) instead of acknowledging what is lost. Only a slow put
         pays the listing and the checks.
@@ -532,8 +532,8 @@ class DeltaLog:
         """True when the entry at `version` landed in turn and others read it, though its put was acknowledged late.
 
         Only a slow reply, not a slow put, may have held the commit up: the entry then landed on time,
-        others committed on it and a checkpoint folded it in, so withdrawing it would lose what it
-        stored. A trim deletes entries in version order, so the hole a trim left at `version` has none
+        others committed on it and a checkpoint folded it in, so it counts as landed. A trim deletes
+        entries in version order, so the hole a trim left at `version` has none
         before it; failing that (the entry before was trimmed since), a fresh load that lists one of
         the commit's files as live read the entry too.
         """

@@ -333,6 +333,7 @@ class ObjectStore(Store):
             for attempt in range(UNKNOWN_CREATE_TRIES):
                 try:
                     obstore.put(self._store, path, data, mode="create")
+                    return True
                 except (AlreadyExistsError, PreconditionError):
                     try:
                         return self.get(path) == data
@@ -341,9 +342,8 @@ class ObjectStore(Store):
                 except GenericError as exc:  # a timeout or a lost connection: the create may have landed
                     if attempt + 1 == UNKNOWN_CREATE_TRIES:
                         raise
+                    # Again, with the same bytes: refused as existing, it tells whether the first one landed.
                     log.info("create of %s/%s has an unknown outcome (%s); trying again", self.uri, path, _first_line(exc))
-                    continue  # again, with the same bytes: refused as existing, it tells whether the first one landed
-                return True
         raise AssertionError("unreachable")
 
     def list(self, prefix: str = "") -> list[Entry]:
