@@ -14,7 +14,7 @@ import inspect
 import json
 import logging
 import uuid
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from datetime import UTC, datetime, timedelta
 from typing import TYPE_CHECKING, Any
 
@@ -374,7 +374,7 @@ class Management:
             raise InvalidOperationError(f"subscription names cannot start with '$': {subscription_name!r}")
         topic = self.get_topic(topic_name)
         self._check_topic_settings(topic, settings)
-        self._check_destinations(settings)
+        self._check_destinations(settings, topic_name=topic.name)
         topic_entry = self.broker.entry(TOPIC, topic_name)
         self._require_topic_partitions(topic_name, f"create subscription {topic_name}/{subscription_name}")
         settings = {
@@ -436,7 +436,8 @@ class Management:
         """Apply changed subscription settings (sessions are fixed at creation); keywords override the given ones."""
         props = _as_properties(SubscriptionProperties, subscription, settings)
         self._check_topic_size(topic_name, props)
-        self._check_destinations(props.settings(), current=self._get(SUBSCRIPTION, sub_entity_name(topic_name, props.name)))
+        current = self._get(SUBSCRIPTION, sub_entity_name(topic_name, props.name))
+        self._check_destinations(props.settings(), current=current, topic_name=topic_name)
         self._update(SUBSCRIPTION, sub_entity_name(topic_name, props.name), props)
         self.broker.forget(Address.of(TOPIC, topic_name).key)  # fan-out caches the subscriptions' TTL and forwarding
 
@@ -656,22 +657,32 @@ class Management:
         refuse_in_transaction(self.broker, "subscription rules cannot be added or removed inside a transaction")
 
     def _check_destinations(
-        self, settings: dict[str, Any], queue_name: str | None = None, current: EntityProperties | None = None
+        self,
+        settings: dict[str, Any],
+        queue_name: str | None = None,
+        current: EntityProperties | None = None,
+        *,
+        topic_name: str | None = None,
     ) -> None:
         """Forwarding destinations must name an existing queue or topic, as in Service Bus (docs/semantics.md §9).
 
-        A queue may not forward its messages to itself, in any spelling: every message would circle until
-        its hop count dead-lettered it; its dead letters may go back into it. An update may keep a destination
+        A queue may not forward its messages to itself, nor a subscription (of `topic_name`) to its own
+        topic, in any spelling: every message would circle (a subscription's, multiplied by the topic's
+        other subscriptions) until its hop count dead-lettered it; dead letters may go back. An update may keep a destination
         the entity already has (`current`) even if it was deleted since: its messages dead-letter until it is back.
         """
+        own = queue_name if queue_name is not None else topic_name
         for k in ("forward_to", "forward_dead_lettered_messages_to"):
             target = settings.get(k)
             if target is None:
                 continue
             limits.check_entity_name(target, k)
-            itself = queue_name is not None and target.lower() == queue_name.lower()
+            itself = own is not None and target.lower() == own.lower()
             if itself and k == "forward_to":
-                raise InvalidOperationError(f"queue {queue_name!r} cannot forward its messages to itself (forward_to)")
+                whose = f"queue {queue_name!r}" if queue_name is not None else f"a subscription of topic {topic_name!r}"
+                raise InvalidOperationError(
+                    f"{whose} cannot forward its messages to {'itself' if queue_name is not None else 'that topic'} (forward_to)"
+                )
             kept = current is not None and target.lower() == (getattr(current, k) or "").lower()
             if not (itself or kept):
                 self._require_destination(k, target)
@@ -734,10 +745,10 @@ def _stored_rule(flt: Any, action: Any) -> tuple[RuleFilter, SqlRuleAction | Non
     if action is not None and not isinstance(action, SqlRuleAction):
         raise InvalidArgumentTypeError(f"action must be a SqlRuleAction or None, got {type(action).__name__}")
     rebuilt = filter_from_dict(flt.to_dict())
-    _check_utf8(rebuilt.to_dict(), "the rule's filter")
+    _check_description(rebuilt.to_dict(), "the rule's filter")
     rebuilt_action = action_from_dict(action.to_dict()) if action is not None else None
     if rebuilt_action is not None:
-        _check_utf8(rebuilt_action.to_dict(), "the rule's action")
+        _check_description(rebuilt_action.to_dict(), "the rule's action")
     read = set(getattr(rebuilt, "system_properties", set)()) | (rebuilt_action.system_properties() if rebuilt_action else set())
     if "SequenceNumber" in read:  # docs/semantics.md §8
         raise FilterSyntaxError(
@@ -747,12 +758,38 @@ def _stored_rule(flt: Any, action: Any) -> tuple[RuleFilter, SqlRuleAction | Non
     return rebuilt, rebuilt_action
 
 
-def _check_utf8(description: Mapping[str, Any], what: str) -> None:
-    """Every string of a rule has a UTF-8 form: fan-out builds Arrow strings from them, for every send to the topic."""
+def _check_description(description: Mapping[str, Any], what: str) -> None:
+    """A rule's filter or action as stored: UTF-8 strings of bounded length, in a bounded description.
+
+    Fan-out builds Arrow strings from every value, for every send to the topic (a value is copied
+    once per message), and the catalog holding every rule is rewritten at each change: a value of
+    megabytes would slow every send and every management call of the namespace.
+    """
     try:
-        json.dumps(description, ensure_ascii=False).encode("utf-8")
+        text = json.dumps(description, ensure_ascii=False).encode("utf-8")
     except UnicodeEncodeError:
         raise InvalidOperationError(f"{what} contains characters with no UTF-8 form (lone surrogates)") from None
+    longest = max(_strings(description), key=len, default="")
+    if len(longest) > limits.MAX_RULE_TEXT:
+        raise InvalidOperationError(
+            f"{what} holds a name or value of {len(longest)} characters ({longest[:40]!r}...); "
+            f"at most {limits.MAX_RULE_TEXT} are allowed"
+        )
+    if len(text) > limits.MAX_RULE_BYTES:
+        raise InvalidOperationError(f"{what} takes {len(text)} bytes to describe; at most {limits.MAX_RULE_BYTES} are allowed")
+
+
+def _strings(value: object) -> Iterator[str]:
+    """Every string in a JSON-like description: keys and values, nested."""
+    if isinstance(value, str):
+        yield value
+    elif isinstance(value, Mapping):
+        for k, v in value.items():
+            yield from _strings(k)
+            yield from _strings(v)
+    elif isinstance(value, (list, tuple)):
+        for v in value:
+            yield from _strings(v)
 
 
 def _refuse_other_than_topic(field: str, value: object, topic: TopicProperties) -> None:

@@ -129,6 +129,24 @@ def test_a_queue_cannot_forward_to_itself(ns: Namespace) -> None:
     assert ns.get_queue("Self").forward_dead_lettered_messages_to == "Self"
 
 
+def test_a_subscription_cannot_forward_to_its_own_topic(ns: Namespace) -> None:
+    """Accepted before: each copy fanned out again to every subscription (one message gave a sibling 5 copies).
+
+    Refused at create and update, in any case; its dead letters may still go to the topic.
+    """
+    ns.create_topic("Orders")
+    ns.create_subscription("Orders", "sibling")
+    with pytest.raises(InvalidOperationError, match="cannot forward its messages to that topic"):
+        ns.create_subscription("Orders", "loop", forward_to="orders")
+    assert [s.name for s in ns.list_subscriptions("Orders")] == ["sibling"]
+    with pytest.raises(InvalidOperationError, match="cannot forward its messages to that topic"):
+        ns.update_subscription("Orders", ns.get_subscription("Orders", "sibling"), forward_to="ORDERS")
+    assert ns.get_subscription("Orders", "sibling").forward_to is None
+    ns.update_subscription("Orders", ns.get_subscription("Orders", "sibling"), forward_dead_lettered_messages_to="Orders")
+    ns.get_topic_sender("Orders").send_messages(batch("m", 1))
+    assert ns.get_subscription_runtime_properties("Orders", "sibling").active_message_count == 1
+
+
 # ---- what cannot travel ---------------------------------------------------------------------------
 
 
@@ -591,9 +609,9 @@ def test_an_existing_queue_or_topic_in_any_case_is_a_destination(ns: Namespace) 
     ns.create_topic("Events")
     ns.create_queue("q1", forward_to="archive", forward_dead_lettered_messages_to="EVENTS")
     ns.create_queue("q2", forward_dead_lettered_messages_to="Q2")  # itself: it exists once created
-    ns.create_subscription("events", "s", forward_to="events", forward_dead_lettered_messages_to="ARCHIVE")
+    ns.create_subscription("events", "s", forward_to="ARCHIVE", forward_dead_lettered_messages_to="events")  # its topic
     assert (ns.get_queue("q1").forward_to, ns.get_queue("q2").forward_dead_lettered_messages_to) == ("archive", "Q2")
-    assert ns.get_subscription("events", "s").forward_dead_lettered_messages_to == "ARCHIVE"
+    assert ns.get_subscription("events", "s").forward_dead_lettered_messages_to == "events"
 
 
 def test_an_update_may_keep_a_destination_deleted_since(ns: Namespace) -> None:

@@ -834,3 +834,96 @@ def test_a_string_joined_with_a_number_is_a_string_for_set_checks() -> None:
     with pytest.raises(FilterSyntaxError, match="not a string expression"):
         SqlRuleAction("SET sys.TimeToLive = sys.Label + 1")
     SqlRuleAction("SET sys.Label = sys.Label + 1")  # a string property takes it
+
+
+@pytest.mark.parametrize("dead_letter_on_errors", [True, False])
+def test_an_action_joining_a_string_past_the_message_size_dead_letters_the_copy_as_it_joins(
+    ns: Namespace, dead_letter_on_errors: bool
+) -> None:
+    """An accepted action of a few hundred characters doubling a string built gigabytes per send before the size check.
+
+    The join that passes the tier's message size stops the action at once; the copy goes to the
+    dead letters as any copy an action leaves too large (RuleActionViolation), whatever the
+    filter-exception setting says.
+    """
+    ns.create_topic("t")
+    ns.create_subscription("t", "s", dead_lettering_on_filter_evaluation_exceptions=dead_letter_on_errors)
+    ns.create_subscription("t", "all")
+    ns.delete_rule("t", "s", "$Default")
+    doubling = "; ".join(["SET user.a = user.a + user.a"] * 20)
+    ns.create_rule("t", "s", "grow", action=SqlRuleAction(f"SET user.a = '{'x' * 250}'; {doubling}"))
+    with ns.get_topic_sender("t") as s:
+        s.send_messages([Message("x", message_id=f"m{i}") for i in range(3)])
+    assert ids_in(ns, "t", "all") == Counter({"m0": 1, "m1": 1, "m2": 1})
+    assert ids_in(ns, "t", "s") == Counter()
+    with ns.get_subscription_receiver("t", "s", sub_queue=SubQueue.DEAD_LETTER) as r:
+        dead = peek_all(r)
+    assert sorted(m.message_id for m in dead) == ["m0", "m1", "m2"]
+    assert {m.dead_letter_reason for m in dead} == {"RuleActionViolation"}
+    assert all("joined a string of 512000 bytes" in (m.dead_letter_error_description or "") for m in dead)
+    assert all("a" not in (m.application_properties or {}) for m in dead)  # the copy as sent, not as the action left it
+
+
+@pytest.mark.parametrize(
+    ("sql", "queue", "shown"),
+    [("SET sys.TimeToLive = 1e300", "main", None), ("SET sys.TimeToLive = -1e300", "dead", "-9223372036854775808")],
+)
+def test_an_action_setting_a_time_to_live_past_int64_holds_it_at_the_end_of_the_range(
+    ns: Namespace, sql: str, queue: str, shown: str | None
+) -> None:
+    """A float past int64 wrapped in the cast: 1e300 ms read as a negative time to live, and its copy was dead-lettered."""
+    ns.create_topic("t")
+    ns.create_subscription("t", "s")
+    ns.delete_rule("t", "s", "$Default")
+    ns.create_rule("t", "s", "ttl", action=SqlRuleAction(sql))
+    with ns.get_topic_sender("t") as s:
+        s.send_messages(Message("x", message_id="m"))
+    with ns.get_subscription_receiver("t", "s") as r:
+        main = peek_all(r)
+    with ns.get_subscription_receiver("t", "s", sub_queue=SubQueue.DEAD_LETTER) as r:
+        dead = peek_all(r)
+    if queue == "main":
+        assert ([m.message_id for m in main], dead) == (["m"], [])
+        assert main[0].expires_at_utc is None or main[0].expires_at_utc.year == 9999  # never expires
+    else:
+        assert (main, [m.message_id for m in dead]) == ([], ["m"])
+        assert f"sys.TimeToLive to {shown} ms" in (dead[0].dead_letter_error_description or "")
+
+
+@pytest.mark.parametrize(
+    ("flt", "action"),
+    [
+        (CorrelationRuleFilter(correlation_id="c" * 1025), None),
+        (CorrelationRuleFilter(properties={"k": "v" * 1025}), None),
+        (CorrelationRuleFilter(properties={"k" * 1025: "v"}), None),
+        (SqlRuleFilter("sys.Label = @p", parameters={"@p": "v" * 1025}), None),
+        (None, SqlRuleAction("SET x = @p", parameters={"@p": "v" * 1025})),
+        (CorrelationRuleFilter(properties={f"k{i}": "v" * 1000 for i in range(70)}), None),  # each fits, not together
+    ],
+)
+def test_a_rule_with_an_oversized_value_is_refused_and_changes_nothing(ns: Namespace, flt: Any, action: Any) -> None:
+    """Rule values had no bound: a 100 MB value was copied into every send and slowed every catalog change of the namespace."""
+    ns.create_topic("t")
+    ns.create_subscription("t", "s")
+    with pytest.raises(InvalidOperationError, match=r"at most (1024|65536)"):
+        ns.create_rule("t", "s", "big", filter=flt, action=action)
+    rule = ns.get_rule("t", "s", "$Default")
+    with pytest.raises(InvalidOperationError, match=r"at most (1024|65536)"):
+        ns.update_rule("t", "s", rule, filter=flt or TrueRuleFilter(), action=action)
+    assert [r.name for r in ns.list_rules("t", "s")] == ["$Default"]
+    assert isinstance(ns.get_rule("t", "s", "$Default").filter, TrueRuleFilter | SqlRuleFilter)
+    assert ns.get_rule("t", "s", "$Default").filter.sql_expression == "1=1"
+
+
+def test_a_rule_with_values_at_the_bound_is_stored(ns: Namespace) -> None:
+    """1,024 characters, as a SQL literal may be, is accepted and matches."""
+    ns.create_topic("t")
+    ns.create_subscription("t", "s")
+    ns.delete_rule("t", "s", "$Default")
+    value = "v" * 1024
+    ns.create_rule("t", "s", "edge", filter=CorrelationRuleFilter(properties={"k" * 1024: value}))
+    with ns.get_topic_sender("t") as s:
+        s.send_messages(
+            [Message("x", message_id="hit", application_properties={"k" * 1024: value}), Message("y", message_id="miss")]
+        )
+    assert ids_in(ns, "t", "s") == Counter({"hit": 1})

@@ -102,6 +102,8 @@ _LANE_TYPES: dict[str, pa.DataType] = {
 _KIND_TO_LANE = {"string": "string", "number": "int", "time": "time"}
 _NULL_BOOL = pa.scalar(None, pa.bool_())
 _INT64_RANGE = range(-(2**63), 2**63)
+_INT64_MAX = pa.scalar(2**63 - 1, pa.int64())
+_INT64_MIN = pa.scalar(-(2**63), pa.int64())
 _EPOCH = dt.datetime(1970, 1, 1, tzinfo=dt.UTC)
 _EARLIEST_US = (dt.datetime(1, 1, 1, tzinfo=dt.UTC) - _EPOCH) // dt.timedelta(microseconds=1)  # C# DateTime.MinValue
 _LATEST_US = (dt.datetime.max.replace(tzinfo=dt.UTC) - _EPOCH) // dt.timedelta(microseconds=1)  # C# DateTime.MaxValue
@@ -113,6 +115,10 @@ _UNSET: dict[str, object] = {
     "expires_at_utc": dt.datetime.max.replace(tzinfo=dt.UTC),
 }
 _MISSING = object()  # marks an absent application property (distinct from a JSON null)
+
+
+class ActionValueTooLargeError(InvalidOperationError):
+    """A rule action made a string no message could hold: fan-out dead-letters that copy (docs/semantics.md §8)."""
 
 
 # --------------------------------------------------------------------------- typed values
@@ -272,9 +278,10 @@ class _Context:
     Rule actions mutate the context (``set_*``/``remove_user``) and read the result with ``to_table``.
     """
 
-    def __init__(self, table: pa.Table) -> None:
+    def __init__(self, table: pa.Table, max_text_bytes: int | None = None) -> None:
         self.table = table
         self.num_rows = table.num_rows
+        self.max_text_bytes = max_text_bytes  # a rule action's bound on the strings it makes (SqlRuleAction.apply)
         self._columns: dict[str, _Value] = {}
         self._overrides: dict[str, pa.Array] = {}
         self._rows: list[dict[str, Any] | None] | None = None
@@ -406,7 +413,10 @@ _ACCEPTED_LANES = {
 def _coerce(value: _Value, kind: str) -> pa.Array:
     """Convert a value to a system column's type (strings accept any scalar, ints truncate floats)."""
     target = _LANE_TYPES[_KIND_TO_LANE[kind]]
-    parts = [pc.cast(value.lanes[lane], target, safe=False) for lane in _ACCEPTED_LANES[kind] if lane in value.lanes]
+    lanes = dict(value.lanes)
+    if kind == "number" and "float" in lanes:
+        lanes["float"] = _int64_saturated(lanes["float"])
+    parts = [pc.cast(lanes[lane], target, safe=False) for lane in _ACCEPTED_LANES[kind] if lane in lanes]
     if not parts:
         return pa.nulls(value.length, target)
     out = parts[0] if len(parts) == 1 else pc.coalesce(*parts)
@@ -414,6 +424,20 @@ def _coerce(value: _Value, kind: str) -> pa.Array:
         latest = pa.scalar(limits.LATEST_TIME, target)
         out = pc.if_else(pc.fill_null(pc.greater(out, latest), False), latest, out)
     return out
+
+
+def _int64_saturated(floats: pa.Array) -> pa.Array:
+    """Floats as int64, truncated, and those beyond the int64 range held at its ends (an unsafe cast would wrap them).
+
+    SET sys.TimeToLive = 1e300 then means "never expires", as any value past TimeSpan.MaxValue does.
+    NaN has no number to hold: it raises, and fan-out handles the message as any rule that raised.
+    """
+    if pc.any(pc.is_nan(floats)).as_py():
+        raise InvalidOperationError("a rule set a number property to NaN, which has no integer value: nothing stored")
+    high = pc.greater_equal(floats, 2.0**63)
+    low = pc.less(floats, -(2.0**63))
+    inside = pc.cast(pc.if_else(pc.or_(high, low), 0.0, floats), pa.int64(), safe=False)
+    return pc.if_else(high, _INT64_MAX, pc.if_else(low, _INT64_MIN, inside))
 
 
 # --------------------------------------------------------------------------- expression compiler
@@ -457,7 +481,15 @@ def _eval_unary(node: Unary, ctx: _Context) -> _Value:
 
 @_eval.register
 def _eval_arith(node: Arith, ctx: _Context) -> _Value:
-    return _arith(node.op, _eval(node.left, ctx), _eval(node.right, ctx))
+    value = _arith(node.op, _eval(node.left, ctx), _eval(node.right, ctx))
+    joined = value.lane("string") if node.op == "+" else None
+    if joined is not None and ctx.max_text_bytes is not None:
+        longest = pc.max(pc.binary_length(joined)).as_py()
+        if longest is not None and longest > ctx.max_text_bytes:
+            raise ActionValueTooLargeError(
+                f"the rule action joined a string of {longest} bytes; a message holds at most {ctx.max_text_bytes}"
+            )
+    return value
 
 
 @_eval.register
@@ -921,9 +953,14 @@ class SqlRuleAction:
         self.parameters = _as_dict(self.parameters, f"{type(self).__name__}.parameters")
         self._statements = parse_action(self.sql_expression, self.parameters)
 
-    def apply(self, batch: Batch) -> pa.Table:
-        """A copy of the batch with the statements applied in order to every row."""
-        ctx = _Context(_as_table(batch))
+    def apply(self, batch: Batch, max_text_bytes: int | None = None) -> pa.Table:
+        """A copy of the batch with the statements applied in order to every row.
+
+        With `max_text_bytes`, a string join making a longer string raises ActionValueTooLargeError
+        as soon as it is made: an action of 32 statements doubling a string could otherwise build
+        gigabytes before the copy's size is checked.
+        """
+        ctx = _Context(_as_table(batch), max_text_bytes)
         for statement in self._statements:
             _execute(statement, ctx)
         return ctx.to_table()

@@ -41,6 +41,10 @@ MAX_TRANSACTION_MESSAGES = 100
 INT64_MAX = 2**63 - 1
 MAX_DEAD_LETTER_TEXT = 4096  # Service Bus: DeadLetterReason and DeadLetterErrorDescription, in characters
 MAX_USER_METADATA = 1024  # Service Bus: user_metadata of an entity, in characters
+# A rule's names and values (correlation fields and properties, parameters), in characters: a SQL expression, and so
+# any literal in it, is at most 1,024 (Service Bus); and its whole stored description, in bytes (management._check_description).
+MAX_RULE_TEXT = 1024
+MAX_RULE_BYTES = 64 * 1024
 # Service Bus's "infinite" TTL is TimeSpan.MaxValue (10,675,199 days and change): a TTL of at least
 # 10,675,199 days, timedelta.max included, means "never expires" and is stored as such.
 TTL_NEVER = timedelta(days=10_675_199)

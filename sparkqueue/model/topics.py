@@ -17,6 +17,7 @@ import pyarrow.compute as pc
 
 from sparkqueue.errors import InvalidOperationError
 from sparkqueue.model import limits
+from sparkqueue.model.filters import ActionValueTooLargeError
 from sparkqueue.storage.schema import (
     ID_RECORD,
     KIND_MESSAGE,
@@ -88,6 +89,8 @@ def fan_out(rows: pa.Table, subscribers: list[Subscriber], record_ids: bool, max
     for sub in subscribers:
         try:
             mine = _copies(indexed, sub, cap)
+        except MemoryError:
+            raise  # the process's trouble, not a message's: the send fails and stores nothing
         except Exception:  # a rule failed on some message of the batch: find which, one message at a time
             mine = _copies_one_by_one(indexed, sub, cap)
         if sub.requires_session:
@@ -110,7 +113,7 @@ def _copies(indexed: pa.Table, sub: Subscriber, cap: int) -> list[pa.Table]:
             continue
         matched = indexed.filter(hit)
         if matched.num_rows:
-            acted = with_rule_name(rule.action.apply(matched).select(indexed.schema.names), rule.name)
+            acted = with_rule_name(rule.action.apply(matched, cap).select(indexed.schema.names), rule.name)
             acted = checked_action_copies(matched, acted, cap)
             out.append(_cap_ttl(_tag(acted, sub.key), sub))
     if plain is not None:
@@ -146,18 +149,27 @@ def _copies_one_by_one(indexed: pa.Table, sub: Subscriber, cap: int) -> list[pa.
         one = indexed.slice(i, 1)
         try:
             out.extend(_copies(one, sub, cap))
+        except MemoryError:
+            raise
+        except ActionValueTooLargeError as exc:  # as checked_action_copies treats a copy grown too large
+            out.append(_cap_ttl(_tag(_dead_lettered(one, RULE_ACTION_REASON, str(exc)), sub.key), sub))
         except Exception as exc:
             log.info("a rule of subscription %s failed on message %s: %r", sub.key, one.column("message_id")[0], exc)
             if sub.dead_letter_on_filter_errors:
-                dead = _set(
-                    one,
-                    sub_queue=SUB_QUEUE_DEAD_LETTER,
-                    state=STATE_ACTIVE,
-                    dead_letter_reason=FILTER_ERROR_REASON,
-                    dead_letter_error_description=f"{type(exc).__name__}: {exc}"[:1024],
-                )
+                dead = _dead_lettered(one, FILTER_ERROR_REASON, f"{type(exc).__name__}: {exc}"[:1024])
                 out.append(_cap_ttl(_tag(dead, sub.key), sub))
     return out
+
+
+def _dead_lettered(rows: pa.Table, reason: str, description: str | pa.Array) -> pa.Table:
+    """The rows as copies in the subscription's dead-letter queue, with a reason and description."""
+    return _set(
+        rows,
+        sub_queue=SUB_QUEUE_DEAD_LETTER,
+        state=STATE_ACTIVE,
+        dead_letter_reason=reason,
+        dead_letter_error_description=description,
+    )
 
 
 def by_message(parts: list[tuple[pa.Table, bool]], rows: pa.Table) -> pa.Table:
@@ -264,13 +276,7 @@ def checked_action_copies(original: pa.Table, acted: pa.Table, max_bytes: int) -
     if not any(problems):
         return acted
     bad = pa.array([p is not None for p in problems], pa.bool_())
-    dead = _set(
-        original.filter(bad),
-        sub_queue=SUB_QUEUE_DEAD_LETTER,
-        state=STATE_ACTIVE,
-        dead_letter_reason=RULE_ACTION_REASON,
-        dead_letter_error_description=pa.array([p for p in problems if p is not None], pa.string()),
-    )
+    dead = _dead_lettered(original.filter(bad), RULE_ACTION_REASON, pa.array([p for p in problems if p is not None], pa.string()))
     return pa.concat_tables([acted.filter(pc.invert(bad)), dead.cast(original.schema)])
 
 
@@ -282,13 +288,8 @@ def sessionless_dead_lettered(copies: pa.Table, entity_kind: str) -> pa.Table:
     missing = pc.is_null(copies.column("session_id"))
     if not pc.any(missing).as_py():
         return copies
-    dead = _set(
-        copies.filter(missing),
-        sub_queue=SUB_QUEUE_DEAD_LETTER,
-        state=STATE_ACTIVE,
-        dead_letter_reason=SESSION_REQUIRED_REASON,
-        dead_letter_error_description=f"the {entity_kind} requires sessions and the message has no session_id",
-    )
+    why = f"the {entity_kind} requires sessions and the message has no session_id"
+    dead = _dead_lettered(copies.filter(missing), SESSION_REQUIRED_REASON, why)
     return pa.concat_tables([copies.filter(pc.invert(missing)), dead.cast(copies.schema)])
 
 
