@@ -402,6 +402,8 @@ class Management:
             if not any(e.name == topic_key and e.table_path == topic_entry.table_path for e in catalog):
                 raise EntityNotFoundError(f"topic {topic_name!r} was deleted while its subscription was being created")
             self._check_entity_quota(props, catalog)
+            _check_topic_quota(Address.parse(topic_key).topic, catalog, SUBSCRIPTION)
+            _check_topic_quota(Address.parse(topic_key).topic, catalog, "SqlRuleFilter")  # its $Default rule
 
         self._create_entry(SUBSCRIPTION, name, props, f"{topic_entry.table_path}#{key}", (default,), require)
         self.broker.forget(Address.of(TOPIC, topic_name).key)
@@ -487,6 +489,7 @@ class Management:
                 raise EntityNotFoundError(
                     f"subscription {topic_name}/{subscription_name} was deleted while its rule was being created"
                 )
+            _check_topic_quota(Address.parse(sub_entry.name).topic, catalog, _filter_kind(flt.to_dict()))
 
         if not self.broker.catalog.insert([entry], self.broker.deadline(), require=require):
             raise EntityAlreadyExistsError(f"rule {rule_name!r} already exists on {topic_name}/{subscription_name}")
@@ -756,6 +759,36 @@ def _stored_rule(flt: Any, action: Any) -> tuple[RuleFilter, SqlRuleAction | Non
             "a rule cannot read it"
         )
     return rebuilt, rebuilt_action
+
+
+def _check_topic_quota(topic_name: str, catalog: list[CatalogEntry], adding: str) -> None:
+    """QuotaExceededError when the topic holds as many subscriptions, or filters of a kind, as Service Bus allows.
+
+    `adding`: SUBSCRIPTION, or a filter kind ("SqlRuleFilter" or "CorrelationRuleFilter"). Checked
+    on the catalog a create's commit finds, so racing creates cannot pass the quota together.
+    """
+    if adding == SUBSCRIPTION:
+        kinds = [SUBSCRIPTION for e in catalog if e.entity_type == SUBSCRIPTION and Address.parse(e.name).topic == topic_name]
+        quota = limits.MAX_SUBSCRIPTIONS_PER_TOPIC
+    else:
+        rules = [e for e in catalog if e.entity_type == RULE and Address.parse(e.name).topic == topic_name]
+        kinds = [_filter_kind(json.loads(e.properties)["filter"]) for e in rules]
+        quota = (
+            limits.MAX_CORRELATION_FILTERS_PER_TOPIC if adding == "CorrelationRuleFilter" else limits.MAX_SQL_FILTERS_PER_TOPIC
+        )
+    if kinds.count(adding) >= quota:
+        what = "subscriptions" if adding == SUBSCRIPTION else f"rules with a {_SHOWN_KIND[adding]} filter"
+        raise QuotaExceededError(
+            f"topic {topic_name!r} already holds {quota} {what}, as many as Service Bus allows; delete one first"
+        )
+
+
+_SHOWN_KIND = {"SqlRuleFilter": "SQL (or true or false)", "CorrelationRuleFilter": "correlation"}
+
+
+def _filter_kind(description: Mapping[str, Any]) -> str:
+    """A stored filter's quota kind: correlation filters have their own; true, false and SQL filters count together."""
+    return "CorrelationRuleFilter" if description.get("type") == "CorrelationRuleFilter" else "SqlRuleFilter"
 
 
 def _check_description(description: Mapping[str, Any], what: str) -> None:

@@ -927,3 +927,34 @@ def test_a_rule_with_values_at_the_bound_is_stored(ns: Namespace) -> None:
             [Message("x", message_id="hit", application_properties={"k" * 1024: value}), Message("y", message_id="miss")]
         )
     assert ids_in(ns, "t", "s") == Counter({"hit": 1})
+
+
+def test_a_topic_holds_at_most_its_quota_of_subscriptions_and_filters(ns: Namespace, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Service Bus's per-topic quotas (2,000 subscriptions, 2,000 SQL and 100,000 correlation filters), here made small.
+
+    Each subscription's $Default rule is a SQL filter. A create past a quota raises QuotaExceededError and stores nothing.
+    """
+    from sparkqueue.errors import QuotaExceededError
+    from sparkqueue.model import limits
+
+    monkeypatch.setattr(limits, "MAX_SUBSCRIPTIONS_PER_TOPIC", 3)
+    monkeypatch.setattr(limits, "MAX_SQL_FILTERS_PER_TOPIC", 4)
+    monkeypatch.setattr(limits, "MAX_CORRELATION_FILTERS_PER_TOPIC", 1)
+    ns.create_topic("t")
+    ns.create_topic("other")
+    for name in ("a", "b", "c"):
+        ns.create_subscription("t", name)
+    with pytest.raises(QuotaExceededError, match="3 subscriptions"):
+        ns.create_subscription("T", "d")
+    ns.create_subscription("other", "d")  # another topic's quota
+    ns.create_rule("t", "a", "sql", filter=SqlRuleFilter("color = 'red'"))  # the 4th SQL filter
+    with pytest.raises(QuotaExceededError, match="4 rules with a SQL"):
+        ns.create_rule("t", "b", "more", filter=FalseRuleFilter())
+    ns.create_rule("t", "b", "corr", filter=CorrelationRuleFilter(label="orders"))
+    with pytest.raises(QuotaExceededError, match="1 rules with a correlation"):
+        ns.create_rule("t", "c", "corr", filter=CorrelationRuleFilter(label="invoices"))
+    assert [s.name for s in ns.list_subscriptions("t")] == ["a", "b", "c"]
+    assert sorted(r.name for r in ns.list_rules("t", "b")) == ["$Default", "corr"]
+    assert [r.name for r in ns.list_rules("t", "c")] == ["$Default"]
+    ns.delete_rule("t", "a", "sql")
+    ns.create_rule("t", "b", "more", filter=FalseRuleFilter())  # room again

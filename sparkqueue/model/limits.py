@@ -45,6 +45,10 @@ MAX_USER_METADATA = 1024  # Service Bus: user_metadata of an entity, in characte
 # any literal in it, is at most 1,024 (Service Bus); and its whole stored description, in bytes (management._check_description).
 MAX_RULE_TEXT = 1024
 MAX_RULE_BYTES = 64 * 1024
+# Service Bus's quotas per topic: subscriptions, and rules by filter kind (true and false filters are SQL filters).
+MAX_SUBSCRIPTIONS_PER_TOPIC = 2000
+MAX_SQL_FILTERS_PER_TOPIC = 2000
+MAX_CORRELATION_FILTERS_PER_TOPIC = 100_000
 # Service Bus's "infinite" TTL is TimeSpan.MaxValue (10,675,199 days and change): a TTL of at least
 # 10,675,199 days, timedelta.max included, means "never expires" and is stored as such.
 TTL_NEVER = timedelta(days=10_675_199)
