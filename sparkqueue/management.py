@@ -144,13 +144,14 @@ class Management:
         """
         now = datetime.now(UTC)
         entry = CatalogEntry(Address.of(entity_type, name).key, entity_type, table_path, props.to_json(), now, now)
-        same = _same_entity_name(name) if entity_type in (QUEUE, TOPIC) else None
+        same = _same_entity_name(entity_type, name) if entity_type in (QUEUE, TOPIC, SUBSCRIPTION) else None
         if not self.broker.catalog.insert([entry, *extra], self.broker.deadline(), same, require):
             taken = next((Address.parse(e.name) for e in self.broker.catalog.entries() if same and same(e.name)), None)
             if taken is not None and taken != Address.of(entity_type, name):
+                space = "a topic's subscription names" if entity_type == SUBSCRIPTION else "queue and topic names share one name space"
                 raise EntityAlreadyExistsError(
-                    f"{entity_type} {name!r} cannot be created: {taken.kind} {taken.path!r} exists in namespace "
-                    f"{self.broker.root!r}, and queue and topic names share one name space where case does not count"
+                    f"{entity_type} {Address.of(entity_type, name).path!r} cannot be created: {taken.kind} {taken.path!r} "
+                    f"exists in namespace {self.broker.root!r}, and in {space} case does not count"
                 )
             shown = Address.of(entity_type, name).path
             raise EntityAlreadyExistsError(f"{entity_type} {shown!r} already exists in namespace {self.broker.root!r}")
@@ -914,12 +915,16 @@ for _name, _method in list(vars(Management).items()):
         setattr(Management, _name, _with_timeout(_with_stored_names(_method)))
 
 
-def _same_entity_name(name: str) -> Callable[[str], bool]:
-    """Whether a catalog key names a queue or topic called `name`, ignoring case (Service Bus: one such name space)."""
-    lower = name.lower()
+def _same_entity_name(entity_type: str, name: str) -> Callable[[str], bool]:
+    """Whether a catalog key names an entity `name` would clash with, ignoring case (Service Bus names ignore it).
+
+    Queues and topics share one name space; a subscription's name is unique among its topic's subscriptions.
+    """
+    wanted = Address.of(entity_type, name)
+    kinds = (QUEUE, TOPIC) if entity_type in (QUEUE, TOPIC) else (entity_type,)
 
     def same(key: str) -> bool:
         taken = Address.parse(key)
-        return taken.kind in (QUEUE, TOPIC) and taken.name.lower() == lower
+        return taken.kind in kinds and taken.name.lower() == wanted.name.lower()
 
     return same

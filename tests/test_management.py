@@ -619,12 +619,19 @@ def test_names_in_another_case_find_the_entity_as_stored(ns: Namespace) -> None:
     assert ns.list_queues() == [] and ns.list_topics() == []
 
 
-def test_subscription_names_differing_only_in_case_are_looked_up_exactly(ns: Namespace) -> None:
-    """Subscription names are unique only with case: with two alike, each is reached by its own spelling only."""
+def test_subscription_names_are_unique_in_their_topic_without_case(ns: Namespace) -> None:
+    """As in Service Bus: "orders" beside "Orders" was created, both got every message, and "ORDERS" found neither."""
     ns.create_topic("t")
-    ns.create_subscription("t", "s")
-    ns.create_subscription("t", "S", max_delivery_count=4)
-    assert (ns.get_subscription("T", "s").max_delivery_count, ns.get_subscription("T", "S").max_delivery_count) == (10, 4)
+    ns.create_topic("other")
+    ns.create_subscription("t", "Orders", max_delivery_count=4)
+    with pytest.raises(EntityAlreadyExistsError, match="case does not count"):
+        ns.create_subscription("T", "orders")
+    ns.create_subscription("other", "orders")  # another topic's name space
+    assert [s.name for s in ns.list_subscriptions("t")] == ["Orders"]
+    assert ns.get_subscription("t", "ORDERS").max_delivery_count == 4
+    with ns.get_topic_sender("t") as s:
+        s.send_messages(Message("x"))
+    assert ns.get_subscription_runtime_properties("T", "oRdErS").active_message_count == 1
 
 
 def _delete_as_another_client(root: Path, kind: str, name: str) -> None:
