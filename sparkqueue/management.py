@@ -148,7 +148,11 @@ class Management:
         if not self.broker.catalog.insert([entry, *extra], self.broker.deadline(), same, require):
             taken = next((Address.parse(e.name) for e in self.broker.catalog.entries() if same and same(e.name)), None)
             if taken is not None and taken != Address.of(entity_type, name):
-                space = "a topic's subscription names" if entity_type == SUBSCRIPTION else "queue and topic names share one name space"
+                space = (
+                    "a topic's subscription names"
+                    if entity_type == SUBSCRIPTION
+                    else "queue and topic names share one name space"
+                )
                 raise EntityAlreadyExistsError(
                     f"{entity_type} {Address.of(entity_type, name).path!r} cannot be created: {taken.kind} {taken.path!r} "
                     f"exists in namespace {self.broker.root!r}, and in {space} case does not count"

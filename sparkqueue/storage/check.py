@@ -8,9 +8,12 @@ reads need, or counts other rows than the file's add action. Its pages are not r
 check costs a listing and a few KB per live file however large the table is, and damage inside
 a page is found only by the read that meets it (which makes the partition unavailable, faults.py).
 
-Repair moves such a newest entry aside to `_delta_log/_damaged/` (sparkqueue fsyncs every entry
-before acknowledging it, so a torn entry was never acknowledged), and commits the removal of live
-files that are gone (their messages are lost; the partition works again). An unreadable file is
+Repair copies such a newest entry to `_delta_log/_damaged/` and replaces it in place with an entry
+that changes nothing, and commits the removal of live files that are gone (their messages are
+lost; the partition works again). sparkqueue fsyncs every entry before linking it into place, so a
+torn entry comes from damage after the fact, and it may have been acknowledged and read by running
+processes: its version is never freed, or a new commit there would contradict what they read (and
+a second repair racing a writer could delete that writer's entry). An unreadable file is
 reported, not repaired: its bytes are still there and may be restored or salvaged, and dropping
 it from the log would hand it to vacuum. Deleting it (after saving what can be saved) makes it
 missing, which repair then handles. Anything else is reported.
@@ -31,7 +34,7 @@ import pyarrow.parquet as pq
 
 from sparkqueue.errors import StorageCorruptedError, StorageError
 from sparkqueue.storage.files import FILE_SCHEMA, remove_action
-from sparkqueue.storage.log import LOG_DIR, CommitConflict, entry_actions
+from sparkqueue.storage.log import LOG_DIR, CommitConflict, empty_entry, entry_actions
 from sparkqueue.storage.schema import PARTITION_COLUMN
 from sparkqueue.storage.store import Store
 from sparkqueue.storage.table import EntityTable
@@ -59,9 +62,13 @@ def check_table(table: EntityTable, *, repair: bool = False) -> list[Finding]:
     except StorageCorruptedError as exc:
         finding = Finding(table.uri, str(exc))
         findings.append(finding)
-        if not (repair and _set_aside_torn_newest_entry(table)):
+        if not (repair and _replace_torn_newest_entry(table)):
             return findings
         finding.repaired = True
+        finding.problem += (
+            f"; replaced by an entry that changes nothing, a copy of its bytes kept in {DAMAGED_DIR}/: "
+            "what it recorded is lost for readers that had not read it"
+        )
         snap = table.log.load()
     listed = {e.path: e.size for e in table.store.list() if not e.path.startswith(f"{LOG_DIR}/")}
     missing = [f for f in snap.files if f.path not in listed]
@@ -140,8 +147,12 @@ def _num_records(add: Mapping[str, Any]) -> int | None:
         return None
 
 
-def _set_aside_torn_newest_entry(table: EntityTable) -> bool:
-    """Move the newest log entry aside when it is empty, not JSON or cut short; True when it did."""
+def _replace_torn_newest_entry(table: EntityTable) -> bool:
+    """Replace the newest log entry, when it is empty, not JSON or cut short, by one that changes nothing; True when it did.
+
+    Replaced in place, never deleted: the version stays taken (see the module's docstring). Two
+    repairs at once both write the same kind of entry; a writer's commit can never land there.
+    """
     versions = sorted(
         int(name[:20])
         for e in table.store.list(f"{LOG_DIR}/")
@@ -157,6 +168,6 @@ def _set_aside_torn_newest_entry(table: EntityTable) -> bool:
     except ValueError:  # torn: empty, not JSON, or cut short
         pass
     table.store.put(f"{DAMAGED_DIR}/{versions[-1]:020d}.json", data)
-    table.store.delete(newest)
-    log.warning("moved the torn log entry %s of %s aside to %s", newest, table.uri, DAMAGED_DIR)
+    table.store.put(newest, empty_entry("REPAIR", f"replaced a torn entry of {len(data)} bytes, kept in {DAMAGED_DIR}/"))
+    log.warning("replaced the torn log entry %s of %s (its bytes are in %s)", newest, table.uri, DAMAGED_DIR)
     return True

@@ -477,7 +477,7 @@ class DeltaLog:
         base_meta = snap.metadata_version
         # The entry names no version, so one entry serves every attempt: a lost race costs no new write.
         actions = _actions(adds, removes, fences, operation, int(time.time() * 1000))
-        body = "\n".join(json.dumps(a, separators=(",", ":")) for a in actions).encode() + b"\n"
+        body = _entry_bytes(actions)
         with self.store.staged(body) as put:
             for _ in range(MAX_REBASES):
                 self._check_fresh(snap)
@@ -682,6 +682,21 @@ def _actions(
     out += [{"add": a.action(now_ms)} for a in adds]
     out += [{"remove": r.action(now_ms)} for r in removes]
     return out
+
+
+def _entry_bytes(actions: Sequence[Mapping[str, Any]]) -> bytes:
+    """A log entry's bytes: one JSON action per line."""
+    return "\n".join(json.dumps(a, separators=(",", ":")) for a in actions).encode() + b"\n"
+
+
+def empty_entry(operation: str, note: str) -> bytes:
+    """The bytes of a log entry that changes nothing (commitInfo alone), saying why it was written.
+
+    Repair puts one in place of a damaged entry, so that version stays taken (storage/check.py).
+    """
+    actions = _actions([], [], [], operation, int(time.time() * 1000))
+    actions[0]["commitInfo"]["operationParameters"] = {"note": note}
+    return _entry_bytes(actions)
 
 
 def _checkpoint_action(name: str, row: dict[str, Any]) -> dict[str, Any]:

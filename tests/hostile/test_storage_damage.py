@@ -23,6 +23,7 @@ from procs import drain_all, key_for_partition
 from sparkqueue import Message, Namespace
 from sparkqueue.errors import StorageCorruptedError
 from sparkqueue.storage import check
+from sparkqueue.storage.log import entry_actions
 
 
 def _queue_table(ns: Namespace, name: str = "q") -> object:
@@ -96,7 +97,39 @@ def test_an_entry_cut_at_a_line_boundary_is_damage_not_a_smaller_commit(store: S
         assert ns.check(repair=True)[0].repaired
         assert ns.check() == []
         left = ns.get_queue_runtime_properties("q").active_message_count
-        assert left == (0 if cut == "adds" else 5)  # the entry set aside was never acknowledged: as before it
+        assert left == (0 if cut == "adds" else 5)  # the entry replaced by an empty one: as before it
+        assert entry_actions(_queue_table(ns).store.get(newest))[0]["commitInfo"]["operation"] == "REPAIR"  # type: ignore[attr-defined]
+
+
+def _in_child(root: Path, code: str) -> str:
+    """Run `code` with `ns` open on the namespace in a separate process; its output."""
+    program = f"from sparkqueue import Message, Namespace\nns = Namespace({str(root)!r})\n{code}"
+    return subprocess.run([sys.executable, "-c", program], check=True, capture_output=True, text=True, timeout=120).stdout
+
+
+def test_repairing_an_acknowledged_entry_cut_later_never_frees_its_version(tmp_path: Path) -> None:
+    """Damage can cut an entry that was acknowledged and read: a process holding it must never see its version reused.
+
+    The repair set the cut entry aside, freeing its version; another process's send took it, and a checkpoint
+    the first process then wrote (holding the original entry) made fresh readers lose that acknowledged send.
+    The version now stays taken by an entry that changes nothing.
+    """
+    root = tmp_path / "ns"
+    with Namespace(root) as p:
+        p.create_queue("q", enable_partitioning=False)
+        with p.get_queue_sender("q") as s:
+            s.send_messages([Message(f"A{i}") for i in range(5)])
+            s.send_messages([Message(f"B{i}") for i in range(5)])  # acknowledged, and read by this process
+        table = _queue_table(p)
+        newest = _newest_entry(table)
+        data = table.store.get(newest)  # type: ignore[attr-defined]
+        table.store.put(newest, data[: len(data) // 2])  # type: ignore[attr-defined]
+        assert "True" in _in_child(root, "print([f.repaired for f in ns.check(repair=True)])")
+        _in_child(root, "ns.get_queue_sender('q').send_messages([Message(f'D{i}') for i in range(5)])")
+        p.run_maintenance(vacuum=False)  # a checkpoint of this process's state: it read the cut entry whole
+    peek = "print(sorted(str(m) for m in ns.get_queue_receiver('q').peek_messages(100)))"
+    seen = _in_child(root, peek)
+    assert all(f"D{i}" in seen for i in range(5)), seen  # the other process's acknowledged send is there
 
 
 def test_a_deleted_catalog_log_is_reported_not_opened_empty(store: Store) -> None:
