@@ -262,7 +262,7 @@ def test_a_closed_receivers_session_refuses_state_and_lock_calls(ns: Namespace) 
     _session_queue(ns)
     _send(ns, "s1", ["a"])
     r = ns.get_queue_receiver("q", session_id="s1")
-    r.complete_message(_take(r, 1)[0])  # the hold ends: the session has no row left
+    r.complete_message(_take(r, 1)[0])  # drained: still held until the close
     sess = r.session
     assert sess is not None
     r.close()
@@ -293,7 +293,7 @@ def test_a_renewal_racing_close_never_locks_the_session_again(ns: Namespace) -> 
         trials += 1
         _send(ns, "S", ["x"])
         r = ns.get_queue_receiver("q", session_id="S")
-        r.complete_message(_take(r, 1)[0])  # the hold ends: a renewal would make the row again
+        r.complete_message(_take(r, 1)[0])  # drained but held: the close deletes the row, a late renewal must not keep it
         sess = r.session
         assert sess is not None
         stop = threading.Event()
@@ -328,31 +328,35 @@ def test_peek_and_receive_deferred_after_the_session_lock_is_lost_raise_session_
     r.close()
 
 
-def test_completing_the_last_message_of_a_stateless_session_ends_the_hold(ns: Namespace) -> None:
-    """The completion that empties a stateless session releases it (docs/semantics.md §6): another receiver may
-    take it at once; the former holder's next operation then raises SessionLockLostError, never acting beside it."""
-    _session_queue(ns)  # default lock_duration: 60 s, so only the ended hold can free the session here
+def test_a_drained_session_stays_with_its_holder_until_it_closes(ns: Namespace) -> None:
+    """SPEC §6: while a receiver holds the session lock no other receiver gets the session's messages, drained or not.
+
+    A completion that emptied a stateless session used to end the hold: a message sent to the session
+    next went to another receiver, and the holder, its lock still valid, got SessionLockLostError.
+    """
+    _session_queue(ns)  # default lock_duration: 60 s
     _send(ns, "s1", ["m0", "m1"])
     first = ns.get_queue_receiver("q", session_id="s1")
     first.complete_messages(_take(first, 2))
-    assert "s1" not in _sessions(ns)  # nothing held, nothing stored
+    assert _sessions(ns)["s1"].locked_until_utc is not None  # still held
     _send(ns, "s1", ["m2"])
+    with pytest.raises(OperationTimeoutError):
+        ns.get_queue_receiver("q", session_id=NEXT_AVAILABLE_SESSION, max_wait_time=0.5)
+    with pytest.raises(SessionCannotBeLockedError):
+        ns.get_queue_receiver("q", session_id="s1")
+    got = _take(first, 1)
+    assert [m.message_id for m in got] == ["m2"]
+    first.complete_messages(got)
+    first.close()  # releases at once, and forgets the finished session
+    assert "s1" not in _sessions(ns)
+    _send(ns, "s1", ["m3"])
     with ns.get_queue_receiver("q", session_id=NEXT_AVAILABLE_SESSION, max_wait_time=2) as second:
-        assert second.session is not None and second.session.session_id == "s1"
-        with pytest.raises(SessionLockLostError):
-            first.receive_messages(max_wait_time=0.2)
-        with pytest.raises(SessionLockLostError):
-            first.session.set_state(b"x")  # type: ignore[union-attr]
-        got = _take(second, 1)
-        assert [m.message_id for m in got] == ["m2"]
-        second.complete_messages(got)
-    first.close()  # nothing left to release
-    assert ns.get_queue_runtime_properties("q").total_message_count == 0
+        assert [m.message_id for m in _take(second, 1)] == ["m3"]
+    assert ns.get_queue_runtime_properties("q").active_message_count == 1  # m3 was received, not completed
 
 
-def test_holder_of_an_ended_session_keeps_it_while_nobody_else_takes_it(ns: Namespace) -> None:
-    """After emptying its session the holder goes on receiving it (the hold is re-recorded with the next delivery),
-    in order, and from then on another receiver is refused again."""
+def test_holder_of_a_drained_session_receives_what_comes_next(ns: Namespace) -> None:
+    """After emptying its session the holder goes on receiving it, in order; another receiver is refused throughout."""
     _session_queue(ns)
     _send(ns, "s1", ["m0"])
     with ns.get_queue_receiver("q", session_id="s1") as holder:

@@ -7,9 +7,10 @@ its commit and then sees the lost lock, never acting on a session it no longer h
 
 Speed (docs/storage.md, "Sessions keep together"): every commit writes a session's rows to a
 file of its own and opens only files whose statistics may hold the session, so a session cycle
-costs two small commits: the accept (row locked, with a prefetch_count its first messages delivered) and the completion;
-a completion that empties a stateless session deletes its row with the messages (docs/semantics.md
-§6: the hold ends there), so closing commits nothing. Next-available accepts pick sessions from
+costs two small commits, the accept (row locked, with a prefetch_count its first messages
+delivered) and the completion, and a log-only one: closing a session left with no state and no
+messages deletes its row, by then alone in its file. The holder keeps a drained session until it
+closes or its lock expires (docs/semantics.md §6). Next-available accepts pick sessions from
 file statistics at random among a partition's oldest few, and number a new row from one of the
 session's messages instead of the partition's sequence fence, so receivers accepting different
 sessions of one partition do not conflict.
@@ -74,9 +75,8 @@ class SessionLock:
     partition: int
     token: str
     locked_until: datetime
-    ended: bool = False  # the holder's completion emptied the stateless session and removed its row (docs/semantics.md §6)
     # Set for good by `Sessions.release` (the receiver closed): every later operation under the lock raises
-    # SessionLockLostError, and none of them can make the session's row again (an ended session has no row to clear).
+    # SessionLockLostError.
     released: bool = False
     # Serializes this process's commits under the lock with its release: a renewal (AutoLockRenewer thread) racing
     # close either commits before the release reads the row (which then releases what it made) or sees `released`.
@@ -277,16 +277,13 @@ class Sessions:
         dt = self.table.snapshot()
         now = utcnow()
         row, rows = self._read(dt, lock.partition, lock.session_id)
-        touch, new_row = self._touch(self._check(row, lock, now), lock, now)
+        touch = self._touch(self._check(row, lock, now))
         head = lifecycle.through_deliverable(_next_messages(rows, now), now, self.entity.policy, max_count)
         if head.num_rows == 0:
             return empty_rows()
         d = lifecycle.deliver(head, now, self.entity.policy, delete=delete)
         changes = _session_until_changes(d.changes, lock.locked_until)
-        # A new row is anchored on the session's first message (as an accept's is), not on the one delivered: an
-        # accept making the row at the same time rewrites that first message's file, so one of the two conflicts.
-        self._apply(dt, lock.partition, lock.session_id, pa.concat_tables([changes, touch]), new_row)
-        lock.ended = False
+        self._apply(dt, lock.partition, lock.session_id, pa.concat_tables([changes, touch]))
         if d.dead_lettered:
             self.entity.dead_lettered([lock.partition])
         return _session_until(d.delivered, lock.locked_until)
@@ -295,8 +292,7 @@ class Sessions:
         """A check run inside each commit: the session lock must still be ours; returns the row's touch."""
 
         def check(dt: Snapshot, partition: int, now: datetime) -> pa.Table:
-            row = self._hold(dt, lock, now)
-            return lifecycle.changes(row, OP_SET) if row is not None else empty_changes()  # an ended session: nothing to touch
+            return self._touch(self._hold(dt, lock, now))
 
         return check
 
@@ -314,10 +310,7 @@ class Sessions:
         messages interleave by sequence number with other sessions', so a settlement found by
         sequence range would open every file of the partition. An item that is not a current
         delivery of this session is reported, not applied; a lost session lock raises SessionLockLostError.
-
-        A completion that leaves a stateless session with no message at all ends the session in
-        the same commit: its row is deleted instead of rewritten (a log-only commit when the
-        session's file empties), and closing the receiver then has nothing to release.
+        A completion that drains the session keeps it held (docs/semantics.md §6).
         """
         ok = [False] * len(items)
 
@@ -337,20 +330,12 @@ class Sessions:
             cur = rows.take(pa.array([by_seq[items[k][0]] for k in present], pa.int64()))
             held = lifecycle.lock_valid(cur, [items[k][1] for k in present], now)
             good = cur.filter(pa.array(held, pa.bool_()))
-            if not good.num_rows and row is None:
-                pass  # an ended session: nothing of it is left to settle
-            else:
-                settled = pc.count_distinct(good.column("sequence_number")).as_py() if good.num_rows else 0  # an item twice: once
-                stateless = row is not None and row.column("body")[0].as_py() is None
-                ends = stateless and op == lifecycle.COMPLETE and settled == rows.num_rows
-                # the touch (or the row's removal): a takeover racing this commit makes it conflict
-                parts, new_row = self._touch(row, lock, now, OP_DELETE if ends else OP_SET)
-                if good.num_rows:
-                    kept = [k for k, h in zip(present, held, strict=True) if h]  # the items of `good`, in its order
-                    texts = lifecycle.texts_of(reason, kept), lifecycle.texts_of(description, kept)
-                    parts = pa.concat_tables([parts, lifecycle.settle(good, op, now, self.entity.policy, *texts)])
-                self._apply(dt, lock.partition, lock.session_id, parts, new_row)
-                lock.ended = ends
+            parts = self._touch(row)  # the touch: a takeover racing this commit makes it conflict
+            if good.num_rows:
+                kept = [k for k, h in zip(present, held, strict=True) if h]  # the items of `good`, in its order
+                texts = lifecycle.texts_of(reason, kept), lifecycle.texts_of(description, kept)
+                parts = pa.concat_tables([parts, lifecycle.settle(good, op, now, self.entity.policy, *texts)])
+            self._apply(dt, lock.partition, lock.session_id, parts)
             for k, v in zip(present, held, strict=True):
                 ok[k] = v
 
@@ -368,10 +353,9 @@ class Sessions:
         def deferred_once() -> pa.Table:
             dt = self.table.snapshot()
             now = utcnow()
-            row = self._hold(dt, lock, now)  # raises SessionLockLostError when the lock is gone
-            if not mine or row is None:
-                return empty_rows()  # an ended session has no deferred message (it ended with no message at all)
-            touch = lifecycle.changes(row, OP_SET)
+            touch = self._touch(self._hold(dt, lock, now))  # raises SessionLockLostError when the lock is gone
+            if not mine:
+                return empty_rows()
             rows = self.table.rows_by_sequence(dt, lock.partition, mine, ROW_COLUMNS, self.entity.subscription)
             until = rows.column("locked_until_utc")
             lock_free = pc.or_kleene(pc.is_null(until), pc.less_equal(until, pa.scalar(now, TIMESTAMP)))
@@ -405,12 +389,10 @@ class Sessions:
             row = self._hold(dt, lock, now)
             until = now + self.entity.policy.lock_duration
             rows = self._locked_messages(dt, lock)
-            touch, new_row = self._touch(row, lock, now, until=until)
-            changes = [touch]
+            changes = [self._touch(row, until=until)]
             if rows.num_rows:
                 changes.append(_session_until_changes(lifecycle.changes(rows, OP_SET), until))
-            self._apply(dt, lock.partition, lock.session_id, pa.concat_tables(changes), new_row)
-            lock.ended = False
+            self._apply(dt, lock.partition, lock.session_id, pa.concat_tables(changes))
             return until
 
         lock.locked_until = retry_commit(attempt, self.entity.deadline(), "renew session lock")
@@ -419,7 +401,7 @@ class Sessions:
     def get_state(self, lock: SessionLock) -> bytes | None:
         """The session state stored with the session."""
         row = self._hold(self.table.snapshot(), lock, utcnow())
-        state: bytes | None = row.column("body")[0].as_py() if row is not None else None
+        state: bytes | None = row.column("body")[0].as_py()
         return state
 
     def set_state(self, lock: SessionLock, state: bytes | None) -> None:
@@ -432,12 +414,8 @@ class Sessions:
         def set_once() -> None:
             dt = self.table.snapshot()
             now = utcnow()
-            row = self._hold(dt, lock, now)
-            if row is None and state is None:
-                return  # an ended session has no state already
-            changes, new_row = self._touch(row, lock, now, OP_SET_BODY, body=state)
-            self._apply(dt, lock.partition, lock.session_id, changes, new_row)
-            lock.ended = False
+            changes = self._touch(self._hold(dt, lock, now), OP_SET_BODY, body=state)
+            self._apply(dt, lock.partition, lock.session_id, changes)
 
         retry_commit(attempt, self.entity.deadline(), "set session state")
 
@@ -449,9 +427,9 @@ class Sessions:
         state and no messages is forgotten (its row deleted), so finished sessions do not pile up;
         accepting it again starts afresh.
 
-        The lock is released for good first, even when nothing is left to write (an ended session
-        has no row): every later operation under it raises SessionLockLostError, and an operation
-        of another thread (a renewal) either committed before this reads the row, or never commits.
+        The lock is released for good first: every later operation under it raises
+        SessionLockLostError, and an operation of another thread (a renewal) either committed
+        before this reads the row, or never commits.
         """
         with lock.mutex:
             lock.released = True
@@ -463,8 +441,6 @@ class Sessions:
                 row = self._check(self._row(dt, lock.partition, lock.session_id), lock, now, releasing=True)
             except SessionLockLostError:
                 return
-            if row is None:
-                return  # the session ended with its last completion: nothing is held
             sub = self.entity.subscription
             rows = self.table.scan(dt, lock.partition, ROW_COLUMNS, subscription=sub, session_id=lock.session_id)
             if row.column("body")[0].as_py() is None and not rows.num_rows:
@@ -547,16 +523,12 @@ class Sessions:
     ) -> None:
         """Commit changes to one session's rows (and its new row), rewriting only its files and keeping its rows together.
 
-        A new session row is numbered from `anchor`, a message of the session the same commit
-        rewrites (so two receivers making the row both remove that message's file and conflict),
-        without the partition's sequence fence: accepts of different sessions of one partition
-        then never conflict, as two appends would. A new row without an anchor (the holder of an
-        ended session renewing, setting state or settling) takes the session's first message as
-        its anchor, so it conflicts with an accept making the row at the same time; a session
-        without messages has its row appended under the fence, as an accept then does too.
+        A new session row (an accept's) is numbered from `anchor`, a message of the session the same
+        commit rewrites (so two receivers making the row both remove that message's file and
+        conflict), without the partition's sequence fence: accepts of different sessions of one
+        partition then never conflict, as two appends would. A session without messages (no
+        anchor) has its row appended under the fence, so two accepts making it conflict too.
         """
-        if new_row is not None and anchor is None:
-            changes, anchor = self._anchored(dt, p, session_id, changes)
         numbered = None
         if new_row is not None and anchor is not None:
             numbered = new_row.set_column(
@@ -564,17 +536,6 @@ class Sessions:
             )
             new_row = None
         self.table.apply(dt, p, changes, new_row, group_by=GROUP_COLUMN, where=self._files_of(session_id), numbered_rows=numbered)
-
-    def _anchored(self, dt: Snapshot, p: int, session_id: str, changes: pa.Table) -> tuple[pa.Table, int | None]:
-        """`changes` that also rewrite the session's first message (unchanged), and its sequence number; None without messages."""
-        _, rows = self._read(dt, p, session_id)
-        if rows.num_rows == 0:
-            return changes, None
-        first = rows.slice(0, 1)
-        seq = int(first.column("sequence_number")[0].as_py())
-        if seq not in changes.column("sequence_number").to_pylist():
-            changes = pa.concat_tables([changes, lifecycle.changes(first, OP_SET)])
-        return changes, seq
 
     def _read(self, dt: Snapshot, p: int, session_id: str) -> tuple[pa.Table | None, pa.Table]:
         """The session's row (or None) and its live message rows in sequence order, from one read of its files."""
@@ -608,24 +569,20 @@ class Sessions:
         )
         return rows.slice(0, 1) if rows.num_rows else None
 
-    def _hold(self, dt: Snapshot, lock: SessionLock, now: datetime) -> pa.Table | None:
-        """The session row, provided `lock` still holds it; None when the holder ended the session and none was made since.
+    def _hold(self, dt: Snapshot, lock: SessionLock, now: datetime) -> pa.Table:
+        """The session row, provided `lock` still holds it.
 
-        SessionLockLostError when the lock expired or another receiver holds the session.
+        SessionLockLostError when the lock expired, was released, or another receiver holds the session.
         """
         return self._check(self._row(dt, lock.partition, lock.session_id), lock, now)
 
-    def _check(self, row: pa.Table | None, lock: SessionLock, now: datetime, *, releasing: bool = False) -> pa.Table | None:
+    def _check(self, row: pa.Table | None, lock: SessionLock, now: datetime, *, releasing: bool = False) -> pa.Table:
         """`row` (the session's row as read, or None) provided `lock` still holds it: see `_hold`.
 
         A released lock (`Sessions.release`) holds nothing any more, except for the release itself (`releasing`).
         """
         if lock.released and not releasing:
             raise SessionLockLostError(f"the lock on session {lock.session_id!r} was released; accept the session again")
-        if row is None and lock.ended:
-            if lock.locked_until <= now:
-                raise SessionLockLostError(f"the lock on session {lock.session_id!r} expired; accept the session again")
-            return None
         if row is None:
             raise SessionLockLostError(f"session {lock.session_id!r} no longer exists")
         until = row.column("locked_until_utc")[0].as_py()
@@ -635,30 +592,17 @@ class Sessions:
             )
         return row
 
-    def _touch(
-        self,
-        row: pa.Table | None,
-        lock: SessionLock,
-        now: datetime,
-        op: str = OP_SET,
-        *,
-        body: bytes | None = None,
-        until: datetime | None = None,
-    ) -> tuple[pa.Table, pa.Table | None]:
-        """The change rewriting the held session's row with `op` (new body, new lock expiry), or for an ended session a new row.
+    @staticmethod
+    def _touch(row: pa.Table, op: str = OP_SET, *, body: bytes | None = None, until: datetime | None = None) -> pa.Table:
+        """The change rewriting the held session's row with `op` (new body, new lock expiry).
 
-        A new row is appended under the partition's sequence fence, so two receivers re-creating
-        one session's row conflict and only one commits (docs/storage.md).
+        Every operation under the lock carries it: a takeover committed meanwhile rewrote the row
+        too, so the operation's commit conflicts and then finds the lock lost (docs/storage.md).
         """
-        if row is not None:
-            values: dict[str, object] = {} if until is None else {"locked_until_utc": until}
-            if op == OP_SET_BODY:
-                values["body"] = pa.array([body], pa.binary())
-            return lifecycle.changes(row, op, **values), None
-        new_row = self._new_row(lock.session_id, lock.partition, now, lock.token, until or lock.locked_until)
-        if body is not None:
-            new_row = new_row.set_column(new_row.schema.get_field_index("body"), "body", pa.array([body], pa.binary()))
-        return empty_changes(), new_row
+        values: dict[str, object] = {} if until is None else {"locked_until_utc": until}
+        if op == OP_SET_BODY:
+            values["body"] = pa.array([body], pa.binary())
+        return lifecycle.changes(row, op, **values)
 
     def _locked_messages(self, dt: Snapshot, lock: SessionLock) -> pa.Table:
         """The session's message rows delivered under its current lock (main sub-queue rows with a lock token)."""

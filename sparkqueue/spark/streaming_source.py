@@ -788,8 +788,7 @@ class StreamState:
         """Renew the session locks of in-flight batches (they cover their messages' locks), one commit each.
 
         Serialized with completions and releases (session_ops), and a lock is renewed only while its
-        batch is in flight and its session has not ended: a renewal after a completion ended the
-        session would lock it again, with nobody left to release it.
+        batch is in flight: a released lock is never taken again (Sessions.release).
         """
         with self.session_ops:
             with self.lock:
@@ -800,8 +799,6 @@ class StreamState:
             for lock in held:
                 if self._stopping.is_set():
                     return
-                if lock.ended:
-                    continue
                 try:
                     sessions.renew(lock)
                 except SessionLockLostError:
