@@ -46,7 +46,8 @@ def run_once(ns: Namespace, retention: timedelta, vacuum: bool, console: Console
     with console.status("maintaining entity tables"):
         reports = ns.run_maintenance(vacuum_retention=retention, vacuum=vacuum)
     t = Table(title=f"maintenance of {ns.root}")
-    for col in ("entity", "files before", "files after", "compacted", "rows dropped", "skipped", "vacuumed", "checkpoint"):
+    columns = ("entity", "files before", "files after", "compacted", "rows dropped", "skipped", "vacuumed", "checkpoint")
+    for col in (*columns, "unavailable partitions"):
         t.add_column(col, justify="right")
     for name, r in reports.items():
         t.add_row(
@@ -58,8 +59,15 @@ def run_once(ns: Namespace, retention: timedelta, vacuum: bool, console: Console
             str(r.compactions_skipped),
             str(r.vacuumed_files),
             str(r.checkpointed_version),
+            ", ".join(map(str, sorted(r.unavailable_partitions))) or "-",
+            style="red" if r.error or r.unavailable_partitions else None,
         )
     console.print(t)
+    for name, r in reports.items():  # what went wrong, below the table (rich would cut it to a column's width)
+        if r.error:
+            console.print(f"{name}: maintenance failed: {r.error}", markup=False, highlight=False)
+        for p, why in sorted(r.unavailable_partitions.items()):
+            console.print(f"{name}: partition {p} left alone: {why}", markup=False, highlight=False)
 
 
 def main(argv: list[str] | None = None) -> int:

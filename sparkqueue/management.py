@@ -552,7 +552,9 @@ class Management:
         """Compact, clean, checkpoint and vacuum every queue and topic table; finish pending forwards first.
 
         Safe beside live senders and receivers: compaction only replaces files nobody changed
-        meanwhile. Tombstones are kept for the entity's duplicate-detection window.
+        meanwhile. Tombstones are kept for the entity's duplicate-detection window. A partition that
+        is unavailable (a fault, a damaged data file) is left alone and listed in its report's
+        `unavailable_partitions`; the rest of its table is compacted, checkpointed and vacuumed.
         """
         if not isinstance(vacuum_retention, timedelta):  # checked before any table is touched
             kind = type(vacuum_retention).__name__
@@ -582,6 +584,9 @@ class Management:
                 report.files_after,
                 report.rows_dropped,
             )
+            if report.unavailable_partitions:  # compacted around them; checkpointed and vacuumed all the same
+                down = ", ".join(map(str, sorted(report.unavailable_partitions)))
+                log.warning("maintenance of %s %s left unavailable partition(s) %s alone", e.entity_type, name, down)
         reports["catalog"] = maintenance.maintain_catalog(self.broker.catalog, vacuum_retention if vacuum else None)
         if vacuum:
             reports["orphan tables"] = maintenance.remove_orphan_tables(

@@ -136,10 +136,60 @@ def test_receive_skips_unavailable_partition(ns: Namespace) -> None:
         assert _ids(got) == _ids(up)
         for m in got:
             r.complete_message(m)
-        assert all(m.message_id.startswith("u") for m in peek_all(r))
+        with pytest.raises(PartitionUnavailableError, match=rf"partition\(s\) {DOWN} of 'q'"):
+            peek_all(r)  # a browse that skipped the partition's messages would read as if they did not exist
     _heal(ns)
     with ns.get_queue_receiver("q") as r:
         assert _ids(drain(r, 5)) == _ids(down)
+
+
+def test_a_receive_that_can_read_no_partition_holding_its_messages_raises(ns: Namespace) -> None:
+    """Receives skip an unavailable partition, but one whose only candidate partitions were all unavailable returned []
+    as if the queue were empty: it raises PartitionUnavailableError naming them, after its wait (§10)."""
+    ns.create_queue("q")
+    with ns.get_queue_sender("q") as s:
+        s.send_messages([Message(f"d{i}", message_id=f"d{i}", partition_key=key_for_partition(DOWN)) for i in range(3)])
+    _fail(ns)
+    with ns.get_queue_receiver("q") as r:
+        with pytest.raises(PartitionUnavailableError, match=rf"nothing was received: partition\(s\) {DOWN} of 'q'.*read fault"):
+            r.receive_messages(10, max_wait_time=0.2)
+        with ns.get_queue_sender("q") as s:
+            s.send_messages(Message("u", message_id="u", partition_key=key_for_partition(UP)))
+        (m,) = r.receive_messages(10, max_wait_time=5)  # another partition holds one: it is read, the down one skipped
+        assert m.message_id == "u"
+        assert r.receive_messages(10, max_wait_time=0.2) == []  # UP still holds it (locked): read, nothing to take
+        r.complete_message(m)
+        with pytest.raises(PartitionUnavailableError, match=rf"partition\(s\) {DOWN} of 'q'"):
+            r.receive_messages(10, max_wait_time=0.2)  # only the down partition holds messages again
+    with ns.get_queue_receiver("q", sub_queue=SubQueue.DEAD_LETTER) as dlq:
+        assert dlq.receive_messages(10, max_wait_time=0.2) == []  # its statistics show no dead letter there
+    _heal(ns)
+    with ns.get_queue_receiver("q") as r:
+        assert _ids(drain(r, 3)) == ["d0", "d1", "d2"]
+
+
+def test_peek_raises_for_an_unavailable_partition_it_must_read_and_keeps_its_place(ns: Namespace) -> None:
+    """A browse never skips messages: it raises while a partition it must read is down (one a sequence number starts
+    past is not read), and once healed the same receiver's browse continues where it stood, missing nothing."""
+    ns.create_queue("q")
+    with ns.get_queue_sender("q") as s:
+        for p in (2, DOWN, UP):
+            s.send_messages([Message(f"p{p}-{i}", message_id=f"p{p}-{i}", partition_key=key_for_partition(p)) for i in range(2)])
+    _fail(ns)
+    with ns.get_queue_receiver("q") as r:
+        assert [m.message_id for m in r.peek_messages(1, sequence_number=0)] == ["p2-0"]
+        with pytest.raises(PartitionUnavailableError, match=rf"nothing was browsed: partition\(s\) {DOWN} of 'q'"):
+            r.peek_messages(10)  # p2-1 comes before the down partition: not returned either, the cursors stay
+        _heal(ns)
+        rest = ["p2-1", f"p{DOWN}-0", f"p{DOWN}-1", f"p{UP}-0", f"p{UP}-1"]
+        assert [m.message_id for m in r.peek_messages(10)] == rest
+        _fail(ns)
+        after_down = r.peek_messages(10, sequence_number=(DOWN + 1) << 48)  # starts past the down partition: not read
+        assert [m.message_id for m in after_down] == [f"p{UP}-0", f"p{UP}-1"]
+    _heal(ns)
+    ns.fault_injector("q").fail(DOWN, ("write",))  # a write fault leaves reads alone: the browse reads the partition
+    with ns.get_queue_receiver("q") as r:
+        assert len(peek_all(r)) == 6
 
 
 def test_receive_from_dead_letter_queue_skips_unavailable_partition(ns: Namespace) -> None:

@@ -7,6 +7,7 @@ Entity tables are plain Delta tables (docs/semantics.md §12): file counts, chec
 from __future__ import annotations
 
 import glob
+import json
 import multiprocessing as mp
 import os
 import shutil
@@ -381,6 +382,71 @@ def test_maintenance_leaves_an_unavailable_partition_alone(ns: Namespace, root: 
     assert len([f for f in _live_files(_table_path(root)) if "/partition_id=5/" in f]) == 6
     with ns.get_queue_receiver("q") as r:
         assert len(drain(r, 12)) == 12
+
+
+def test_maintenance_compacts_checkpoints_and_vacuums_around_a_damaged_partition(root: str) -> None:
+    """One damaged file in partition 3 stopped the whole table's maintenance ("partition 3 is unavailable"): no other
+    partition compacted, no checkpoint, no vacuum, at every run. The damaged partition is now left alone and reported,
+    the rest is maintained, and vacuum keeps every live file of it, the damaged one included."""
+    down, up = key_for_partition(3), key_for_partition(9)
+    with Namespace(root) as ns:
+        ns.create_queue("q")
+        _send_one_by_one(ns, [Message(f"{k}-{i}", message_id=f"{k}-{i}", partition_key=k) for k in (down, up) for i in range(6)])
+    path = _table_path(root)
+    partition_3 = sorted(glob.glob(f"{path}/partition_id=3/*.parquet"))
+    assert len(partition_3) == 6
+    victim = Path(partition_3[2])
+    victim.write_bytes(b"\0" * victim.stat().st_size)  # a zeroed file: its damage is found by compaction's read
+    for run in range(2):
+        with Namespace(root) as ns:  # a fresh process: nothing marked before the run
+            report = ns.run_maintenance(vacuum_retention=timedelta(0))["queue:q"]
+        assert report.error is None, report.error
+        assert list(report.unavailable_partitions) == [3] and victim.name in report.unavailable_partitions[3]
+        assert report.checkpointed_version is not None
+        assert report.per_partition_files == {p: 1 if p == 9 else 0 for p in range(PARTITIONS) if p != 3}
+        assert report.vacuumed_files == (6 if run == 0 else 0)  # partition 9's replaced files
+        assert sorted(glob.glob(f"{path}/partition_id=3/*.parquet")) == partition_3  # all kept, live as they are
+        assert {f for f in _live_files(path) if "/partition_id=3/" in f} == {Path(f).resolve().as_posix() for f in partition_3}
+    assert os.path.exists(f"{path}/_delta_log/{report.checkpointed_version:020d}.checkpoint.parquet")
+    with Namespace(root) as ns, ns.get_queue_receiver("q") as r:
+        assert sorted(m.message_id for m in drain(r, 6)) == sorted(f"{up}-{i}" for i in range(6))
+
+
+def test_the_maintenance_job_reports_a_partition_it_left_alone(root: str) -> None:
+    """`python -m jobs.maintenance` exits 0 with a damaged partition, and says which partition it left alone and why."""
+    with Namespace(root) as ns:
+        ns.create_queue("q")
+        _send_one_by_one(ns, [Message(f"m{i}", partition_key=key_for_partition(3)) for i in range(3)])
+    victim = Path(sorted(glob.glob(f"{_table_path(root)}/partition_id=3/*.parquet"))[0])
+    victim.write_bytes(b"\0" * victim.stat().st_size)
+    proc = subprocess.run(
+        [sys.executable, "-m", "jobs.maintenance", "--root", root, "--no-vacuum"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "COLUMNS": "400"},
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert "queue:q: partition 3 left alone: partition 3 is unavailable" in proc.stdout and victim.name in proc.stdout
+
+
+@pytest.mark.parametrize("pointer", ["future version", "one past the newest entry"])
+def test_a_checkpoint_corrects_a_last_checkpoint_that_names_no_checkpoint(ns: Namespace, root: str, pointer: str) -> None:
+    """`_last_checkpoint` never moves back, so one naming a version with no checkpoint stayed for good, and delta-rs
+    could not open the table. A checkpoint rewrites a pointer that names no existing checkpoint."""
+    ns.create_queue("q", enable_partitioning=False)
+    ns.get_queue_sender("q").send_messages([Message(f"m{i}") for i in range(3)])  # one file: nothing to compact
+    path = _table_path(root)
+    newest = max(int(Path(f).name[:20]) for f in glob.glob(f"{path}/_delta_log/*.json"))
+    version = 999_999 if pointer == "future version" else newest + 1
+    Path(path, "_delta_log", "_last_checkpoint").write_text(f'{{"version": {version}, "size": 3}}')
+    with pytest.raises(Exception, match="_last_checkpoint"):
+        DeltaTable(path)
+    checkpointed = ns.run_maintenance(vacuum=False)["queue:q"].checkpointed_version
+    assert checkpointed == newest
+    assert json.loads(Path(path, "_delta_log", "_last_checkpoint").read_text())["version"] == checkpointed
+    assert DeltaTable(path).to_pyarrow_table().num_rows == 3
 
 
 # ---- checkpoint and vacuum -------------------------------------------------------------------------

@@ -15,7 +15,7 @@ from deltalake import DeltaTable
 from procs import drain, drain_all, key_for_partition, peek_all, sleep_past
 
 from sparkqueue import Message, Namespace, ReceiveMode
-from sparkqueue.errors import InvalidOperationError
+from sparkqueue.errors import InvalidOperationError, PartitionUnavailableError
 
 
 def _send(ns: Namespace, msgs: list[Message], queue: str = "q") -> list[int]:
@@ -406,15 +406,17 @@ def test_receive_skips_an_unavailable_partition(ns: Namespace) -> None:
         assert [str(m) for m in drain_all(r)] == ["down"]
 
 
-def test_peek_skips_a_partition_whose_data_file_is_gone_as_receive_does(ns: Namespace, root: str) -> None:
-    """Real damage (a live data file deleted): peek raised PartitionUnavailableError where receives skip the partition."""
+def test_peek_reports_a_partition_whose_data_file_is_gone_where_receive_skips_it(ns: Namespace, root: str) -> None:
+    """Real damage (a live data file deleted): receives skip the partition and read the others, but a browse must not
+    skip messages silently (it returned ["up"] as if "down" did not exist): it raises PartitionUnavailableError."""
     ns.create_queue("q")
     down, up = key_for_partition(4, "d"), key_for_partition(10, "u")
     _send(ns, [Message("down", partition_key=down), Message("up", partition_key=up)])
     (lost,) = glob.glob(f"{root}/entities/*/partition_id=4/*.parquet")
     os.unlink(lost)
     with Namespace(root) as other, other.get_queue_receiver("q") as r:  # a handle that never read the file
-        assert [str(m) for m in r.peek_messages(10)] == ["up"]
+        with pytest.raises(PartitionUnavailableError, match=r"partition\(s\) 4 of 'q'.*missing"):
+            r.peek_messages(10)
         assert [str(m) for m in drain_all(r)] == ["up"]
         assert other.get_queue_runtime_properties("q").availability_status == "Limited"
 

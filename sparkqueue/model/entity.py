@@ -224,28 +224,48 @@ class Entity:
 
         `check` runs after each wait and raises when the entity may no longer be received from (its
         settings changed during the wait: disabled, or forwarding now); the caller checked before the first poll.
+
+        Unavailable partitions are skipped (docs/semantics.md §10), but a receive that ends with
+        nothing because it could read none of the partitions that may hold its messages raises
+        PartitionUnavailableError naming them: damaged storage is reported, never read as empty.
         """
         give_up = time.monotonic() + wait_s
         poll = POLL_MIN_S
         while True:
-            got = self._receive_once(sub_queue, max_count, delete)
-            if got.num_rows or time.monotonic() >= give_up:
+            got, unreadable = self._receive_once(sub_queue, max_count, delete)
+            if got.num_rows:
+                return got
+            if time.monotonic() >= give_up:
+                if unreadable:
+                    raise self._unavailable(unreadable, "nothing was received")
                 return got
             time.sleep(min(poll, max(0.0, give_up - time.monotonic())))
             poll = min(POLL_MAX_S, poll * 2)
             if check is not None:
                 check()
 
-    def _receive_once(self, sub_queue: str, max_count: int, delete: bool) -> pa.Table:
-        """One pass over the partitions from a rotating start, gathering until max_count."""
+    def _receive_once(self, sub_queue: str, max_count: int, delete: bool) -> tuple[pa.Table, list[int]]:
+        """One pass over the partitions from a rotating start, gathering until max_count.
+
+        Also returns the partitions whose files may hold messages of the sub-queue (their statistics
+        tell) that it could not read (unavailable, or found damaged by this pass), when it read none
+        of those partitions; [] when it read one of them, or there were none.
+        """
         start = next(self._recv_start)
         out: list[pa.Table] = []
         remaining = max_count
+        unreadable: list[int] = []
+        read_one = False
         dt = self.table.snapshot()  # one snapshot serves every partition this pass does not change
         for i in range(self.partition_count):
             p = (start + i) % self.partition_count
-            if not self.available(p) or not self.table.holds_files(dt, p):
+            if not self.table.holds_files(dt, p):
                 continue  # an empty partition: nothing to read (a receive of one message would try most of 16)
+            hides = self.table.may_hold_messages(dt, p, sub_queue, self.subscription)  # as far as its statistics tell
+            if not self.available(p):
+                if hides:
+                    unreadable.append(p)
+                continue
             # Once half the count is in hand, files are taken whole or not at all (docs/storage.md, "Receives
             # take whole files"): a split would rewrite the file's other rows, and a commit on another
             # partition for a few messages costs as much as the first.
@@ -257,12 +277,34 @@ class Entity:
                     raise
                 log.warning("receive from %s stopped at partition %d (%s): returning what it took", self.name, p, exc)
                 break  # what earlier partitions gave is locked (or deleted) already: returned, never dropped
+            if hides and (got.num_rows or self.available(p)):
+                read_one = True  # still available after an empty read: read, or a file replaced under it (no damage)
+            elif hides:
+                unreadable.append(p)  # down, or damage this read found
             if got.num_rows:
                 out.append(got)
                 remaining -= got.num_rows
             if remaining <= 0:
                 break
-        return pa.concat_tables(out) if out else empty_rows()
+        rows = pa.concat_tables(out) if out else empty_rows()
+        return rows, [] if read_one or rows.num_rows else sorted(unreadable)
+
+    def _unavailable(self, partitions: Sequence[int], outcome: str) -> PartitionUnavailableError:
+        """The error of an operation that could not read these partitions: each one's reason (a fault, the damage found)."""
+        reasons = []
+        for p in partitions:
+            try:
+                self.table.faults.check(p, "read")
+                self.table.faults.check(p, "write")
+            except PartitionUnavailableError as exc:
+                reasons.append(str(exc))
+            else:
+                reasons.append(f"partition {p} is unavailable")  # its mark lapsed meanwhile
+        shown = ", ".join(map(str, partitions))
+        return PartitionUnavailableError(
+            f"{outcome}: partition(s) {shown} of {self.name!r}, which may hold its messages, could not be read "
+            f"({'; '.join(reasons)}); Namespace.check() reports damaged storage"
+        )
 
     def receive_partition(
         self,
@@ -516,26 +558,44 @@ class Entity:
     # ---- browse and count ----------------------------------------------------------------------
 
     def peek(self, sub_queue: str, cursors: dict[int, int], max_count: int) -> pa.Table:
-        """Up to max_count messages, in sequence order per partition, from each partition's cursor; advances cursors."""
+        """Up to max_count messages, in sequence order per partition, from each partition's cursor; advances cursors.
+
+        A browse never skips messages: a partition it must read (one with files at or after its
+        cursor, before the count is reached) that is unavailable, or that this read finds damaged,
+        raises PartitionUnavailableError, and the cursors stay where they were.
+        """
         dt = self.table.snapshot()
         out = []
+        moved: dict[int, int] = {}
         remaining = max_count
         for p in range(self.partition_count):
             if remaining <= 0:
                 break
-            if not self.available(p):
-                continue
-            try:
-                rows = self.table.scan(dt, p, ROW_COLUMNS, from_seq=cursors.get(p), subscription=self.subscription)
-            except PartitionUnavailableError as exc:  # damage this read found: skipped, as receives skip it (§10)
-                log.warning("peek on %s skips partition %d: %s", self.name, p, exc)
-                continue
+            if not self.table.may_hold_messages(dt, p, sub_queue, self.subscription, from_seq=cursors.get(p)):
+                continue  # browsed to its end already, or none of its files holds this browse's messages
+            rows = self._peek_partition(dt, p, cursors.get(p))
             rows = rows.filter(pc.equal(rows.column("sub_queue"), sub_queue)).slice(0, remaining)
             if rows.num_rows:
                 out.append(rows.select(ROW_COLUMNS))
                 remaining -= rows.num_rows
-                cursors[p] = rows.column("sequence_number")[-1].as_py() + 1
+                moved[p] = rows.column("sequence_number")[-1].as_py() + 1
+        cursors.update(moved)
         return pa.concat_tables(out) if out else empty_rows()
+
+    def _peek_partition(self, dt: Snapshot, p: int, from_seq: int | None) -> pa.Table:
+        """A partition's rows from `from_seq` for a browse; PartitionUnavailableError when it is down or found damaged."""
+        try:
+            return self.table.scan(dt, p, ROW_COLUMNS, from_seq=from_seq, subscription=self.subscription)
+        except PartitionUnavailableError:
+            if not self.available(p):
+                raise self._unavailable([p], "nothing was browsed") from None
+        # Still available: a file was replaced under this read (a compaction, then a vacuum). Read it again, as of now.
+        try:
+            return self.table.scan(self.table.snapshot(), p, ROW_COLUMNS, from_seq=from_seq, subscription=self.subscription)
+        except PartitionUnavailableError:
+            if not self.available(p):
+                raise self._unavailable([p], "nothing was browsed") from None
+            raise
 
     def runtime_properties(self, subscriptions: Collection[str] | None = None) -> RuntimeProperties:
         """Counts per partition and in total; unavailable partitions count as 'Limited'.

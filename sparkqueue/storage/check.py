@@ -8,6 +8,11 @@ reads need, or counts other rows than the file's add action. Its pages are not r
 check costs a listing and a few KB per live file however large the table is, and damage inside
 a page is found only by the read that meets it (which makes the partition unavailable, faults.py).
 
+A `_last_checkpoint` that cannot be read or names a version with no complete checkpoint is
+reported too: sparkqueue lists the log and never trusts it, but delta-rs starts at the version it
+names and fails to open the table when there is no checkpoint there. Repair points it at the
+newest complete checkpoint, or removes it when the log holds none.
+
 Repair copies such a newest entry to `_delta_log/_damaged/` and replaces it in place with an entry
 that changes nothing, and commits the removal of live files that are gone (their messages are
 lost; the partition works again). sparkqueue fsyncs every entry before linking it into place, so a
@@ -33,6 +38,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from sparkqueue.errors import StorageCorruptedError, StorageError
+from sparkqueue.storage.checkpoint import last_checkpoint_problem, repoint_last_checkpoint
 from sparkqueue.storage.files import FILE_SCHEMA, remove_action
 from sparkqueue.storage.log import LOG_DIR, CommitConflict, empty_entry, entry_actions
 from sparkqueue.storage.schema import PARTITION_COLUMN
@@ -70,7 +76,9 @@ def check_table(table: EntityTable, *, repair: bool = False) -> list[Finding]:
             "what it recorded is lost for readers that had not read it"
         )
         snap = table.log.load()
-    listed = {e.path: e.size for e in table.store.list() if not e.path.startswith(f"{LOG_DIR}/")}
+    entries = table.store.list()
+    listed = {e.path: e.size for e in entries if not e.path.startswith(f"{LOG_DIR}/")}
+    findings += _last_checkpoint(table, [e.path for e in entries if e.path.startswith(f"{LOG_DIR}/")], repair)
     missing = [f for f in snap.files if f.path not in listed]
     if missing:  # a commit and a vacuum between the load and the listing drop live files: lost only if still live now
         gone = {f.path for f in missing}
@@ -89,6 +97,18 @@ def check_table(table: EntityTable, *, repair: bool = False) -> list[Finding]:
             table.faults.heal()
     findings += _unreadable_files(table, snap.files.actions(), listed)
     return findings
+
+
+def _last_checkpoint(table: EntityTable, log_paths: list[str], repair: bool) -> list[Finding]:
+    """A finding when `_last_checkpoint` names no existing checkpoint (external readers fail); repair re-points it."""
+    problem = last_checkpoint_problem(table.store, log_paths)
+    if problem is None:
+        return []
+    finding = Finding(table.uri, problem)
+    if repair:
+        finding.problem += f"; {repoint_last_checkpoint(table.store, log_paths)}"
+        finding.repaired = True
+    return [finding]
 
 
 def _unreadable_files(table: EntityTable, adds: Iterable[Mapping[str, Any]], listed: Mapping[str, int]) -> list[Finding]:

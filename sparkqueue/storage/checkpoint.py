@@ -12,7 +12,7 @@ import json
 import logging
 import re
 import time
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 import pyarrow as pa
@@ -23,6 +23,7 @@ from sparkqueue.storage.store import Store
 
 log = logging.getLogger(__name__)
 
+LAST_CHECKPOINT = f"{LOG_DIR}/_last_checkpoint"
 _LOG_FILE = re.compile(r"^(\d{20})\.(json|crc|checkpoint\.parquet|checkpoint\.\d+\.\d+\.parquet)$")
 
 
@@ -67,7 +68,12 @@ def kept_txns(snap: Snapshot, now_ms: int | None = None) -> list[tuple[str, int,
 
 
 def _point_at(store: Store, version: int, size: int) -> None:
-    """Point `_last_checkpoint` at a checkpoint unless it names a newer one already (a missing or unreadable one is replaced).
+    """Point `_last_checkpoint` at a checkpoint unless it names a newer one that exists (any other is replaced).
+
+    A pointer that is missing, unreadable, older, or names a version with no complete checkpoint
+    (a future version, one trimmed away, one a copy or a crash left behind) is rewritten: delta-rs
+    and Spark start at the version it names and fail when there is no checkpoint there. Only a
+    newer pointer costs a look (a stat; a listing for a multi-part checkpoint).
 
     Read, then write: not atomic. Two checkpointers that both read before either writes can leave
     it at the older of their two versions, until the next checkpoint moves it on (every
@@ -76,17 +82,86 @@ def _point_at(store: Store, version: int, size: int) -> None:
     names a checkpoint that exists unless a trim read it inside that same window too.
     """
     named = last_checkpoint_version(store)
-    if named is None or named < version:
-        store.put(f"{LOG_DIR}/_last_checkpoint", json.dumps({"version": version, "size": size}).encode())
+    if named is not None and (named == version or (named > version and checkpoint_exists(store, named))):
+        return
+    store.put(LAST_CHECKPOINT, json.dumps({"version": version, "size": size}).encode())
 
 
 def last_checkpoint_version(store: Store) -> int | None:
     """The version `_last_checkpoint` names; None when it is missing or unreadable (it is a hint: the log is listed anyway)."""
     try:
-        version = json.loads(store.get(f"{LOG_DIR}/_last_checkpoint"))["version"]
+        version = json.loads(store.get(LAST_CHECKPOINT))["version"]
     except (FileNotFoundError, ValueError, KeyError, TypeError):
         return None
     return version if isinstance(version, int) and not isinstance(version, bool) else None
+
+
+def checkpoint_exists(store: Store, version: int) -> bool:
+    """Whether a complete checkpoint of `version` is in the log: its single file, or every part of a multi-part one."""
+    if store.exists(f"{LOG_DIR}/{version:020d}.checkpoint.parquet"):
+        return True
+    return version in complete_checkpoints(e.path for e in store.list(f"{LOG_DIR}/"))
+
+
+def complete_checkpoints(paths: Iterable[str]) -> set[int]:
+    """The versions of the complete checkpoints among these store paths (single-file, or multi-part with every part)."""
+    single: set[int] = set()
+    parts: dict[tuple[int, int], set[int]] = {}
+    for path in paths:
+        folder, _, name = path.rpartition("/")
+        m = _LOG_FILE.match(name) if folder == LOG_DIR else None
+        if m is None or not m.group(2).startswith("checkpoint"):
+            continue
+        version = int(m.group(1))
+        if m.group(2) == "checkpoint.parquet":
+            single.add(version)
+        else:
+            _, part, total, _ = m.group(2).split(".")
+            parts.setdefault((version, int(total)), set()).add(int(part))
+    return single | {v for (v, total), got in parts.items() if len(got) == total and got == set(range(1, total + 1))}
+
+
+def last_checkpoint_problem(store: Store, paths: Iterable[str]) -> str | None:
+    """What is wrong with `_last_checkpoint`, given a listing of the table's store (`paths`).
+
+    None when it is absent (a table with no checkpoint yet has none) or names a complete
+    checkpoint. One naming a version with no complete checkpoint makes delta-rs fail to open the
+    table ("Had a _last_checkpoint hint but didn't find any checkpoints"); one that cannot be read
+    is damage too, though readers then list the log. sparkqueue lists the log either way.
+    """
+    try:
+        raw = store.get(LAST_CHECKPOINT)
+    except FileNotFoundError:
+        return None
+    named = last_checkpoint_version(store)
+    if named is None:
+        return f"{LAST_CHECKPOINT} cannot be read ({raw[:40]!r}); Delta readers list the log instead"
+    if named in complete_checkpoints(paths):
+        return None
+    return f"{LAST_CHECKPOINT} names version {named}, which has no checkpoint: delta-rs cannot open the table"
+
+
+def repoint_last_checkpoint(store: Store, paths: Iterable[str]) -> str:
+    """Point `_last_checkpoint` at the newest complete checkpoint among `paths`, or remove it when there is none; what it did.
+
+    Read again just before the write, as in _point_at: a pointer a checkpointer moved to an
+    existing checkpoint meanwhile is left as it is.
+    """
+    named = last_checkpoint_version(store)
+    if named is not None and checkpoint_exists(store, named):
+        return f"left as a checkpointer set it meanwhile (checkpoint {named})"
+    listed = list(paths)
+    existing = complete_checkpoints(listed)
+    if not existing:
+        store.delete(LAST_CHECKPOINT)
+        return "removed it: the log holds no checkpoint"
+    newest = max(existing)
+    files = [f"{LOG_DIR}/{newest:020d}.checkpoint.parquet"]
+    if not store.exists(files[0]):  # a multi-part checkpoint: its size is the actions of all its parts
+        files = sorted(path for path in listed if path.startswith(f"{LOG_DIR}/{newest:020d}.checkpoint."))
+    size = sum(pq.read_metadata(pa.BufferReader(store.get(f))).num_rows for f in files)
+    store.put(LAST_CHECKPOINT, json.dumps({"version": newest, "size": size}).encode())
+    return f"pointed it at checkpoint {newest}"
 
 
 def checkpoint_table(snap: Snapshot, now_ms: int | None = None) -> pa.Table:

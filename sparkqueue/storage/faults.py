@@ -1,8 +1,9 @@
 """Partition faults: injected ones (availability tests and drills) and damage found in storage.
 
 A partition whose data file is missing or unreadable is marked damaged for DAMAGE_RECHECK_S: it
-reports unavailable (the entity's status turns "Limited"), receives skip it and keyed sends to
-it fail, while the other partitions work on. After that time it is tried again, so a restored
+reports unavailable (the entity's status turns "Limited"), receives skip it (one that can read no
+partition that may hold its messages raises), peeks that must read it raise, maintenance leaves it
+alone and keyed sends to it fail, while the other partitions work on. After that time it is tried again, so a restored
 file or a repair (`Namespace.check(repair=True)`) brings it back.
 """
 

@@ -8,6 +8,9 @@
   window has passed, and copies of deleted subscriptions.
 - Checkpoints bound the log replay; vacuum deletes unreferenced files (including files of
   commits that never happened, e.g. a writer killed mid-operation) after a safe retention.
+- An unavailable partition (a fault, or a damaged file compaction's read finds) is left alone and
+  reported (`MaintenanceReport.unavailable_partitions`); the others are compacted, and the table is
+  still checkpointed and vacuumed (a damaged live file is live: vacuum keeps it).
 - The namespace catalog gets the same checkpoint, log trim and vacuum (`maintain_catalog`): every
   catalog change writes the whole catalog to a new file, so without them its files and log grow
   with the square of the entity count.
@@ -27,7 +30,7 @@ from urllib.parse import unquote
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from sparkqueue.errors import SparkQueueError
+from sparkqueue.errors import PartitionUnavailableError, SparkQueueError
 from sparkqueue.storage.checkpoint import trim_log, write_checkpoint
 from sparkqueue.storage.files import MAX_FILE_BYTES, MAX_FILE_ROWS, remove_action
 from sparkqueue.storage.index import FileInfo
@@ -87,6 +90,9 @@ class MaintenanceReport:
     vacuumed_files: int = 0
     checkpointed_version: int | None = None
     per_partition_files: dict[int, int] = field(default_factory=dict)
+    # Partitions compaction left alone because they were unavailable (a fault, or damage a read found), and why;
+    # the run went on with the others, its checkpoint and its vacuum. `check` tells what is damaged.
+    unavailable_partitions: dict[int, str] = field(default_factory=dict)
     error: str | None = None  # why the run could not finish this table (the others went on)
 
 
@@ -97,23 +103,28 @@ def compact(
     live_subscriptions: LiveSubscriptions | None = None,
     report: MaintenanceReport | None = None,
 ) -> MaintenanceReport:
-    """Compact every partition; optionally drop tombstones enqueued before `drop_before` and orphaned subscription rows."""
+    """Compact every partition; optionally drop tombstones enqueued before `drop_before` and orphaned subscription rows.
+
+    An unavailable partition (an injected fault, or a damaged data file, found before or by this
+    compaction's own read) is left as it is and recorded in the report's `unavailable_partitions`;
+    the other partitions are compacted all the same, and the caller goes on to checkpoint and vacuum.
+    """
     report = report or MaintenanceReport()
     dt = table.snapshot()
     for p in range(table.partition_count):
-        if not table.available(p):
-            continue
-        report.files_before += len(table.files(dt, p))
-        for group in _groups(table.files(dt, p), drop_before, live_subscriptions):
-            try:
-                dropped = _rewrite(table, p, group, _droppable(drop_before, live_subscriptions))
-            except CommitConflict:
-                report.compactions_skipped += 1  # a settlement changed an input first; next run picks it up
+        files: list[FileInfo] = []
+        try:
+            files = table.files(dt, p)  # PartitionUnavailableError while it is down
+            _compact_partition(table, p, files, drop_before, live_subscriptions, report)
+        except PartitionUnavailableError as exc:
+            if table.available(p):  # a file replaced under this read (a concurrent compaction and vacuum): no damage
+                report.compactions_skipped += 1
+                report.files_before += len(files)
                 continue
-            if dropped is None:
-                continue  # a lone file with nothing to drop after all: left as it is
-            report.files_compacted += len(group)
-            report.rows_dropped += dropped
+            log.warning("maintenance of %s skips partition %d: %s", table.uri, p, exc)
+            report.unavailable_partitions[p] = str(exc)
+            continue  # counted in neither files_before nor files_after
+        report.files_before += len(files)
     dt = table.snapshot()
     for p in range(table.partition_count):
         if table.available(p):
@@ -121,6 +132,27 @@ def compact(
             report.per_partition_files[p] = n
             report.files_after += n
     return report
+
+
+def _compact_partition(
+    table: EntityTable,
+    p: int,
+    files: list[FileInfo],
+    drop_before: datetime | None,
+    live_subscriptions: LiveSubscriptions | None,
+    report: MaintenanceReport,
+) -> None:
+    """Rewrite the partition's runs of small files (compact); PartitionUnavailableError when a read finds it damaged."""
+    for group in _groups(files, drop_before, live_subscriptions):
+        try:
+            dropped = _rewrite(table, p, group, _droppable(drop_before, live_subscriptions))
+        except CommitConflict:
+            report.compactions_skipped += 1  # a settlement changed an input first; next run picks it up
+            continue
+        if dropped is None:
+            continue  # a lone file with nothing to drop after all: left as it is
+        report.files_compacted += len(group)
+        report.rows_dropped += dropped
 
 
 def _groups(

@@ -253,6 +253,19 @@ class EntityTable:
         """True when the partition has a live file at `dt`'s version (read off the snapshot, nothing opened)."""
         return bool(dt.files.partition(partition))
 
+    def may_hold_messages(
+        self, dt: Snapshot, partition: int, sub_queue: str, subscription: str | None, from_seq: int | None = None
+    ) -> bool:
+        """Whether a live file of the partition at `dt`'s version may hold messages of the sub-queue and subscription.
+
+        Read off the file statistics, nothing opened (what an unavailable partition may be hiding);
+        with `from_seq`, messages numbered from it on.
+        """
+        return any(
+            f.may_hold(KIND_MESSAGE, sub_queue, subscription) and (from_seq is None or f.max_seq >= from_seq)
+            for f in dt.files.partition(partition)
+        )
+
     def files(self, dt: Snapshot, partition: int) -> list[FileInfo]:
         """The partition's live files at `dt`'s version, ordered by lowest sequence number."""
         self.faults.check(partition, "read")

@@ -149,7 +149,8 @@ def test_rule_actions_cannot_break_message_invariants(ns: Namespace) -> None:
     """A copy an action would make too large, with a long id, a bad TTL or a NaN is dead-lettered unmodified; others flow."""
     ns.create_topic("t")
     actions = {
-        "big": SqlRuleAction("SET big = @p", {"p": "x" * (1024 * 1024)}),
+        # two 256,000-character properties: each join stays within a message, the copy does not
+        "big": SqlRuleAction("SET big = @p; " + "SET big = big + big; " * 8 + "SET big2 = big", {"p": "x" * 1000}),
         "longid": SqlRuleAction("SET sys.MessageId = @p", {"p": "i" * 1000}),
         "ttl": SqlRuleAction("SET sys.TimeToLive = -1000"),
         "nan": SqlRuleAction("SET x = 1.0 / 0"),

@@ -6,6 +6,7 @@ on a local disk and (where the damage can be made there) on Azurite.
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shutil
@@ -21,7 +22,7 @@ from azurite import Store
 from procs import drain_all, key_for_partition
 
 from sparkqueue import Message, Namespace
-from sparkqueue.errors import StorageCorruptedError
+from sparkqueue.errors import PartitionUnavailableError, StorageCorruptedError
 from sparkqueue.storage import check
 from sparkqueue.storage.log import entry_actions
 
@@ -260,6 +261,98 @@ def test_a_deleted_data_file_makes_only_its_partition_unavailable(store: Store) 
     with store.open() as ns:
         assert ns.check() == []
         assert ns.get_queue_runtime_properties("q").availability_status == "Available"
+
+
+@pytest.mark.parametrize("damage", ["deleted", "truncated", "zeroed"])
+def test_a_damaged_only_data_file_is_reported_by_peek_and_receive_never_read_as_empty(tmp_path: Path, damage: str) -> None:
+    """The only data file of a one-partition queue damaged: peek and receive returned [] as if its 10 messages did not
+    exist. Both raise PartitionUnavailableError naming the partition; runtime properties report it as "Limited";
+    restored, the file reads again in full."""
+    root = tmp_path / "ns"
+    with Namespace(root) as ns:
+        ns.create_queue("q", enable_partitioning=False)
+        with ns.get_queue_sender("q") as s:
+            s.send_messages([Message(f"m{i}") for i in range(10)])
+        table = _queue_table(ns)
+        (victim,) = table.snapshot().files  # type: ignore[attr-defined]
+        data = table.store.get(victim.path)  # type: ignore[attr-defined]
+        if damage == "deleted":
+            table.store.delete(victim.path)  # type: ignore[attr-defined]
+        else:
+            table.store.put(victim.path, _damaged(data, damage))  # type: ignore[attr-defined]
+    for first in ("peek", "receive"):  # the first read of a fresh process finds the damage, or meets its mark
+        with Namespace(root) as ns, ns.get_queue_receiver("q") as r:
+            calls = {"peek": lambda: r.peek_messages(50), "receive": lambda: r.receive_messages(50, max_wait_time=0.5)}
+            for what in (first, *(c for c in calls if c != first)):
+                with pytest.raises(PartitionUnavailableError, match=r"partition\(s\) 0 of 'q'.*partition_id=0/part-"):
+                    calls[what]()
+            rp = ns.get_queue_runtime_properties("q")
+            assert (rp.availability_status, rp.total_message_count) == ("Limited", 0)
+    Path(table.uri, victim.path).write_bytes(data)  # type: ignore[attr-defined]
+    with Namespace(root) as ns, ns.get_queue_receiver("q") as r:
+        assert len(r.peek_messages(50)) == 10
+        assert len(drain_all(r)) == 10
+
+
+def test_receiving_deferred_messages_of_a_damaged_partition_raises(tmp_path: Path) -> None:
+    """receive_deferred_messages never reads damage as 'no such deferred message' or as nothing: it raises
+    PartitionUnavailableError, in a fresh process and again once the partition is marked."""
+    root = tmp_path / "ns"
+    with Namespace(root) as ns:
+        ns.create_queue("q", enable_partitioning=False)
+        ns.get_queue_sender("q").send_messages([Message(f"m{i}") for i in range(5)])
+        with ns.get_queue_receiver("q") as r:
+            got = r.receive_messages(5, max_wait_time=5)
+            for m in got:
+                r.defer_message(m)
+        table = _queue_table(ns)
+        for f in table.snapshot().files:  # type: ignore[attr-defined]
+            table.store.put(f.path, _damaged(table.store.get(f.path), "zeroed"))  # type: ignore[attr-defined]
+    with Namespace(root) as ns, ns.get_queue_receiver("q") as r:
+        for _ in range(2):
+            with pytest.raises(PartitionUnavailableError, match="partition 0"):
+                r.receive_deferred_messages([m.sequence_number for m in got])
+
+
+@pytest.mark.parametrize("pointer", ["future version", "one past the newest entry", "unreadable", "no checkpoint left"])
+def test_check_reports_and_repairs_a_last_checkpoint_naming_no_checkpoint(tmp_path: Path, pointer: str) -> None:
+    """A `_last_checkpoint` naming a version with no checkpoint made delta-rs refuse the table ("Had a _last_checkpoint
+    hint but didn't find any checkpoints") while check() found nothing. check() reports it; repair points it at the
+    newest checkpoint, or removes it when none is left, and delta-rs reads the table again."""
+    from deltalake import DeltaTable
+
+    with Namespace(tmp_path / "ns") as ns:
+        ns.create_queue("q", enable_partitioning=False)
+        ns.get_queue_sender("q").send_messages([Message(f"m{i}") for i in range(3)])
+        checkpointed = ns.run_maintenance(vacuum=False)["queue:q"].checkpointed_version
+        assert checkpointed is not None
+        ns.get_queue_sender("q").send_messages(Message("after"))
+        table = _queue_table(ns)
+        pointer_path = "_delta_log/_last_checkpoint"
+        newest = int(Path(_newest_entry(table)).name[:20])
+        content = {
+            "future version": b'{"version": 999999, "size": 3}',
+            "one past the newest entry": f'{{"version": {newest + 1}, "size": 3}}'.encode(),
+            "unreadable": b"{{{not json",
+            "no checkpoint left": table.store.get(pointer_path),  # type: ignore[attr-defined]
+        }[pointer]
+        table.store.put(pointer_path, content)  # type: ignore[attr-defined]
+        if pointer == "no checkpoint left":
+            table.store.delete(f"_delta_log/{checkpointed:020d}.checkpoint.parquet")  # type: ignore[attr-defined]
+        if pointer != "unreadable":  # delta-rs lists the log when the hint is unreadable
+            with pytest.raises(Exception, match="_last_checkpoint"):
+                DeltaTable(table.uri)  # type: ignore[attr-defined]
+        (found,) = ns.check()
+        assert "_last_checkpoint" in found.problem and not found.repaired
+        (fixed,) = ns.check(repair=True)
+        assert fixed.repaired
+        assert ns.check() == []
+        if pointer == "no checkpoint left":
+            assert not table.store.exists(pointer_path)  # type: ignore[attr-defined]
+        else:
+            assert json.loads(table.store.get(pointer_path))["version"] == checkpointed  # type: ignore[attr-defined]
+        assert DeltaTable(table.uri).to_pyarrow_table().num_rows == 4  # type: ignore[attr-defined]
+        assert ns.get_queue_runtime_properties("q").active_message_count == 4
 
 
 def test_runtime_properties_report_damage_found_by_their_own_read_as_limited(tmp_path: Path) -> None:
