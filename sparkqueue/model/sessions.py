@@ -18,6 +18,8 @@ sessions of one partition do not conflict.
 
 from __future__ import annotations
 
+import bisect
+import builtins
 import itertools
 import logging
 import random
@@ -49,8 +51,6 @@ from sparkqueue.storage.schema import (
     STATE_DEFERRED,
     SUB_QUEUE_MAIN,
     TIMESTAMP,
-    in_sequence,
-    keep_rows,
     with_columns,
 )
 from sparkqueue.storage.table import MUTABLE_COLUMNS, OP_DELETE, OP_SET, OP_SET_BODY, empty_changes, partition_of
@@ -276,9 +276,8 @@ class Sessions:
     def _receive_locked(self, lock: SessionLock, max_count: int, delete: bool) -> pa.Table:
         dt = self.table.snapshot()
         now = utcnow()
-        row, rows = self._read(dt, lock.partition, lock.session_id)
+        row, head = self._head(dt, lock.partition, lock.session_id, now, max_count)
         touch = self._touch(self._check(row, lock, now))
-        head = lifecycle.through_deliverable(_next_messages(rows, now), now, self.entity.policy, max_count)
         if head.num_rows == 0:
             return empty_rows()
         d = lifecycle.deliver(head, now, self.entity.policy, delete=delete)
@@ -321,7 +320,7 @@ class Sessions:
         def settle_once() -> None:
             dt = self.table.snapshot()
             now = utcnow()
-            row, rows = self._read(dt, lock.partition, lock.session_id)
+            row, rows = self._read(dt, lock.partition, lock.session_id, self._files_with(dt, lock, [seq for seq, _ in items]))
             row = self._check(row, lock, now)
             # The session's dead letters are another entity's (its dead-letter sub-queue): never settled here.
             main = zip(rows.column("sequence_number").to_pylist(), rows.column("sub_queue").to_pylist(), strict=True)
@@ -537,20 +536,77 @@ class Sessions:
             new_row = None
         self.table.apply(dt, p, changes, new_row, group_by=GROUP_COLUMN, where=self._files_of(session_id), numbered_rows=numbered)
 
-    def _read(self, dt: Snapshot, p: int, session_id: str) -> tuple[pa.Table | None, pa.Table]:
-        """The session's row (or None) and its live message rows in sequence order, from one read of its files."""
+    def _read(
+        self, dt: Snapshot, p: int, session_id: str, files: Sequence[FileInfo] | None = None
+    ) -> tuple[pa.Table | None, pa.Table]:
+        """The session's row (or None) and its live message rows in sequence order, from one read of its files.
+
+        `files`: only these of the session's files (default: all of them), as `_head` and `settle` narrow the read.
+        """
         sub = self.entity.subscription
-        files = [f for f in self.table.files(dt, p) if self._files_of(session_id)(f)]
+        if files is None:
+            files = self._session_files(dt, p, session_id)
         if not files:
             return None, empty_rows()
         t = pa.concat_tables([self.table.data.read(f.path, ROW_COLUMNS) for f in files])
         subs = t.column("subscription")
         in_sub = pc.is_null(subs) if sub is None else pc.fill_null(pc.equal(subs, sub), False)
         mine = pc.and_(pc.fill_null(pc.equal(t.column("session_id"), session_id), False), in_sub)
-        t = in_sequence(keep_rows(t, pc.and_(mine, pc.not_equal(t.column("state"), STATE_COMPLETED))))
-        rows = keep_rows(t, pc.equal(t.column("kind"), KIND_MESSAGE))
-        row = t.filter(pc.equal(t.column("kind"), KIND_SESSION))
-        return (row.slice(0, 1) if row.num_rows else None), rows
+        # Positions found and ordered on the narrow columns, then at most one copy of the rows (bodies included):
+        # none when every row is a live message in order, as on a session's first accept.
+        at = pc.indices_nonzero(pc.and_(mine, pc.not_equal(t.column("state"), STATE_COMPLETED)))
+        seqs = t.column("sequence_number").take(at)
+        ordered = len(at) < 2 or pc.all(pc.less(seqs.slice(0, len(at) - 1), seqs.slice(1))).as_py()
+        if not ordered:
+            at = at.take(pc.sort_indices(seqs))
+        kinds = t.column("kind").take(at)
+        messages = at.filter(pc.equal(kinds, KIND_MESSAGE))
+        whole = ordered and len(messages) == t.num_rows  # every row, in order: `messages` is 0..n-1
+        rows = t if whole else t.combine_chunks().take(messages)  # one contiguous take: a chunked one costs per chunk
+        found = at.filter(pc.equal(kinds, KIND_SESSION))
+        row = t.slice(found[0].as_py(), 1) if len(found) else None
+        return row, rows
+
+    def _session_files(self, dt: Snapshot, p: int, session_id: str) -> builtins.list[FileInfo]:
+        """The files that may hold the session's row or messages, by lowest sequence number (as the table lists them)."""
+        return [f for f in self.table.files(dt, p) if self._files_of(session_id)(f)]
+
+    def _files_with(self, dt: Snapshot, lock: SessionLock, seqs: Sequence[int]) -> builtins.list[FileInfo]:
+        """The session's files that hold its row or may hold one of these messages (by sequence range): what a settle reads."""
+        wanted = sorted(seqs)
+        sub = self.entity.subscription
+
+        def holds(f: FileInfo) -> bool:
+            i = bisect.bisect_left(wanted, f.min_seq)
+            return i < len(wanted) and wanted[i] <= f.max_seq
+
+        files = self._session_files(dt, lock.partition, lock.session_id)
+        return [f for f in files if f.may_hold(KIND_SESSION, None, sub, lock.session_id) or holds(f)]
+
+    def _head(self, dt: Snapshot, p: int, session_id: str, now: datetime, max_count: int) -> tuple[pa.Table | None, pa.Table]:
+        """The session's row and its next messages a receive may take (`through_deliverable`), reading as few files as it can.
+
+        Files are read in sequence order (the session row's always), doubling their number until the
+        head holds `max_count` messages that come before any file left unread: a receive from a deep
+        session costs what it takes, not the session's backlog. A head of expired messages may hold
+        fewer deliverable ones; the receive then delivers fewer (its commit dead-letters the rest).
+        """
+        files = self._session_files(dt, p, session_id)
+        sub = self.entity.subscription
+        row_files = [f for f in files if f.may_hold(KIND_SESSION, None, sub, session_id)]
+        message_files = [f for f in files if f not in row_files]
+        k = 1
+        while True:
+            chosen = sorted(row_files + message_files[:k], key=lambda f: f.min_seq)
+            row, rows = self._read(dt, p, session_id, chosen)
+            head = lifecycle.through_deliverable(_next_messages(rows, now), now, self.entity.policy, max_count)
+            rest = message_files[k:]
+            if not rest:
+                return row, head
+            last = head.column("sequence_number")[-1].as_py() if head.num_rows else None
+            if head.num_rows >= max_count and last is not None and last < rest[0].min_seq:
+                return row, head
+            k *= 2
 
     def _files_of(self, session_id: str) -> Callable[[FileInfo], bool]:
         """Test of the files that may hold a row (message or session row) of the session, by their statistics."""
