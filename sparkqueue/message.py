@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import json
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 from typing import Any
@@ -322,6 +322,7 @@ class ReceivedMessage:
     dead_letter_source: str | None = None
     size_in_bytes: int = 0
     _settled: bool = field(default=False, repr=False)
+    _settling: bool = field(default=False, repr=False, compare=False)
     auto_renew_error: BaseException | None = field(default=None, repr=False, compare=False)
 
     def __str__(self) -> str:
@@ -340,6 +341,17 @@ def is_settled(message: object) -> bool:
 def mark_settled(message: ReceivedMessage) -> None:
     """Record that the message was settled (by the receiver holding it)."""
     message._settled = True
+
+
+def is_settling(message: object) -> bool:
+    """Whether a settlement of this message is in flight: a renewal failing meanwhile lost the lock to it, not to expiry."""
+    return bool(getattr(message, "_settling", False))
+
+
+def mark_settling(messages: Sequence[ReceivedMessage], settling: bool) -> None:
+    """Record the start (or end) of a settlement of these messages by the receiver holding them."""
+    for m in messages:
+        m._settling = settling
 
 
 def lock_expired(locked_until_utc: datetime | None) -> bool:
@@ -408,7 +420,7 @@ def received_messages(rows: pa.Table, now: datetime) -> list[ReceivedMessage]:
     out = []
     for values in zip(*columns.values(), strict=True):
         m = new(ReceivedMessage)
-        m.__dict__.update(zip(names, values, strict=True), _settled=False, auto_renew_error=None)
+        m.__dict__.update(zip(names, values, strict=True), _settled=False, _settling=False, auto_renew_error=None)
         out.append(m)
     return out
 

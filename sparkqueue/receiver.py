@@ -23,7 +23,7 @@ from sparkqueue.errors import (
     MessageSizeExceededError,
     SparkQueueError,
 )
-from sparkqueue.message import ReceivedMessage, is_settled, lock_expired, mark_settled, received_messages
+from sparkqueue.message import ReceivedMessage, is_settled, lock_expired, mark_settled, mark_settling, received_messages
 from sparkqueue.model import lifecycle, limits
 from sparkqueue.model.deadlines import call_timeout, check_timeout
 from sparkqueue.model.entity import ROW_COLUMNS, Entity, utcnow
@@ -191,6 +191,7 @@ class Receiver:
             wait = min(wait, bound)
         self._check_open()
         self._check_receivable()
+        self._check_renewer()
         with call_timeout(bound):
             out = self._receive(n, wait)
         if self.session is not None:
@@ -262,6 +263,7 @@ class Receiver:
         seqs = limits.check_sequence_numbers(sequence_numbers)
         self._check_open()
         self._check_receivable()  # a receive too: refused while disabled or auto-forwarding
+        self._check_renewer()
         with call_timeout(timeout):
             self._require_deferred(seqs)
             if self.session is not None:  # only the held session's deferred messages, under its lock
@@ -399,6 +401,32 @@ class Receiver:
         self, messages: list[ReceivedMessage], op: str, reason: str | None = None, description: str | None = None
     ) -> list[datetime | None]:
         """Settle messages with `op`; raise MessageLockLostError for those whose lock is not current."""
+        ok, until = self._settle_outcome(messages, op, reason, description)
+        lost = [m for m, held in zip(messages, ok, strict=True) if not held]
+        if lost:
+            names = ", ".join(f"{m.sequence_number} ({m.message_id!r})" for m in lost[:5])
+            more = f" and {len(lost) - 5} more" if len(lost) > 5 else ""
+            raise MessageLockLostError(
+                f"the lock on message(s) {names}{more} expired or was taken by a later delivery; "
+                "the settlement was not applied to them. Receive them again"
+            )
+        return until
+
+    def _renew_message_locks(self, messages: list[ReceivedMessage]) -> list[bool]:
+        """Renew many message locks in one commit per partition (AutoLockRenewer's batches); which locks still held.
+
+        Those renewed get their new `locked_until_utc`; a lost lock is reported, not raised.
+        """
+        ok, until = self._settle_outcome(messages, lifecycle.RENEW)
+        for m, held, new in zip(messages, ok, until, strict=True):
+            if held and new is not None:
+                m.locked_until_utc = new
+        return ok
+
+    def _settle_outcome(
+        self, messages: list[ReceivedMessage], op: str, reason: str | None = None, description: str | None = None
+    ) -> tuple[list[bool], list[datetime | None]]:
+        """Settle messages with `op`: which locks held, and (for a renewal) the new expiries; a lost lock is not raised."""
         self._check_open()
         for message in messages:
             if not isinstance(message, ReceivedMessage):
@@ -412,38 +440,37 @@ class Receiver:
             if is_settled(message):
                 raise MessageAlreadySettled(f"message {message.sequence_number} was already settled; nothing was changed")
         if not messages:
-            return []
+            return [], []
         items = [(m.sequence_number, m.lock_token or "") for m in messages]
         lock = self.session._lock if self.session is not None else None  # a session's messages settle under its lock
         tx = open_transaction(self._ns.broker)
         if tx is None:
             self._settled(messages, op, None)  # before the call: an abandon that failed after landing still rewinds
         owners = [(m.session_id, m.partition_key) for m in messages] if tx is not None else ()  # checked against its key
-        res = self._ns.broker.settle(
-            self.entity_type,
-            self.entity_name,
-            items,
-            op,
-            reason,
-            description,
-            sub_queue=self._sub_queue,
-            session=lock,
-            owners=owners,
-        )
-        if res is None:  # recorded by the open transaction: applied, all of it, when it commits
-            assert tx is not None
-            tx.on_commit(lambda: self._settled(messages, op, [True] * len(messages)))
-            return [None] * len(messages)
-        self._settled(messages, op, res.ok)
-        lost = [m for m, ok in zip(messages, res.ok, strict=True) if not ok]
-        if lost:
-            names = ", ".join(f"{m.sequence_number} ({m.message_id!r})" for m in lost[:5])
-            more = f" and {len(lost) - 5} more" if len(lost) > 5 else ""
-            raise MessageLockLostError(
-                f"the lock on message(s) {names}{more} expired or was taken by a later delivery; "
-                "the settlement was not applied to them. Receive them again"
+        settling = op != lifecycle.RENEW and tx is None  # an auto lock renewal failing meanwhile lost the lock to this
+        if settling:
+            mark_settling(messages, True)
+        try:
+            res = self._ns.broker.settle(
+                self.entity_type,
+                self.entity_name,
+                items,
+                op,
+                reason,
+                description,
+                sub_queue=self._sub_queue,
+                session=lock,
+                owners=owners,
             )
-        return res.locked_until
+            if res is None:  # recorded by the open transaction: applied, all of it, when it commits
+                assert tx is not None
+                tx.on_commit(lambda: self._settled(messages, op, [True] * len(messages)))
+                return [True] * len(messages), [None] * len(messages)
+            self._settled(messages, op, res.ok)
+        finally:
+            if settling:
+                mark_settling(messages, False)
+        return res.ok, res.locked_until
 
     def _settled(self, messages: list[ReceivedMessage], op: str, ok: list[bool] | None) -> None:
         """Client-side effects of a settlement: an abandon in a session rewinds the cache; `ok` ones are marked settled."""
@@ -514,6 +541,11 @@ class Receiver:
     def _check_open(self) -> None:
         if self._closed:
             raise InvalidOperationError("the receiver is closed; get a new one from the namespace")
+
+    def _check_renewer(self) -> None:
+        """A closed auto_lock_renewer is refused before a receive takes anything it would then leave locked and counted."""
+        if self._auto_lock_renewer is not None and self.receive_mode == ReceiveMode.PEEK_LOCK and self.session is None:
+            self._auto_lock_renewer._check_open()
 
 
 def _peek_cursor(partition: int, sequence_number: int) -> int:

@@ -103,12 +103,55 @@ def test_02_auto_lock_renewer_reports_a_lost_lock(ns: Namespace) -> None:
         r.abandon_message(_copy(m))  # another handle settles it: m's lock is gone
         renewer = AutoLockRenewer(on_lock_renew_failure=lambda msg, err: failures.append((msg, err)))
         renewer.register(r, m)
-        renewer.close(wait=False)
         deadline = time.monotonic() + 10
         while not failures and time.monotonic() < deadline:
             time.sleep(0.1)
+        renewer.close()
     (msg, err), *_ = failures
     assert msg is m and isinstance(err, AutoLockRenewFailed) and m.auto_renew_error is err
+
+
+@pytest.mark.parametrize("partitioned", [True, False])
+def test_02_auto_lock_renewer_keeps_a_whole_receive_batch_and_reports_nothing_settled(ns: Namespace, partitioned: bool) -> None:
+    """A batch of 100 messages from one receive, renewed past their lock, then completed while renewals run.
+
+    Each renewal was its own commit on the batch's shared file, on a thread per message: the commits
+    conflicted, retried past the locks' expiry, and 80-87 of 100 locks were lost. Messages completed while
+    a renewal ran were also reported to the failure callback. One worker renews a receiver's due locks together.
+    """
+    import threading
+
+    ns.create_queue("q", lock_duration=timedelta(seconds=5), enable_partitioning=partitioned)
+    with ns.get_queue_sender("q") as s:
+        s.send_messages([Message(f"m{i}") for i in range(100)])
+    failures: list[tuple[Any, BaseException | None]] = []
+    renewer = AutoLockRenewer(on_lock_renew_failure=lambda msg, err: failures.append((msg, err)))
+    with renewer, ns.get_queue_receiver("q", auto_lock_renewer=renewer) as r:
+        got = drain(r, 100)
+        workers = [t for t in threading.enumerate() if t.name == "sparkqueue-lock-renewer"]
+        assert len(workers) == 1  # one worker, not a thread per message
+        sleep_past(max(m.locked_until_utc for m in got) + timedelta(seconds=3))
+        r.complete_messages(got)  # every lock still held: MessageLockLostError otherwise
+        time.sleep(1.5)  # renewals that were in flight end
+    assert failures == []
+    assert ns.get_queue_runtime_properties("q").total_message_count == 0
+
+
+def test_02_a_closed_auto_lock_renewer_is_refused_before_the_receive_takes_anything(ns: Namespace) -> None:
+    """The receive used to lock and count its messages, then raise: they stayed locked and nobody saw them."""
+    ns.create_queue("q")
+    with ns.get_queue_sender("q") as s:
+        s.send_messages([Message(f"m{i}") for i in range(5)])
+    renewer = AutoLockRenewer()
+    renewer.close()
+    with ns.get_queue_receiver("q", auto_lock_renewer=renewer) as r:
+        with pytest.raises(ValueError, match="AutoLockRenewer is closed"):
+            r.receive_messages(5)
+        with pytest.raises(ValueError, match="AutoLockRenewer is closed"):
+            r.receive_deferred_messages([1])
+    with ns.get_queue_receiver("q") as other:
+        got = drain(other, 5)
+    assert len(got) == 5 and {m.delivery_count for m in got} == {0}
 
 
 def _copy(m: Any) -> Any:
