@@ -237,7 +237,7 @@ class Entity:
                 return got
             if time.monotonic() >= give_up:
                 if unreadable:
-                    raise self._unavailable(unreadable, "nothing was received")
+                    raise self.unavailable(unreadable, "nothing was received")
                 return got
             time.sleep(min(poll, max(0.0, give_up - time.monotonic())))
             poll = min(POLL_MAX_S, poll * 2)
@@ -289,7 +289,7 @@ class Entity:
         rows = pa.concat_tables(out) if out else empty_rows()
         return rows, [] if read_one or rows.num_rows else sorted(unreadable)
 
-    def _unavailable(self, partitions: Sequence[int], outcome: str) -> PartitionUnavailableError:
+    def unavailable(self, partitions: Sequence[int], outcome: str) -> PartitionUnavailableError:
         """The error of an operation that could not read these partitions: each one's reason (a fault, the damage found)."""
         reasons = []
         for p in partitions:
@@ -588,13 +588,13 @@ class Entity:
             return self.table.scan(dt, p, ROW_COLUMNS, from_seq=from_seq, subscription=self.subscription)
         except PartitionUnavailableError:
             if not self.available(p):
-                raise self._unavailable([p], "nothing was browsed") from None
+                raise self.unavailable([p], "nothing was browsed") from None
         # Still available: a file was replaced under this read (a compaction, then a vacuum). Read it again, as of now.
         try:
             return self.table.scan(self.table.snapshot(), p, ROW_COLUMNS, from_seq=from_seq, subscription=self.subscription)
         except PartitionUnavailableError:
             if not self.available(p):
-                raise self._unavailable([p], "nothing was browsed") from None
+                raise self.unavailable([p], "nothing was browsed") from None
             raise
 
     def runtime_properties(self, subscriptions: Collection[str] | None = None) -> RuntimeProperties:

@@ -118,7 +118,9 @@ class Sessions:
         The same commit also delivers the session's first `prefetch` messages (returned with the
         lock), so accepting and receiving the head of a session is one commit. With no free session
         within `wait_s`, NEXT_AVAILABLE_SESSION raises OperationTimeoutError (the SDK's session-pool
-        loop ends on it); a named session held elsewhere raises SessionCannotBeLockedError.
+        loop ends on it); a named session held elsewhere raises SessionCannotBeLockedError. When
+        every partition whose files may hold messages was unavailable, the wait ends with
+        PartitionUnavailableError instead: damaged storage is not read as "no session" (docs/semantics.md §10).
         `exclude`: sessions NEXT_AVAILABLE_SESSION passes over (a caller's own, whose locks may lapse).
         """
         if session_id is not None:
@@ -132,6 +134,9 @@ class Sessions:
             if got is not None:
                 return got
             if time.monotonic() >= give_up:
+                down = self._hidden_partitions()
+                if down:
+                    raise self.entity.unavailable(down, "no session was accepted")
                 raise OperationTimeoutError(
                     f"no session of {self.entity.name!r} with available messages could be locked within {wait_s:g}s"
                 )
@@ -223,6 +228,14 @@ class Sessions:
                     break
                 window *= 4  # every session in the window is held: a free one may wait further back
         return None
+
+    def _hidden_partitions(self) -> builtins.list[int]:
+        """The unavailable partitions whose files may hold messages, when every such partition is unavailable; else []."""
+        dt = self.table.snapshot()
+        sub = self.entity.subscription
+        holding = [p for p in range(self.entity.partition_count) if self.table.may_hold_messages(dt, p, SUB_QUEUE_MAIN, sub)]
+        down = [p for p in holding if not self.entity.available(p)]
+        return down if down and len(down) == len(holding) else []
 
     def _free_by_stats(self, dt: Snapshot, p: int) -> list[str]:
         """Sessions of the partition that, by file statistics alone, have a message available now (oldest first)."""
@@ -484,9 +497,10 @@ class Sessions:
         out: dict[str, SessionInfo] = {}
         now = utcnow()
         dt = self.table.snapshot()
+        down = [p for p in range(self.entity.partition_count) if not self.entity.available(p)]
+        if down:  # a listing that left a partition out would read its sessions as gone (docs/semantics.md §10)
+            raise self.entity.unavailable(down, "the sessions were not listed")
         for p in range(self.entity.partition_count):
-            if not self.entity.available(p):
-                continue
             sub = self.entity.subscription
             cols = ["sub_queue", "session_id", "state", "scheduled_enqueue_time_utc"]
             msgs = self.table.scan(dt, p, cols, subscription=sub)

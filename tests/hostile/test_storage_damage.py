@@ -294,6 +294,27 @@ def test_a_damaged_only_data_file_is_reported_by_peek_and_receive_never_read_as_
         assert len(drain_all(r)) == 10
 
 
+def test_a_damaged_session_partition_is_reported_by_accepts_and_session_listing(tmp_path: Path) -> None:
+    """A session queue whose only data file is gone: NEXT_AVAILABLE_SESSION, once the partition is marked unavailable,
+    timed out as if no session had messages, and the session listing was empty. Both raise PartitionUnavailableError."""
+    from sparkqueue import NEXT_AVAILABLE_SESSION
+
+    root = tmp_path / "ns"
+    with Namespace(root) as ns:
+        ns.create_queue("q", requires_session=True, enable_partitioning=False)
+        ns.get_queue_sender("q").send_messages([Message(f"m{i}", session_id="s1") for i in range(5)])
+        table = _queue_table(ns)
+        (victim,) = table.snapshot().files  # type: ignore[attr-defined]
+        table.store.delete(victim.path)  # type: ignore[attr-defined]
+    with Namespace(root) as ns:
+        with pytest.raises(PartitionUnavailableError):
+            ns.get_queue_receiver("q", session_id="s1")  # the read that finds the damage
+        with pytest.raises(PartitionUnavailableError, match="no session was accepted"):
+            ns.get_queue_receiver("q", session_id=NEXT_AVAILABLE_SESSION, max_wait_time=0.3)
+        with pytest.raises(PartitionUnavailableError, match="sessions were not listed"):
+            ns.list_queue_sessions("q")
+
+
 def test_receiving_deferred_messages_of_a_damaged_partition_raises(tmp_path: Path) -> None:
     """receive_deferred_messages never reads damage as 'no such deferred message' or as nothing: it raises
     PartitionUnavailableError, in a fresh process and again once the partition is marked."""
