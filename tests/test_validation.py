@@ -114,7 +114,7 @@ def test_string_properties_must_be_strings(field: str) -> None:
         Message("x", **{field: 5})
 
 
-@pytest.mark.parametrize("ttl", [5, "1h", timedelta(0), timedelta(seconds=-1)])
+@pytest.mark.parametrize("ttl", [5, "1h", timedelta(0), timedelta(seconds=-1), timedelta(microseconds=999)])
 def test_time_to_live_must_be_a_positive_timedelta(ttl: object) -> None:
     """time_to_live must be a positive timedelta."""
     with pytest.raises(InvalidOperationError):
@@ -173,6 +173,7 @@ BAD_SETTINGS: list[dict[str, Any]] = [
     {"max_delivery_count": 2.5},
     {"default_message_time_to_live": 60},
     {"default_message_time_to_live": timedelta(seconds=-5)},
+    {"default_message_time_to_live": timedelta(microseconds=5)},  # kept in whole milliseconds: it would be 0
     {"enable_partitioning": "yes"},
     {"requires_session": 1},
     {"requires_duplicate_detection": None},

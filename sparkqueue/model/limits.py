@@ -204,6 +204,8 @@ def check_ttl(value: object, field: str) -> timedelta | None:
     ttl = check_duration(value, field, allow_none=True)
     if ttl is not None and ttl >= TTL_NEVER:
         return None
+    if ttl is not None and ttl < timedelta(milliseconds=1):  # stored in whole milliseconds (ttl_ms): it would be 0
+        raise InvalidOperationError(f"{field} must be at least 1 millisecond (it is kept in whole milliseconds), got {ttl}")
     return ttl
 
 

@@ -314,7 +314,7 @@ _CHECKS: dict[str, Any] = {
         minimum=limits.DEDUPE_WINDOW_RANGE[0],
         maximum=limits.DEDUPE_WINDOW_RANGE[1],
     ),
-    "default_message_time_to_live": lambda v, t: limits.check_duration(v, "default_message_time_to_live", allow_none=True),
+    "default_message_time_to_live": lambda v, t: limits.check_ttl(v, "default_message_time_to_live"),
     "auto_delete_on_idle": lambda v, t: limits.check_duration(
         v, "auto_delete_on_idle", minimum=MIN_AUTO_DELETE_ON_IDLE, allow_none=True
     ),
