@@ -238,8 +238,24 @@ def numbers(cfg: dict[str, Any], spec: Numbers) -> list[Any]:
     return [number(cfg, key, kind, minimum) for key, kind, minimum in spec]
 
 
+def require_queue(ns: Namespace, cfg: dict[str, Any]) -> str:
+    """The configured queue's name; EntityNotFoundError when it does not exist.
+
+    Consumers never make the queue they read (`queue.create` is the producer's): a mistyped name
+    would otherwise be a new, empty queue, and the run an empty success.
+    """
+    ns.get_queue(cfg["queue"]["name"])
+    return str(cfg["queue"]["name"])
+
+
+def check_source(cfg: dict[str, Any]) -> None:
+    """A consumer's namespace and queue exist, checked before Spark starts: a mistyped root or queue fails in one line."""
+    with namespace(cfg, create=False) as ns:
+        require_queue(ns, cfg)
+
+
 def ensure_queue(ns: Namespace, cfg: dict[str, Any]) -> str:
-    """The configured queue's name, creating the queue with the configured settings when allowed and missing."""
+    """The configured queue's name, creating the queue with the configured settings when allowed and missing (the producer)."""
     q = cfg["queue"]
     try:
         ns.get_queue(q["name"])

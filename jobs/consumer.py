@@ -192,7 +192,7 @@ def run(cfg: dict[str, Any], spark: SparkSession, *, crash_after_write: bool = F
     limit, batch, wait = common.numbers(cfg, NUMBERS)
     result = ConsumerResult()
     with common.namespace(cfg, create=False) as ns:  # a mistyped root is an error: consumers never make a namespace
-        queue = common.ensure_queue(ns, cfg)
+        queue = common.require_queue(ns, cfg)  # and never make the queue
         path = output_path(cfg)
         schema = prepare_output(spark, transform, queue, path)
         backlog = ns.get_queue_runtime_properties(queue).active_message_count
@@ -248,7 +248,7 @@ def main(argv: list[str] | None = None) -> int:
         cfg = common.load_config(args.config, common.overrides_from(args, FLAGS))
         load_transform(str(cfg["consumer"]["transform"]))  # a bad transform fails before Spark starts
         common.numbers(cfg, NUMBERS)
-        common.namespace(cfg, create=False).close()  # so does a mistyped root
+        common.check_source(cfg)  # so do a mistyped root or queue
         spark = common.session(cfg, verbose=args.verbose)
         started = time.perf_counter()
         try:

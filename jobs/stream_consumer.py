@@ -130,7 +130,7 @@ def run(cfg: dict[str, Any], spark: SparkSession, *, crash_after_write: int | No
     """Run the streaming query (until drained with available_now); returns its last progress figures."""
     s = settings(cfg)
     with common.namespace(cfg, create=False) as ns:  # a mistyped root is an error: consumers never make a namespace
-        queue = common.ensure_queue(ns, cfg)
+        queue = common.require_queue(ns, cfg)  # and never make the queue
         root = ns.root
     schema = prepare_output(spark, load_transform(str(cfg["consumer"]["transform"])), queue, output_path(cfg))
     stream = (
@@ -166,7 +166,7 @@ def main(argv: list[str] | None = None) -> int:
         cfg = common.load_config(args.config, common.overrides_from(args, FLAGS))
         settings(cfg)  # bad settings fail before Spark starts
         load_transform(str(cfg["consumer"]["transform"]))
-        common.namespace(cfg, create=False).close()  # a mistyped root fails before Spark starts too
+        common.check_source(cfg)  # a mistyped root or queue fails before Spark starts too
         spark = common.session(cfg, verbose=args.verbose)
         started = time.perf_counter()
         try:

@@ -558,3 +558,20 @@ def test_peek_from_a_sequence_number_says_what_it_looked_for(root: Path) -> None
             (seq,) = s.send_messages(Message("m"))
     assert "No messages numbered" in ok(root, "peek", "q", "--from-sequence", str(seq + 1))
     assert "Peeked 1 message(s)" in ok(root, "peek", "q", "--from-sequence", str(seq))
+
+
+def test_damaged_storage_is_one_line_without_verbose(root: Path) -> None:
+    """A lost data file: peek, receive and show printed the library's damage log (wrapped over three lines, three times for
+    show --json) before their error. Without --verbose the command's one-line error is all; --verbose shows the log."""
+    ok(root, "create", "queue", "q", "--no-partitioning")
+    ok(root, "send", "q", "-f", "-", stdin="x\n")
+    for f in Path(root, "entities").rglob("*.parquet"):
+        f.unlink()
+    for args in (("peek", "q"), ("receive", "q")):
+        p = sq(root, *args)
+        lines = [line for line in p.stderr.splitlines() if line.strip()]
+        assert p.returncode == 1 and len(lines) == 1 and lines[0].startswith("Error:"), (args, p.returncode, p.stderr)
+    shown = sq(root, "show", "q", "--json")  # reports the partition's state, as runtime properties do
+    assert (shown.returncode, shown.stderr.strip()) == (0, "") and "Limited" in shown.stdout
+    verbose = sq(root, "--verbose", "peek", "q")
+    assert "storage damage" in verbose.stderr and verbose.returncode == 1

@@ -254,6 +254,10 @@ def main(
         handlers=[RichHandler(console=err, show_path=False)],
         force=True,
     )
+    # Without --verbose the library's log stays out of the way: what goes wrong ends the command with its
+    # one-line error, and a damage report logged on the way would say it again, wrapped over several lines.
+    logging.getLogger("sparkqueue").setLevel(logging.NOTSET if verbose else logging.CRITICAL)
+    logging.getLogger("sparkqueue.cli").setLevel(logging.NOTSET if verbose else logging.WARNING)
     global _verbose
     _verbose = verbose
     ctx.obj = State(root, tier.value if tier is not None else None, verbose)
@@ -546,7 +550,10 @@ def send(
         bool,
         typer.Option(
             "--jsonl",
-            help="JSON lines: 'body' (or 'body_base64') and message properties; peek --json's extra fields are dropped.",
+            help=(
+                "JSON lines: 'body' (or 'body_base64') and message properties, one object per line; the objects of "
+                "peek --json's array send as they are (put one per line: jq -c '.[]'), their extra fields dropped."
+            ),
         ),
     ] = False,
     batch: Annotated[int, typer.Option(min=1, max=10_000, help="Messages per atomic send.")] = 500,
@@ -762,7 +769,14 @@ def rule_create(
     content_type: Annotated[str | None, typer.Option(help="Correlation filter: content type equals.")] = None,
     prop: Annotated[
         list[str] | None,
-        typer.Option("--property", "-p", help="Correlation filter: application property NAME=VALUE (repeatable)."),
+        typer.Option(
+            "--property",
+            "-p",
+            help=(
+                "Correlation filter: application property NAME=VALUE (repeatable). VALUE is typed as JSON reads it: "
+                'qty=20 is the number 20, vip=true a boolean, code=\'"20"\' the string "20" (else the text itself).'
+            ),
+        ),
     ] = None,
     action: Annotated[
         str | None, typer.Option("--action", help='SQL action applied to matching copies, e.g. "SET x = 1".')

@@ -303,7 +303,7 @@ class Entity:
         shown = ", ".join(map(str, partitions))
         return PartitionUnavailableError(
             f"{outcome}: partition(s) {shown} of {self.name!r}, which may hold its messages, could not be read "
-            f"({'; '.join(reasons)}); Namespace.check() reports damaged storage"
+            f"({'; '.join(reasons)}); Namespace.check() (`sparkqueue check`) reports damaged storage"
         )
 
     def receive_partition(

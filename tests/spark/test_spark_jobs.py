@@ -106,6 +106,24 @@ def test_consumers_refuse_a_root_without_namespace_before_spark_starts(tmp_path)
         assert exit_info.value.code == 1 and not missing.exists()
 
 
+def test_consumers_refuse_a_queue_that_does_not_exist_before_spark_starts(tmp_path):
+    """With the shipped `queue.create = true`, a consumer given a mistyped queue created it, consumed nothing and exited 0.
+    Consumers never make the queue they read: both fail in one line, before Spark starts, and create nothing."""
+    from jobs import stream_consumer
+
+    root = tmp_path / "ns"
+    Namespace(str(root)).close()
+    path = write_config(tmp_path, 10)
+    for job in (consumer, stream_consumer):
+        with pytest.raises(SystemExit) as exit_info:
+            job.main(
+                ["--config", str(path), "--root", str(root), "--queue", "ordres", "--set", "queue.create=true", "--no-progress"]
+            )
+        assert exit_info.value.code == 1
+    with Namespace(str(root)) as ns:
+        assert ns.list_queues() == []
+
+
 def test_bad_settings_and_transforms_are_named_before_spark_starts(tmp_path):
     """A bad number or transform is a one-line error naming the setting (expected_failures), raised before any Spark work."""
     path = write_config(tmp_path, 10)
