@@ -181,7 +181,7 @@ class AutoLockRenewer:
             return
         receiver = messages[0].receiver
         try:
-            held = receiver._renew_message_locks([r.renewable for r in messages])
+            held = receiver.renew_message_locks([r.renewable for r in messages])
         except Exception as exc:
             for reg in messages:
                 self._finish(reg, exc)

@@ -412,11 +412,15 @@ class Receiver:
             )
         return until
 
-    def _renew_message_locks(self, messages: list[ReceivedMessage]) -> list[bool]:
-        """Renew many message locks in one commit per partition (AutoLockRenewer's batches); which locks still held.
+    def renew_message_locks(self, messages: Sequence[ReceivedMessage]) -> list[bool]:
+        """Renew many message locks in one commit per partition (sparkqueue extension; AutoLockRenewer's batches); which held.
 
-        Those renewed get their new `locked_until_utc`; a lost lock is reported, not raised.
+        Those renewed get their new `locked_until_utc`; a lost lock is reported, not raised. A
+        session's messages have no lock of their own: TypeError, as renew_message_lock.
         """
+        if self.session is not None:
+            raise TypeError("session messages cannot be renewed; renew the session lock with receiver.session.renew_lock()")
+        messages = list(messages)
         ok, until = self._settle_outcome(messages, lifecycle.RENEW)
         for m, held, new in zip(messages, ok, until, strict=True):
             if held and new is not None:

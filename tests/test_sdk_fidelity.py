@@ -492,3 +492,19 @@ def test_entity_properties_report_their_availability_and_updates_take_the_sdk_di
     assert ns.get_queue("q").max_delivery_count == 3
     with pytest.raises(AttributeError):
         ns.get_queue("q").availability_status = "Limited"  # type: ignore[misc]  # describes the entity: not a setting
+
+
+def test_renew_message_locks_renews_many_at_once_and_reports_lost_ones(ns: Namespace) -> None:
+    """The batch renewal AutoLockRenewer uses (sparkqueue extension): one commit per partition, lost locks reported."""
+    ns.create_queue("q", enable_partitioning=False)
+    with ns.get_queue_sender("q") as s:
+        s.send_messages([Message(f"m{i}") for i in range(3)])
+    with ns.get_queue_receiver("q") as r:
+        got = drain(r, 3)
+        before = [m.locked_until_utc for m in got]
+        r.complete_message(_copy(got[0]))  # another handle settles the first: its lock is gone
+        assert r.renew_message_locks(got) == [False, True, True]
+        assert got[0].locked_until_utc == before[0] and all(
+            m.locked_until_utc > b for m, b in zip(got[1:], before[1:], strict=True)
+        )
+        r.complete_messages(got[1:])
