@@ -575,3 +575,17 @@ def test_damaged_storage_is_one_line_without_verbose(root: Path) -> None:
     assert (shown.returncode, shown.stderr.strip()) == (0, "") and "Limited" in shown.stdout
     verbose = sq(root, "--verbose", "peek", "q")
     assert "storage damage" in verbose.stderr and verbose.returncode == 1
+
+
+@pytest.mark.parametrize(("wait", "said"), [("nan", "nan is not a number of seconds"), ("5000", "not between 0 and 3600")])
+def test_receive_wait_out_of_range_says_why(root: Path, wait: str, said: str) -> None:
+    """--wait nan was refused as "should be less than or equal to 3600"."""
+    ok(root, "create", "queue", "q")
+    p = sq(root, "receive", "q", "--wait", wait)
+    assert p.returncode == 2 and said in p.stderr
+
+
+def test_rule_create_names_the_action_it_stored(root: Path) -> None:
+    ok(root, "create", "topic", "t")
+    ok(root, "create", "subscription", "t", "s")
+    assert "action: SET x = 1" in ok(root, "rule", "create", "t", "s", "r", "--action", "SET x = 1")

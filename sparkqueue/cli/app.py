@@ -208,6 +208,14 @@ def finite(value: float | None) -> float | None:
     return value
 
 
+def wait_seconds(value: float) -> float:
+    """Option callback: a wait of 0 to 3600 seconds (nan is named as such, not as out of range)."""
+    value = finite(value) or 0.0
+    if not 0 <= value <= 3600:
+        raise typer.BadParameter(f"{value:g} is not between 0 and 3600 seconds")
+    return value
+
+
 def seconds(value: float | None) -> timedelta | None:
     """A duration option (seconds) as a timedelta; a value no timedelta holds is a one-line error."""
     if value is None:
@@ -600,7 +608,7 @@ def receive(
         bool, typer.Option("--complete/--abandon", help="Complete the messages (remove them), or abandon (release) them.")
     ] = True,
     dead_letter: Annotated[bool, typer.Option("--dead-letter", help="Receive from the dead-letter sub-queue.")] = False,
-    wait: Annotated[float, typer.Option(min=0, max=3600, callback=finite, help="Seconds to wait for the first message.")] = 1.0,
+    wait: Annotated[float, typer.Option(callback=wait_seconds, help="Seconds to wait for the first message (0 to 3600).")] = 1.0,
     session: Session = None,
     as_json: AsJson = False,
 ) -> None:
@@ -658,7 +666,9 @@ def purge(
 def resubmit(
     ctx: typer.Context,
     name: EntityName,
-    count: Annotated[int | None, typer.Option("--count", "-n", min=1, max=2**31, help="At most this many dead letters.")] = None,
+    count: Annotated[
+        int | None, typer.Option("--count", "-n", min=1, max=2**31 - 1, help="At most this many dead letters.")
+    ] = None,
     via_topic: Annotated[
         bool,
         typer.Option(
@@ -811,7 +821,8 @@ def rule_create(
         .namespace()
         .create_rule(topic, subscription, name, filter=flt, action=SqlRuleAction(action) if action is not None else None)
     )
-    done(f"Created rule {name!r} on {topic}/{subscription}: {render.filter_text(rule.filter)}.")
+    action = f"; action: {rule.action.sql_expression}" if rule.action is not None else ""
+    done(f"Created rule {name!r} on {topic}/{subscription}: {render.filter_text(rule.filter)}{action}.")
 
 
 @rule_app.command("list")
