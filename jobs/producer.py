@@ -89,6 +89,8 @@ def main(argv: list[str] | None = None) -> int:
     with common.expected_failures(args.verbose):
         cfg = common.load_config(args.config, common.overrides_from(args, FLAGS))
         common.numbers(cfg, NUMBERS)
+        with common.namespace(cfg) as ns:  # the queue (made with its settings, or checked) before Spark starts
+            common.ensure_queue(ns, cfg)
         spark = common.session(cfg, verbose=args.verbose)
         try:
             run(cfg, spark)

@@ -151,6 +151,7 @@ def test_bad_settings_and_transforms_are_named_before_spark_starts(tmp_path):
         (consumer.main, ["--batch-size", "0", "--no-progress"]),
         (consumer.main, ["--max-wait-time", "-3", "--no-progress"]),
         (producer.main, ["--generate", "-5"]),
+        (producer.main, ["--set", "queue.lock_duration=999", "--queue", "new"]),  # checked when made, after Spark had started
         (maintenance.main, ["--runs", "2"]),  # ran once, silently
         (maintenance.main, ["--interval", "-1"]),
     ):
