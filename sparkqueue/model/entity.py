@@ -289,6 +289,14 @@ class Entity:
         rows = pa.concat_tables(out) if out else empty_rows()
         return rows, [] if read_one or rows.num_rows else sorted(unreadable)
 
+    def hidden_partitions(self, sub_queue: str) -> list[int]:
+        """The unavailable partitions whose files may hold messages of the sub-queue, when every such partition is
+        unavailable; else []. A receive that found nothing then raises (`unavailable`) rather than read as empty."""
+        dt = self.table.snapshot()
+        holding = [p for p in range(self.partition_count) if self.table.may_hold_messages(dt, p, sub_queue, self.subscription)]
+        down = [p for p in holding if not self.available(p)]
+        return down if down and len(down) == len(holding) else []
+
     def unavailable(self, partitions: Sequence[int], outcome: str) -> PartitionUnavailableError:
         """The error of an operation that could not read these partitions: each one's reason (a fault, the damage found)."""
         reasons = []

@@ -134,7 +134,7 @@ class Sessions:
             if got is not None:
                 return got
             if time.monotonic() >= give_up:
-                down = self._hidden_partitions()
+                down = self.entity.hidden_partitions(SUB_QUEUE_MAIN)
                 if down:
                     raise self.entity.unavailable(down, "no session was accepted")
                 raise OperationTimeoutError(
@@ -228,14 +228,6 @@ class Sessions:
                     break
                 window *= 4  # every session in the window is held: a free one may wait further back
         return None
-
-    def _hidden_partitions(self) -> builtins.list[int]:
-        """The unavailable partitions whose files may hold messages, when every such partition is unavailable; else []."""
-        dt = self.table.snapshot()
-        sub = self.entity.subscription
-        holding = [p for p in range(self.entity.partition_count) if self.table.may_hold_messages(dt, p, SUB_QUEUE_MAIN, sub)]
-        down = [p for p in holding if not self.entity.available(p)]
-        return down if down and len(down) == len(holding) else []
 
     def _free_by_stats(self, dt: Snapshot, p: int) -> list[str]:
         """Sessions of the partition that, by file statistics alone, have a message available now (oldest first)."""

@@ -55,7 +55,7 @@ LOCKING_SHARE = 6  # no new lock commit starts after lock_duration / LOCKING_SHA
 CLOCK_SKEW = timedelta(seconds=30)  # how far apart the driver's and executors' clocks may be
 MAX_ROUNDS = 64  # a safety bound: rounds end on their own (see gather)
 POLL_MIN_S, POLL_MAX_S = 0.05, 1.0
-ROUND_DDL = "partition_id int, requested long, received long"
+ROUND_DDL = "partition_id int, requested long, received long, unavailable boolean"
 
 
 @dataclass(frozen=True)
@@ -105,8 +105,13 @@ def receive_dataframe(
     rounds = 0
     try:  # a round or task failing after others committed: what they locked is given back too
         while True:
-            got, rounds = gather(session, job, entity, want, rounds)
-            if got or time.monotonic() >= give_up:
+            got, rounds, down = gather(session, job, entity, want, rounds)
+            if got:
+                break
+            if time.monotonic() >= give_up:
+                down |= set(entity.hidden_partitions(sub_queue))
+                if down:  # damaged storage is reported, never read as empty (docs/semantics.md §10)
+                    raise entity.unavailable(sorted(down), "nothing was received")
                 break
             time.sleep(min(poll, max(0.0, give_up - time.monotonic())))
             poll = min(POLL_MAX_S, poll * 2)
@@ -153,8 +158,9 @@ def read_staged(spark: SparkSession, job: ReceiveJob, now: datetime) -> DataFram
     return df
 
 
-def gather(spark: SparkSession, job: ReceiveJob, entity: Entity, want: int, rounds: int) -> tuple[int, int]:
-    """Receive up to `want` messages in rounds of parallel lock tasks; returns (received, rounds run so far).
+def gather(spark: SparkSession, job: ReceiveJob, entity: Entity, want: int, rounds: int) -> tuple[int, int, set[int]]:
+    """Receive up to `want` messages in rounds of parallel lock tasks; returns (received, rounds run so far, and the
+    partitions a task found unavailable: damage found on an executor marks the partition there, not in the driver).
 
     Each round splits what is missing over the candidate partitions, no partition getting more
     than its files could hold. A partition that returned less than its share is exhausted for this
@@ -167,6 +173,7 @@ def gather(spark: SparkSession, job: ReceiveJob, entity: Entity, want: int, roun
         shift = random.randrange(len(candidates))
         candidates = candidates[shift:] + candidates[:shift]
     total = 0
+    down: set[int] = set()
     stop_at = time.monotonic() + locking_time_s(entity, job.delete)
     for _ in range(MAX_ROUNDS):
         plan = shares(want - total, candidates, estimate)
@@ -180,6 +187,7 @@ def gather(spark: SparkSession, job: ReceiveJob, entity: Entity, want: int, roun
             )
         rounds += 1
         total += sum(r.received for r in results)
+        down |= {r.partition_id for r in results if r.unavailable}
         for r in results:
             estimate[r.partition_id] = max(0, estimate[r.partition_id] - r.received)
         planned = {p for p, _ in plan}
@@ -187,7 +195,7 @@ def gather(spark: SparkSession, job: ReceiveJob, entity: Entity, want: int, roun
         candidates = full + [p for p in candidates if p not in planned]  # untried partitions go last
         if total >= want or (total and time.monotonic() >= stop_at):
             break
-    return total, rounds
+    return total, rounds, down
 
 
 def locking_time_s(entity: Entity, delete: bool = False) -> float:
@@ -253,6 +261,7 @@ def lock_task(
                     "partition_id": pa.array([p], pa.int32()),
                     "requested": pa.array([share], pa.int64()),
                     "received": pa.array([got], pa.int64()),
+                    "unavailable": pa.array([not got and not entity.available(p)], pa.bool_()),
                 }
             )
 

@@ -395,3 +395,18 @@ def test_a_receive_stops_locking_before_its_first_locks_could_lapse(spark, ns, n
     rows = df.select("sequence_number", "locked_until_utc").collect()
     assert 0 < len(rows) < 4000
     assert min(r.locked_until_utc.timestamp() for r in rows) > returned
+
+
+def test_a_receive_dataframe_from_a_damaged_queue_raises_instead_of_returning_nothing(spark, ns):
+    """The queue's only data file lost: the lock tasks found the damage in their processes and the driver returned an
+    empty DataFrame, as if the queue were empty. It raises PartitionUnavailableError naming the partition."""
+    from sparkqueue import Message
+    from sparkqueue.errors import PartitionUnavailableError
+
+    ns.create_queue("q", enable_partitioning=False)
+    with ns.get_queue_sender("q") as s:
+        s.send_messages([Message(f"m{i}") for i in range(10)])
+    for f in Path(ns.root, "entities").rglob("*.parquet"):
+        f.unlink()
+    with ns.get_queue_receiver("q") as r, pytest.raises(PartitionUnavailableError, match=r"partition\(s\) 0 of 'q'"):
+        r.receive_dataframe(10)
