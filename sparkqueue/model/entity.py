@@ -226,46 +226,35 @@ class Entity:
         settings changed during the wait: disabled, or forwarding now); the caller checked before the first poll.
 
         Unavailable partitions are skipped (docs/semantics.md §10), but a receive that ends with
-        nothing because it could read none of the partitions that may hold its messages raises
-        PartitionUnavailableError naming them: damaged storage is reported, never read as empty.
+        nothing while every partition that may hold its messages is unavailable (`hidden_partitions`)
+        raises PartitionUnavailableError naming them: damaged storage is reported, never read as empty.
         """
         give_up = time.monotonic() + wait_s
         poll = POLL_MIN_S
         while True:
-            got, unreadable = self._receive_once(sub_queue, max_count, delete)
+            got = self._receive_once(sub_queue, max_count, delete)
             if got.num_rows:
                 return got
             if time.monotonic() >= give_up:
-                if unreadable:
-                    raise self.unavailable(unreadable, "nothing was received")
+                down = self.hidden_partitions(sub_queue)  # a pass that found damage marked its partition
+                if down:
+                    raise self.unavailable(down, "nothing was received")
                 return got
             time.sleep(min(poll, max(0.0, give_up - time.monotonic())))
             poll = min(POLL_MAX_S, poll * 2)
             if check is not None:
                 check()
 
-    def _receive_once(self, sub_queue: str, max_count: int, delete: bool) -> tuple[pa.Table, list[int]]:
-        """One pass over the partitions from a rotating start, gathering until max_count.
-
-        Also returns the partitions whose files may hold messages of the sub-queue (their statistics
-        tell) that it could not read (unavailable, or found damaged by this pass), when it read none
-        of those partitions; [] when it read one of them, or there were none.
-        """
+    def _receive_once(self, sub_queue: str, max_count: int, delete: bool) -> pa.Table:
+        """One pass over the partitions from a rotating start, gathering until max_count."""
         start = next(self._recv_start)
         out: list[pa.Table] = []
         remaining = max_count
-        unreadable: list[int] = []
-        read_one = False
         dt = self.table.snapshot()  # one snapshot serves every partition this pass does not change
         for i in range(self.partition_count):
             p = (start + i) % self.partition_count
-            if not self.table.holds_files(dt, p):
+            if not self.available(p) or not self.table.holds_files(dt, p):
                 continue  # an empty partition: nothing to read (a receive of one message would try most of 16)
-            hides = self.table.may_hold_messages(dt, p, sub_queue, self.subscription)  # as far as its statistics tell
-            if not self.available(p):
-                if hides:
-                    unreadable.append(p)
-                continue
             # Once half the count is in hand, files are taken whole or not at all (docs/storage.md, "Receives
             # take whole files"): a split would rewrite the file's other rows, and a commit on another
             # partition for a few messages costs as much as the first.
@@ -277,17 +266,12 @@ class Entity:
                     raise
                 log.warning("receive from %s stopped at partition %d (%s): returning what it took", self.name, p, exc)
                 break  # what earlier partitions gave is locked (or deleted) already: returned, never dropped
-            if hides and (got.num_rows or self.available(p)):
-                read_one = True  # still available after an empty read: read, or a file replaced under it (no damage)
-            elif hides:
-                unreadable.append(p)  # down, or damage this read found
             if got.num_rows:
                 out.append(got)
                 remaining -= got.num_rows
             if remaining <= 0:
                 break
-        rows = pa.concat_tables(out) if out else empty_rows()
-        return rows, [] if read_one or rows.num_rows else sorted(unreadable)
+        return pa.concat_tables(out) if out else empty_rows()
 
     def hidden_partitions(self, sub_queue: str) -> list[int]:
         """The unavailable partitions whose files may hold messages of the sub-queue, when every such partition is

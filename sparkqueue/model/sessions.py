@@ -575,7 +575,8 @@ class Sessions:
 
     def _session_files(self, dt: Snapshot, p: int, session_id: str) -> builtins.list[FileInfo]:
         """The files that may hold the session's row or messages, by lowest sequence number (as the table lists them)."""
-        return [f for f in self.table.files(dt, p) if self._files_of(session_id)(f)]
+        holds = self._files_of(session_id)
+        return [f for f in self.table.files(dt, p) if holds(f)]
 
     def _files_with(self, dt: Snapshot, lock: SessionLock, seqs: Sequence[int]) -> builtins.list[FileInfo]:
         """The session's files that hold its row or may hold one of these messages (by sequence range): what a settle reads."""
