@@ -777,16 +777,16 @@ def _check_topic_quota(topic_name: str, catalog: list[CatalogEntry], adding: str
     `adding`: SUBSCRIPTION, or a filter kind ("SqlRuleFilter" or "CorrelationRuleFilter"). Checked
     on the catalog a create's commit finds, so racing creates cannot pass the quota together.
     """
+    of_topic = [e for e in catalog if Address.parse(e.name).topic == topic_name]
     if adding == SUBSCRIPTION:
-        kinds = [SUBSCRIPTION for e in catalog if e.entity_type == SUBSCRIPTION and Address.parse(e.name).topic == topic_name]
+        held = sum(1 for e in of_topic if e.entity_type == SUBSCRIPTION)
         quota = limits.MAX_SUBSCRIPTIONS_PER_TOPIC
     else:
-        rules = [e for e in catalog if e.entity_type == RULE and Address.parse(e.name).topic == topic_name]
-        kinds = [_filter_kind(json.loads(e.properties)["filter"]) for e in rules]
+        held = sum(1 for e in of_topic if e.entity_type == RULE and _filter_kind(json.loads(e.properties)["filter"]) == adding)
         quota = (
             limits.MAX_CORRELATION_FILTERS_PER_TOPIC if adding == "CorrelationRuleFilter" else limits.MAX_SQL_FILTERS_PER_TOPIC
         )
-    if kinds.count(adding) >= quota:
+    if held >= quota:
         what = "subscriptions" if adding == SUBSCRIPTION else f"rules with a {_SHOWN_KIND[adding]} filter"
         raise QuotaExceededError(
             f"topic {topic_name!r} already holds {quota} {what}, as many as Service Bus allows; delete one first"
