@@ -332,6 +332,9 @@ ERROR_CASES: list[tuple[tuple[str, ...], int, str]] = [
     (("peek", "t"), 1, "'t' is a topic"),
     (("send", "t/s", "--file", __file__), 1, "send to its topic 't'"),
     (("send", "q", "--file", "/nonexistent/file.txt"), 2, "does not exist"),
+    (("create", "queue", "w", "--duplicate-window", "60"), 2, "--duplicate-detection"),
+    (("create", "topic", "w", "--duplicate-window", "60"), 2, "--duplicate-detection"),
+    (("resubmit", "q", "--via-topic"), 1, "is a queue"),
 ]
 
 

@@ -225,6 +225,15 @@ def seconds(value: float | None) -> timedelta | None:
     return timedelta(seconds=value)
 
 
+def detection_window(duplicate_detection: bool, window: float | None) -> timedelta | None:
+    """The --duplicate-window of a create: refused without --duplicate-detection, where it would do nothing."""
+    if window is not None and not duplicate_detection:
+        raise typer.BadParameter(
+            "needs --duplicate-detection (without it no message is checked)", param_hint="'--duplicate-window'"
+        )
+    return seconds(window)
+
+
 def given(**settings: Any) -> dict[str, Any]:
     """Only the settings given on the command line, so the library's defaults apply to the rest."""
     return {k: v for k, v in settings.items() if v is not None}
@@ -319,7 +328,7 @@ def create_queue(
         **given(
             lock_duration=seconds(lock_duration),
             max_delivery_count=max_delivery_count,
-            duplicate_detection_history_time_window=seconds(duplicate_window),
+            duplicate_detection_history_time_window=detection_window(duplicate_detection, duplicate_window),
             default_message_time_to_live=seconds(ttl),
             max_size_in_megabytes=max_size,
             forward_to=forward_to,
@@ -347,7 +356,7 @@ def create_topic(
         enable_partitioning=not no_partitioning,
         requires_duplicate_detection=duplicate_detection,
         **given(
-            duplicate_detection_history_time_window=seconds(duplicate_window),
+            duplicate_detection_history_time_window=detection_window(duplicate_detection, duplicate_window),
             default_message_time_to_live=seconds(ttl),
             max_size_in_megabytes=max_size,
         ),

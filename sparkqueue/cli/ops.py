@@ -484,6 +484,8 @@ def resubmit(
     """
     if target.kind == TOPIC:
         raise _topic_is_not_readable(ns, target)
+    if target.kind == QUEUE and via_topic:
+        raise InvalidOperationError(f"{target.label} is a queue: --via-topic applies to a subscription's dead letters")
     destination = target if target.kind == QUEUE else Target(TOPIC, target.name)
     if target.kind == SUBSCRIPTION and not via_topic:
         raise InvalidOperationError(
