@@ -496,8 +496,11 @@ class Management:
                 )
             _check_topic_quota(Address.parse(sub_entry.name).topic, catalog, _filter_kind(flt.to_dict()))
 
-        if not self.broker.catalog.insert([entry], self.broker.deadline(), require=require):
-            raise EntityAlreadyExistsError(f"rule {rule_name!r} already exists on {topic_name}/{subscription_name}")
+        same = _same_entity_name(RULE, rule_entity_name(topic_name, subscription_name, rule_name))
+        if not self.broker.catalog.insert([entry], self.broker.deadline(), same, require):
+            taken = next((Address.parse(e.name).leaf for e in self.broker.catalog.entries(RULE) if same(e.name)), rule_name)
+            alike = "" if taken == rule_name else f" as {taken!r} (rule names ignore case)"
+            raise EntityAlreadyExistsError(f"rule {rule_name!r} already exists on {topic_name}/{subscription_name}{alike}")
         self.broker.forget(Address.of(TOPIC, topic_name).key)
         return RuleProperties(rule_name, flt, action)
 
@@ -521,8 +524,9 @@ class Management:
         flt = settings.get("filter", rule.filter)
         action = settings.get("action", rule.action)
         flt, action = _stored_rule(flt if flt is not None else TrueRuleFilter(), action)
-        key = Address.of(RULE, rule_entity_name(topic_name, subscription_name, rule.name)).key
-        self.broker.entry(RULE, rule_entity_name(topic_name, subscription_name, rule.name))
+        name = self.broker.canonical(RULE, rule_entity_name(topic_name, subscription_name, rule.name))
+        key = Address.of(RULE, name).key
+        self.broker.entry(RULE, name)
         self._check_action_fits(topic_name, subscription_name, action)
         self._require_topic_partitions(topic_name, f"update rule {rule.name!r} of {topic_name}/{subscription_name}")
         if not self.broker.catalog.update(key, _rule_json(flt, action), self.broker.deadline()):
@@ -864,12 +868,12 @@ def _with_timeout(method: Callable[..., Any]) -> Callable[..., Any]:
 
 
 def _with_stored_names(method: Callable[..., Any]) -> Callable[..., Any]:
-    """Read the queue, topic and subscription names a management call is given as stored, if they differ only in case.
+    """Read the entity and rule names a management call is given as stored, if they differ only in case.
 
     Service Bus names ignore case (Broker.canonical). A create keeps the spelling it is given for the entity it creates.
     """
     signature = inspect.signature(method)
-    names = [n for n in ("queue_name", "topic_name", "subscription_name") if n in signature.parameters]
+    names = [n for n in ("queue_name", "topic_name", "subscription_name", "rule_name") if n in signature.parameters]
     if not names:
         return method
     created = method.__name__.removeprefix("create_") + "_name" if method.__name__.startswith("create_") else None
@@ -906,7 +910,8 @@ def _store_names(broker: Broker, given: dict[str, Any], created: str | None) -> 
     A name no entity can have (limits.check_name_type) raises here, before any catalog lookup.
     """
     queue, topic, sub = given.get("queue_name"), given.get("topic_name"), given.get("subscription_name")
-    for name, what in ((queue, QUEUE), (topic, TOPIC), (sub, SUBSCRIPTION)):
+    rule = given.get("rule_name")
+    for name, what in ((queue, QUEUE), (topic, TOPIC), (sub, SUBSCRIPTION), (rule, RULE)):
         if isinstance(name, str):
             limits.check_name_type(name, what)
     if isinstance(queue, str) and created != "queue_name":
@@ -915,8 +920,14 @@ def _store_names(broker: Broker, given: dict[str, Any], created: str | None) -> 
         return
     if created != "topic_name":
         given["topic_name"] = topic = broker.canonical(TOPIC, topic)
-    if isinstance(sub, str) and created != "subscription_name":
-        given["subscription_name"] = Address.of(SUBSCRIPTION, broker.canonical(SUBSCRIPTION, sub_entity_name(topic, sub))).leaf
+    if not isinstance(sub, str):
+        return
+    if created != "subscription_name":
+        given["subscription_name"] = sub = Address.of(
+            SUBSCRIPTION, broker.canonical(SUBSCRIPTION, sub_entity_name(topic, sub))
+        ).leaf
+    if isinstance(rule, str) and created != "rule_name":
+        given["rule_name"] = Address.of(RULE, broker.canonical(RULE, rule_entity_name(topic, sub, rule))).leaf
 
 
 for _name, _method in list(vars(Management).items()):

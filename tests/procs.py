@@ -15,7 +15,7 @@ from typing import Any
 
 import mmh3
 
-from sparkqueue import Message, Namespace, ReceivedMessage, ReceiveMode
+from sparkqueue import Message, Namespace, ReceivedMessage, ReceiveMode, SqlRuleFilter
 from sparkqueue.errors import (
     EntityAlreadyExistsError,
     EntityNotFoundError,
@@ -337,6 +337,18 @@ def create_queue(root: str, queue: str, barrier: Any, results: Any, worker: int,
     except QuotaExceededError:
         results.put((worker, "over quota"))
         return
+    results.put((worker, "created"))
+
+
+def create_rule(root: str, name: str, barrier: Any, results: Any, worker: int) -> None:
+    """Create rule `name` on subscription t/s at once with the others; reports "created" or "exists"."""
+    _wait(barrier)
+    with Namespace(root) as ns:
+        try:
+            ns.create_rule("t", "s", name, filter=SqlRuleFilter(f"n = {worker}"))
+        except EntityAlreadyExistsError:
+            results.put((worker, "exists"))
+            return
     results.put((worker, "created"))
 
 

@@ -433,6 +433,18 @@ def test_racing_queue_and_topic_of_one_name_one_wins(root: str) -> None:
         assert len(ns.list_queues()) + len(ns.list_topics()) == 1
 
 
+def test_racing_rules_named_alike_but_for_case_one_wins(root: str) -> None:
+    """Rule names ignore case, as in Service Bus: of four processes creating "Audit" in various cases, one succeeds."""
+    with Namespace(root) as ns:
+        ns.create_topic("t")
+        ns.create_subscription("t", "s")
+    names = ["Audit", "audit", "AUDIT", "aUdIt"]
+    reports = _run(procs.create_rule, 4, lambda i, b, r: (root, names[i], b, r, i))
+    assert Counter(outcome for _, outcome in reports) == Counter({"created": 1, "exists": 3})
+    with Namespace(root) as ns:
+        assert sorted(r.name.lower() for r in ns.list_rules("t", "s")) == ["$default", "audit"]
+
+
 @pytest.mark.slow  # CI runs it (SPARKQUEUE_SLOW=1): 98 queues to create first
 def test_racing_creators_never_pass_the_partitioned_entity_quota(root: str) -> None:
     """Four processes creating partitioned queues when two more fit: exactly two succeed (the quota is checked in the commit)."""

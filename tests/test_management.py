@@ -23,6 +23,7 @@ from sparkqueue.errors import (
     QuotaExceededError,
     StorageCorruptedError,
 )
+from sparkqueue.model.properties import RuleProperties
 
 CUSTOM = {
     "enable_partitioning": False,
@@ -632,6 +633,28 @@ def test_subscription_names_are_unique_in_their_topic_without_case(ns: Namespace
     with ns.get_topic_sender("t") as s:
         s.send_messages(Message("x"))
     assert ns.get_subscription_runtime_properties("T", "oRdErS").active_message_count == 1
+
+
+def test_rule_names_are_unique_in_their_subscription_without_case(ns: Namespace) -> None:
+    """As in Service Bus: "audit" beside "Audit" was a second rule, and "AUDIT" found neither."""
+    ns.create_topic("t")
+    ns.create_subscription("t", "s")
+    ns.create_subscription("t", "other")
+    ns.create_rule("t", "s", "Audit", filter=SqlRuleFilter("n = 1"))
+    with pytest.raises(EntityAlreadyExistsError, match="as 'Audit'"):
+        ns.create_rule("t", "S", "audit", filter=SqlRuleFilter("n = 2"))
+    with pytest.raises(EntityAlreadyExistsError, match=r"as '\$Default'"):
+        ns.create_rule("t", "s", "$DEFAULT")
+    ns.create_rule("t", "other", "audit")  # another subscription's name space
+    assert sorted(r.name for r in ns.list_rules("t", "s")) == ["$Default", "Audit"]
+    assert isinstance(ns.get_rule("T", "s", "AUDIT").filter, SqlRuleFilter)
+    ns.update_rule("t", "s", RuleProperties("aUdIt", SqlRuleFilter("n = 3")))
+    assert ns.get_rule("t", "s", "Audit").filter.sql_expression == "n = 3"
+    ns.delete_rule("t", "s", "$default")
+    ns.delete_rule("t", "s", "AUDIT")
+    assert ns.list_rules("t", "s") == []
+    with pytest.raises(EntityNotFoundError):
+        ns.get_rule("t", "s", "audit")
 
 
 def _delete_as_another_client(root: Path, kind: str, name: str) -> None:

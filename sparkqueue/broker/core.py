@@ -174,8 +174,10 @@ class Broker:
     def canonical(self, entity_type: str, name: str) -> str:
         """The stored spelling of an entity name given in another case, as Service Bus names ignore case; else `name`.
 
-        Queue and topic names are unique without case (docs/semantics.md §1). A subscription's topic
-        part is matched the same way, and its own part (unique only with case) when one alone matches.
+        Queue and topic names are unique without case (docs/semantics.md §1), and so are a topic's
+        subscriptions and a subscription's rules. A subscription's or rule's parents are matched the
+        same way, and its own name when exactly one stored name matches it (names stored before
+        uniqueness without case may differ only in case).
         """
         if self.catalog.get(Address.of(entity_type, name).key) is not None:
             return name  # stored as given: the common case, one lookup
@@ -186,13 +188,16 @@ class Broker:
         if entity_type in (QUEUE, TOPIC):
             found = _alike_entry(self.catalog.entries(entity_type), Address.of(entity_type, name).key)
             return Address.parse(found.name).name if found is not None else name
-        if entity_type != SUBSCRIPTION:
+        if entity_type not in (SUBSCRIPTION, RULE):
             return name
-        address = Address.of(SUBSCRIPTION, name)
-        topic, sub = self.canonical(TOPIC, address.topic), address.leaf
-        subs = [Address.parse(e.name).leaf for e in self.catalog.entries(SUBSCRIPTION) if Address.parse(e.name).topic == topic]
-        alike = [s for s in subs if s.lower() == sub.lower()]
-        return Address.subscription_of(topic, sub if sub in subs or len(alike) != 1 else alike[0]).name
+        address = Address.of(entity_type, name)
+        parent_kind = TOPIC if entity_type == SUBSCRIPTION else SUBSCRIPTION
+        parent = Address.of(parent_kind, self.canonical(parent_kind, Address(parent_kind, address.parts[:-1]).name))
+        siblings = [Address.parse(e.name) for e in self.catalog.entries(entity_type)]
+        leaves = [a.leaf for a in siblings if a.is_child_of(parent)]
+        alike = [leaf for leaf in leaves if leaf.lower() == address.leaf.lower()]
+        leaf = address.leaf if address.leaf in leaves or len(alike) != 1 else alike[0]
+        return Address(entity_type, (*parent.parts, leaf)).name
 
     def forget(self, key: str) -> None:
         """Drop cached settings of an entity (after an update or delete), under every spelling it was looked up by."""
