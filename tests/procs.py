@@ -352,6 +352,22 @@ def create_rule(root: str, name: str, barrier: Any, results: Any, worker: int) -
     results.put((worker, "created"))
 
 
+def send_big(root: str, queue: str, barrier: Any, results: Any, worker: int, size: int) -> None:
+    """Send one incompressible message of `size` bytes to a premium namespace's queue at once with the others.
+
+    Reports "sent" or "over quota".
+    """
+    body = os.urandom(size)
+    _wait(barrier)
+    with Namespace(root, tier="premium") as ns, ns.get_queue_sender(queue) as sender:
+        try:
+            sender.send_messages(Message(body, message_id=f"racer-{worker}"))
+        except QuotaExceededError:
+            results.put((worker, "over quota"))
+            return
+    results.put((worker, "sent"))
+
+
 def churn_catalog(root: str, role: str, barrier: Any, results: Any, worker: int, seconds: float) -> None:
     """For `seconds`, create and delete a parent while others add children to it; reports how many children landed.
 

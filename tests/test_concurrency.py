@@ -445,6 +445,23 @@ def test_racing_rules_named_alike_but_for_case_one_wins(root: str) -> None:
         assert sorted(r.name.lower() for r in ns.list_rules("t", "s")) == ["$default", "audit"]
 
 
+@pytest.mark.slow  # CI runs it (SPARKQUEUE_SLOW=1): it writes about 1.3 GB
+def test_racing_senders_never_take_a_partition_past_its_size(root: str) -> None:
+    """Four processes each sending 100 MB into a 1,024 MB partition with room for one: exactly one is stored."""
+    big = 100 * 1024 * 1024 - 1024  # just under the premium message limit
+    with Namespace(root, tier="premium") as ns:
+        ns.create_queue("q", max_size_in_megabytes=1024)
+        with ns.get_queue_sender("q") as s:
+            for i in range(9):  # about 900 MB
+                s.send_messages(Message(os.urandom(big), message_id=f"fill-{i}"))
+    reports = _run(procs.send_big, 4, lambda i, b, r: (root, "q", b, r, i, big))
+    assert Counter(outcome for _, outcome in reports) == Counter({"sent": 1, "over quota": 3})
+    with Namespace(root, tier="premium") as ns:
+        rp = ns.get_queue_runtime_properties("q")
+        assert rp.active_message_count == 10
+        assert rp.size_in_bytes <= 1024 * 1024 * 1024
+
+
 @pytest.mark.slow  # CI runs it (SPARKQUEUE_SLOW=1): 98 queues to create first
 def test_racing_creators_never_pass_the_partitioned_entity_quota(root: str) -> None:
     """Four processes creating partitioned queues when two more fit: exactly two succeed (the quota is checked in the commit)."""
