@@ -270,9 +270,14 @@ class Management:
         # Checked against this entry's settings: the change applies only while the key still names its table, so
         # an entity deleted and made again meanwhile (other fixed settings) is not rewritten with these.
         key = Address.of(entity_type, name).key
+        rerouted = getattr(old, "forward_to", None) != getattr(props, "forward_to", None)
+        if rerouted:  # the main route rests from before the change until every process knows it (docs/semantics.md §9)
+            self.broker.mark_route_change(entity_type, name)
         if not self.broker.catalog.update(key, props.to_json(), self.broker.deadline(), entry.table_path):
             raise EntityNotFoundError(f"{entity_type} {name!r} does not exist (it was deleted meanwhile)")
         self.broker.forget(key)
+        if rerouted:
+            self.broker.mark_route_change(entity_type, name)
         left, new_route = _left_destination(old, props), _new_route(old, props)
         if left or new_route:
             self.broker.forward_after_route_change(entity_type, name, left, new_route)

@@ -502,38 +502,48 @@ def test_subscription_dead_letters_are_forwarded(ns: Namespace) -> None:
 
 
 def test_expired_and_over_delivered_dead_letters_are_forwarded(ns: Namespace) -> None:
-    """Dead letters from TTL expiry and MaxDeliveryCountExceeded reach the dead-letter destination, not lost."""
-    ns.create_queue("dlq-target", dead_lettering_on_message_expiration=True)
-    ns.create_queue(
-        "q",
-        enable_partitioning=False,
-        max_delivery_count=1,
-        dead_lettering_on_message_expiration=True,
-        forward_dead_lettered_messages_to="dlq-target",
-    )
-    sender = ns.get_queue_sender("q")
-    sender.send_messages(
-        [Message("x", message_id="expiring", time_to_live=timedelta(milliseconds=200)), Message("y", message_id="poison")]
-    )
+    """Dead letters from TTL expiry and MaxDeliveryCountExceeded reach the dead-letter destination and stay there.
+
+    A dead letter travels without its TTL: the expired one used to get its 200 ms again at the target, expire there at
+    once and, the target not dead-lettering on expiry (a plain central queue), vanish. A target's default TTL applies.
+    """
+    ns.create_queue("dlq-target")
+    ns.create_queue("capped-target", default_message_time_to_live=timedelta(hours=1))
+    for name, target in (("q", "dlq-target"), ("q2", "capped-target")):
+        ns.create_queue(
+            name,
+            enable_partitioning=False,
+            max_delivery_count=1,
+            dead_lettering_on_message_expiration=True,
+            forward_dead_lettered_messages_to=target,
+        )
+        ns.get_queue_sender(name).send_messages(
+            [Message("x", message_id="expiring", time_to_live=timedelta(milliseconds=200)), Message("y", message_id="poison")]
+        )
     time.sleep(0.4)
-    with ns.get_queue_receiver("q") as r:
-        (m,) = r.receive_messages(max_wait_time=2)
-        assert m.message_id == "poison"
-        r.abandon_message(m)
-        assert r.receive_messages(max_wait_time=0.3) == []
+    for name in ("q", "q2"):
+        with ns.get_queue_receiver(name) as r:
+            (m,) = r.receive_messages(max_wait_time=2)
+            assert m.message_id == "poison"
+            r.abandon_message(m)
+            assert r.receive_messages(max_wait_time=0.3) == []
     ns.forward_pending_messages()
-    assert queue_ids(ns, "q", dead_letter=True) == Counter()
+    time.sleep(0.4)  # longer than the expired message's own TTL
+    for name in ("q", "q2"):
+        assert queue_ids(ns, name, dead_letter=True) == Counter()
     with ns.get_queue_receiver("dlq-target") as r:
         arrived = {m.message_id: m for m in peek_all(r)}
-    # the forwarded message's TTL counts from its arrival; if it lapsed since, it is in the target's DLQ
-    with ns.get_queue_receiver("dlq-target", sub_queue=SubQueue.DEAD_LETTER) as r:
-        expired_again = {m.message_id: m for m in peek_all(r)}
-    assert sorted([*arrived, *expired_again]) == ["expiring", "poison"]
+    assert sorted(arrived) == ["expiring", "poison"]
     assert arrived["poison"].dead_letter_reason == "MaxDeliveryCountExceeded"
-    if "expiring" in arrived:
-        m = arrived["expiring"]
-        assert m.dead_letter_reason == "TTLExpiredException"
-        assert m.expires_at_utc is not None and m.expires_at_utc >= m.enqueued_time_utc
+    assert arrived["expiring"].dead_letter_reason == "TTLExpiredException"
+    assert all(m.expires_at_utc is None for m in arrived.values())
+    with ns.get_queue_receiver("capped-target") as r:
+        capped = {m.message_id: m for m in peek_all(r)}
+    assert sorted(capped) == ["expiring", "poison"]
+    for m in capped.values():
+        assert m.time_to_live == timedelta(hours=1)
+        assert m.expires_at_utc == m.enqueued_time_utc + timedelta(hours=1)
+    assert queue_ids(ns, "dlq-target", dead_letter=True) == Counter()
 
 
 def test_forwarded_message_ttl_counts_from_arrival(ns: Namespace) -> None:

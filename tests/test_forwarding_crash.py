@@ -633,3 +633,82 @@ def test_a_claim_cancelled_while_its_forwarder_was_paused_leaves_the_dead_letter
         assert (main, dead) == (Counter({"s0": 1, "s1": 1}), Counter({"s2": 1}))
         with ns.get_queue_receiver("src", sub_queue=SubQueue.DEAD_LETTER) as r:
             assert [m.message_id for m in r.receive_messages(max_message_count=10, max_wait_time=5)] == ["s2"]
+
+
+# A child: send 3-message batches to unpartitioned "A" (each send forwards by this process's cached route) until
+# the stop file appears; acknowledged ids go to the ack file as in CHILD.
+ROUTE_SENDER = r"""
+import os, sys
+from sparkqueue import Message, Namespace
+
+root, ack_path, tag, stop = sys.argv[1:5]
+fd = os.open(ack_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+with Namespace(root) as ns, ns.get_queue_sender("A") as sender:
+    os.write(fd, b"ready\n")
+    b = 0
+    while not os.path.exists(stop):
+        msgs = [Message(f"{tag}.{b}.{i}", message_id=f"{tag}.{b}.{i}") for i in range(3)]
+        sender.send_messages(msgs)
+        os.write(fd, (" ".join(m.message_id for m in msgs) + "\n").encode())
+        b += 1
+"""
+
+# A child: receive from "A" and complete, logging completed ids, until the stop file appears (refused while A forwards).
+ROUTE_RECEIVER = r"""
+import os, sys, time
+from sparkqueue import Namespace
+from sparkqueue.errors import InvalidOperationError
+
+root, log_path, stop = sys.argv[1:4]
+fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+with Namespace(root) as ns:
+    while not os.path.exists(stop):
+        try:
+            with ns.get_queue_receiver("A") as r:
+                while not os.path.exists(stop):
+                    for m in r.receive_messages(max_message_count=20, max_wait_time=0.2):
+                        r.complete_message(m)
+                        os.write(fd, (m.message_id + "\n").encode())
+        except InvalidOperationError:
+            time.sleep(0.01)
+"""
+
+
+@pytest.mark.parametrize("change", ["changed", "removed"])
+def test_forward_to_changed_under_traffic_moves_each_message_once(root: str, tmp_path: Path, change: str) -> None:
+    """Two processes send to A (forwarding to B) while forward_to changes to C, or is removed while a third process
+    receives from A. For a second, processes route by settings of either side of the change: two forwarders by
+    different routes delivered one run to both B and C (6 of 9 trials), and a forwarder and a receiver took one
+    message each (2 of 3). The route now rests across the change: every acknowledged message is in one place."""
+    with Namespace(root) as ns:
+        for q in ("B", "C"):
+            ns.create_queue(q, enable_partitioning=False)
+        ns.create_queue("A", enable_partitioning=False, forward_to="B")
+    stop, received = tmp_path / "stop", tmp_path / "received"
+    acks = [tmp_path / f"ack{c}" for c in range(2)]
+    children = [
+        subprocess.Popen([sys.executable, "-c", ROUTE_SENDER, root, str(ack), f"c{c}", str(stop)], stderr=subprocess.PIPE)
+        for c, ack in enumerate(acks)
+    ]
+    if change == "removed":
+        children.append(subprocess.Popen([sys.executable, "-c", ROUTE_RECEIVER, root, str(received), str(stop)]))
+    try:
+        for ack, child in zip(acks, children, strict=False):
+            wait_ready(ack, child)
+        time.sleep(1.0)
+        with Namespace(root) as ns:
+            ns.update_queue(ns.get_queue("A"), forward_to="C" if change == "changed" else None)
+        time.sleep(0.5)
+    finally:
+        stop.touch()
+        for child in children:
+            assert child.wait(timeout=60) == 0
+    with Namespace(root) as ns:
+        ns.forward_pending_messages()
+        main, dead = everywhere_of(ns, ("A", "B", "C"))
+    main.update(received.read_text().split() if received.exists() else [])
+    acked = {i for ack in acks for i in acked_ids(ack)}
+    assert dead == Counter()
+    doubled = {k: v for k, v in main.items() if v > 1}
+    assert not doubled, f"{len(doubled)} message(s) in two places, e.g. {list(doubled.items())[:5]}"
+    assert acked <= set(main), f"lost: {sorted(acked - set(main))[:5]}"

@@ -25,7 +25,15 @@ from sparkqueue.model.addresses import QUEUE, RULE, SUBSCRIPTION, TOPIC, Address
 from sparkqueue.model.deadlines import effective
 from sparkqueue.model.entity import Entity, SettleResult
 from sparkqueue.model.filters import action_from_dict, filter_from_dict
-from sparkqueue.model.forwarding import MAX_HOPS, cancel_lapsed_claims, forward, routes, settle_delivered
+from sparkqueue.model.forwarding import (
+    MAX_HOPS,
+    cancel_lapsed_claims,
+    forward,
+    mark_route_change,
+    rest_left_s,
+    routes,
+    settle_delivered,
+)
 from sparkqueue.model.properties import (
     AnyEntityProperties,
     QueueProperties,
@@ -350,22 +358,26 @@ class Broker:
         except SparkQueueError as exc:
             log.warning("forwarding from %s deferred: %s", entity.name, exc)
 
+    def mark_route_change(self, entity_type: str, name: str) -> None:
+        """Before and after an update changes `forward_to`: the entity's main route rests (forwarding.ROUTE_QUIET_S)."""
+        mark_route_change(self.entity(entity_type, name))
+
     def forward_after_route_change(self, entity_type: str, name: str, left: str | None, new_route: bool) -> None:
         """After an update changed an entity's routes: settle what reached the destination it `left`, then forward what waits.
 
         Other processes forward and send by settings up to PROPERTIES_TTL_S old, so right after the
         change they may still forward to the old destination (one killed before its settle leaves
         originals that only that destination knows went out, `forwarding.settle_delivered`), or store
-        messages without forwarding them. Once that time has passed (with half as much again for an
-        operation that read its settings just in time and commits a little later), the originals are
-        settled and, on a `new_route`, what waits moves on. Originals are settled at once too, before
-        receivers that see the route removed take them.
+        messages without forwarding them. A changed main route rests meanwhile (mark_route_change).
+        Once the rest is over, the originals are settled and, on a `new_route`, what waits moves on.
+        Originals are settled at once too, before receivers that see the route removed take them.
         """
         try:
             entity = self.entity(entity_type, name)
             if left:
                 settle_delivered(entity, left, self.resolve)
-            time.sleep(1.5 * PROPERTIES_TTL_S)
+            time.sleep(1.5 * PROPERTIES_TTL_S)  # and for an operation that read its settings just in time
+            entity = self._after_rest(entity_type, name)
             if left:
                 settle_delivered(entity, left, self.resolve)
             if new_route:
@@ -401,6 +413,14 @@ class Broker:
                 out.append(entity)
         return out
 
+    def _after_rest(self, entity_type: str, name: str) -> Entity:
+        """The entity once its main route has ended any rest after a change, with settings read after that."""
+        wait = rest_left_s(self.entity(entity_type, name))
+        if wait > 0:
+            time.sleep(wait + 0.01)
+            self.forget(Address.of(entity_type, name).key)
+        return self.entity(entity_type, name)
+
     def forward_pending_messages(self) -> None:
         """Finish every pending auto-forward in the namespace (after a crash, or when forward_to was set later).
 
@@ -410,7 +430,7 @@ class Broker:
         for entry in self.catalog.entries():
             if entry.entity_type in (QUEUE, SUBSCRIPTION):
                 try:
-                    entity = self.entity(entry.entity_type, Address.parse(entry.name).name)
+                    entity = self._after_rest(entry.entity_type, Address.parse(entry.name).name)
                     if routes(entity):
                         self.pump(entity)
                     if not getattr(entity.props, "forward_dead_lettered_messages_to", None):

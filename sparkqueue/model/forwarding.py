@@ -55,6 +55,10 @@ FULL_REASON = "ForwardingDestinationQuotaExceeded"
 DISABLED_REASON = "ForwardingDestinationDisabled"
 KEYS_REASON = "ForwardingPartitionKeyConflict"  # a rule action gave a copy a session id its partition key contradicts
 BATCH = 1000
+# How long the main route of an entity rests after an update changed it (docs/semantics.md §9): longer than
+# processes trust cached settings (the broker's PROPERTIES_TTL_S, 1 s), so no two forwarders, or a forwarder and a
+# receiver, act on one message by two routes.
+ROUTE_QUIET_S = 1.5
 DELIVERED, CANCELLED = 1, 2  # txn versions of a dead-letter claim's app id at its destination (an append skips both)
 CLAIM_PREFIX = "forward:"  # lock token of dead letters claimed by a forwarder (never a receiver's token): Claim
 
@@ -104,6 +108,38 @@ def _app_id(entity: Entity, route: Route, p: int) -> str:
     return f"{MARK_PREFIX}{source}"
 
 
+def _route_app(entity: Entity) -> str:
+    """The source txn app id whose moves mark changes of the entity's main route (a topic's subscriptions share a table)."""
+    return f"{MARK_PREFIX}route.{entity.subscription or ''}"
+
+
+def mark_route_change(entity: Entity) -> None:
+    """Record at the source that its main route is changing: forwarders rest for ROUTE_QUIET_S from now (a log-only commit)."""
+    app = _route_app(entity)
+
+    def attempt() -> None:
+        dt = entity.table.snapshot()
+        seen = dt.transaction_version(app)
+        entity.table.commit(dt, [], [], [Fence(app, (seen or 0) + 1)], {app: seen}, "WRITE")
+
+    retry_commit(attempt, entity.deadline(), f"mark a route change of {entity.name}")
+
+
+def route_resting(entity: Entity, dt: Snapshot, now: datetime) -> bool:
+    """True while the entity's main route rests after a change (mark_route_change): nothing moves on it."""
+    return _rest_left_s(entity, dt, now) > 0
+
+
+def rest_left_s(entity: Entity) -> float:
+    """Seconds until the entity's main route ends its rest after a change (0 when it is not resting)."""
+    return _rest_left_s(entity, entity.table.snapshot(), utcnow())
+
+
+def _rest_left_s(entity: Entity, dt: Snapshot, now: datetime) -> float:
+    changed_ms = dt.txn_times.get(_route_app(entity))
+    return 0.0 if changed_ms is None else max(0.0, changed_ms / 1000 + ROUTE_QUIET_S - now.timestamp())
+
+
 def _forward_batch(entity: Entity, route: Route, p: int, resolve: Resolver) -> int:
     """Forward (or dead-letter) one leading run of a source partition; returns how many messages left the source.
 
@@ -127,6 +163,8 @@ def _forward_run(entity: Entity, route: Route, p: int, resolve: Resolver) -> tup
     """One commit of `_forward_batch`: (messages that left the source, whether they were only expired ones to drop first)."""
     dt = entity.table.snapshot()
     now = utcnow()
+    if route_resting(entity, dt, now):  # the update that changed the route forwards once the rest is over
+        return 0, False
     run = _leading_run(entity, dt, p, route.sub_queue, now)
     if run.num_rows == 0:
         return 0, False
@@ -282,7 +320,7 @@ def _forward_dead_letters(entity: Entity, route: Route, p: int, resolve: Resolve
         claimed = with_columns(batch, lock_token=constant(claim.token, pa.string(), batch.num_rows))  # as the claim left them
         app = claim.app_id(entity, p)
         try:
-            _deliver(dest, expand, _copies(batch, now, dest), Fence(app, DELIVERED), dead_letters=True)
+            _deliver(dest, expand, _copies(batch, now, dest, dead_letters=True), Fence(app, DELIVERED), dead_letters=True)
             outcome = dest.table.snapshot().transaction_version(app)
         except (EntityNotFoundError, QuotaExceededError):  # they stay dead letters here
             _cancel(entity, p, claimed, app, route.destination, resolve)
@@ -447,14 +485,16 @@ def _leading_run(entity: Entity, dt: Snapshot, p: int, sub_queue: str, now: date
     return rows.slice(0, min(end, BATCH))
 
 
-def _copies(rows: pa.Table, now: datetime, dest: Entity) -> pa.Table:
+def _copies(rows: pa.Table, now: datetime, dest: Entity, *, dead_letters: bool = False) -> pa.Table:
     """Destination rows: the same message one hop further, unlocked and not yet delivered.
 
     Its TTL counts from its enqueue at the destination (as at a send, not from the first entity's),
-    capped by the destination's default_message_time_to_live as a send there is.
+    capped by the destination's default_message_time_to_live as a send there is. A dead letter
+    travels without its own TTL: dead letters never expire (docs/semantics.md §9), and one that
+    expired once would expire again at its destination, which usually gathers dead letters.
     """
     n = rows.num_rows
-    ttl = rows.column("time_to_live_ms").cast(pa.int64())
+    ttl = pa.nulls(n, pa.int64()) if dead_letters else rows.column("time_to_live_ms").cast(pa.int64())
     cap = limits.ttl_ms(getattr(dest.props, "default_message_time_to_live", None))
     if cap is not None:
         ttl = pc.min_element_wise(ttl, pa.scalar(cap, pa.int64()), skip_nulls=True)
