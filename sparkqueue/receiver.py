@@ -234,6 +234,8 @@ class Receiver:
         if self.session is not None:
             rows = self.session._sessions.receive(self.session._lock, want, delete=self._deleting, wait_s=wait_s)
         else:
+            if self._sub_queue == SUB_QUEUE_MAIN:  # at most every few seconds (Broker.forward_owed)
+                self._ns.broker.forward_owed(self.entity_type, self.entity_name)
             check = self._check_receivable
             rows = self._entity().receive(self._sub_queue, want, delete=self._deleting, wait_s=wait_s, check=check)
         got = received_messages(rows, utcnow())

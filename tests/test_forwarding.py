@@ -968,3 +968,25 @@ def test_a_receive_waiting_when_forward_to_is_set_takes_nothing_after(root: str)
         thread.join(60)
         assert "refused" in outcome and "forward" in str(outcome["refused"]), outcome
         assert queue_ids(ns, "dst") == Counter({"m1": 1})
+
+
+def test_a_forward_put_off_by_an_unavailable_destination_is_moved_by_the_destinations_receivers(ns: Namespace) -> None:
+    """A forward that failed (the destination's partition unavailable for a moment) waited, unreceivable at the
+    forwarding source, until the next send to that source partition or an explicit forward_pending_messages(),
+    while other traffic flowed. Receivers of the destination now move what is owed to it (every few seconds)."""
+    ns.create_queue("B")
+    ns.create_queue("A", forward_to="B")
+    key = "customer-42"
+    assert partition_for("elsewhere") != partition_for(key)  # the later sends forward another partition
+    injector = ns.broker.fault_injector("B")
+    injector.fail(partition_for(key), ("write",))
+    ns.get_queue_sender("A").send_messages(Message("payload", message_id="m1", partition_key=key))
+    injector.heal()
+    assert ns.get_queue_runtime_properties("A").active_message_count == 1  # put off, not lost
+    with Namespace(ns.broker.root) as other:  # another client: its receivers know nothing of the failed forward
+        others = [f"o{i}" for i in range(3)]
+        other.get_queue_sender("A").send_messages([Message("x", message_id=m, partition_key="elsewhere") for m in others])
+        with other.get_queue_receiver("B") as r:
+            got = [m.message_id for m in drain(r, 4)]
+    assert sorted(got) == ["m1", *others]
+    assert ns.get_queue_runtime_properties("A").active_message_count == 0

@@ -55,6 +55,7 @@ from sparkqueue.storage.table import EntityTable, Expand, partition_of
 log = logging.getLogger(__name__)
 
 PROPERTIES_TTL_S = 1.0  # how long a process trusts cached settings and rules before re-reading the catalog
+OWED_EVERY_S = 5.0  # how often an idle receive of an entity forwards what other entities owe it (Broker.forward_owed)
 
 PROPERTY_TYPES: dict[str, type[AnyEntityProperties]] = {
     QUEUE: QueueProperties,
@@ -133,6 +134,7 @@ class Broker:
         self.tables: dict[str, EntityTable] = {}
         self.rules: dict[str, _CachedRules] = {}
         self.faults: dict[str, FaultInjector] = {}
+        self.owed_at: dict[str, float] = {}  # when forward_owed last ran per destination (lower-cased name)
         self.lock = threading.RLock()
 
     def close(self) -> None:
@@ -412,6 +414,35 @@ class Broker:
             if routes(entity):
                 out.append(entity)
         return out
+
+    def forward_owed(self, entity_type: str, name: str) -> None:
+        """Before a receive: forward what other entities owe a queue or a subscription's topic, every OWED_EVERY_S at most.
+
+        A forward runs after the operation that stored its messages, on the partitions it touched; one
+        that failed (its destination unavailable for a moment) or whose process died waits for the
+        next such operation on that partition, or for forward_pending_messages. Receivers of the
+        destination move it too, at most every OWED_EVERY_S per destination in this process.
+        """
+        target = Address.of(entity_type, name).topic  # a queue's name, or a subscription's topic
+        now = time.monotonic()
+        with self.lock:
+            if now - self.owed_at.get(target.lower(), -OWED_EVERY_S) < OWED_EVERY_S:
+                return
+            self.owed_at[target.lower()] = now
+        sources = []
+        for entry in self.catalog.entries():
+            if entry.entity_type in (QUEUE, SUBSCRIPTION):
+                settings = json.loads(entry.properties)
+                routes_to = (settings.get("forward_to"), settings.get("forward_dead_lettered_messages_to"))
+                if any(isinstance(d, str) and d.lower() == target.lower() for d in routes_to):
+                    sources.append((entry.entity_type, Address.parse(entry.name).name))
+        for kind, source in sources:
+            try:
+                entity = self.entity(kind, source)
+            except SparkQueueError as exc:  # deleted meanwhile, or its table unreadable: the receive goes on
+                log.info("forwarding from %s to %s deferred: %s", source, target, exc)
+                continue
+            self.forward_now(entity, list(range(entity.partition_count)))
 
     def _after_rest(self, entity_type: str, name: str) -> Entity:
         """The entity once its main route has ended any rest after a change, with settings read after that."""
