@@ -52,6 +52,9 @@ MAX_CORRELATION_FILTERS_PER_TOPIC = 100_000
 # Service Bus's "infinite" TTL is TimeSpan.MaxValue (10,675,199 days and change): a TTL of at least
 # 10,675,199 days, timedelta.max included, means "never expires" and is stored as such.
 TTL_NEVER = timedelta(days=10_675_199)
+# The shortest TTL: TTLs are stored in whole milliseconds, so a shorter one would be 0 (expired on arrival).
+MIN_TTL_US = 1000
+TTL_TOO_SHORT = "must be at least 1 millisecond (it is kept in whole milliseconds)"  # every send path's words (check_ttl)
 # The latest instant stored and computed: the end of the year 9999 at millisecond precision (table
 # statistics hold milliseconds and round up); later scheduled times are read as this one.
 LATEST_TIME = datetime(9999, 12, 31, 23, 59, 59, 999000, tzinfo=UTC)
@@ -204,8 +207,8 @@ def check_ttl(value: object, field: str) -> timedelta | None:
     ttl = check_duration(value, field, allow_none=True)
     if ttl is not None and ttl >= TTL_NEVER:
         return None
-    if ttl is not None and ttl < timedelta(milliseconds=1):  # stored in whole milliseconds (ttl_ms): it would be 0
-        raise InvalidOperationError(f"{field} must be at least 1 millisecond (it is kept in whole milliseconds), got {ttl}")
+    if ttl is not None and ttl < timedelta(microseconds=MIN_TTL_US):  # stored in whole milliseconds (ttl_ms): it would be 0
+        raise InvalidOperationError(f"{field} {TTL_TOO_SHORT}, got {ttl}")
     return ttl
 
 

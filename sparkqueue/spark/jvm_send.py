@@ -32,6 +32,7 @@ import contextlib
 import json
 import logging
 import os
+import threading
 import uuid
 from collections.abc import Iterator
 from datetime import datetime, timedelta
@@ -77,7 +78,12 @@ STAGING_PREFIX = "spark-send"  # <table>/spark-send/<id>/: where Spark's writer 
 # (without Hadoop's native library, the local filesystem forks `chmod` for every file it creates: one per
 # file instead of two).
 WRITE_CONF = {"spark.sql.parquet.outputTimestampType": "TIMESTAMP_MICROS"}
+# Spark 4.3 takes the timestamp type from the write's options over the session's setting (checked here: a session
+# set to INT96 still wrote INT64 microseconds), so the user's session is left alone. Older Sparks, where that was
+# not checked, get it set on the session for the write (see _conf).
+OPTIONS_WIN = (4, 3)
 WRITE_OPTIONS = {
+    **WRITE_CONF,
     "compression": "lz4_raw",
     "maxRecordsPerFile": str(FILE_ROWS),
     "parquet.enable.dictionary": "false",
@@ -162,7 +168,7 @@ def write_attempt(
     rows = numbered_rows(prepared, plan, inputs, utcnow())
     staging = f"{STAGING_PREFIX}/{plan.lease}-{uuid.uuid4().hex[:12]}"  # the lease's tag keeps vacuum off (storage/leases.py)
     try:
-        with spark_errors(), _conf(spark, WRITE_CONF):
+        with spark_errors(), _write_conf(spark):
             rows.drop(PARTITION_COLUMN).write.options(**WRITE_OPTIONS).parquet(spark_path(f"{table.uri}/{staging}"))
         written = collect(table, staging, plan)
         check_quota(table, written, written.adds)
@@ -181,20 +187,66 @@ def write_attempt(
     return sum(written.counts.values()), sorted(p for p, c in written.counts.items() if c)
 
 
+def _write_conf(spark: SparkSession) -> contextlib.AbstractContextManager[None]:
+    """The session settings a write needs (WRITE_CONF): none where the write's options carry them (options_win)."""
+    return contextlib.nullcontext() if options_win(spark) else _conf(spark, WRITE_CONF)
+
+
+def options_win(spark: SparkSession) -> bool:
+    """True when Spark takes WRITE_CONF from the write's options (OPTIONS_WIN), so the session need not change."""
+    try:
+        version = tuple(int(part) for part in spark.version.split(".")[:2])
+    except ValueError:  # a vendor's version string: set the session, which every Spark honours
+        return False
+    return version >= OPTIONS_WIN
+
+
+class _Shared(NamedTuple):
+    """Session settings that the sends of one session in flight hold: how many, and the user's values to restore."""
+
+    users: int
+    saved: dict[str, str | None]
+
+
+_shared_lock = threading.Lock()  # process-wide: threads of one session send at once
+_shared: dict[int, _Shared] = {}  # per session (id of the SparkSession object) with sends in flight
+
+
 @contextlib.contextmanager
 def _conf(spark: SparkSession, conf: dict[str, str]) -> Iterator[None]:
-    """Session settings for the duration of one write, restored afterwards."""
-    old = {k: spark.conf.get(k, None) for k in conf}
-    for k, v in conf.items():
-        spark.conf.set(k, v)
+    """Session settings for the duration of one write; the user's values come back when the session's last write ends.
+
+    Concurrent sends of one session (threads) share the settings: the first saves the user's values
+    and sets them, the last restores those. Each saving and restoring what it found instead would
+    let a later send save an earlier one's setting and write it back last, for good. Every caller
+    passes the same settings (WRITE_CONF).
+    """
+    key = id(spark)
+    with _shared_lock:
+        held = _shared.get(key)
+        if held is None:
+            held = _Shared(0, {k: spark.conf.get(k, None) for k in conf})
+            for k, v in conf.items():
+                spark.conf.set(k, v)
+        _shared[key] = held._replace(users=held.users + 1)
     try:
         yield
     finally:
-        for k, before in old.items():
-            if before is None:
-                spark.conf.unset(k)
+        with _shared_lock:
+            held = _shared.pop(key)
+            if held.users > 1:
+                _shared[key] = held._replace(users=held.users - 1)
             else:
-                spark.conf.set(k, before)
+                _restore(spark, held.saved)
+
+
+def _restore(spark: SparkSession, saved: dict[str, str | None]) -> None:
+    """Put the user's session settings back (unset where the user had none)."""
+    for k, before in saved.items():
+        if before is None:
+            spark.conf.unset(k)
+        else:
+            spark.conf.set(k, before)
 
 
 def collect(table: EntityTable, staging: str, plan: SendPlan) -> Written:

@@ -66,6 +66,7 @@ from sparkqueue.spark.commit import Repeats, Written, commit_renumbering
 from sparkqueue.spark.session import (
     bucket_key,
     check_dataframe,
+    failing,
     input_partitions,
     marked,
     spark_errors,
@@ -107,6 +108,7 @@ WRITE_COLUMNS = (
     "_qp",
 )
 RESULT_DDL = "partition_id int, accepted long, last long, adds string"
+_TTL_TOO_SHORT = f"time_to_live {limits.TTL_TOO_SHORT}, got "
 _PROPERTY_VALUE_TYPES = (st.StringType, st.IntegralType, st.FloatType, st.DoubleType, st.BooleanType, st.NullType)
 
 
@@ -365,12 +367,6 @@ def prepare(df: DataFrame, plan: SendPlan, owned: bool = False, block: int = ROU
     )
 
 
-def _fail(error: type[Exception], *parts: Column | str) -> Column:
-    """A column that fails the task with a sparkqueue error (see session.spark_errors)."""
-    pieces = [sf.lit(f"[sparkqueue:{error.__name__}] ")] + [sf.lit(p) if isinstance(p, str) else p for p in parts]
-    return sf.raise_error(sf.concat(*pieces))
-
-
 def _body(dtype: st.DataType) -> Column:
     if isinstance(dtype, st.BinaryType):
         return sf.col("body")
@@ -451,17 +447,22 @@ def _ttl_us(types: dict[str, st.DataType]) -> Column:
         seconds = sf.col("time_to_live").cast("double")
         bad = sf.isnan(seconds) | (sf.abs(seconds) == float("inf"))
         shown = sf.concat(seconds.cast("string"), sf.lit(" seconds"))
-        not_finite = _fail(InvalidOperationError, "time_to_live must be a finite number of seconds, got ", seconds)
+        not_finite = failing(InvalidOperationError, "time_to_live must be a finite number of seconds, got ", seconds)
         ttl = _ttl_rule(seconds, limits.TTL_NEVER.total_seconds(), seconds * 1_000_000, shown)
         return sf.when(bad, not_finite).otherwise(ttl)
     raise InvalidOperationError(f"time_to_live must be seconds (a number) or a day-time interval, got {dtype.simpleString()}")
 
 
 def _ttl_rule(value: Column, never: float, micros: Column, shown: Column) -> Column:
-    """The core's TTL rule (limits.check_ttl), before a cast could overflow: `never` or more never expires, <= 0 is refused."""
+    """The core's TTL rule (limits.check_ttl), before a cast could overflow: `never` or more never expires, <= 0 is refused.
+
+    So is a positive TTL under 1 ms (limits.MIN_TTL_US): kept in whole milliseconds it would be stored as 0,
+    a message expired on arrival, counted as sent and never delivered.
+    """
     return (
         sf.when(value >= never, sf.lit(None))
-        .when(value <= 0, _fail(InvalidOperationError, "time_to_live must be positive, got ", shown))
+        .when(value <= 0, failing(InvalidOperationError, "time_to_live must be positive, got ", shown))
+        .when(micros.cast("long") < limits.MIN_TTL_US, failing(InvalidOperationError, _TTL_TOO_SHORT, shown))
         .otherwise(micros.cast("long"))
         .cast("long")
     )
@@ -491,15 +492,15 @@ def _checked_size(settings: SendSettings) -> Column:
     user_id = sf.col("_user_message_id")  # a generated id means nothing to the user: name the row as the core does
     which = sf.when(user_id.isNull(), sf.lit("a message")).otherwise(sf.concat(sf.lit("message '"), user_id, sf.lit("'")))
     checks: list[tuple[Column, Column]] = [
-        (sf.col("body").isNull(), _fail(InvalidOperationError, "body must be bytes or str, got null (", which, ")")),
-        (user_id == "", _fail(InvalidOperationError, "message_id must not be empty (null lets sparkqueue assign one)")),
+        (sf.col("body").isNull(), failing(InvalidOperationError, "body must be bytes or str, got null (", which, ")")),
+        (user_id == "", failing(InvalidOperationError, "message_id must not be empty (null lets sparkqueue assign one)")),
     ]
     for name, col in (("message_id", "_user_message_id"), ("session_id", "session_id"), ("partition_key", "partition_key")):
         length = sf.char_length(sf.col(col))
         checks.append(
             (
                 length > limits.MAX_KEY_LENGTH,
-                _fail(
+                failing(
                     InvalidOperationError,
                     f"{name} is ",
                     length.cast("string"),
@@ -511,7 +512,7 @@ def _checked_size(settings: SendSettings) -> Column:
         checks.append(
             (
                 sf.col("session_id").isNull(),
-                _fail(InvalidOperationError, "the entity requires sessions: every message needs a session_id"),
+                failing(InvalidOperationError, "the entity requires sessions: every message needs a session_id"),
             )
         )
     checks += [
@@ -519,7 +520,7 @@ def _checked_size(settings: SendSettings) -> Column:
             sf.col("partition_key").isNotNull()
             & sf.col("session_id").isNotNull()
             & (sf.col("partition_key") != sf.col("session_id")),
-            _fail(
+            failing(
                 InvalidOperationError,
                 "partition_key '",
                 sf.col("partition_key"),
@@ -529,14 +530,12 @@ def _checked_size(settings: SendSettings) -> Column:
             ),
         ),
         (
-            sf.col("_ttl_us") <= 0,
-            _fail(
-                InvalidOperationError, "time_to_live must be positive, got ", sf.col("_ttl_us").cast("string"), " microseconds"
-            ),
+            sf.col("_ttl_us") < limits.MIN_TTL_US,  # _ttl_rule refuses these first; never store a TTL of 0 ms
+            failing(InvalidOperationError, _TTL_TOO_SHORT, sf.col("_ttl_us").cast("string"), " microseconds"),
         ),
         (
             size > max_bytes,
-            _fail(
+            failing(
                 MessageSizeExceededError,
                 which,
                 " is ",
@@ -577,7 +576,7 @@ def _partition(plan: SendPlan, round_robin: Column, keyed: bool = True) -> Colum
         sf.when(key.isNull(), round_robin)
         .when(
             unavailable,
-            _fail(
+            failing(
                 PartitionUnavailableError,
                 "partition ",
                 hashed.cast("string"),

@@ -55,6 +55,12 @@ def marked(exc: SparkQueueError) -> str:
     return f"[sparkqueue:{type(exc).__name__}] {exc}"
 
 
+def failing(error: type[SparkQueueError], *parts: Column | str) -> Column:
+    """A column that fails the task with a sparkqueue error built from `parts` (see spark_errors)."""
+    pieces = [sf.lit(f"[sparkqueue:{error.__name__}] ")] + [sf.lit(p) if isinstance(p, str) else p for p in parts]
+    return sf.raise_error(sf.concat(*pieces))
+
+
 def task_error(exc: SparkQueueError) -> RuntimeError:
     """A task-side exception carrying a sparkqueue error across the Spark boundary."""
     return RuntimeError(marked(exc))

@@ -26,10 +26,10 @@ from pyspark.sql import types as st
 
 from sparkqueue.broker import refuse_in_transaction
 from sparkqueue.errors import InvalidOperationError
-from sparkqueue.model import lifecycle
+from sparkqueue.model import lifecycle, limits
 from sparkqueue.model.ids import sequences_of_tokens
 from sparkqueue.spark.schema import SETTLE_RESULT_SCHEMA, SETTLE_RESULT_SPARK, STATUS_LOCK_LOST, STATUS_OK
-from sparkqueue.spark.session import active_session, bucket_key, check_dataframe, spark_errors, task_count
+from sparkqueue.spark.session import active_session, bucket_key, check_dataframe, failing, spark_errors, task_count
 from sparkqueue.spark.staging import Staging, cleanup_staging
 from sparkqueue.spark.worker import DATAFRAME_REFUSAL, EntityRef, marking_errors
 from sparkqueue.storage.table import SEQUENCE_BITS
@@ -80,8 +80,7 @@ def settle_dataframe(
     check_dataframe(df, f"{op}_dataframe")
     refuse_in_transaction(broker, DATAFRAME_REFUSAL)
     for value, field in ((reason, "reason"), (error_description, "error_description")):
-        if value is not None and not isinstance(value, str):
-            raise InvalidOperationError(f"{field} must be a str, got {type(value).__name__}")
+        limits.check_text(value, field, limits.MAX_DEAD_LETTER_TEXT)  # as dead_letter_message checks them
     token_type = next((f.dataType for f in df.schema.fields if f.name == "lock_token"), None)
     if not isinstance(token_type, st.StringType):
         raise InvalidOperationError("the DataFrame needs a string `lock_token` column (as receive_dataframe returns)")
@@ -113,17 +112,37 @@ def settle_dataframe(
 
 
 def token_columns(df: DataFrame, op: str, reason: str | None, description: str | None) -> DataFrame:
-    """The lock tokens, with each row's dead-letter reason and description (a column's value, else the argument)."""
+    """The lock tokens, with each row's dead-letter reason and description (a column's value, else the argument).
+
+    A column's value longer than dead_letter_message allows (MAX_DEAD_LETTER_TEXT) fails the row
+    here, in the stage before route_tokens' shuffle: the job fails before any settle task starts,
+    so nothing is settled (the arguments were checked on the driver).
+    """
     if op != lifecycle.DEAD_LETTER:
         return df.select("lock_token")
 
     def text(column: str, default: str | None) -> Column:
         given = sf.lit(default).cast("string")
-        return sf.coalesce(sf.col(column).cast("string"), given) if column in df.columns else given
+        return sf.coalesce(checked_text(column), given) if column in df.columns else given
 
     return df.select(
         "lock_token", text(REASON_COLUMN, reason).alias("reason"), text(DESCRIPTION_COLUMN, description).alias("description")
     )
+
+
+def checked_text(column: str) -> Column:
+    """A dead-letter text column as a string, failing its row when longer than the 4,096 characters the core allows."""
+    value = sf.col(column).cast("string")
+    length = sf.char_length(value)  # code points, as Python's len() counts them for dead_letter_message
+    too_long = failing(
+        InvalidOperationError,
+        f"{column} is ",
+        length.cast("string"),
+        f" characters long; at most {limits.MAX_DEAD_LETTER_TEXT} are allowed (lock token ",
+        sf.coalesce(sf.col("lock_token"), sf.lit("null")),
+        "); nothing was settled",
+    )
+    return sf.when(length > limits.MAX_DEAD_LETTER_TEXT, too_long).otherwise(value)
 
 
 def route_tokens(tokens: DataFrame, partitions: int, tasks: int) -> DataFrame:

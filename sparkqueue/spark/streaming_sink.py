@@ -284,4 +284,6 @@ def _seconds_ttl(seconds: float) -> timedelta | None:
         return None  # as limits.check_ttl: Service Bus's infinite TTL or more never expires
     if seconds <= 0:
         raise InvalidOperationError(f"time_to_live must be positive, got {seconds!r} seconds")
+    if int(seconds * 1_000_000) < limits.MIN_TTL_US:  # truncated as send._ttl_rule: 1e-9 s is too short, not "0"
+        raise InvalidOperationError(f"time_to_live {limits.TTL_TOO_SHORT}, got {seconds!r} seconds")
     return timedelta(seconds=seconds)

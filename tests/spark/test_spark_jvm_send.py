@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import threading
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
@@ -270,3 +271,79 @@ def test_a_time_to_live_past_the_latest_instant_never_expires_on_every_path(spar
         (b"x", None, ttl // timedelta(milliseconds=1)),
         (b"y", None, ttl // timedelta(milliseconds=1)),
     ]
+
+
+TIMESTAMP_TYPE = "spark.sql.parquet.outputTimestampType"
+
+
+@pytest.fixture
+def int96_session(spark):
+    """The shared session with a user's own Parquet timestamp type (INT96), put back as it was afterwards."""
+    before = spark.conf.get(TIMESTAMP_TYPE, None)
+    spark.conf.set(TIMESTAMP_TYPE, "INT96")
+    yield spark
+    if before is None:
+        spark.conf.unset(TIMESTAMP_TYPE)
+    else:
+        spark.conf.set(TIMESTAMP_TYPE, before)
+
+
+def test_overlapping_writes_of_one_session_give_the_user_back_their_timestamp_type(int96_session):
+    """Where Spark takes the type from the session (before 4.3): the first write sets it, the last one restores the user's."""
+    spark = int96_session
+    first_in, second_in, first_out = threading.Event(), threading.Event(), threading.Event()
+    seen: list[str | None] = []
+
+    def first() -> None:
+        with jvm_send._conf(spark, jvm_send.WRITE_CONF):
+            first_in.set()
+            second_in.wait(30)
+        first_out.set()
+
+    def second() -> None:
+        first_in.wait(30)
+        with jvm_send._conf(spark, jvm_send.WRITE_CONF):
+            second_in.set()
+            first_out.wait(30)
+            seen.append(spark.conf.get(TIMESTAMP_TYPE, None))  # the first ended: this write still needs the setting
+
+    threads = [threading.Thread(target=first), threading.Thread(target=second)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert seen == ["TIMESTAMP_MICROS"]
+    assert spark.conf.get(TIMESTAMP_TYPE, None) == "INT96"
+
+
+def test_concurrent_sends_write_micros_timestamps_and_leave_the_sessions_type_alone(int96_session, ns):
+    """Two threads of one session sending at once: engine files (INT64 UTC microseconds), the user's setting kept."""
+    spark = int96_session
+    ns.create_queue("q")
+    errors: list[BaseException] = []
+
+    def sends(t: int) -> None:
+        try:
+            with ns.get_queue_sender("q") as s:
+                for i in range(4):
+                    s.send_dataframe(spark.range(0, 50, 1, 2).select(sf.lit(f"t{t}-{i}").alias("body")))
+        except BaseException as exc:  # reported below: a thread's failure must fail the test
+            errors.append(exc)
+
+    threads = [threading.Thread(target=sends, args=(t,)) for t in range(2)]
+    for t in threads:
+        t.start()
+    seen = set()
+    while any(t.is_alive() for t in threads):
+        seen.add(spark.conf.get(TIMESTAMP_TYPE, None))
+    assert not errors
+    assert spark.conf.get(TIMESTAMP_TYPE, None) == "INT96"
+    if jvm_send.options_win(spark):  # the type is the write's own: the session never changes, even during the sends
+        assert seen == {"INT96"}
+    assert ns.get_queue_runtime_properties("q").total_message_count == 400
+    table = ns.broker.entity("queue", "q").table.uri.removeprefix("file://")
+    files = list(Path(table).glob("partition_id=*/*.parquet"))
+    assert files
+    for f in files:
+        schema = pq.ParquetFile(f).schema_arrow
+        assert schema.field("enqueued_time_utc").type == pa.timestamp("us", tz="UTC"), f

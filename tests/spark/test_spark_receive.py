@@ -310,6 +310,31 @@ def test_abandon_defer_and_dead_letter_by_dataframe(spark, ns, numbered):
         assert statuses(d.complete_dataframe(d.receive_dataframe(10))) == {"ok": 10}
 
 
+def test_dead_letter_texts_past_4096_characters_are_refused_as_dead_letter_message_refuses_them(spark, ns, numbered):
+    """By argument or by a row's column: InvalidOperationError before anything is settled; 4,096 characters are kept."""
+    ns.create_queue("q", lock_duration=LONG_LOCK)
+    with ns.get_queue_sender("q") as s:
+        s.send_dataframe(numbered(20))  # spread over the queue's partitions: a settle task per partition
+    with ns.get_queue_receiver("q") as r:
+        got = r.receive_dataframe(20).cache()
+        assert got.count() == 20
+        with pytest.raises(InvalidOperationError, match="reason is 4097 characters long; at most 4096 are allowed"):
+            r.dead_letter_dataframe(got, reason="r" * 4097)
+        with pytest.raises(InvalidOperationError, match="error_description is 5000 characters long"):
+            r.dead_letter_dataframe(got, error_description="d" * 5000)
+        one_long = sf.when(sf.col("message_id") == "m-7", sf.repeat(sf.lit("d"), 5000)).otherwise(sf.lit("short"))
+        with pytest.raises(InvalidOperationError, match="dead_letter_error_description is 5000 characters long"):
+            r.dead_letter_dataframe(got.withColumn("dead_letter_error_description", one_long), reason="why")
+        with pytest.raises(InvalidOperationError, match="dead_letter_reason is 4097 characters long"):
+            r.dead_letter_dataframe(got.withColumn("dead_letter_reason", sf.repeat(sf.lit("r"), 4097)))
+        assert ns.get_queue_runtime_properties("q").dead_letter_message_count == 0  # nothing was settled ...
+        at_limit = got.withColumn("dead_letter_reason", sf.repeat(sf.lit("r"), 4096))
+        assert statuses(r.dead_letter_dataframe(at_limit, error_description="d" * 4096)) == {"ok": 20}  # ... every lock held
+    with ns.get_queue_receiver("q", sub_queue=SubQueue.DEAD_LETTER) as d:
+        stored = {(len(m.dead_letter_reason or ""), len(m.dead_letter_error_description or "")) for m in d.peek_messages(30)}
+    assert stored == {(4096, 4096)}
+
+
 def test_gathers_across_partitions_and_never_takes_more_than_asked(spark, ns, numbered):
     ns.create_queue("q", lock_duration=LONG_LOCK)
     with ns.get_queue_sender("q") as s:

@@ -133,3 +133,22 @@ def test_an_interval_of_ttl_never_or_more_never_expires_on_every_path(spark, ns,
     negative = via_messages(ns, [-timedelta(days=1)])
     assert negative == "InvalidOperationError: time_to_live must be positive"
     assert via_dataframe(spark, ns, ["INTERVAL '-1' DAY"], keyed=False) == negative
+
+
+@pytest.mark.parametrize("ttl", ["CAST(0.0005 AS DOUBLE)", "INTERVAL '0.000999' SECOND", "CAST(1e-9 AS DECIMAL(20,10))"])
+def test_a_ttl_under_a_millisecond_is_refused_on_every_path_and_nothing_is_sent(spark, ns, tmp_path, ttl):
+    """Kept in whole milliseconds, such a TTL would be stored as 0: expired on arrival, counted as sent, never delivered."""
+    expected = via_messages(ns, [timedelta(microseconds=500)])
+    assert expected == "InvalidOperationError: time_to_live must be at least 1 millisecond (it is kept in whole milliseconds)"
+    assert every_path(spark, ns, tmp_path, [ttl]) == dict.fromkeys(("send_dataframe", "send_dataframe keyed", "sink"), expected)
+    assert {q.total_message_count for q in ns.list_queues_runtime_properties()} == {0}
+
+
+def test_one_millisecond_is_the_shortest_ttl_every_path_stores(spark, ns, tmp_path):
+    """The boundary of the rule above: 1 ms (as seconds or as an interval) is stored as 1 ms, as send_messages stores it."""
+    expected = via_messages(ns, [timedelta(milliseconds=1)])
+    assert expected == [timedelta(milliseconds=1)]
+    for ttl in ("CAST(0.001 AS DOUBLE)", "INTERVAL '0.001' SECOND"):
+        assert every_path(spark, ns, tmp_path, [ttl]) == dict.fromkeys(
+            ("send_dataframe", "send_dataframe keyed", "sink"), expected
+        )
