@@ -12,8 +12,10 @@ are the rows numbered between the old fence and the new one (see Repeats for top
 
 from __future__ import annotations
 
+import json
 import logging
 from dataclasses import dataclass
+from datetime import datetime
 from enum import Enum
 from typing import TYPE_CHECKING
 
@@ -21,6 +23,8 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from sparkqueue.errors import QuotaExceededError, StorageError
+from sparkqueue.model import limits
+from sparkqueue.model.entity import utcnow
 from sparkqueue.storage.leases import require_live
 from sparkqueue.storage.log import AddFile, CommitConflict, Fence
 from sparkqueue.storage.schema import PARTITION_COLUMN, with_columns
@@ -75,6 +79,7 @@ def commit_renumbering(
     last = dict(written.last)
     dropped = 0
     while True:
+        adds = restamp_expired(table, adds, utcnow())
         fences = [Fence(fence_app_id(p), c) for p, c in sorted(last.items())]
         seen = {fence_app_id(p): bases[p] for p in last}
         try:
@@ -107,6 +112,39 @@ def commit_renumbering(
                     last[p] = moved[p][1] + count
                 else:  # every message of the partition repeated one: the commit leaves its fence alone
                     del last[p]
+
+
+def restamp_expired(table: EntityTable, adds: list[AddFile], now: datetime) -> list[AddFile]:
+    """The adds, with files holding a message that would arrive expired rewritten as enqueued `now`.
+
+    A send stamps its rows (enqueue, visibility, expiry) when its Spark job starts; a job that took
+    longer than a message's time to live would store it expired, counted as sent and never
+    delivered. Such files (their statistics tell: the earliest expiry has passed) are stamped
+    again at the commit, as a send of `now` would stamp them; the others are committed as written.
+    """
+    out: list[AddFile] = []
+    replaced: list[str] = []
+    try:
+        for add in adds:
+            earliest = json.loads(add.stats).get("minValues", {}).get("expires_at_utc")
+            if earliest is None or datetime.fromisoformat(earliest) > now:
+                out.append(add)
+                continue
+            rows = table.data.read(add.path)
+            visible = limits.visible_at(rows.column("scheduled_enqueue_time_utc"), now)
+            ttl = rows.column("time_to_live_ms").cast(pa.int64())
+            stamped = with_columns(
+                rows, enqueued_time_utc=visible, available_at_utc=visible, expires_at_utc=limits.expiries(visible, ttl)
+            )
+            out.append(table.data.write(int(add.partition_values[PARTITION_COLUMN]), stamped))
+            replaced.append(add.path)
+    except BaseException:
+        table.data.delete([a.path for a in out if a not in adds])
+        raise
+    if replaced:
+        table.data.delete(replaced)
+        log.info("%d file(s) of a DataFrame send held messages past their time to live: stamped again at %s", len(replaced), now)
+    return out
 
 
 def fence_bases_of(table: EntityTable, partitions: list[int]) -> dict[int, int | None]:
