@@ -101,6 +101,7 @@ class Receiver:
                 raise InvalidOperationError(f"{entity.name!r} is not session-enabled; create it with requires_session=True")
             sid = None if session_id is NEXT_AVAILABLE_SESSION else limits.check_key(session_id, "session_id")
             self._check_receivable()
+            namespace.broker.forward_owed(entity_type, name)  # what others owe may start a session (Broker.forward_owed)
             sessions = Sessions(entity)
             # With a prefetch, the accept commit also locks the session's first messages (docs/storage.md): they wait in
             # the cache and count a delivery, as the SDK's prefetch does. Without one, nothing is delivered before a receive.
@@ -231,11 +232,11 @@ class Receiver:
             return out  # a session's cached messages are its next ones: no read for more until they are taken
         want = min(n - len(out) + self.prefetch_count, MAX_RECEIVE_BATCH)
         wait_s = 0.0 if out else wait
+        if self._sub_queue == SUB_QUEUE_MAIN:  # at most every few seconds (Broker.forward_owed)
+            self._ns.broker.forward_owed(self.entity_type, self.entity_name)
         if self.session is not None:
             rows = self.session._sessions.receive(self.session._lock, want, delete=self._deleting, wait_s=wait_s)
         else:
-            if self._sub_queue == SUB_QUEUE_MAIN:  # at most every few seconds (Broker.forward_owed)
-                self._ns.broker.forward_owed(self.entity_type, self.entity_name)
             check = self._check_receivable
             rows = self._entity().receive(self._sub_queue, want, delete=self._deleting, wait_s=wait_s, check=check)
         got = received_messages(rows, utcnow())

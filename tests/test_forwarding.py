@@ -990,3 +990,19 @@ def test_a_forward_put_off_by_an_unavailable_destination_is_moved_by_the_destina
             got = [m.message_id for m in drain(r, 4)]
     assert sorted(got) == ["m1", *others]
     assert ns.get_queue_runtime_properties("A").active_message_count == 0
+
+
+def test_a_forward_put_off_is_moved_by_a_session_receiver_of_the_destination(ns: Namespace) -> None:
+    """As above for a destination that requires sessions: accepting the next session forwards what is owed first."""
+    from sparkqueue import NEXT_AVAILABLE_SESSION
+
+    ns.create_queue("B", requires_session=True)
+    ns.create_queue("A", forward_to="B")
+    injector = ns.broker.fault_injector("B")
+    injector.fail(partition_for("s1"), ("write",))
+    ns.get_queue_sender("A").send_messages(Message("payload", message_id="m1", session_id="s1"))
+    injector.heal()
+    assert ns.get_queue_runtime_properties("A").active_message_count == 1
+    with Namespace(ns.broker.root) as other, other.get_queue_receiver("B", session_id=NEXT_AVAILABLE_SESSION) as r:
+        assert r.session is not None and r.session.session_id == "s1"
+        assert [m.message_id for m in r.receive_messages(max_wait_time=1)] == ["m1"]
