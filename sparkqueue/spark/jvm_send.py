@@ -228,14 +228,14 @@ def _conf(spark: SparkSession, conf: dict[str, str]) -> Iterator[None]:
             held = _Shared(0, {k: spark.conf.get(k, None) for k in conf})
             for k, v in conf.items():
                 spark.conf.set(k, v)
-        _shared[key] = held._replace(users=held.users + 1)
+        _shared[key] = _Shared(held.users + 1, held.saved)
     try:
         yield
     finally:
         with _shared_lock:
             held = _shared.pop(key)
             if held.users > 1:
-                _shared[key] = held._replace(users=held.users - 1)
+                _shared[key] = _Shared(held.users - 1, held.saved)
             else:
                 _restore(spark, held.saved)
 
