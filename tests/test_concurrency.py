@@ -241,6 +241,13 @@ def test_concurrent_senders_to_one_partition(root: str, batch: int) -> None:
         stored = peek_all(r)
     assert {m.message_id: m.sequence_number for m in stored} == sent
     assert len(stored) == len(sent)
+    # Stamped in the commit attempt that numbered them: racing senders used to store a later number with an earlier
+    # enqueued_time_utc (stamped before a retry, or before another sender's commit that landed first).
+    by_seq = sorted(stored, key=lambda m: m.sequence_number)
+    backwards = [
+        (a.sequence_number, b.sequence_number) for a, b in itertools.pairwise(by_seq) if b.enqueued_time_utc < a.enqueued_time_utc
+    ]
+    assert backwards == [], f"higher sequence numbers enqueued earlier: {backwards[:3]}"
 
 
 def test_concurrent_unkeyed_senders_lose_nothing(root: str) -> None:

@@ -202,8 +202,10 @@ class Entity:
             return rows
         parts = pa.array(self.place(keys), pa.int32())
         rows = rows.set_column(rows.schema.get_field_index(PARTITION_COLUMN), PARTITION_COLUMN, parts)
+        # Stamped anew in each attempt, after it read its snapshot: a message numbered after another is never
+        # stamped as enqueued before it, and no retry spends the message's time to live (docs/semantics.md §2).
         return retry_commit(
-            lambda: self.table.append(rows, self.dedupe_since() if detect_duplicates else None, expand, once),
+            lambda: self.table.append(rows, self.dedupe_since() if detect_duplicates else None, expand, once, _stamped_now),
             self.deadline(),
             f"send to {self.name}",
         )
@@ -612,6 +614,11 @@ class Entity:
                     info.size_in_bytes = self.table.partition_bytes(dt, p)
             parts.append(info)
         return RuntimeProperties.aggregate(self.name, parts)
+
+
+def _stamped_now(rows: pa.Table) -> pa.Table:
+    """Message rows stamped as enqueued now (a send attempt's stamp)."""
+    return enqueued_at(rows, utcnow())
 
 
 def enqueued_at(rows: pa.Table, now: datetime) -> pa.Table:

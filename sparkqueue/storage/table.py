@@ -275,9 +275,17 @@ class EntityTable:
     # ---- send --------------------------------------------------------------------------------
 
     def append(
-        self, rows: pa.Table, dedupe_since: datetime | None, expand: Expand | None = None, once: Fence | None = None
+        self,
+        rows: pa.Table,
+        dedupe_since: datetime | None,
+        expand: Expand | None = None,
+        once: Fence | None = None,
+        stamp: Callable[[pa.Table], pa.Table] | None = None,
     ) -> pa.Table:
         """Append rows (partition ids set, sequence numbers not yet) in one commit; one attempt.
+
+        `stamp` (the model's enqueue stamp) runs on the rows once this attempt has read its
+        snapshot: every commit numbered before these rows landed before their stamp.
 
         Assigns sequence numbers from each partition's fence, drops rows whose message_id was
         accepted in the partition since `dedupe_since` (when given) or repeats within the batch,
@@ -290,10 +298,19 @@ class EntityTable:
         (the caller retries on a fresh snapshot).
         """
         with self.existing():
-            return self._append(rows, dedupe_since, expand, once)
+            return self._append(rows, dedupe_since, expand, once, stamp)
 
-    def _append(self, rows: pa.Table, dedupe_since: datetime | None, expand: Expand | None, once: Fence | None) -> pa.Table:
+    def _append(
+        self,
+        rows: pa.Table,
+        dedupe_since: datetime | None,
+        expand: Expand | None,
+        once: Fence | None,
+        stamp: Callable[[pa.Table], pa.Table] | None,
+    ) -> pa.Table:
         dt = self.snapshot()
+        if stamp is not None:
+            rows = stamp(rows)
         if once is not None:
             done = dt.transaction_version(once.app_id)
             if done is not None and done >= once.version:
