@@ -239,7 +239,7 @@ def as_message(value: object) -> Message:
             message_id=value.message_id,
             session_id=value.session_id,
             partition_key=value.partition_key,
-            application_properties=_user_properties(value.application_properties),
+            application_properties=_user_properties(value),
             content_type=value.content_type,
             correlation_id=value.correlation_id,
             subject=value.subject,
@@ -262,10 +262,14 @@ DEAD_LETTER_REASON_PROPERTY = "DeadLetterReason"
 DEAD_LETTER_DESCRIPTION_PROPERTY = "DeadLetterErrorDescription"
 
 
-def _user_properties(props: dict[str, Any] | None) -> dict[str, Any] | None:
-    """A received message's application properties without the broker's dead-letter annotations."""
+def _user_properties(message: ReceivedMessage) -> dict[str, Any] | None:
+    """A received message's application properties without the broker's dead-letter annotations (a dead letter's only:
+    a message never dead-lettered keeps properties of those names that its sender set)."""
+    props = message.application_properties
     if not props:
         return None
+    if message.dead_letter_reason is None and message.dead_letter_error_description is None:
+        return dict(props)
     return {k: v for k, v in props.items() if k not in (DEAD_LETTER_REASON_PROPERTY, DEAD_LETTER_DESCRIPTION_PROPERTY)}
 
 
@@ -453,14 +457,15 @@ def reported_delivery_count(stored: int, lock_token: str | None, locked_until: d
 
 def _received_properties(text: str | None, reason: str | None, description: str | None) -> ApplicationProperties | None:
     """Stored properties as a received message shows them; a dead letter also carries its reason and description
-    as DeadLetterReason and DeadLetterErrorDescription, as Service Bus records them."""
+    as DeadLetterReason and DeadLetterErrorDescription, as Service Bus records them (over properties of those names
+    that its sender set, as Service Bus overwrites them)."""
     props = ApplicationProperties(json.loads(text)) if text else None
     if reason is not None or description is not None:
         props = props if props is not None else ApplicationProperties()
         if reason is not None:
-            props.setdefault(DEAD_LETTER_REASON_PROPERTY, reason)
+            props[DEAD_LETTER_REASON_PROPERTY] = reason
         if description is not None:
-            props.setdefault(DEAD_LETTER_DESCRIPTION_PROPERTY, description)
+            props[DEAD_LETTER_DESCRIPTION_PROPERTY] = description
     return props
 
 

@@ -190,6 +190,29 @@ def test_04_dead_letter_reason_is_in_the_application_properties(ns: Namespace) -
     assert m.application_properties["DeadLetterErrorDescription"] == "cannot parse"
 
 
+def test_04_dead_letter_annotations_overwrite_user_properties_of_their_names_and_only_dead_letters_lose_them(
+    ns: Namespace,
+) -> None:
+    """A sender's own DeadLetterReason property hid the real reason in application_properties, and resending a
+    message never dead-lettered dropped it. Service Bus overwrites the property on dead-lettering, and only then."""
+    ns.create_queue("q")
+    ns.create_queue("copies")
+    with ns.get_queue_sender("q") as s:
+        s.send_messages(Message("x", application_properties={"DeadLetterReason": "mine", "k": 1}))
+    with ns.get_queue_receiver("q") as r:
+        m = _one(r)
+        ns.get_queue_sender("copies").send_messages(m)  # resending a received message (SDK pattern)
+        r.dead_letter_message(m, reason="Poison")
+    with ns.get_queue_receiver("copies") as r:
+        assert dict(_one(r).application_properties) == {"DeadLetterReason": "mine", "k": 1}
+    with ns.get_queue_receiver("q", sub_queue=SubQueue.DEAD_LETTER) as dlq:
+        dead = _one(dlq)
+        assert dead.dead_letter_reason == dead.application_properties["DeadLetterReason"] == "Poison"
+        ns.get_queue_sender("copies").send_messages(dead)  # a resubmitted dead letter leaves its annotations behind
+    with ns.get_queue_receiver("copies") as r:
+        assert dict(_one(r).application_properties) == {"k": 1}
+
+
 # 5 ---------------------------------------------------------------------------------------------
 
 
