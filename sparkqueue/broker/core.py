@@ -429,8 +429,13 @@ class Broker:
             if now - self.owed_at.get(target.lower(), -OWED_EVERY_S) < OWED_EVERY_S:
                 return
             self.owed_at[target.lower()] = now
+        try:
+            entries = self.catalog.entries()
+        except SparkQueueError as exc:  # the receive goes on; its own read reports what it finds
+            log.info("forwards owed to %s deferred: %s", target, exc)
+            return
         sources = []
-        for entry in self.catalog.entries():
+        for entry in entries:
             if entry.entity_type in (QUEUE, SUBSCRIPTION):
                 settings = json.loads(entry.properties)
                 routes_to = (settings.get("forward_to"), settings.get("forward_dead_lettered_messages_to"))
