@@ -272,12 +272,12 @@ class Management:
         key = Address.of(entity_type, name).key
         rerouted = getattr(old, "forward_to", None) != getattr(props, "forward_to", None)
         if rerouted:  # the main route rests from before the change until every process knows it (docs/semantics.md §9)
-            self.broker.mark_route_change(entity_type, name)
+            self.broker.entity(entity_type, name).mark_route_change()
         if not self.broker.catalog.update(key, props.to_json(), self.broker.deadline(), entry.table_path):
             raise EntityNotFoundError(f"{entity_type} {name!r} does not exist (it was deleted meanwhile)")
         self.broker.forget(key)
         if rerouted:
-            self.broker.mark_route_change(entity_type, name)
+            self.broker.entity(entity_type, name).mark_route_change()
         left, new_route = _left_destination(old, props), _new_route(old, props)
         if left or new_route:
             self.broker.forward_after_route_change(entity_type, name, left, new_route)
@@ -943,13 +943,18 @@ for _name, _method in list(vars(Management).items()):
 def _same_entity_name(entity_type: str, name: str) -> Callable[[str], bool]:
     """Whether a catalog key names an entity `name` would clash with, ignoring case (Service Bus names ignore it).
 
-    Queues and topics share one name space; a subscription's name is unique among its topic's subscriptions.
+    Queues and topics share one name space; a subscription's name is unique among its topic's subscriptions, and a
+    rule's among its subscription's rules (the subscription as stored: `create_rule` is given its stored spelling).
     """
     wanted = Address.of(entity_type, name)
     kinds = (QUEUE, TOPIC) if entity_type in (QUEUE, TOPIC) else (entity_type,)
 
     def same(key: str) -> bool:
         taken = Address.parse(key)
-        return taken.kind in kinds and taken.name.lower() == wanted.name.lower()
+        if taken.kind not in kinds:
+            return False
+        if entity_type == RULE and taken.parts[:-1] != wanted.parts[:-1]:
+            return False  # another subscription's rule (subscriptions made before names ignored case may differ by case)
+        return taken.name.lower() == wanted.name.lower()
 
     return same

@@ -9,11 +9,13 @@ forwarding: children dead-letter messages (so each dead-lettering forwards) and 
 
 from __future__ import annotations
 
+import contextlib
 import os
 import random
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections import Counter
 from datetime import timedelta
@@ -23,7 +25,8 @@ from typing import Any
 import pytest
 from procs import peek_all
 
-from sparkqueue import Message, Namespace, SubQueue
+from sparkqueue import Message, Namespace, ReceiveMode, SubQueue
+from sparkqueue.errors import InvalidOperationError
 
 CHAIN = ("src", "mid", "dst")
 
@@ -712,3 +715,63 @@ def test_forward_to_changed_under_traffic_moves_each_message_once(root: str, tmp
     doubled = {k: v for k, v in main.items() if v > 1}
     assert not doubled, f"{len(doubled)} message(s) in two places, e.g. {list(doubled.items())[:5]}"
     assert acked <= set(main), f"lost: {sorted(acked - set(main))[:5]}"
+
+
+def test_a_forwarder_slow_across_a_route_removal_and_a_receiver_never_both_take_a_message(root: str) -> None:
+    """A forwarder read its run just before forward_to was removed and appends a moment later (here: stopped in its
+    append for half a second). Receivers seeing the route removed took the message at once, so it was also in the old
+    destination. Receives now wait out the route's rest as forwarders do: the message is in one place."""
+    with Namespace(root) as ns:
+        ns.create_queue("dst", enable_partitioning=False)
+        ns.create_queue("src", enable_partitioning=False, forward_to="dst")
+        injector = ns.broker.fault_injector("dst")
+        injector.fail(0, ("write",))  # the send's own forward is put off: m1 waits in src
+        ns.get_queue_sender("src").send_messages(Message("x", message_id="m1"))
+        injector.heal()
+    child = pausing(root, "_deliver", "go-forward", stdin=subprocess.PIPE)
+    received: list[str] = []
+    try:
+        assert child.stdin is not None and child.stdout is not None
+        assert child.stdout.readline() == "ready\n"
+        child.stdin.write("go\n")
+        child.stdin.flush()
+        assert child.stdout.readline() == "paused\n"  # its run read, its append not made
+        with Namespace(root) as ns:
+            update = threading.Thread(target=lambda: ns.update_queue(ns.get_queue("src"), forward_to=None))
+            update.start()
+            resume_at = time.monotonic() + 0.5
+            while update.is_alive() or time.monotonic() < resume_at + 2:
+                if child.returncode is None and time.monotonic() >= resume_at:
+                    assert resume(child) == "resumed\n"
+                # A fresh client each time, as a receiver elsewhere starting now: its settings are the newest.
+                with (
+                    Namespace(root) as other,
+                    other.get_queue_receiver("src", receive_mode=ReceiveMode.RECEIVE_AND_DELETE) as r,
+                    contextlib.suppress(InvalidOperationError),  # refused while the catalog still says it forwards
+                ):
+                    received += [m.message_id for m in r.receive_messages(max_message_count=10, max_wait_time=0.02)]
+            update.join()
+    finally:
+        if child.returncode is None:
+            resume(child)
+    with Namespace(root) as ns:
+        main, dead = everywhere_of(ns, ("src", "dst"))
+    main.update(received)
+    assert (main, dead) == (Counter({"m1": 1}), Counter())
+
+
+def test_a_message_sent_while_a_dying_update_rested_the_route_reaches_the_end_of_its_chain(root: str) -> None:
+    """The process changing forward_to dies during the route's rest, so its forward of what waits never runs, and a
+    message sent meanwhile stays in the source. Its new destination forwards on, so only the chain's far end has
+    receivers: they now forward what any entity upstream owes them."""
+    with Namespace(root) as ns:
+        for name, to in (("end", None), ("mid", "end"), ("old", None), ("src", "old")):
+            ns.create_queue(name, enable_partitioning=False, **({"forward_to": to} if to else {}))
+    set_forward_to_leaving_messages_waiting(root, "src", "mid")
+    with Namespace(root) as ns:
+        ns.get_queue_sender("src").send_messages(Message("x", message_id="m1"))  # during the rest: not forwarded
+        assert ns.get_queue_runtime_properties("src").active_message_count == 1
+    time.sleep(1.6)  # the rest is over
+    with Namespace(root) as ns, ns.get_queue_receiver("end") as r:
+        assert [m.message_id for m in r.receive_messages(max_message_count=10, max_wait_time=5)] == ["m1"]
+        assert ns.get_queue_runtime_properties("src").active_message_count == 0

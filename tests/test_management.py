@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 from procs import drain, drain_all, key_for_partition
 
-from sparkqueue import Message, Namespace, SqlRuleFilter
+from sparkqueue import Message, Namespace, SqlRuleFilter, management
 from sparkqueue.broker import sub_entity_name
 from sparkqueue.errors import (
     EntityAlreadyExistsError,
@@ -800,3 +800,21 @@ def test_a_name_of_the_other_kind_is_named_in_the_error(ns: Namespace) -> None:
         ns.get_queue("events")
     with pytest.raises(EntityNotFoundError, match=r"queue 'nope' does not exist in namespace '[^']*'$"):
         ns.get_queue("nope")
+
+
+def test_a_rule_name_is_unique_in_its_own_subscription_when_two_differ_only_in_case(
+    ns: Namespace, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A namespace made before subscription names ignored case may hold "Orders" and "orders" (each found by its exact
+    name): a rule of one never blocks a rule of the same name on the other."""
+    ns.create_topic("t")
+    ns.create_subscription("t", "Orders")
+    with monkeypatch.context() as old_code:  # the catalog check as it was: names matched with case
+        old_code.setattr(management, "_same_entity_name", lambda kind, name: lambda key: key == f"{kind}:{name}")
+        ns.create_subscription("t", "orders")
+    ns.create_rule("t", "orders", "x")
+    ns.create_rule("t", "Orders", "X")
+    assert sorted(r.name for r in ns.list_rules("t", "orders")) == ["$Default", "x"]
+    assert sorted(r.name for r in ns.list_rules("t", "Orders")) == ["$Default", "X"]
+    with pytest.raises(EntityAlreadyExistsError):
+        ns.create_rule("t", "Orders", "x")

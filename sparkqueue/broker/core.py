@@ -29,8 +29,6 @@ from sparkqueue.model.forwarding import (
     MAX_HOPS,
     cancel_lapsed_claims,
     forward,
-    mark_route_change,
-    rest_left_s,
     routes,
     settle_delivered,
 )
@@ -62,6 +60,29 @@ PROPERTY_TYPES: dict[str, type[AnyEntityProperties]] = {
     TOPIC: TopicProperties,
     SUBSCRIPTION: SubscriptionProperties,
 }
+
+
+def _sources_of(target: str, entries: Sequence[CatalogEntry]) -> list[tuple[str, str]]:
+    """The queues and subscriptions whose forwarding reaches queue or topic `target`, directly or over up to MAX_HOPS hops.
+
+    (kind, name) pairs, the farthest last; names compare without case, as entity names do.
+    """
+    edges = []
+    for entry in entries:
+        if entry.entity_type in (QUEUE, SUBSCRIPTION):
+            settings = json.loads(entry.properties)
+            routes_to = {d.lower() for d in (settings.get("forward_to"), settings.get("forward_dead_lettered_messages_to")) if d}
+            address = Address.parse(entry.name)
+            edges.append((entry.entity_type, address.name, address.topic.lower(), routes_to))
+    found: dict[tuple[str, str], None] = {}
+    reached = {target.lower()}
+    for _ in range(MAX_HOPS):
+        step = {(kind, name): at for kind, name, at, to in edges if to & reached and (kind, name) not in found}
+        if not step:
+            break
+        found.update(dict.fromkeys(step))
+        reached = set(step.values())  # a source is a queue, or a subscription of a topic: what forwards there comes next
+    return list(found)
 
 
 def _alike_entry(entries: Sequence[CatalogEntry], key: str) -> CatalogEntry | None:
@@ -360,17 +381,13 @@ class Broker:
         except SparkQueueError as exc:
             log.warning("forwarding from %s deferred: %s", entity.name, exc)
 
-    def mark_route_change(self, entity_type: str, name: str) -> None:
-        """Before and after an update changes `forward_to`: the entity's main route rests (forwarding.ROUTE_QUIET_S)."""
-        mark_route_change(self.entity(entity_type, name))
-
     def forward_after_route_change(self, entity_type: str, name: str, left: str | None, new_route: bool) -> None:
         """After an update changed an entity's routes: settle what reached the destination it `left`, then forward what waits.
 
         Other processes forward and send by settings up to PROPERTIES_TTL_S old, so right after the
         change they may still forward to the old destination (one killed before its settle leaves
         originals that only that destination knows went out, `forwarding.settle_delivered`), or store
-        messages without forwarding them. A changed main route rests meanwhile (mark_route_change).
+        messages without forwarding them. A changed main route rests meanwhile (Entity.mark_route_change).
         Once the rest is over, the originals are settled and, on a `new_route`, what waits moves on.
         Originals are settled at once too, before receivers that see the route removed take them.
         """
@@ -421,7 +438,8 @@ class Broker:
         A forward runs after the operation that stored its messages, on the partitions it touched; one
         that failed (its destination unavailable for a moment) or whose process died waits for the
         next such operation on that partition, or for forward_pending_messages. Receivers of the
-        destination move it too, at most every OWED_EVERY_S per destination in this process.
+        destination move it too, at most every OWED_EVERY_S per destination in this process, from
+        every entity whose forwarding reaches it (a chain's far end holds the only receivers).
         """
         target = Address.of(entity_type, name).topic  # a queue's name, or a subscription's topic
         now = time.monotonic()
@@ -434,14 +452,7 @@ class Broker:
         except SparkQueueError as exc:  # the receive goes on; its own read reports what it finds
             log.info("forwards owed to %s deferred: %s", target, exc)
             return
-        sources = []
-        for entry in entries:
-            if entry.entity_type in (QUEUE, SUBSCRIPTION):
-                settings = json.loads(entry.properties)
-                routes_to = (settings.get("forward_to"), settings.get("forward_dead_lettered_messages_to"))
-                if any(isinstance(d, str) and d.lower() == target.lower() for d in routes_to):
-                    sources.append((entry.entity_type, Address.parse(entry.name).name))
-        for kind, source in sources:
+        for kind, source in _sources_of(target, entries):
             try:
                 entity = self.entity(kind, source)
             except SparkQueueError as exc:  # deleted meanwhile, or its table unreadable: the receive goes on
@@ -451,7 +462,7 @@ class Broker:
 
     def _after_rest(self, entity_type: str, name: str) -> Entity:
         """The entity once its main route has ended any rest after a change, with settings read after that."""
-        wait = rest_left_s(self.entity(entity_type, name))
+        wait = self.entity(entity_type, name).route_rest_left_s()
         if wait > 0:
             time.sleep(wait + 0.01)
             self.forget(Address.of(entity_type, name).key)
@@ -466,9 +477,9 @@ class Broker:
         for entry in self.catalog.entries():
             if entry.entity_type in (QUEUE, SUBSCRIPTION):
                 try:
-                    entity = self._after_rest(entry.entity_type, Address.parse(entry.name).name)
+                    entity = self.entity(entry.entity_type, Address.parse(entry.name).name)
                     if routes(entity):
-                        self.pump(entity)
+                        self.pump(self._after_rest(entry.entity_type, Address.parse(entry.name).name))
                     if not getattr(entity.props, "forward_dead_lettered_messages_to", None):
                         cancel_lapsed_claims(entity, self.resolve)
                 except SparkQueueError as exc:  # one faulty entity never blocks the others

@@ -32,7 +32,7 @@ from sparkqueue.model.properties import (
 )
 from sparkqueue.model.topics import COPY_KEY, copy_run, live_copies
 from sparkqueue.storage.files import MAX_FILE_ROWS
-from sparkqueue.storage.log import CommitConflict, Fence, Snapshot
+from sparkqueue.storage.log import MARK_PREFIX, CommitConflict, Fence, Snapshot
 from sparkqueue.storage.retry import Deadline, backoff, retry_commit
 from sparkqueue.storage.schema import (
     ANY_SUBSCRIPTION,
@@ -69,6 +69,10 @@ LOCK_ATTEMPTS_PER_PARTITION = 3
 EXPIRY_SCAN_GROWTH = 4
 MAX_EXPIRY_SCAN = 4_096
 POLL_MIN_S, POLL_MAX_S = 0.02, 0.5
+# How long the main route of an entity rests after an update changed its forward_to (docs/semantics.md §9): longer
+# than processes trust cached settings (the broker's PROPERTIES_TTL_S, 1 s), so no two forwarders, or a forwarder
+# and a receiver, act on one message by two routes.
+ROUTE_QUIET_S = 1.5
 COPY_WINDOW = 256  # sequence numbers read either side of a topic message's number to find its copies (widened as needed)
 
 
@@ -154,6 +158,31 @@ class Entity:
             keep_tombstones=self.subscription is None and bool(getattr(p, "requires_duplicate_detection", False)),
             source=self.name,
         )
+
+    def mark_route_change(self) -> None:
+        """Record in the table that the main route is changing: it rests for ROUTE_QUIET_S from now (a log-only commit)."""
+        app = self._route_app()
+
+        def attempt() -> None:
+            dt = self.table.snapshot()
+            seen = dt.transaction_version(app)
+            self.table.commit(dt, [], [], [Fence(app, (seen or 0) + 1)], {app: seen}, "WRITE")
+
+        retry_commit(attempt, self.deadline(), f"mark a route change of {self.name}")
+
+    def route_rest_left_s(self, dt: Snapshot | None = None) -> float:
+        """Seconds the main route still rests after a change (mark_route_change), at most ROUTE_QUIET_S; 0 when it does not.
+
+        Neither forwarders nor receivers of the main sub-queue act on it meanwhile.
+        """
+        changed_ms = (dt or self.table.snapshot()).txn_times.get(self._route_app())
+        if changed_ms is None:
+            return 0.0
+        return min(ROUTE_QUIET_S, max(0.0, changed_ms / 1000 + ROUTE_QUIET_S - time.time()))
+
+    def _route_app(self) -> str:
+        """The txn app id whose moves mark changes of the main route (a topic's subscriptions share one table)."""
+        return f"{MARK_PREFIX}route.{self.subscription or ''}"
 
     def deadline(self) -> Deadline:
         """A deadline of one operation timeout (or the call's tighter `timeout=`) from now."""
@@ -253,6 +282,8 @@ class Entity:
         out: list[pa.Table] = []
         remaining = max_count
         dt = self.table.snapshot()  # one snapshot serves every partition this pass does not change
+        if sub_queue == SUB_QUEUE_MAIN and self.route_rest_left_s(dt) > 0:
+            return empty_rows()  # forwarders may still hold messages by the route before the change: wait for the rest
         for i in range(self.partition_count):
             p = (start + i) % self.partition_count
             if not self.available(p) or not self.table.holds_files(dt, p):

@@ -55,10 +55,6 @@ FULL_REASON = "ForwardingDestinationQuotaExceeded"
 DISABLED_REASON = "ForwardingDestinationDisabled"
 KEYS_REASON = "ForwardingPartitionKeyConflict"  # a rule action gave a copy a session id its partition key contradicts
 BATCH = 1000
-# How long the main route of an entity rests after an update changed it (docs/semantics.md §9): longer than
-# processes trust cached settings (the broker's PROPERTIES_TTL_S, 1 s), so no two forwarders, or a forwarder and a
-# receiver, act on one message by two routes.
-ROUTE_QUIET_S = 1.5
 DELIVERED, CANCELLED = 1, 2  # txn versions of a dead-letter claim's app id at its destination (an append skips both)
 CLAIM_PREFIX = "forward:"  # lock token of dead letters claimed by a forwarder (never a receiver's token): Claim
 
@@ -89,10 +85,11 @@ def routes(entity: Entity) -> list[Route]:
 def forward(entity: Entity, resolve: Resolver, partitions: list[int] | None = None) -> list[str]:
     """Move everything waiting on the entity's routes; returns the destinations that may have received messages."""
     reached: list[str] = []
+    dt = entity.table.snapshot()
     for route in routes(entity):
         for p in partitions if partitions is not None else range(entity.partition_count):
-            if not entity.available(p):
-                continue
+            if not entity.available(p) or not entity.table.may_hold_messages(dt, p, route.sub_queue, entity.subscription):
+                continue  # (file statistics: a partition with nothing of the route's costs no read)
             while True:
                 moved = _forward_batch(entity, route, p, resolve)
                 if moved and route.destination not in reached:
@@ -106,38 +103,6 @@ def _app_id(entity: Entity, route: Route, p: int) -> str:
     """The destination txn app id recording how far this source partition has forwarded on this route."""
     source = f"{entity.table.uri.rsplit('/', 1)[-1]}.{entity.subscription or ''}.{route.sub_queue}.{p}"
     return f"{MARK_PREFIX}{source}"
-
-
-def _route_app(entity: Entity) -> str:
-    """The source txn app id whose moves mark changes of the entity's main route (a topic's subscriptions share a table)."""
-    return f"{MARK_PREFIX}route.{entity.subscription or ''}"
-
-
-def mark_route_change(entity: Entity) -> None:
-    """Record at the source that its main route is changing: forwarders rest for ROUTE_QUIET_S from now (a log-only commit)."""
-    app = _route_app(entity)
-
-    def attempt() -> None:
-        dt = entity.table.snapshot()
-        seen = dt.transaction_version(app)
-        entity.table.commit(dt, [], [], [Fence(app, (seen or 0) + 1)], {app: seen}, "WRITE")
-
-    retry_commit(attempt, entity.deadline(), f"mark a route change of {entity.name}")
-
-
-def route_resting(entity: Entity, dt: Snapshot, now: datetime) -> bool:
-    """True while the entity's main route rests after a change (mark_route_change): nothing moves on it."""
-    return _rest_left_s(entity, dt, now) > 0
-
-
-def rest_left_s(entity: Entity) -> float:
-    """Seconds until the entity's main route ends its rest after a change (0 when it is not resting)."""
-    return _rest_left_s(entity, entity.table.snapshot(), utcnow())
-
-
-def _rest_left_s(entity: Entity, dt: Snapshot, now: datetime) -> float:
-    changed_ms = dt.txn_times.get(_route_app(entity))
-    return 0.0 if changed_ms is None else max(0.0, changed_ms / 1000 + ROUTE_QUIET_S - now.timestamp())
 
 
 def _forward_batch(entity: Entity, route: Route, p: int, resolve: Resolver) -> int:
@@ -163,7 +128,7 @@ def _forward_run(entity: Entity, route: Route, p: int, resolve: Resolver) -> tup
     """One commit of `_forward_batch`: (messages that left the source, whether they were only expired ones to drop first)."""
     dt = entity.table.snapshot()
     now = utcnow()
-    if route_resting(entity, dt, now):  # the update that changed the route forwards once the rest is over
+    if entity.route_rest_left_s(dt) > 0:  # the update that changed the route forwards once the rest is over
         return 0, False
     run = _leading_run(entity, dt, p, route.sub_queue, now)
     if run.num_rows == 0:
@@ -195,7 +160,10 @@ def _forward_run(entity: Entity, route: Route, p: int, resolve: Resolver) -> tup
             check_status(dest.props, "send", dest.name)
             travel = run.filter(travels)
             if travel.num_rows:
-                if len(_as_read(entity, entity.table.snapshot(), p, travel)) < travel.num_rows:
+                now_dt = entity.table.snapshot()
+                if entity.route_rest_left_s(now_dt) > 0:  # the route changed since the read: no copy by the old one
+                    return 0, False
+                if len(_as_read(entity, now_dt, p, travel)) < travel.num_rows:
                     return 0, True  # another forwarder expired, or settled, some of them since the read: read again
                 top = pc.max(run.column("sequence_number")).as_py()
                 appended = _deliver(dest, expand, _copies(travel, now, dest), Fence(app, top)).column("message_id")

@@ -23,8 +23,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from sparkqueue.errors import QuotaExceededError, StorageError
-from sparkqueue.model import limits
-from sparkqueue.model.entity import utcnow
+from sparkqueue.model.entity import enqueued_at, utcnow
 from sparkqueue.storage.leases import require_live
 from sparkqueue.storage.log import AddFile, CommitConflict, Fence
 from sparkqueue.storage.schema import PARTITION_COLUMN, with_columns
@@ -130,12 +129,7 @@ def restamp_expired(table: EntityTable, adds: list[AddFile], now: datetime) -> l
             if earliest is None or datetime.fromisoformat(earliest) > now:
                 out.append(add)
                 continue
-            rows = table.data.read(add.path)
-            visible = limits.visible_at(rows.column("scheduled_enqueue_time_utc"), now)
-            ttl = rows.column("time_to_live_ms").cast(pa.int64())
-            stamped = with_columns(
-                rows, enqueued_time_utc=visible, available_at_utc=visible, expires_at_utc=limits.expiries(visible, ttl)
-            )
+            stamped = enqueued_at(table.data.read(add.path), now)
             out.append(table.data.write(int(add.partition_values[PARTITION_COLUMN]), stamped))
             replaced.append(add.path)
     except BaseException:
