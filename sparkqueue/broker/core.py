@@ -25,13 +25,7 @@ from sparkqueue.model.addresses import QUEUE, RULE, SUBSCRIPTION, TOPIC, Address
 from sparkqueue.model.deadlines import effective
 from sparkqueue.model.entity import Entity, SettleResult
 from sparkqueue.model.filters import action_from_dict, filter_from_dict
-from sparkqueue.model.forwarding import (
-    MAX_HOPS,
-    cancel_lapsed_claims,
-    forward,
-    routes,
-    settle_delivered,
-)
+from sparkqueue.model.forwarding import MAX_HOPS, cancel_lapsed_claims, forward, routes, settle_delivered
 from sparkqueue.model.properties import (
     AnyEntityProperties,
     QueueProperties,
@@ -53,7 +47,7 @@ from sparkqueue.storage.table import EntityTable, Expand, partition_of
 log = logging.getLogger(__name__)
 
 PROPERTIES_TTL_S = 1.0  # how long a process trusts cached settings and rules before re-reading the catalog
-OWED_EVERY_S = 5.0  # how often an idle receive of an entity forwards what other entities owe it (Broker.forward_owed)
+OWED_EVERY_S = 5.0  # how often receives of an entity forward what other entities owe it, per process (Broker.forward_owed)
 
 PROPERTY_TYPES: dict[str, type[AnyEntityProperties]] = {
     QUEUE: QueueProperties,
@@ -476,10 +470,11 @@ class Broker:
         """
         for entry in self.catalog.entries():
             if entry.entity_type in (QUEUE, SUBSCRIPTION):
+                name = Address.parse(entry.name).name
                 try:
-                    entity = self.entity(entry.entity_type, Address.parse(entry.name).name)
+                    entity = self.entity(entry.entity_type, name)
                     if routes(entity):
-                        self.pump(self._after_rest(entry.entity_type, Address.parse(entry.name).name))
+                        self.pump(self._after_rest(entry.entity_type, name))
                     if not getattr(entity.props, "forward_dead_lettered_messages_to", None):
                         cancel_lapsed_claims(entity, self.resolve)
                 except SparkQueueError as exc:  # one faulty entity never blocks the others
