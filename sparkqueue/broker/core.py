@@ -64,7 +64,7 @@ def _sources_of(target: str, entries: Sequence[CatalogEntry]) -> list[tuple[str,
     edges = []
     for entry in entries:
         if entry.entity_type in (QUEUE, SUBSCRIPTION):
-            settings = json.loads(entry.properties)
+            settings = json.loads(entry.properties)  # two keys of every entry: PROPERTY_TYPES' from_json costs 4x as much
             routes_to = {d.lower() for d in (settings.get("forward_to"), settings.get("forward_dead_lettered_messages_to")) if d}
             address = Address.parse(entry.name)
             edges.append((entry.entity_type, address.name, address.topic.lower(), routes_to))
