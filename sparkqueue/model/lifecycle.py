@@ -27,7 +27,7 @@ from sparkqueue.storage.schema import (
     keep_rows,
     with_columns,
 )
-from sparkqueue.storage.table import CHANGE_SCHEMA, MUTABLE_COLUMNS, OP_DELETE, OP_SET, OP_TOMBSTONE
+from sparkqueue.storage.table import CHANGE_SCHEMA, OP_DELETE, OP_SET, OP_TOMBSTONE
 
 MAX_DELIVERY_REASON = "MaxDeliveryCountExceeded"
 TTL_EXPIRED_REASON = "TTLExpiredException"
@@ -56,22 +56,24 @@ class Policy:
     source: str  # entity name, recorded as dead_letter_source
 
 
+# The change table's columns after sequence_number and op, with their types (CHANGE_SCHEMA's order).
+_CHANGED_COLUMNS = [(f.name, f.type) for f in CHANGE_SCHEMA][2:]
+
+
 def changes(rows: pa.Table, op: str, **values: Any) -> pa.Table:
     """Change rows for `rows`: their current mutable values, with `values` (scalars or arrays) replacing some."""
-    cols: dict[str, pa.Array] = {
-        "sequence_number": rows.column("sequence_number").combine_chunks(),
-        "op": constant(op, pa.string(), rows.num_rows),
-    }
-    for c in [*MUTABLE_COLUMNS, "body"]:
-        field = CHANGE_SCHEMA.field(c)
+    n = rows.num_rows
+    present = set(rows.column_names)  # a property that builds a new list at every call
+    cols: list[pa.Array | pa.ChunkedArray] = [rows.column("sequence_number").combine_chunks(), constant(op, pa.string(), n)]
+    for c, type_ in _CHANGED_COLUMNS:
         if c in values:
             v = values[c]
-            cols[c] = v if isinstance(v, (pa.Array, pa.ChunkedArray)) else constant(v, field.type, rows.num_rows)
-        elif c in rows.column_names:
-            cols[c] = rows.column(c)
+            cols.append(v if isinstance(v, (pa.Array, pa.ChunkedArray)) else constant(v, type_, n))
+        elif c in present:
+            cols.append(rows.column(c))
         else:
-            cols[c] = pa.nulls(rows.num_rows, field.type)
-    return conform(pa.table({k: cols[k] for k in CHANGE_SCHEMA.names}), CHANGE_SCHEMA)
+            cols.append(pa.nulls(n, type_))
+    return conform(pa.table(cols, names=CHANGE_SCHEMA.names), CHANGE_SCHEMA)
 
 
 def removal(policy: Policy) -> str:

@@ -28,6 +28,7 @@ from sparkqueue.storage.schema import (
     SUB_QUEUE_MAIN,
     TIMESTAMP,
     constant,
+    keep_rows,
     with_columns,
 )
 from sparkqueue.storage.table import partition_of
@@ -400,8 +401,10 @@ def _cap_ttl(rows: pa.Table, sub: Subscriber) -> pa.Table:
 
 def without_markers(stored: pa.Table) -> pa.Table:
     """The stored rows that are messages: a topic send also stores its id records (ACCEPTED_MARKER)."""
-    marker = pc.fill_null(pc.equal(stored.column("subscription"), ACCEPTED_MARKER), False)
-    return stored.filter(pc.invert(marker))
+    subs = stored.column("subscription")
+    if subs.null_count == len(subs):  # a queue's rows: no markers, and no filter copying every column
+        return stored
+    return keep_rows(stored, pc.invert(pc.fill_null(pc.equal(subs, ACCEPTED_MARKER), False)))
 
 
 def _markers(rows: pa.Table) -> pa.Table:

@@ -15,6 +15,7 @@ docs/storage.md for the format and the reasoning.
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import logging
 import os
@@ -66,7 +67,13 @@ _UNIT_S = {"second": 1, "minute": 60, "hour": 3600, "day": 86400, "week": 604800
 
 def log_retention_s(configuration: Mapping[str, str]) -> float:
     """The table's delta.logRetentionDuration in seconds ("interval <n> <unit>"; Delta's default when unset)."""
-    m = _INTERVAL.match(configuration.get("delta.logRetentionDuration") or "")
+    return _interval_s(configuration.get("delta.logRetentionDuration") or "")
+
+
+@functools.lru_cache(maxsize=16)
+def _interval_s(text: str) -> float:
+    """A Delta interval setting in seconds (every commit asks: parsed once per distinct value)."""
+    m = _INTERVAL.match(text)
     if m is None or m.group(2).lower() not in _UNIT_S:
         return DEFAULT_LOG_RETENTION_S
     return int(m.group(1)) * _UNIT_S[m.group(2).lower()]

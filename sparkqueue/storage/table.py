@@ -731,31 +731,44 @@ def _apply_changes(rows: pa.Table, changes: pa.Table) -> tuple[pa.Table, pa.Tabl
 
     Writing the two apart keeps what a receiver locked in a file of its own: its settlement then
     drops that file whole, and the next receive skips it by statistics without opening it.
+    A change of every row in the file's order (one message, a whole file locked) takes the change
+    columns as they are: each take or cast is a compute call, and a single send's round trip made dozens.
     """
     idx = pc.index_in(rows.column("sequence_number"), value_set=changes.column("sequence_number"))
     hit = pc.is_valid(idx)
-    if not pc.any(hit).as_py():
+    changed = pc.sum(hit).as_py() or 0
+    if not changed:
         return None
-    kept = rows.filter(pc.invert(hit))
-    if kept.num_rows:  # else every row changes (a lock of whole files): no copy of the rows
+    if changed == rows.num_rows:  # every row changes: no copy of the rows
+        kept = rows.slice(0, 0)
+    else:
+        kept = rows.filter(pc.invert(hit))
         rows, idx = rows.filter(hit), idx.filter(hit)
-    ops = pc.take(changes.column("op"), idx)
+    aligned = changes.num_rows == rows.num_rows and changes.column("sequence_number").equals(rows.column("sequence_number"))
+
+    def change(column: str) -> pa.Array | pa.ChunkedArray:
+        values = changes.column(column) if aligned else pc.take(changes.column(column), idx)
+        wanted = rows.field(column).type
+        return values if values.type == wanted else values.cast(wanted)
+
+    ops = changes.column("op") if aligned else pc.take(changes.column("op"), idx)
+    present = set(pc.unique(ops).to_pylist())
     for c in MUTABLE_COLUMNS:
-        pos = rows.schema.get_field_index(c)
-        rows = rows.set_column(pos, rows.field(c), pc.take(changes.column(c), idx).cast(rows.field(c).type))
-    body = pc.fill_null(pc.equal(ops, OP_SET_BODY), False)
-    if pc.any(body).as_py():
+        rows = rows.set_column(rows.schema.get_field_index(c), rows.field(c), change(c))
+    if OP_SET_BODY in present:
+        body = pc.fill_null(pc.equal(ops, OP_SET_BODY), False)
         pos = rows.schema.get_field_index("body")
-        new = pc.take(changes.column("body"), idx)
-        rows = rows.set_column(pos, rows.field("body"), pc.if_else(body, new, rows.column("body")).cast(rows.field("body").type))
-    tomb = pc.fill_null(pc.equal(ops, OP_TOMBSTONE), False)
-    if pc.any(tomb).as_py():
+        rows = rows.set_column(pos, rows.field("body"), pc.if_else(body, change("body"), rows.column("body")))
+    if OP_TOMBSTONE in present:
+        tomb = pc.fill_null(pc.equal(ops, OP_TOMBSTONE), False)
         state = rows.schema.get_field_index("state")
         rows = rows.set_column(state, rows.field("state"), pc.if_else(tomb, pa.scalar(STATE_COMPLETED), rows.column("state")))
         for c in TOMBSTONE_CLEARED:
             pos = rows.schema.get_field_index(c)
             rows = rows.set_column(pos, rows.field(c), pc.if_else(tomb, pa.scalar(None, rows.field(c).type), rows.column(c)))
-    return keep_rows(rows, pc.invert(pc.fill_null(pc.equal(ops, OP_DELETE), False))), kept
+    if OP_DELETE in present:
+        rows = keep_rows(rows, pc.invert(pc.fill_null(pc.equal(ops, OP_DELETE), False)))
+    return rows, kept
 
 
 def _groups(tables: list[pa.Table], column: str) -> list[pa.Table]:
@@ -765,6 +778,8 @@ def _groups(tables: list[pa.Table], column: str) -> list[pa.Table]:
         return []
     t = pa.concat_tables(rows).sort_by([(column, "ascending"), ("sequence_number", "ascending")])
     keys = t.column(column).to_pylist()
+    if keys[0] == keys[-1]:  # one group (one session's commit): the sorted copy holds exactly its rows
+        return [t]
     out, start = [], 0
     for i in range(1, len(keys) + 1):
         if i == len(keys) or keys[i] != keys[start]:
