@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import random
 import threading
 import time
 from collections.abc import Mapping, Sequence
@@ -48,6 +49,7 @@ log = logging.getLogger(__name__)
 
 PROPERTIES_TTL_S = 1.0  # how long a process trusts cached settings and rules before re-reading the catalog
 OWED_EVERY_S = 5.0  # how often receives of an entity forward what other entities owe it, per process (Broker.forward_owed)
+OWED_BUDGET_S = 0.25  # how long such a pass may hold up the receive that runs it (one batch more at most)
 
 PROPERTY_TYPES: dict[str, type[AnyEntityProperties]] = {
     QUEUE: QueueProperties,
@@ -344,12 +346,12 @@ class Broker:
         except EntityNotFoundError:
             return self.entity(TOPIC, name), self.expander(TOPIC, name)
 
-    def pump(self, entity: Entity, partitions: list[int] | None = None) -> None:
+    def pump(self, entity: Entity, partitions: list[int] | None = None, until: float | None = None) -> None:
         """Forward what waits on the entity, then, hop by hop, on every forwarding entity it reached.
 
         Each round forwards from every entity the previous round reached, however many (a topic may
         have any number of forwarding subscriptions). A message travels at most MAX_HOPS hops, so
-        chains and cycles end within MAX_HOPS + 1 rounds.
+        chains and cycles end within MAX_HOPS + 1 rounds. `until`: as in model.forwarding.forward.
         """
         level: list[tuple[Entity, list[int] | None]] = [(entity, partitions)]
         for _ in range(MAX_HOPS + 2):
@@ -357,21 +359,22 @@ class Broker:
             for source, parts in level:
                 if not routes(source):
                     continue
-                for dest in forward(source, self.resolve, parts):
+                for dest in forward(source, self.resolve, parts, until):
                     for e in self.forwarding_entities(dest):
                         reached.setdefault((e.table.uri, e.subscription), e)
             if not reached:
                 return
             level = [(e, None) for e in reached.values()]
 
-    def forward_now(self, entity: Entity, partitions: list[int]) -> None:
+    def forward_now(self, entity: Entity, partitions: list[int], until: float | None = None) -> None:
         """Forward right after an operation that landed (send, settle, receive): a failure is logged, never raised.
 
         The operation stands whatever forwarding does, so its caller must not see an error and
         repeat it; what is left waits for the next forward (forward_pending_messages, maintenance).
+        `until`: as in model.forwarding.forward.
         """
         try:
-            self.pump(entity, partitions)
+            self.pump(entity, partitions, until)
         except SparkQueueError as exc:
             log.warning("forwarding from %s deferred: %s", entity.name, exc)
 
@@ -434,6 +437,10 @@ class Broker:
         next such operation on that partition, or for forward_pending_messages. Receivers of the
         destination move it too, at most every OWED_EVERY_S per destination in this process, from
         every entity whose forwarding reaches it (a chain's far end holds the only receivers).
+
+        The pass spends at most OWED_BUDGET_S (half the call's timeout when that is tighter) and one
+        batch: a receive is not held up by a large owed backlog or by many sources on a slow store.
+        Sources are taken in random order, and a pass that ran out of time lets the next receive go on.
         """
         target = Address.of(entity_type, name).topic  # a queue's name, or a subscription's topic
         now = time.monotonic()
@@ -441,18 +448,27 @@ class Broker:
             if now - self.owed_at.get(target.lower(), -OWED_EVERY_S) < OWED_EVERY_S:
                 return
             self.owed_at[target.lower()] = now
+        until = now + min(OWED_BUDGET_S, effective(self.operation_timeout) / 2)
         try:
             entries = self.catalog.entries()
         except SparkQueueError as exc:  # the receive goes on; its own read reports what it finds
             log.info("forwards owed to %s deferred: %s", target, exc)
             return
-        for kind, source in _sources_of(target, entries):
+        sources = _sources_of(target, entries)
+        random.shuffle(sources)
+        for kind, source in sources:
+            if time.monotonic() >= until:
+                break
             try:
                 entity = self.entity(kind, source)
             except SparkQueueError as exc:  # deleted meanwhile, or its table unreadable: the receive goes on
                 log.info("forwarding from %s to %s deferred: %s", source, target, exc)
                 continue
-            self.forward_now(entity, list(range(entity.partition_count)))
+            self.forward_now(entity, list(range(entity.partition_count)), until)
+        if time.monotonic() >= until:  # perhaps not done: the next receive goes on with it
+            with self.lock:
+                self.owed_at.pop(target.lower(), None)
+            log.debug("forwards owed to %s: the pass ran out of time; the next receive goes on", target)
 
     def _after_rest(self, entity_type: str, name: str) -> Entity:
         """The entity once its main route has ended any rest after a change, with settings read after that."""

@@ -180,6 +180,10 @@ class Entity:
             return 0.0
         return min(ROUTE_QUIET_S, max(0.0, changed_ms / 1000 + ROUTE_QUIET_S - time.time()))
 
+    def wait_route_rest(self) -> None:
+        """Sleep out a rest of the main route (route_rest_left_s): for operations that must not come back empty."""
+        time.sleep(self.route_rest_left_s())
+
     def _route_app(self) -> str:
         """The txn app id whose moves mark changes of the main route (a topic's subscriptions share one table)."""
         return f"{MARK_PREFIX}route.{self.subscription or ''}"
@@ -282,8 +286,6 @@ class Entity:
         out: list[pa.Table] = []
         remaining = max_count
         dt = self.table.snapshot()  # one snapshot serves every partition this pass does not change
-        if sub_queue == SUB_QUEUE_MAIN and self.route_rest_left_s(dt) > 0:
-            return empty_rows()  # forwarders may still hold messages by the route before the change: wait for the rest
         for i in range(self.partition_count):
             p = (start + i) % self.partition_count
             if not self.available(p) or not self.table.holds_files(dt, p):
@@ -350,6 +352,8 @@ class Entity:
         `whole_after` as in EntityTable.candidates: fewer than `limit` then does not mean the
         partition has no more.
         """
+        if sub_queue == SUB_QUEUE_MAIN and self.route_rest_left_s(dt) > 0:
+            return empty_rows()  # forwarders may still hold messages by the route before the change: wait for the rest
         out: list[pa.Table] = []
         attempt = 0
         fresh = True
@@ -400,6 +404,8 @@ class Entity:
 
     def receive_deferred(self, sub_queue: str, seqs: Sequence[int], *, delete: bool) -> pa.Table:
         """Lock (or delete) the deferred messages with these sequence numbers; others are skipped."""
+        if sub_queue == SUB_QUEUE_MAIN:
+            self.wait_route_rest()  # a forwarder by the route before a change may still move them (docs/semantics.md §9)
         out = []
         dead: list[int] = []  # partitions where a delivery count dead-lettered a message instead
         for p, group in _by_partition(seqs).items():

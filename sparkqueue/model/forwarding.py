@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import time
 import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -82,8 +83,11 @@ def routes(entity: Entity) -> list[Route]:
     return out
 
 
-def forward(entity: Entity, resolve: Resolver, partitions: list[int] | None = None) -> list[str]:
-    """Move everything waiting on the entity's routes; returns the destinations that may have received messages."""
+def forward(entity: Entity, resolve: Resolver, partitions: list[int] | None = None, until: float | None = None) -> list[str]:
+    """Move everything waiting on the entity's routes; returns the destinations that may have received messages.
+
+    `until` (a time.monotonic() value): start no batch after it; what is left waits for the next forward.
+    """
     reached: list[str] = []
     dt = entity.table.snapshot()
     for route in routes(entity):
@@ -91,6 +95,8 @@ def forward(entity: Entity, resolve: Resolver, partitions: list[int] | None = No
             if not entity.available(p) or not entity.table.may_hold_messages(dt, p, route.sub_queue, entity.subscription):
                 continue  # (file statistics: a partition with nothing of the route's costs no read)
             while True:
+                if until is not None and time.monotonic() >= until:
+                    return reached
                 moved = _forward_batch(entity, route, p, resolve)
                 if moved and route.destination not in reached:
                     reached.append(route.destination)

@@ -123,14 +123,16 @@ class Sessions:
         PartitionUnavailableError instead: damaged storage is not read as "no session" (docs/semantics.md §10).
         `exclude`: sessions NEXT_AVAILABLE_SESSION passes over (a caller's own, whose locks may lapse).
         """
+        # Forwarders by the route before a forward_to change may still move the entity's messages (docs/semantics.md §9).
         if session_id is not None:
+            self.entity.wait_route_rest()
             return retry_commit(
                 lambda: self._accept_named(session_id, prefetch, delete), self.entity.deadline(), f"accept session {session_id!r}"
             )
         give_up = time.monotonic() + wait_s
         poll = POLL_MIN_S
         while True:
-            got = self._accept_next(prefetch, delete, exclude)
+            got = self._accept_next(prefetch, delete, exclude) if self.entity.route_rest_left_s() <= 0 else None
             if got is not None:
                 return got
             if time.monotonic() >= give_up:
@@ -280,6 +282,8 @@ class Sessions:
 
     def _receive_locked(self, lock: SessionLock, max_count: int, delete: bool) -> pa.Table:
         dt = self.table.snapshot()
+        if self.entity.route_rest_left_s(dt) > 0:
+            return empty_rows()  # as Entity.receive_partition: a forward_to change is settling (docs/semantics.md §9)
         now = utcnow()
         row, head = self._head(dt, lock.partition, lock.session_id, now, max_count)
         touch = self._touch(self._check(row, lock, now))
@@ -348,6 +352,7 @@ class Sessions:
 
     def receive_deferred(self, lock: SessionLock, seqs: list[int], *, delete: bool) -> pa.Table:
         """The held session's deferred messages with these sequence numbers; other sessions' are never returned."""
+        self.entity.wait_route_rest()  # as Entity.receive_deferred
         mine = [s for s in seqs if partition_of(s) == lock.partition]
 
         def attempt() -> pa.Table:
