@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 
-from sparkqueue import CorrelationRuleFilter, Message, Namespace
+from sparkqueue import CorrelationRuleFilter, Message, Namespace, SubQueue
 from sparkqueue.cli import ops
 from sparkqueue.cli.app import CliError, property_value
 
@@ -592,3 +592,221 @@ def test_rule_create_names_the_action_it_stored(root: Path) -> None:
     ok(root, "create", "topic", "t")
     ok(root, "create", "subscription", "t", "s")
     assert "action: SET x = 1" in ok(root, "rule", "create", "t", "s", "r", "--action", "SET x = 1")
+
+
+# ---- review of the CLI: data loss, batch sizes, damaged storage, refused creates ----------------------------------
+
+
+def dlq_receivable(ns: Namespace, topic: str, sub: str) -> int:
+    """How many dead letters of a subscription a receiver gets at once (locked ones it does not)."""
+    with ns.get_subscription_receiver(topic, sub, sub_queue=SubQueue.DEAD_LETTER) as r:
+        got = r.receive_messages(max_message_count=50, max_wait_time=1)
+        r.abandon_messages(got)
+        return len(got)
+
+
+def test_resubmit_via_topic_leaves_dead_letters_no_subscription_stored(root: Path) -> None:
+    """A copy that matched no subscription stored nothing, yet its dead letter was completed: the message was lost."""
+    with Namespace(root) as ns:
+        ns.create_topic("t")
+        ns.create_subscription("t", "s1")
+        with ns.get_topic_sender("t") as s:
+            s.send_messages([Message(b) for b in "abc"])
+        with ns.get_subscription_receiver("t", "s1") as r:
+            for m in r.receive_messages(max_message_count=3, max_wait_time=2):
+                r.dead_letter_message(m, reason="Poison")
+        ns.create_rule("t", "s1", "eu", filter=CorrelationRuleFilter(properties={"region": "eu"}))
+        ns.delete_rule("t", "s1", "$Default")  # the dead letters (no region) now match no rule
+    p = sq(root, "resubmit", "t/s1", "--via-topic")
+    assert p.returncode == 1, p.stdout + p.stderr
+    said = " ".join(p.stderr.split())
+    assert "3 dead letter(s) were not resubmitted" in said and "no subscription of topic 't' stored a copy" in said, said
+    with Namespace(root) as ns:
+        assert dlq_receivable(ns, "t", "s1") == 3  # still there, and released (not left locked)
+
+
+def test_send_fills_batches_by_size_not_only_by_count(root: Path, tmp_path: Path) -> None:
+    """1,000 lines of 1,000 bytes are each a valid message, but 500 of them do not fit one send: the file was refused."""
+    ok(root, "create", "queue", "q")
+    src = tmp_path / "big.txt"
+    src.write_text("".join(str(i).ljust(1000, "x") + "\n" for i in range(1000)))
+    assert "Sent 1000 message(s)" in ok(root, "send", "q", "-f", str(src))
+    with Namespace(root) as ns:
+        assert ns.get_queue_runtime_properties("q").active_message_count == 1000
+
+
+def test_resubmit_fills_sends_and_transactions_by_size(root: Path) -> None:
+    """100 dead letters of 3 KB (one send of 300 KB) and 60 keyed ones of 6 KB (a 50-message transaction of 300 KB)
+    could not be resubmitted: each send must fit one batch."""
+    with Namespace(root) as ns:
+        ns.create_queue("q")
+        with ns.get_queue_sender("q") as s:
+            for i in range(0, 100, 40):
+                s.send_messages([Message(str(j).ljust(3000, "u")) for j in range(i, min(i + 40, 100))])
+            for i in range(0, 60, 30):
+                s.send_messages([Message(str(j).ljust(6000, "k"), partition_key="key") for j in range(i, i + 30)])
+        dead_letter_all(ns, "q", 160)
+    out = ok(root, "resubmit", "q")
+    assert "Resubmitted 160 dead letter(s)" in out and "60 in transactions" in out, out
+    with Namespace(root) as ns:
+        rp = ns.get_queue_runtime_properties("q")
+        assert (rp.active_message_count, rp.dead_letter_message_count) == (160, 0)
+
+
+def test_resubmit_failing_midway_releases_the_dead_letters_it_received(root: Path) -> None:
+    """An error midway (here an interrupt after the first send) left the dead letters received but not yet moved locked
+    until their locks expired, so a second run skipped them; they are abandoned, and the result says what was moved."""
+    with Namespace(root) as ns:
+        ns.create_queue("q")
+        with ns.get_queue_sender("q") as s:
+            for i in range(10):
+                s.send_messages(Message(str(i).ljust(100_000, "x")))  # two fill a send
+        dead_letter_all(ns, "q", 10)
+
+    def interrupt(_: int) -> None:
+        raise KeyboardInterrupt
+
+    with Namespace(root) as ns:
+        target = ops.resolve(ns, "q")
+        result = ops.ResubmitResult(ops.resubmit_destination(ns, target, via_topic=False))
+        with pytest.raises(KeyboardInterrupt):
+            ops.resubmit(ns, target, result, batch=10, progress=interrupt)
+        assert result.resubmitted == 2
+        with ns.get_queue_receiver("q", sub_queue=SubQueue.DEAD_LETTER) as r:
+            assert len(r.receive_messages(max_message_count=20, max_wait_time=1)) == 8  # not locked: available at once
+
+
+def damage_partition(root: Path, entity: str = "queue") -> int:
+    """Delete the data files of the first partition of the namespace's only queue (or topic) that has any; its id."""
+    (table,) = Path(root, "entities").glob(f"{entity}-*")
+    part = next(p for p in sorted(table.glob("partition_id=*")) if any(p.glob("*.parquet")))
+    for f in part.glob("*.parquet"):
+        f.unlink()
+    return int(part.name.split("=")[1])
+
+
+def test_purge_and_resubmit_with_a_damaged_partition_say_what_they_did(tmp_path: Path) -> None:
+    """Both did their work on the readable partitions, then failed saying "nothing was received"."""
+    roots = {kind: tmp_path / kind for kind in ("purge", "resubmit")}
+    left = {}
+    for kind, root in roots.items():
+        with Namespace(root) as ns:
+            ns.create_queue("q")
+            with ns.get_queue_sender("q") as s:
+                s.send_messages([Message(f"m{i}", partition_key=f"k{i}") for i in range(40)])
+            if kind == "resubmit":
+                dead_letter_all(ns, "q", 40)
+            parts = ns.get_queue_runtime_properties("q").partitions
+        down = damage_partition(root)
+        left[kind] = parts[down].total_message_count
+    with ThreadPoolExecutor(2) as pool:
+        purged = pool.submit(sq, roots["purge"], "purge", "q")
+        moved = pool.submit(sq, roots["resubmit"], "resubmit", "q")
+    p, r = purged.result(), moved.result()
+    assert p.returncode == 1 and p.stderr.startswith(f"Error: Purged {40 - left['purge']} message(s) from queue 'q'; then:")
+    assert "sparkqueue check" in p.stderr and p.stderr.count("\n") == 1, p.stderr
+    assert r.returncode == 1 and r.stderr.startswith(f"Error: Resubmitted {40 - left['resubmit']} dead letter(s)"), r.stderr
+    assert "Then:" in r.stderr and "sparkqueue check" in r.stderr, r.stderr
+
+
+def test_a_refused_create_makes_no_namespace(tmp_path: Path) -> None:
+    """A refused create at a new root made the namespace all the same (and fixed its tier to standard)."""
+    new, fwd, sized = tmp_path / "new", tmp_path / "fwd", tmp_path / "sized"
+    bad_name, bad_forward, too_big = sq_all(
+        new,
+        ("create", "queue", "bad name"),
+        ("--root", str(fwd), "create", "queue", "q", "--forward-to", "nothere"),
+        ("--root", str(sized), "create", "topic", "t", "--max-size", "81920"),
+    )
+    assert bad_name.returncode == 1 and "invalid queue name" in bad_name.stderr
+    assert bad_forward.returncode == 1 and "'nothere'" in bad_forward.stderr, bad_forward.stderr
+    assert too_big.returncode == 1 and "standard tier" in too_big.stderr
+    assert not new.exists() and not fwd.exists() and not sized.exists()
+    ok(sized, "--tier", "premium", "create", "topic", "t", "--max-size", "81920")  # the retry in the right tier works
+    with Namespace(sized) as ns:
+        assert (ns.tier, ns.get_topic("t").max_size_in_megabytes) == ("premium", 81920)
+
+
+def test_send_file_checks_the_entity_rules_before_sending_anything(root: Path, tmp_path: Path) -> None:
+    """A session queue: the record without a session id, after the first batch, failed only once 500 were sent."""
+    ok(root, "create", "queue", "s", "--sessions")
+    src = tmp_path / "orders.jsonl"
+    src.write_text("".join(json.dumps({"body": f"m{i}", "session_id": "cart-1"}) + "\n" for i in range(600)) + '{"body": "x"}\n')
+    p = sq(root, "send", "s", "-f", str(src), "--jsonl")
+    assert p.returncode == 1 and "line 601" in p.stderr and "session_id" in p.stderr and "already sent" not in p.stderr
+    with Namespace(root) as ns:
+        assert ns.get_queue_runtime_properties("s").active_message_count == 0
+
+
+def test_show_and_list_mark_the_counts_of_an_unreadable_partition_as_lower_bounds(root: Path) -> None:
+    """A missing data file: show and list printed 0 (not "at least 0") for the damaged partition's counts."""
+    with Namespace(root) as ns:
+        ns.create_queue("q", enable_partitioning=False)
+        with ns.get_queue_sender("q") as s:
+            s.send_messages([Message("a"), Message("b")])
+    damage_partition(root)
+    shown, listed, table = sq_all(root, ("show", "q"), ("list", "--json"), ("list",))
+    assert shown.returncode == 0 and "≥0" in shown.stdout and "lower bounds" in shown.stderr, shown.stdout + shown.stderr
+    assert "sparkqueue check" in shown.stderr
+    (q,) = as_json(listed.stdout)["queues"]
+    assert (q["counts_complete"], q["availability_status"]) == (False, "Limited")
+    assert table.returncode == 0 and "≥0" in table.stdout and "lower bounds" in table.stderr
+
+
+def test_rule_create_refuses_a_repeated_property_and_echoes_subject(root: Path) -> None:
+    """--property region=eu --property region=us kept only "us"; --subject was echoed as `label`."""
+    with Namespace(root) as ns:
+        ns.create_topic("t")
+        ns.create_subscription("t", "s")
+    twice, subject, param = sq_all(
+        root,
+        ("rule", "create", "t", "s", "r", "--property", "region=eu", "--property", "region=us"),
+        ("rule", "create", "t", "s", "r2", "--subject", "orders"),
+        ("rule", "create", "t", "s", "r3", "--sql", "a = @p"),
+    )
+    assert twice.returncode == 1 and "'region' is given twice" in twice.stderr, twice.stderr
+    assert subject.returncode == 0 and 'subject = "orders"' in subject.stdout and "label" not in subject.stdout
+    assert param.returncode == 1 and "parameters=" not in param.stderr and "@p" in param.stderr, param.stderr
+    with Namespace(root) as ns:
+        assert sorted(r.name for r in ns.list_rules("t", "s")) == ["$Default", "r2"]
+
+
+def test_peek_of_a_session_another_receiver_holds_says_why(root: Path) -> None:
+    """peek browses a session through a session receiver (SDK semantics): the help says so, and so does the error."""
+    with Namespace(root) as ns:
+        ns.create_queue("s", requires_session=True)
+        ns.create_queue("plain")
+        with ns.get_queue_sender("s") as snd:
+            snd.send_messages(Message("x", session_id="s1"))
+        with ns.get_queue_receiver("s", session_id="s1"):
+            held, no_sessions, helped = sq_all(
+                root, ("peek", "s", "--session", "s1"), ("peek", "plain", "--session", "s1"), ("peek", "--help")
+            )
+    assert held.returncode == 1 and "locked by another receiver" in held.stderr
+    assert "Browsing a session takes its lock" in " ".join(held.stderr.split()), held.stderr
+    assert no_sessions.returncode == 1 and "--session" in no_sessions.stderr and "requires_session" not in no_sessions.stderr
+    assert "session is locked while it is browsed" in " ".join(helped.stdout.split())
+
+
+def test_topic_send_says_stored_not_delivered(root: Path, tmp_path: Path) -> None:
+    """A session subscription dead-letters copies without a session id on arrival: "3 copies in subscriptions" read as
+    delivered. The send cannot tell which copies were dead-lettered, so the output says what it knows: stored."""
+    with Namespace(root) as ns:
+        ns.create_topic("t")
+        ns.create_subscription("t", "orders", requires_session=True)
+    src = tmp_path / "m.txt"
+    src.write_text("a\nb\nc\n")
+    out = ok(root, "send", "t", "-f", str(src))
+    assert "its subscriptions stored 3 copies" in out and "in subscriptions" not in out, out
+
+
+def test_small_things(root: Path) -> None:
+    """A pipe given as --file was refused; the message table's times had no year; `python -m sparkqueue` did not run."""
+    ok(root, "create", "queue", "q")
+    piped = sq(root, "send", "q", "-f", "/dev/stdin", stdin="one\ntwo\n")  # a pipe, not a regular file
+    assert piped.returncode == 0 and "Sent 2 message(s)" in piped.stdout, piped.stderr
+    assert f"{datetime.now(UTC).year}-" in ok(root, "peek", "q")
+    env = {**os.environ, "SPARKQUEUE_ROOT": str(root)}
+    main = subprocess.run([sys.executable, "-m", "sparkqueue", "--version"], capture_output=True, text=True, env=env,
+                          timeout=CLI_TIMEOUT_S, check=False)  # fmt: skip
+    assert main.returncode == 0 and main.stdout.startswith("sparkqueue "), main.stderr

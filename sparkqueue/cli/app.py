@@ -25,8 +25,17 @@ from rich.text import Text
 import sparkqueue
 from sparkqueue import CorrelationRuleFilter, Namespace, ReceivedMessage, SqlRuleAction, SqlRuleFilter
 from sparkqueue.cli import ops, render
-from sparkqueue.errors import EntityNotFoundError, SparkQueueError
+from sparkqueue.errors import (
+    EntityNotFoundError,
+    FilterSyntaxError,
+    PartitionUnavailableError,
+    SessionCannotBeLockedError,
+    SparkQueueError,
+    StorageCorruptedError,
+)
+from sparkqueue.model import limits
 from sparkqueue.model.addresses import TOPIC
+from sparkqueue.model.properties import EntityProperties, QueueProperties, TopicProperties, build_properties
 from sparkqueue.receiver import Receiver
 from sparkqueue.storage.store import is_local, resolve_root
 
@@ -86,6 +95,10 @@ class CliError(Exception):
     """An expected failure of the CLI itself (not of the library): reported in one line, exit code 1."""
 
 
+class NoNamespaceError(CliError):
+    """There is no namespace at the root (yet): only `create` makes one."""
+
+
 class Tier(StrEnum):
     """Namespace tiers."""
 
@@ -109,17 +122,29 @@ class State:
         if is_local(root) and Path(root).exists() and not Path(root).is_dir():
             raise CliError(f"namespace root {self.root!r} is a file, not a directory: pass --root PATH of a directory")
         if not create and is_local(root) and not Path(root).is_dir():
-            raise CliError(
+            raise NoNamespaceError(
                 f"namespace root {self.root!r} does not exist: pass --root PATH or set SPARKQUEUE_ROOT "
                 "(`sparkqueue create ...` creates it)"
             )
         try:
             return Namespace(self.root, tier=self.tier, create=create)  # a read never makes a namespace of any folder
         except EntityNotFoundError:
-            raise CliError(
+            raise NoNamespaceError(
                 f"there is no sparkqueue namespace at {self.root!r}: pass --root PATH or set SPARKQUEUE_ROOT "
                 "(`sparkqueue create ...` creates it)"
             ) from None
+
+    def namespace_to_create_in(self, check: Callable[[str], None]) -> Namespace:
+        """The namespace a `create` adds to; when there is none yet, `check(tier)` runs first, so a refused create makes none.
+
+        `check` applies what the library checks of the new entity without a namespace (names, durations,
+        sizes, the tier's limits): a namespace, once made, keeps its tier.
+        """
+        try:
+            return self.namespace()
+        except NoNamespaceError:
+            check(self.tier or limits.STANDARD)
+            return self.namespace(create=True)
 
 
 def fail(message: str) -> NoReturn:
@@ -318,13 +343,11 @@ def create_queue(
     forward_dead_letters_to: ForwardDlTo = None,
 ) -> None:
     """Create a queue."""
-    ns = state(ctx).namespace(create=True)
-    props = ns.create_queue(
-        name,
-        enable_partitioning=not no_partitioning,
-        requires_duplicate_detection=duplicate_detection,
-        requires_session=sessions,
-        dead_lettering_on_message_expiration=dead_letter_on_expiration,
+    settings = {
+        "enable_partitioning": not no_partitioning,
+        "requires_duplicate_detection": duplicate_detection,
+        "requires_session": sessions,
+        "dead_lettering_on_message_expiration": dead_letter_on_expiration,
         **given(
             lock_duration=seconds(lock_duration),
             max_delivery_count=max_delivery_count,
@@ -334,7 +357,9 @@ def create_queue(
             forward_to=forward_to,
             forward_dead_lettered_messages_to=forward_dead_letters_to,
         ),
-    )
+    }
+    ns = state(ctx).namespace_to_create_in(functools.partial(check_new, QueueProperties, name, settings))
+    props = ns.create_queue(name, **settings)
     done(f"Created queue {name!r} ({_partitions(props.partition_count)}).")
 
 
@@ -350,17 +375,17 @@ def create_topic(
     max_size: MaxSize = None,
 ) -> None:
     """Create a topic."""
-    ns = state(ctx).namespace(create=True)
-    props = ns.create_topic(
-        name,
-        enable_partitioning=not no_partitioning,
-        requires_duplicate_detection=duplicate_detection,
+    settings = {
+        "enable_partitioning": not no_partitioning,
+        "requires_duplicate_detection": duplicate_detection,
         **given(
             duplicate_detection_history_time_window=detection_window(duplicate_detection, duplicate_window),
             default_message_time_to_live=seconds(ttl),
             max_size_in_megabytes=max_size,
         ),
-    )
+    }
+    ns = state(ctx).namespace_to_create_in(functools.partial(check_new, TopicProperties, name, settings))
+    props = ns.create_topic(name, **settings)
     done(f"Created topic {name!r} ({_partitions(props.partition_count)}).")
 
 
@@ -393,6 +418,22 @@ def create_subscription(
         ),
     )
     done(f"Created subscription {topic}/{name}.")
+
+
+def check_new(kind: type[EntityProperties], name: str, settings: dict[str, Any], tier: str) -> None:
+    """Before a create makes a namespace: the library's checks of the entity's name and settings in `tier`.
+
+    A new namespace holds no entity yet, so no forwarding destination (but the entity itself, for its dead letters) exists.
+    """
+    limits.check_entity_name(name, kind.entity_type)
+    build_properties(kind, name, tier, settings)
+    for option, key in (("--forward-to", "forward_to"), ("--forward-dead-letters-to", "forward_dead_lettered_messages_to")):
+        to = settings.get(key)
+        if to is not None and not (key == "forward_dead_lettered_messages_to" and to.lower() == name.lower()):
+            raise EntityNotFoundError(
+                f"{option} names {to!r}, but the namespace does not exist yet, so no queue or topic of that name does; "
+                "create the destination first (nothing was created)"
+            )
 
 
 def _partitions(n: int) -> str:
@@ -469,6 +510,10 @@ def list_entities(
         plain(f"No queues or topics in {state(ctx).root}.")
     else:
         out.print(render.list_table(rows, counts=counts))
+        limited = [r for r in rows if counts and not r["counts_complete"]]
+        if limited:
+            names = ", ".join(r["name"] if r["type"] != "subscription" else f"{r['topic']}/{r['name']}" for r in limited)
+            note(f"{render.INCOMPLETE_NOTE} ({names}); `sparkqueue check` reports the damage.")
 
 
 @app.command()
@@ -503,6 +548,10 @@ def show(
         print_json(data)
     else:
         out.print(render.entity_view(target.kind, target.display, props, rp, subs))
+        down = [str(p.partition_id) for p in rp.partitions if not p.available]
+        if down or any(not render.counts_complete(srp) for _, srp in subs):
+            where = f"partition(s) {', '.join(down)}" if down else "partitions of its subscriptions"
+            note(f"{render.INCOMPLETE_NOTE} ({where}); `sparkqueue check` reports the damage.")
 
 
 # ---- messages ----------------------------------------------------------------------------------------
@@ -532,10 +581,20 @@ def peek(
     session: Session = None,
     as_json: AsJson = False,
 ) -> None:
-    """Browse messages without locking or removing them."""
+    """Browse messages without locking or removing them.
+
+    A session entity is browsed session by session (--session), through a session receiver as in the SDK:
+    the session is locked while it is browsed, so a session another receiver holds cannot be browsed.
+    """
     ns = state(ctx).namespace()
     target = ops.resolve(ns, name)
-    msgs = ops.peek(ns, target, count, dead_letter=dead_letter, from_sequence=from_sequence, session=session)
+    try:
+        msgs = ops.peek(ns, target, count, dead_letter=dead_letter, from_sequence=from_sequence, session=session)
+    except SessionCannotBeLockedError as e:
+        raise CliError(
+            f"cannot peek {target.label}: {e}. Browsing a session takes its lock (a session is browsed through a "
+            "session receiver), so peek again once that receiver releases the session"
+        ) from None
     after = f" numbered {from_sequence} or more" if from_sequence is not None else ""
     _print_messages(msgs, target, dead_letter, as_json, "Peeked", after)
 
@@ -575,22 +634,25 @@ def send(
     ] = False,
     batch: Annotated[int, typer.Option(min=1, max=10_000, help="Messages per atomic send.")] = 500,
 ) -> None:
-    """Send one message per non-empty line of a file (or per JSON-lines record with --jsonl); empty lines are skipped."""
-    if str(file) != "-" and not file.is_file():
+    """Send one message per non-empty line of a file (or per JSON-lines record with --jsonl); empty lines are skipped.
+
+    A regular file is checked in full before anything is sent; stdin ('-'), a pipe or another stream is read once,
+    as it is sent, batch by batch.
+    """
+    streamed = str(file) == "-" or (file.exists() and not file.is_dir() and not file.is_file())  # a FIFO: one read
+    if not streamed and not file.is_file():
         raise typer.BadParameter(f"file {str(file)!r} does not exist or is not a file", param_hint="'--file' / '-f'")
     ns = state(ctx).namespace()
     target = ops.resolve(ns, name)
+    rules = ops.send_rules(ns, target)
     result = ops.SendResult()
     with ops.sender(ns, target) as s:
         try:
-            if str(file) == "-":
-                stream, total = typer.get_binary_stream("stdin"), None
-                with progress_bar(f"Sending to {target.display}", total) as advance:
-                    ops.send_stream(s, stream, "<stdin>", jsonl=jsonl, batch=batch, progress=advance, result=result)
-            else:
-                total = ops.count_messages(file, jsonl=jsonl, check=s)  # validate everything before sending anything
-                with file.open("rb") as stream, progress_bar(f"Sending to {target.display}", total) as advance:
-                    ops.send_stream(s, stream, str(file), jsonl=jsonl, batch=batch, progress=advance, result=result)
+            source = "<stdin>" if str(file) == "-" else str(file)
+            # A regular file: everything checked before anything is sent, so a bad line sends nothing.
+            total = None if streamed else ops.count_messages(file, jsonl=jsonl, rules=rules)
+            with _input(file) as stream, progress_bar(f"Sending to {target.display}", total) as advance:
+                ops.send_stream(s, stream, source, jsonl=jsonl, batch=batch, rules=rules, progress=advance, result=result)
         except Exception as e:  # midway: say what was sent, so it is not sent twice
             if not result.read:
                 raise
@@ -599,12 +661,26 @@ def send(
                 f"were not: do not send those {result.read} again"
             ) from e
     if target.kind == TOPIC:
+        # A copy a subscription cannot take (no session id for a session subscription) is stored dead-lettered:
+        # the send does not say which, so this says stored, not delivered.
         copies = "1 copy" if result.stored == 1 else f"{result.stored} copies"
-        done(f"Sent {result.read} message(s) to {target.label} ({copies} in subscriptions).")
+        done(f"Sent {result.read} message(s) to {target.label}: its subscriptions stored {copies}.")
+        if result.read and not result.stored:
+            note("No subscription's rules matched (or the topic has no subscriptions): nothing was stored.")
     else:
         dropped = result.read - result.stored
         extra = f"; {dropped} dropped as duplicates" if dropped else ""
         done(f"Sent {result.read} message(s) to {target.label}{extra}.")
+
+
+@contextmanager
+def _input(file: Path) -> Iterator[Any]:
+    """The bytes of --file: stdin for '-', else the file (or pipe) opened for reading."""
+    if str(file) == "-":
+        yield typer.get_binary_stream("stdin")
+        return
+    with file.open("rb") as stream:
+        yield stream
 
 
 @app.command()
@@ -661,9 +737,15 @@ def purge(
     before = ops.runtime(ns, target)
     total = before.dead_letter_message_count if dead_letter else before.active_message_count
     where = f"{target.label}{' (dead-letter)' if dead_letter else ''}"
-    with progress_bar(f"Purging {target.display}", total) as advance:
-        n = ops.purge(ns, target, dead_letter=dead_letter, batch=batch, progress=advance)
-    done(f"Purged {n} message(s) from {where}.")
+    result = ops.PurgeResult()
+    try:
+        with progress_bar(f"Purging {target.display}", total) as advance:
+            ops.purge(ns, target, dead_letter=dead_letter, batch=batch, progress=advance, result=result)
+    except Exception as e:  # midway (a damaged partition): say what was deleted before it
+        if not result.purged:
+            raise
+        raise CliError(f"Purged {result.purged} message(s) from {where}; then: {then_text(e)}") from e
+    done(f"Purged {result.purged} message(s) from {where}.")
     after = ops.runtime(ns, target)
     left = after.dead_letter_message_count if dead_letter else after.total_message_count - after.dead_letter_message_count
     if left:
@@ -689,38 +771,70 @@ def resubmit(
     """Move dead letters back to their queue (or, with --via-topic, a subscription's to its topic)."""
     ns = state(ctx).namespace()
     target = ops.resolve(ns, name)
-    total = ops.runtime(ns, target).dead_letter_message_count if target.kind != TOPIC else None
-    if total is not None and count is not None:
+    result = ops.ResubmitResult(ops.resubmit_destination(ns, target, via_topic=via_topic))
+    total = ops.runtime(ns, target).dead_letter_message_count
+    if count is not None:
         total = min(total, count)
-    with progress_bar(f"Resubmitting {target.display}", total) as advance:
-        result = ops.resubmit(ns, target, via_topic=via_topic, limit=count, batch=batch, progress=advance)
+    try:
+        with progress_bar(f"Resubmitting {target.display}", total) as advance:
+            ops.resubmit(ns, target, result, limit=count, batch=batch, progress=advance)
+    except Exception as e:  # midway: say what was moved before it; the rest were abandoned, so a new run sees them
+        if not result.touched:
+            raise
+        said = " ".join(filter(None, [_resubmitted_text(result), *_resubmit_problems(result, target)]))
+        raise CliError(
+            f"{said} Then: {then_text(e)}; the dead letters not moved stay in the dead-letter queue (released: "
+            "resubmit again to move them)"
+        ) from e
+    if not result.touched:
+        plain(f"No dead letters in {target.label}: nothing to resubmit.")
+        return
+    if result.resubmitted:
+        done(_resubmitted_text(result))
+    problems = _resubmit_problems(result, target)
+    if problems:
+        fail(" ".join(problems))
+
+
+def _resubmitted_text(result: ops.ResubmitResult) -> str:
+    """What was moved, and how ('' when nothing was)."""
+    if not result.resubmitted:
+        return ""
     how = []
     if result.transactional:
         how.append(f"{result.transactional} in transactions")
     if result.at_least_once:
         how.append(f"{result.at_least_once} sent then completed")
-    detail = f" ({', '.join(how)})" if how else ""
-    if result.resubmitted == 0 and not result.not_accepted and not result.returned:
-        plain(f"No dead letters in {target.label}: nothing to resubmit.")
-        return
-    if result.resubmitted:
-        done(f"Resubmitted {result.resubmitted} dead letter(s) to {result.destination.label}{detail}.")
+    return f"Resubmitted {result.resubmitted} dead letter(s) to {result.destination.label} ({', '.join(how)})."
+
+
+def _resubmit_problems(result: ops.ResubmitResult, target: ops.Target) -> list[str]:
+    """The dead letters a resubmit left where they were, and why: one sentence per cause."""
     problems = []
     if result.not_accepted:
-        why = "dropped by duplicate detection: the id is still in the detection window"
+        whys = []
+        if result.dedupe:
+            whys.append("dropped by duplicate detection: the id is still in the detection window")
         if result.destination.kind == TOPIC:
-            why += ", or no subscription matched"
+            whys.append(f"no subscription of {result.destination.label} stored a copy: none of their rules matched")
         problems.append(
-            f"{result.not_accepted} dead letter(s) were not resubmitted ({why}); they stay in the dead-letter queue"
-            f"{' (' + str(result.resubmitted) + ' were)' if result.resubmitted else ''}."
+            f"{result.not_accepted} dead letter(s) were not resubmitted ({'; or '.join(whys)}); they stay in the "
+            f"dead-letter queue{' (' + str(result.resubmitted) + ' were)' if result.resubmitted else ''}."
         )
     if result.returned:
         problems.append(
             f"{result.returned} resubmitted message(s) came straight back to the dead-letter queue ({target.label} "
             "forwards to a destination that is missing or disabled): fix its forward_to, then resubmit again."
         )
-    if problems:
-        fail(" ".join(problems))
+    return problems
+
+
+def then_text(e: Exception) -> str:
+    """The error that stopped a command midway; damaged storage with the command that reports it."""
+    text = error_text(e)
+    if isinstance(e, (PartitionUnavailableError, StorageCorruptedError)) and "sparkqueue check" not in text:
+        text += " (see `sparkqueue check`)"
+    return text
 
 
 @app.command()
@@ -770,6 +884,20 @@ def property_value(item: str) -> tuple[str, Any]:
     return name.strip(), value
 
 
+def properties(items: list[str]) -> dict[str, Any]:
+    """The --property NAME=VALUE options as a dict; a name given twice is refused (one value per property matches)."""
+    props: dict[str, Any] = {}
+    for item in items:
+        key, value = property_value(item)
+        if key in props:
+            raise CliError(
+                f"--property {key!r} is given twice: a correlation filter matches one value per property "
+                f'(for either value, create a rule per value, or use --sql "{key} IN (...)")'
+            )
+        props[key] = value
+    return props
+
+
 @rule_app.command("create")
 @handle_errors
 def rule_create(
@@ -817,19 +945,23 @@ def rule_create(
         "content_type": content_type,
     }
     fields = {k: v for k, v in fields.items() if v is not None}
-    props = dict(property_value(item) for item in (prop or []))
+    props = properties(prop or [])
     if sql is not None and (fields or props):
         raise CliError("give a SQL filter (--sql) or correlation fields (--correlation-id, --property, ...), not both")
     flt: Any = None
-    if sql is not None:
-        flt = SqlRuleFilter(sql)
-    elif fields or props:
-        flt = CorrelationRuleFilter(**fields, properties=props or None)
-    rule = (
-        state(ctx)
-        .namespace()
-        .create_rule(topic, subscription, name, filter=flt, action=SqlRuleAction(action) if action is not None else None)
-    )
+    try:
+        if sql is not None:
+            flt = SqlRuleFilter(sql)
+        elif fields or props:
+            flt = CorrelationRuleFilter(**fields, properties=props or None)
+        rule = (
+            state(ctx)
+            .namespace()
+            .create_rule(topic, subscription, name, filter=flt, action=SqlRuleAction(action) if action is not None else None)
+        )
+    except FilterSyntaxError as e:  # the library's words name its keyword argument; the command line binds no parameters
+        said = str(e).replace("(pass it in parameters=)", "(the command line binds no @parameters: write the value)")
+        raise CliError(said) from None
     action = f"; action: {rule.action.sql_expression}" if rule.action is not None else ""
     done(f"Created rule {name!r} on {topic}/{subscription}: {render.filter_text(rule.filter)}{action}.")
 

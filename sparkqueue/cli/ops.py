@@ -5,11 +5,12 @@ import contextlib
 import json
 import logging
 import math
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
+from itertools import islice
 from pathlib import Path
-from typing import IO, Any
+from typing import IO, Any, TypeVar
 
 from sparkqueue import NEXT_AVAILABLE_SESSION, Message, Namespace, ReceivedMessage, ReceiveMode, SubQueue
 from sparkqueue.errors import (
@@ -19,8 +20,9 @@ from sparkqueue.errors import (
     MessageSizeExceededError,
     OperationTimeoutError,
     SessionCannotBeLockedError,
+    SparkQueueError,
 )
-from sparkqueue.message import as_message
+from sparkqueue.message import MessageBatch, SendSettings, as_message, is_settled, send_settings, to_rows
 from sparkqueue.model import limits
 from sparkqueue.model.addresses import QUEUE, SUBSCRIPTION, TOPIC, Address
 from sparkqueue.model.properties import RuntimeProperties
@@ -31,7 +33,8 @@ from sparkqueue.storage.schema import STRING_PROPERTY_COLUMNS
 log = logging.getLogger(__name__)
 
 ANY_SESSION = "*"  # --session value meaning NEXT_AVAILABLE_SESSION
-MAX_TX_MESSAGES = 50  # a transaction holds at most 100 operations: 50 sends plus their 50 completions
+MAX_TX_MESSAGES = limits.MAX_TRANSACTION_MESSAGES // 2  # a transaction's operations: each send plus its completion
+T = TypeVar("T")
 
 Progress = Callable[[int], None]
 
@@ -141,10 +144,13 @@ def receiver(
         "session_id": session_id,
         "max_wait_time": wait or None,
     }
-    if session is None and not dead_letter and getattr(settings(ns, target), "requires_session", False):
+    sessions = bool(getattr(settings(ns, target), "requires_session", False))
+    if session is None and not dead_letter and sessions:
         raise InvalidOperationError(
             f"{target.label} requires sessions: pass --session SESSION_ID (or '{ANY_SESSION}' for the next available one)"
         )
+    if session is not None and not dead_letter and not sessions:  # the library's words name its keyword, not the option
+        raise InvalidOperationError(f"{target.label} is not session-enabled: leave out --session (sessions are set at creation)")
     if target.kind == QUEUE:
         return ns.get_queue_receiver(target.name, **kwargs)
     assert target.subscription is not None
@@ -172,7 +178,11 @@ def peek(
     from_sequence: int | None = None,
     session: str | None = None,
 ) -> list[ReceivedMessage]:
-    """Browse up to `count` messages without locking them (peek may return fewer per call, so loop)."""
+    """Browse up to `count` messages without locking them (peek may return fewer per call, so loop).
+
+    A session entity is browsed through a session receiver, as in the SDK: that locks the session while it
+    browses, and a session another receiver holds cannot be browsed (SessionCannotBeLockedError).
+    """
     out: list[ReceivedMessage] = []
     with _session_receiver(ns, target, dead_letter=dead_letter, session=session, wait=0) as r:
         if r is None:
@@ -347,15 +357,62 @@ def iter_messages(stream: IO[bytes], source: str, *, jsonl: bool) -> Iterator[tu
             raise InvalidOperationError(f"{source}, line {lineno}: {type(e).__name__}: {e}") from None
 
 
-def check_size(s: Sender, m: Message, source: str, lineno: int) -> None:
-    """Raise MessageSizeExceededError, naming the line, for a message too large to send."""
-    batch = s.create_message_batch()
+def send_rules(ns: Namespace, target: Target) -> SendSettings:
+    """The entity settings each message of a send must satisfy (sessions, duplicate detection, the tier's size)."""
+    return send_settings(ns.tier, settings(ns, target))
+
+
+def check_messages(rules: SendSettings, numbered: list[tuple[int, Message]], source: str) -> None:
+    """Apply the per-message checks of a send (the library's own, without storage access); the error names the line.
+
+    One check for the whole list; only when it fails is each message checked alone, to find the line.
+    """
     try:
-        batch.add_message(m)
-    except MessageSizeExceededError:
-        raise MessageSizeExceededError(
-            f"{source}, line {lineno}: the message is {m.size_in_bytes} bytes; at most {batch.max_size_in_bytes} are allowed"
-        ) from None
+        to_rows([m for _, m in numbered], rules, datetime.now(UTC))
+    except (SparkQueueError, ValueError, TypeError, OverflowError):
+        for lineno, m in numbered:
+            try:
+                to_rows([m], rules, datetime.now(UTC))
+            except (SparkQueueError, ValueError, TypeError, OverflowError) as e:
+                raise InvalidOperationError(f"{source}, line {lineno}: {e}") from None
+        raise
+
+
+def checked(
+    numbered: Iterable[tuple[int, Message]], rules: SendSettings, source: str, chunk: int = 500
+) -> Iterator[tuple[int, Message]]:
+    """The (line number, message) pairs, each `chunk` of them checked (check_messages) before any is passed on."""
+    it = iter(numbered)
+    while part := list(islice(it, chunk)):
+        check_messages(rules, part, source)
+        yield from part
+
+
+def batches(
+    s: Sender, items: Iterable[T], most: int, message: Callable[[T], Any] = as_message
+) -> Iterator[tuple[MessageBatch, list[T]]]:
+    """The items' messages in the SDK's batches (create_message_batch, add_message), each full or holding `most`.
+
+    A message too large for an empty batch raises MessageSizeExceededError.
+    """
+    batch = s.create_message_batch()
+    taken: list[T] = []
+    for item in items:
+        m = message(item)
+        try:
+            batch.add_message(m)
+        except MessageSizeExceededError:
+            if not taken:
+                raise
+            yield batch, taken
+            batch, taken = s.create_message_batch(), []
+            batch.add_message(m)
+        taken.append(item)
+        if len(taken) >= most:
+            yield batch, taken
+            batch, taken = s.create_message_batch(), []
+    if taken:
+        yield batch, taken
 
 
 @dataclass
@@ -366,14 +423,10 @@ class SendResult:
     stored: int = 0  # rows stored: messages on a queue, subscription copies on a topic
 
 
-def count_messages(path: Path, *, jsonl: bool, check: Sender) -> int:
-    """Validate every message of the file (format and size) without sending anything; returns their number."""
-    n = 0
+def count_messages(path: Path, *, jsonl: bool, rules: SendSettings) -> int:
+    """Validate every message of the file (format, size, the entity's rules) without sending anything; returns their number."""
     with path.open("rb") as f:
-        for lineno, m in iter_messages(f, str(path), jsonl=jsonl):
-            check_size(check, m, str(path), lineno)
-            n += 1
-    return n
+        return sum(1 for _ in checked(iter_messages(f, str(path), jsonl=jsonl), rules, str(path)))
 
 
 def send_stream(
@@ -383,63 +436,67 @@ def send_stream(
     *,
     jsonl: bool,
     batch: int,
+    rules: SendSettings,
     progress: Progress = _no_progress,
     result: SendResult | None = None,
 ) -> SendResult:
-    """Send a file's messages in batches of `batch` (each batch is one atomic send), counted in `result` as they go.
+    """Send a stream's messages in batches (each one atomic send, full or of `batch` messages), counted in `result`.
 
     A failure midway leaves the batches before it sent: the caller's `result` says how many.
     """
     result = result if result is not None else SendResult()
-    pending: list[Message] = []
-
-    def flush() -> None:
-        result.stored += len(s.send_messages(pending))
-        result.read += len(pending)
-        progress(len(pending))
-        pending.clear()
-
-    for lineno, m in iter_messages(stream, source, jsonl=jsonl):
-        check_size(s, m, source, lineno)
-        pending.append(m)
-        if len(pending) >= batch:
-            flush()
-    if pending:
-        flush()
+    numbered = checked(iter_messages(stream, source, jsonl=jsonl), rules, source, batch)
+    for full, taken in batches(s, numbered, batch, lambda item: item[1]):
+        result.stored += len(s.send_messages(full))
+        result.read += len(taken)
+        progress(len(taken))
     return result
 
 
 # ---- purge -----------------------------------------------------------------------------------------
 
 
-def purge(ns: Namespace, target: Target, *, dead_letter: bool, batch: int = 500, progress: Progress = _no_progress) -> int:
+@dataclass
+class PurgeResult:
+    """What a purge did (counted as it goes, so a failure midway still says how many were deleted)."""
+
+    purged: int = 0
+
+
+def purge(
+    ns: Namespace,
+    target: Target,
+    *,
+    dead_letter: bool,
+    batch: int = 500,
+    progress: Progress = _no_progress,
+    result: PurgeResult | None = None,
+) -> PurgeResult:
     """Delete every available message (RECEIVE_AND_DELETE in batches); locked, deferred and scheduled ones stay."""
+    result = result if result is not None else PurgeResult()
     if target.kind == TOPIC:
         raise _topic_is_not_readable(ns, target)
     sessions = not dead_letter and bool(getattr(settings(ns, target), "requires_session", False))
     if not sessions:
         with receiver(ns, target, dead_letter=dead_letter, mode=ReceiveMode.RECEIVE_AND_DELETE) as r:
-            return _drain(r, batch, progress)
-    total = 0
+            _drain(r, batch, progress, result)
+        return result
     while True:  # one session at a time, until no session has available messages
         try:
             r = receiver(ns, target, mode=ReceiveMode.RECEIVE_AND_DELETE, session=ANY_SESSION)
         except (SessionCannotBeLockedError, OperationTimeoutError):  # no session with available messages is free
-            return total
+            return result
+        before = result.purged
         with r:
-            got = _drain(r, batch, progress)
-        if got == 0:
-            return total
-        total += got
+            _drain(r, batch, progress, result)
+        if result.purged == before:
+            return result
 
 
-def _drain(r: Receiver, batch: int, progress: Progress) -> int:
-    n = 0
-    while True:
-        got = r.receive_messages(max_message_count=batch, max_wait_time=None)
-        if not got:
-            return n
-        n += len(got)
+def _drain(r: Receiver, batch: int, progress: Progress, result: PurgeResult) -> None:
+    """Receive (and so delete) until nothing comes, counting in `result`."""
+    while got := r.receive_messages(max_message_count=batch, max_wait_time=None):
+        result.purged += len(got)
         progress(len(got))
 
 
@@ -448,79 +505,111 @@ def _drain(r: Receiver, batch: int, progress: Progress) -> int:
 
 @dataclass
 class ResubmitResult:
-    """What a resubmit did."""
+    """What a resubmit did (counted as it goes, so a failure midway still says what was moved)."""
 
     destination: Target
     transactional: int = 0  # sent and completed in one transaction (exactly once)
     at_least_once: int = 0  # sent, then completed (a crash in between leaves a duplicate)
-    not_accepted: int = 0  # dropped by duplicate detection (or matched no subscription): left in the dead-letter queue
+    not_accepted: int = 0  # dropped by duplicate detection, or (a topic) matched no subscription: left in the DLQ
     returned: int = 0  # dead-lettered again while this ran (a forward that cannot travel): left there, not resent
+    dedupe: bool = False  # the destination detects duplicates
 
     @property
     def resubmitted(self) -> int:
         """Dead letters moved back."""
         return self.transactional + self.at_least_once
 
+    @property
+    def touched(self) -> bool:
+        """Whether the run did anything: moved, or left in place, at least one dead letter."""
+        return bool(self.resubmitted or self.not_accepted or self.returned)
 
-def resubmit(
-    ns: Namespace,
-    target: Target,
-    *,
-    via_topic: bool = False,
-    limit: int | None = None,
-    batch: int = 100,
-    progress: Progress = _no_progress,
-) -> ResubmitResult:
-    """Move dead letters back to their entity: receive them peek-locked, send a copy, complete the dead letter.
 
-    On a queue, messages with a partition key (or session) are sent and completed in one transaction
-    per key, so each moves exactly once. Unkeyed messages, and subscription dead letters (which go to
-    the topic: a transaction acts on one entity), are sent and then completed: at least once, so a
-    crash between the two leaves the copy and the dead letter. On a duplicate-detecting entity each
-    copy is sent alone; one dropped as a duplicate (its id is still in the detection window) stays
-    in the dead-letter queue and is counted as not accepted. Only dead letters enqueued before the
-    resubmit began are moved: a copy that comes straight back (its entity forwards to a destination
-    deleted or disabled since) is left there and counted as returned, so the run ends.
-    """
+def resubmit_destination(ns: Namespace, target: Target, *, via_topic: bool) -> Target:
+    """Where the dead letters of `target` go back to: the queue itself, or (--via-topic) a subscription's topic."""
     if target.kind == TOPIC:
         raise _topic_is_not_readable(ns, target)
     if target.kind == QUEUE and via_topic:
         raise InvalidOperationError(f"{target.label} is a queue: --via-topic applies to a subscription's dead letters")
-    destination = target if target.kind == QUEUE else Target(TOPIC, target.name)
     if target.kind == SUBSCRIPTION and not via_topic:
         raise InvalidOperationError(
             f"dead letters of {target.label} go back through topic {target.name!r}, which copies them to every "
             "subscription whose rules match; pass --via-topic to do that"
         )
-    dedupe = bool(getattr(settings(ns, destination), "requires_duplicate_detection", False))
-    result = ResubmitResult(destination)
+    return target if target.kind == QUEUE else Target(TOPIC, target.name)
+
+
+def resubmit(
+    ns: Namespace,
+    target: Target,
+    result: ResubmitResult,
+    *,
+    limit: int | None = None,
+    batch: int = 100,
+    progress: Progress = _no_progress,
+) -> ResubmitResult:
+    """Move dead letters back to `result.destination`: receive them peek-locked, send a copy, complete the dead letter.
+
+    On a queue, messages with a partition key (or session) are sent and completed in one transaction
+    per key, so each moves exactly once. Unkeyed messages are sent and then completed: at least once,
+    so a crash between the two leaves the copy and the dead letter. On a duplicate-detecting entity, and
+    on a topic (a copy may match no subscription), each copy is sent alone and its dead letter completed
+    only when the send stored it; one that stored nothing (a duplicate, or no subscription's rules
+    matched) stays in the dead-letter queue and is counted as not accepted. Only dead letters enqueued
+    before the resubmit began are moved: a copy that comes straight back (its entity forwards to a
+    destination deleted or disabled since) is left there and counted as returned, so the run ends.
+    Sends are filled as the SDK's batches. Dead letters held back are abandoned at the end, and on an
+    error every dead letter received and not completed is abandoned before it propagates, so the next
+    run sees them at once; `result` then says what was done before it.
+    """
+    destination = result.destination
+    result.dedupe = bool(getattr(settings(ns, destination), "requires_duplicate_detection", False))
     held: dict[int, ReceivedMessage] = {}  # not accepted or returned: kept locked (so not received again) until the end
+    fresh: list[ReceivedMessage] = []
     started = datetime.now(UTC)
     with receiver(ns, target, dead_letter=True) as r, sender(ns, destination) as s:
-        while limit is None or result.resubmitted < limit:
-            want = batch if limit is None else min(batch, limit - result.resubmitted)
-            got = r.receive_messages(max_message_count=want, max_wait_time=None)
-            if not got:
-                break
-            fresh = []
-            for m in got:
-                if m.sequence_number in held:
-                    held[m.sequence_number] = m  # its lock lapsed and we received it again
-                elif m.enqueued_time_utc is not None and m.enqueued_time_utc >= started:
-                    held[m.sequence_number] = m  # enqueued since this began: a copy of ours that came back
-                    result.returned += 1
+        try:
+            while limit is None or result.resubmitted < limit:
+                want = batch if limit is None else min(batch, limit - result.resubmitted)
+                got = r.receive_messages(max_message_count=want, max_wait_time=None)
+                if not got:
+                    break
+                fresh = []
+                for m in got:
+                    if m.sequence_number in held:
+                        held[m.sequence_number] = m  # its lock lapsed and we received it again
+                    elif m.enqueued_time_utc is not None and m.enqueued_time_utc >= started:
+                        held[m.sequence_number] = m  # enqueued since this began: a copy of ours that came back
+                        result.returned += 1
+                    else:
+                        fresh.append(m)
+                if result.dedupe or destination.kind == TOPIC:
+                    _one_by_one(r, s, fresh, held, result, progress)
                 else:
-                    fresh.append(m)
-            if dedupe:
-                _one_by_one(r, s, fresh, held, result, progress)
-            elif destination.kind == QUEUE:
-                _by_key(ns, r, s, fresh, result, progress)
-            else:
-                _at_least_once(r, s, fresh, result, progress)
-        if held:
-            with contextlib.suppress(MessageLockLostError):  # a lapsed lock: available again anyway
-                r.abandon_messages(list(held.values()))
+                    _by_key(ns, r, s, fresh, result, progress)
+        except BaseException:
+            unsettled = {m.sequence_number: m for m in fresh if not is_settled(m)}
+            _release(r, [*unsettled.values(), *(m for seq, m in held.items() if seq not in unsettled)], failing=True)
+            raise
+        _release(r, list(held.values()))
     return result
+
+
+def _release(r: Receiver, msgs: list[ReceivedMessage], *, failing: bool = False) -> None:
+    """Abandon the dead letters this run holds, so they are available at once (one whose lock lapsed is anyway).
+
+    While an error propagates (`failing`), one of the abandon's own is logged, not raised: the first error is the one to report.
+    """
+    if not msgs:
+        return
+    try:
+        r.abandon_messages(msgs)
+    except MessageLockLostError:
+        pass
+    except Exception as exc:
+        if not failing:
+            raise
+        log.warning("could not abandon %d dead letter(s); they are available again when their locks expire: %s", len(msgs), exc)
 
 
 def _one_by_one(
@@ -531,6 +620,7 @@ def _one_by_one(
     result: ResubmitResult,
     progress: Progress,
 ) -> None:
+    """Send each copy alone and complete its dead letter only if the send stored something; hold the others."""
     for m in msgs:
         if s.send_messages(as_message(m)):
             r.complete_message(m)
@@ -542,18 +632,18 @@ def _one_by_one(
 
 
 def _at_least_once(r: Receiver, s: Sender, msgs: list[ReceivedMessage], result: ResubmitResult, progress: Progress) -> None:
-    if not msgs:
-        return
-    s.send_messages([as_message(m) for m in msgs])
-    r.complete_messages(msgs)
-    result.at_least_once += len(msgs)
-    progress(len(msgs))
+    """Send the copies in batches, completing each batch's dead letters after its send."""
+    for full, sent in batches(s, msgs, max(1, len(msgs))):
+        s.send_messages(full)
+        r.complete_messages(sent)
+        result.at_least_once += len(sent)
+        progress(len(sent))
 
 
 def _by_key(
     ns: Namespace, r: Receiver, s: Sender, msgs: list[ReceivedMessage], result: ResubmitResult, progress: Progress
 ) -> None:
-    """Keyed messages: one transaction per key (and chunk); unkeyed ones at least once."""
+    """Keyed messages: one transaction per key and batch (at most MAX_TX_MESSAGES); unkeyed ones at least once."""
     groups: dict[tuple[str | None, str], list[ReceivedMessage]] = {}
     unkeyed: list[ReceivedMessage] = []
     for m in msgs:
@@ -563,11 +653,10 @@ def _by_key(
         else:
             groups.setdefault((m.session_id, key), []).append(m)
     for group in groups.values():
-        for i in range(0, len(group), MAX_TX_MESSAGES):
-            chunk = group[i : i + MAX_TX_MESSAGES]
+        for full, chunk in batches(s, group, MAX_TX_MESSAGES):
             try:
                 with ns.transaction():
-                    s.send_messages([as_message(m) for m in chunk])
+                    s.send_messages(full)
                     r.complete_messages(chunk)
             except InvalidOperationError as e:  # e.g. the dead letter sits outside its key's partition
                 log.info("resubmitting %d message(s) outside a transaction: %s", len(chunk), e)

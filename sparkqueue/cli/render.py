@@ -77,8 +77,22 @@ def _iso(value: datetime | None) -> str | None:
     return value.isoformat() if value is not None else None
 
 
+AVAILABLE = "Available"  # availability_status when every partition could be read
+INCOMPLETE_NOTE = "Counts marked ≥ are lower bounds: partitions that could not be read are not counted"
+
+
+def counts_complete(rp: RuntimeProperties) -> bool:
+    """Whether every partition was read: an unreadable one adds nothing to the counts (docs/semantics.md §10)."""
+    return rp.availability_status == AVAILABLE
+
+
+def count_text(value: int, complete: bool) -> str:
+    """A count for a table: `≥N` when partitions are missing from it (N is then a lower bound)."""
+    return str(value) if complete else f"≥{value}"
+
+
 def _status(available: bool | str) -> Text:
-    ok = available is True or available == "Available"
+    ok = available is True or available == AVAILABLE
     label = available if isinstance(available, str) else ("OK" if available else "DOWN")
     return Text(label, style="green" if ok else "bold red")
 
@@ -168,7 +182,7 @@ def messages_table(messages: list[ReceivedMessage], title: str, *, width: int, d
     bodies = [_body_preview(m.body) for m in messages]
     reasons = [_reason(m) for m in messages]
     fixed: list[tuple[str, int]] = [("Seq", max(len(str(m.sequence_number)) for m in messages)), ("P", 2)]
-    fixed += [("Enqueued (UTC)", 14), ("Dlv", 3)] + ([("State", 9)] if states else [])
+    fixed += [("Enqueued (UTC)", 19), ("Dlv", 3)] + ([("State", 9)] if states else [])
     wants: dict[str, tuple[int, int, int]] = {"Message ID": (8, max(len(clean(m.message_id)) for m in messages), 3)}
     if keys:
         wants["Key"] = (6, max(len(clean(m.session_id or m.partition_key or "")) for m in messages), 1)
@@ -189,7 +203,7 @@ def messages_table(messages: list[ReceivedMessage], title: str, *, width: int, d
         row: list[RenderableType] = [
             str(m.sequence_number),
             str(m.partition_id),
-            m.enqueued_time_utc.strftime("%m-%d %H:%M:%S"),
+            m.enqueued_time_utc.strftime("%Y-%m-%d %H:%M:%S"),
             str(m.delivery_count),
         ]
         if states:
@@ -219,6 +233,7 @@ def runtime_dict(rp: RuntimeProperties) -> dict[str, Any]:
     out: dict[str, Any] = {field: getattr(rp, field) for field, _ in COUNT_COLUMNS}
     out["size_in_bytes"] = rp.size_in_bytes
     out["availability_status"] = rp.availability_status
+    out["counts_complete"] = counts_complete(rp)  # False: a partition could not be read, the counts are lower bounds
     if rp.subscription_count is not None:
         out["subscription_count"] = rp.subscription_count
     out["created_at_utc"] = _iso(rp.created_at_utc)
@@ -287,12 +302,13 @@ def entity_view(
     kind: str, display: str, props: Any, rp: RuntimeProperties, subscriptions: list[tuple[str, RuntimeProperties]]
 ) -> Group:
     """`show`: counts beside settings, the per-partition breakdown, and (topics) the subscriptions."""
+    complete = counts_complete(rp)
     counts = _grid()
     counts.add_row("Availability", _status(rp.availability_status))
     counts.add_row("Partitions", str(len(rp.partitions)))
     for field, label in COUNT_COLUMNS:
-        counts.add_row(label, str(getattr(rp, field)))
-    counts.add_row("Size", human_size(rp.size_in_bytes))
+        counts.add_row(label, count_text(getattr(rp, field), complete))
+    counts.add_row("Size", human_size(rp.size_in_bytes) if complete else f"≥{human_size(rp.size_in_bytes)}")
     if rp.subscription_count is not None:
         counts.add_row("Subscriptions", str(rp.subscription_count))
     if rp.created_at_utc is not None:
@@ -313,8 +329,8 @@ def entity_view(
     parts.add_column("Size", justify="right", no_wrap=True)
     for p in rp.partitions:
         row: list[RenderableType] = [str(p.partition_id), _status(p.available)]
-        row += [str(getattr(p, f)) for f, _ in PARTITION_COLUMNS]
-        row.append(human_size(p.size_in_bytes))
+        row += [str(getattr(p, f)) if p.available else "?" for f, _ in PARTITION_COLUMNS]  # unread: unknown
+        row.append(human_size(p.size_in_bytes) if p.available else "?")
         parts.add_row(*row)
 
     items: list[RenderableType] = [safe(f"{kind.capitalize()} {display}", style="bold cyan"), summary, Text(""), parts]
@@ -326,11 +342,12 @@ def entity_view(
         subs.add_column("Total", justify="right")
         subs.add_column("Status", no_wrap=True)
         for name, srp in subscriptions:
+            complete = counts_complete(srp)
             subs.add_row(
                 safe(name),
-                str(srp.active_message_count),
-                str(srp.dead_letter_message_count),
-                str(srp.total_message_count),
+                count_text(srp.active_message_count, complete),
+                count_text(srp.dead_letter_message_count, complete),
+                count_text(srp.total_message_count, complete),
                 _status(srp.availability_status),
             )
         items.append(subs)
@@ -356,10 +373,11 @@ def list_table(rows: list[dict[str, Any]], *, counts: bool) -> Table:
             str(r["partitions"]),
         ]
         if counts:
+            complete = r["counts_complete"]
             row += [
-                str(r["active_message_count"]),
-                str(r["dead_letter_message_count"]),
-                str(r["total_message_count"]),
+                count_text(r["active_message_count"], complete),
+                count_text(r["dead_letter_message_count"], complete),
+                count_text(r["total_message_count"], complete),
                 _status(r["availability_status"]),
             ]
         table.add_row(*row)
@@ -369,6 +387,9 @@ def list_table(rows: list[dict[str, Any]], *, counts: bool) -> Table:
 # ---- rules -----------------------------------------------------------------------------------------
 
 
+OPTION_FIELDS = {"label": "subject"}  # correlation fields the command line names otherwise (rule create --subject)
+
+
 def filter_text(flt: Any) -> str:
     """A rule filter in one line: its SQL, or its correlation fields and properties."""
     name = type(flt).__name__
@@ -376,7 +397,9 @@ def filter_text(flt: Any) -> str:
         return "TRUE" if name == "TrueRuleFilter" else "FALSE"
     if hasattr(flt, "sql_expression"):
         return str(flt.sql_expression)
-    fields = {k: v for k, v in rule_filter_dict(flt).items() if k not in ("type", "properties") and v is not None}
+    fields = {
+        OPTION_FIELDS.get(k, k): v for k, v in rule_filter_dict(flt).items() if k not in ("type", "properties") and v is not None
+    }
     pairs = [*fields.items(), *(getattr(flt, "properties", None) or {}).items()]
     return " AND ".join(f"{k} = {json_text(jsonable(v))}" for k, v in pairs)  # typed values shown as --json shows them
 
