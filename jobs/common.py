@@ -248,8 +248,14 @@ def require_queue(ns: Namespace, cfg: dict[str, Any]) -> str:
     return str(cfg["queue"]["name"])
 
 
-def check_source(cfg: dict[str, Any]) -> None:
-    """A consumer's namespace and queue exist, checked before Spark starts: a mistyped root or queue fails in one line."""
+def check_source(cfg: dict[str, Any], what: str) -> None:
+    """A consumer's namespace and queue exist, checked before Spark starts: a mistyped root or queue fails in one line.
+
+    So does a root the consumer's Spark receive (`what`) cannot work on yet (an object store), before it changes anything.
+    """
+    from sparkqueue.spark.staging import require_local_root  # Spark's modules: for the Spark jobs only
+
+    require_local_root(str(cfg["namespace"]["root"]), what)
     with namespace(cfg, create=False) as ns:
         require_queue(ns, cfg)
 

@@ -248,7 +248,7 @@ def main(argv: list[str] | None = None) -> int:
         cfg = common.load_config(args.config, common.overrides_from(args, FLAGS))
         load_transform(str(cfg["consumer"]["transform"]))  # a bad transform fails before Spark starts
         common.numbers(cfg, NUMBERS)
-        common.check_source(cfg)  # so do a mistyped root or queue
+        common.check_source(cfg, "a Spark receive (jobs.consumer)")  # so do a mistyped root or queue
         spark = common.session(cfg, verbose=args.verbose)
         started = time.perf_counter()
         try:

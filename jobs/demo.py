@@ -87,6 +87,10 @@ def main(argv: list[str] | None = None) -> int:
     console = make_console()
     with common.expected_failures(args.verbose):
         cfg = common.load_config(args.config, {"namespace.root": args.root} if args.root else {})
+        if not args.no_spark:  # refused before anything is sent, not after the core half
+            from sparkqueue.spark.staging import require_local_root
+
+            require_local_root(str(cfg["namespace"]["root"]), "the demo's DataFrame half (pass --no-spark)")
         with common.namespace(cfg) as ns:
             console.print(f"[bold]sparkqueue demo[/bold] in namespace {ns.root} (one Delta table per queue)")
             dropped = core_round_trip(ns, args, console)

@@ -166,7 +166,7 @@ def main(argv: list[str] | None = None) -> int:
         cfg = common.load_config(args.config, common.overrides_from(args, FLAGS))
         settings(cfg)  # bad settings fail before Spark starts
         load_transform(str(cfg["consumer"]["transform"]))
-        common.check_source(cfg)  # a mistyped root or queue fails before Spark starts too
+        common.check_source(cfg, "the streaming source (jobs.stream_consumer)")  # a mistyped root or queue too
         spark = common.session(cfg, verbose=args.verbose)
         started = time.perf_counter()
         try:

@@ -106,6 +106,24 @@ def test_consumers_refuse_a_root_without_namespace_before_spark_starts(tmp_path)
         assert exit_info.value.code == 1 and not missing.exists()
 
 
+def test_consumers_and_the_demo_refuse_an_object_store_root_before_changing_anything(tmp_path, capsys):
+    """A Spark receive cannot work on an object-store namespace yet. The consumers made their output table and the demo
+    sent its messages before finding out (every rerun added 500 more); all three now fail in one line first."""
+    from jobs import demo, stream_consumer
+
+    path = write_config(tmp_path, 10)
+    for job, args in (
+        (consumer, ["--config", str(path), "--no-progress"]),
+        (stream_consumer, ["--config", str(path), "--output", str(tmp_path / "out")]),
+        (demo, []),
+    ):
+        with pytest.raises(SystemExit) as exit_info:
+            job.main([*args, "--root", "az://nowhere/ns"])
+        assert exit_info.value.code == 1
+        assert "not supported yet on an object-store namespace" in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()
+
+
 def test_consumers_refuse_a_queue_that_does_not_exist_before_spark_starts(tmp_path):
     """With the shipped `queue.create = true`, a consumer given a mistyped queue created it, consumed nothing and exited 0.
     Consumers never make the queue they read: both fail in one line, before Spark starts, and create nothing."""
