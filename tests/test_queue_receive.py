@@ -63,18 +63,15 @@ def test_one_receive_gathers_from_several_partitions(ns: Namespace) -> None:
 
 
 def test_max_message_count_caps_a_receive(ns: Namespace) -> None:
-    """A receive returns at most max_message_count messages, and at least half of them when that many wait; the default is one.
-
-    Between the two it stops where one more message would split a data file (docs/semantics.md §5).
-    """
+    """A receive returns at most max_message_count messages, and that many when that many wait; the default is one."""
     ns.create_queue("q")
     _send(ns, [Message(f"m{i}", partition_key=f"k{i % 4}") for i in range(12)])
     with ns.get_queue_receiver("q") as r:
         assert len(r.receive_messages(max_wait_time=2)) == 1
         got = r.receive_messages(max_message_count=4, max_wait_time=2)
-        assert 2 <= len(got) <= 4
+        assert len(got) == 4
         rest = drain_all(r)
-    assert len(rest) == 11 - len(got)
+    assert len(rest) == 7
     assert len({m.body for m in [*got, *rest]}) == 11
 
 
@@ -84,42 +81,35 @@ def _live_files(root: str) -> set[str]:
     return set(DeltaTable(path).file_uris())
 
 
-def test_a_bulk_receive_leaves_a_file_it_would_split_for_the_next_receive(ns: Namespace, root: str) -> None:
-    """Once a receive holds half its count, it stops before a file whose rows would not all fit (docs/storage.md).
-
-    Locking part of a file rewrites the rest of it; leaving the file whole keeps a receive's
-    cost to the messages it takes. The skipped file is untouched, and the next receive takes it
-    whole. A receive that holds less than half its count still splits a file, to fill itself.
-    """
+def test_a_receive_fills_its_count_from_the_next_file_in_order(ns: Namespace, root: str) -> None:
+    """A receive returns what is available up to its count (SPEC §5). One that held half its count used to stop
+    before a file it would have to split, returning 70 of 100 with 170 waiting; it now takes part of that file in
+    sequence order, and the rest of the file stays receivable. A count that ends on a file boundary splits nothing."""
     ns.create_queue("q", enable_partitioning=False)
     _send(ns, [Message(f"a{i}") for i in range(70)])
-    before = _live_files(root)
     _send(ns, [Message(f"b{i}") for i in range(100)])
-    (second,) = _live_files(root) - before
     with ns.get_queue_receiver("q") as r:
         first = r.receive_messages(max_message_count=100)
-        assert [m.body for m in first] == [f"a{i}".encode() for i in range(70)]
-        assert second in _live_files(root)  # not rewritten
+        assert [m.body for m in first] == [f"a{i}".encode() for i in range(70)] + [f"b{i}".encode() for i in range(30)]
         r.complete_messages(first)
-        nxt = r.receive_messages(max_message_count=100)
-        assert [m.body for m in nxt] == [f"b{i}".encode() for i in range(100)]
+        before = _live_files(root)
+        nxt = r.receive_messages(max_message_count=70)
+        assert [m.body for m in nxt] == [f"b{i}".encode() for i in range(30, 100)]
+        assert not before & _live_files(root)  # the whole remaining file was taken: locked rows in a file of their own
         r.complete_messages(nxt)
-        _send(ns, [Message(f"c{i}") for i in range(30)])
-        _send(ns, [Message(f"d{i}") for i in range(100)])
-        split = r.receive_messages(max_message_count=100)  # 30 is less than half of 100: fill from the next file
-        assert [m.body for m in split] == [f"c{i}".encode() for i in range(30)] + [f"d{i}".encode() for i in range(70)]
+    assert ns.get_queue_runtime_properties("q").active_message_count == 0
 
 
-def test_once_half_is_held_a_receive_takes_no_part_of_a_file_in_another_partition(ns: Namespace) -> None:
-    """A receive holding half its count skips a partition whose next file would not fit whole (one commit, no split)."""
+def test_a_receive_gathers_from_several_partitions_up_to_its_count(ns: Namespace) -> None:
+    """With 60 messages in each of two partitions, receive(100) returned the 60 of one (SPEC §5: one call gathers from
+    several partitions when one holds fewer than asked): it returns 100, from both, then the other 20."""
     ns.create_queue("q")
     _send(ns, [Message(f"a{i}", partition_key=key_for_partition(3, "a")) for i in range(60)])
     _send(ns, [Message(f"b{i}", partition_key=key_for_partition(9, "b")) for i in range(60)])
     with ns.get_queue_receiver("q") as r:
         got = r.receive_messages(max_message_count=100)
-        assert len(got) == 60 and len({m.partition_id for m in got}) == 1  # one whole file: 60 of 100
-        nxt = r.receive_messages(max_message_count=100)
-        assert len(nxt) == 60 and {m.partition_id for m in nxt} != {got[0].partition_id}
+        assert len(got) == 100 and {m.partition_id for m in got} == {3, 9}
+        assert len(r.receive_messages(max_message_count=100)) == 20
 
 
 def test_max_wait_time_returns_empty_list_when_nothing_arrives(ns: Namespace) -> None:

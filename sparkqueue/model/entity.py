@@ -290,12 +290,8 @@ class Entity:
             p = (start + i) % self.partition_count
             if not self.available(p) or not self.table.holds_files(dt, p):
                 continue  # an empty partition: nothing to read (a receive of one message would try most of 16)
-            # Once half the count is in hand, files are taken whole or not at all (docs/storage.md, "Receives
-            # take whole files"): a split would rewrite the file's other rows, and a commit on another
-            # partition for a few messages costs as much as the first.
-            whole_after = max(0, (max_count + 1) // 2 - (max_count - remaining))
             try:
-                got = self.receive_partition(dt, p, sub_queue, remaining, delete, whole_after=whole_after)
+                got = self.receive_partition(dt, p, sub_queue, remaining, delete)
             except StorageError as exc:
                 if not out:
                     raise
@@ -341,16 +337,12 @@ class Entity:
         limit: int,
         delete: bool,
         written: list[str] | None = None,
-        *,
-        whole_after: int | None = None,
     ) -> pa.Table:
         """Lock (or delete) up to `limit` messages of one partition; moves on after repeated conflicts.
 
         Starts from the caller's snapshot and refreshes only after a conflict or its own commit
         (a commit does not advance the handle's version). The messages a commit locks go to one
         data file of their own (up to `limit` rows); `written` collects those files' paths.
-        `whole_after` as in EntityTable.candidates: fewer than `limit` then does not mean the
-        partition has no more.
         """
         if sub_queue == SUB_QUEUE_MAIN and self.route_rest_left_s(dt) > 0:
             return empty_rows()  # forwarders may still hold messages by the route before the change: wait for the rest
@@ -364,9 +356,8 @@ class Entity:
                 dt = self.table.snapshot()
             fresh = False
             now = utcnow()
-            whole = whole_after if scan == limit else None  # a sweep past expired rows may split files
             try:
-                cands = self.table.candidates(dt, p, sub_queue, now, scan, ROW_COLUMNS, self.subscription, whole_after=whole)
+                cands = self.table.candidates(dt, p, sub_queue, now, scan, ROW_COLUMNS, self.subscription)
             except PartitionUnavailableError:
                 break
             except StorageError:
@@ -393,7 +384,6 @@ class Entity:
             if d.delivered.num_rows:
                 out.append(d.delivered)
                 limit -= d.delivered.num_rows
-                whole_after = None if whole_after is None else max(0, whole_after - d.delivered.num_rows)
             if d.delivered.num_rows == cands.num_rows:
                 break  # nothing was expired or dead-lettered: the candidates were all it would give now
             scan = min(max(scan, limit) * EXPIRY_SCAN_GROWTH, max(limit, MAX_EXPIRY_SCAN))  # a few commits clear a long run

@@ -463,18 +463,12 @@ class EntityTable:
         limit: int,
         columns: Sequence[str] = STATE_COLUMNS,
         subscription: str | None = None,
-        whole_after: int | None = None,
     ) -> pa.Table:
         """The oldest message rows of a sub-queue that a receive may take now (by sequence number).
 
         Files whose min(available_at_utc) is after `now`, or whose statistics show no row of the
         sub-queue or subscription, are skipped unopened, so in-flight and scheduled backlogs cost
         nothing to step over.
-
-        With `whole_after`, whole files where it can (docs/storage.md, "Receives take whole files"):
-        once it holds that many rows (0: from the start), it stops before a file whose rows would
-        not all fit, returning fewer than `limit` rather than splitting that file, whose untouched
-        rows a lock would have to rewrite. The file stays whole for the next receive.
         """
         picked: list[pa.Table] = []
         count = 0
@@ -485,8 +479,6 @@ class EntityTable:
                 break
             if f.min_available_at is None or f.min_available_at > now or not f.may_hold(KIND_MESSAGE, sub_queue, subscription):
                 continue
-            if whole_after is not None and count >= whole_after and count + f.num_records > limit and after_picked:
-                break  # taking part of this file would rewrite the rest of it: leave it whole for the next receive
             t = self.data.read(f.path, columns)
             mask = pc.and_(
                 pc.and_(_in_scope(t, KIND_MESSAGE, subscription), pc.equal(t.column("sub_queue"), sub_queue)),
