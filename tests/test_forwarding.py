@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import inspect
 import sys
+import threading
 import time
 from collections import Counter
 from datetime import UTC, datetime, timedelta
@@ -1034,3 +1035,49 @@ def test_a_receive_forwards_what_is_owed_for_a_bounded_time_and_the_next_receive
             got.update(m.message_id for m in batch)
     assert len(got) == 20_000 and set(got.values()) == {1}
     assert ns.get_queue_runtime_properties("A").active_message_count == 0
+
+
+def test_a_pass_over_owed_forwards_moves_a_batch_even_when_its_time_is_spent_before_it(
+    ns: Namespace, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """On a slow store, reading the catalog and the source took longer than the pass's budget, so no batch ever
+    started and every receive repeated the pass for nothing. Each source a pass starts now forwards one batch."""
+    from sparkqueue.broker import core
+
+    monkeypatch.setattr(core, "OWED_BUDGET_S", 0.0)  # a budget spent before the first batch, as on a slow store
+    ns.create_queue("B", enable_partitioning=False)
+    ns.create_queue("A", enable_partitioning=False, forward_to="B")
+    injector = ns.broker.fault_injector("B")
+    injector.fail(0, ("write",))
+    ns.get_queue_sender("A").send_messages([Message("x", message_id=f"m{i}") for i in range(5)])
+    injector.heal()
+    with Namespace(ns.broker.root) as other, other.get_queue_receiver("B") as r:
+        got = r.receive_messages(max_message_count=10, max_wait_time=1)
+    assert sorted(m.message_id for m in got) == [f"m{i}" for i in range(5)]
+
+
+def test_receive_deferred_messages_keeps_its_timeout_during_a_route_rest(ns: Namespace) -> None:
+    """receive_deferred_messages waits out a rest after a forward_to change (a forwarder by the old route may still
+    move the message); with a call timeout shorter than the rest it slept the whole rest all the same. It now raises
+    OperationTimeoutError at once, and the message is there for the next call."""
+    from sparkqueue.errors import OperationTimeoutError
+
+    ns.create_queue("D", enable_partitioning=False)
+    ns.create_queue("Q", enable_partitioning=False)
+    ns.get_queue_sender("Q").send_messages(Message("x", message_id="m1"))
+    with ns.get_queue_receiver("Q") as r:
+        (m,) = r.receive_messages(max_wait_time=1)
+        r.defer_message(m)
+    injector = ns.broker.fault_injector("D")
+    injector.fail(0, ("write",))  # the deferred message would travel to D: its forward is put off
+    ns.update_queue(ns.get_queue("Q"), forward_to="D")
+    # The update that removes the route rests it for 1.5 s, and returns once the rest is over.
+    update = threading.Thread(target=lambda: ns.update_queue(ns.get_queue("Q"), forward_to=None))
+    update.start()
+    time.sleep(0.3)
+    injector.heal()
+    with Namespace(ns.broker.root) as other, other.get_queue_receiver("Q") as r:
+        with pytest.raises(OperationTimeoutError, match="forward_to"):
+            r.receive_deferred_messages(m.sequence_number, timeout=0.2)
+        assert [x.message_id for x in r.receive_deferred_messages(m.sequence_number)] == ["m1"]  # waits the rest out
+    update.join()

@@ -346,37 +346,42 @@ class Broker:
         except EntityNotFoundError:
             return self.entity(TOPIC, name), self.expander(TOPIC, name)
 
-    def pump(self, entity: Entity, partitions: list[int] | None = None, until: float | None = None) -> None:
+    def pump(self, entity: Entity, partitions: list[int] | None = None, until: float | None = None) -> bool:
         """Forward what waits on the entity, then, hop by hop, on every forwarding entity it reached.
 
         Each round forwards from every entity the previous round reached, however many (a topic may
         have any number of forwarding subscriptions). A message travels at most MAX_HOPS hops, so
         chains and cycles end within MAX_HOPS + 1 rounds. `until`: as in model.forwarding.forward.
+        Returns whether any message may have moved.
         """
         level: list[tuple[Entity, list[int] | None]] = [(entity, partitions)]
+        moved = False
         for _ in range(MAX_HOPS + 2):
             reached: dict[tuple[str, str | None], Entity] = {}
             for source, parts in level:
                 if not routes(source):
                     continue
                 for dest in forward(source, self.resolve, parts, until):
+                    moved = True
                     for e in self.forwarding_entities(dest):
                         reached.setdefault((e.table.uri, e.subscription), e)
             if not reached:
-                return
+                return moved
             level = [(e, None) for e in reached.values()]
+        return moved
 
-    def forward_now(self, entity: Entity, partitions: list[int], until: float | None = None) -> None:
+    def forward_now(self, entity: Entity, partitions: list[int], until: float | None = None) -> bool:
         """Forward right after an operation that landed (send, settle, receive): a failure is logged, never raised.
 
         The operation stands whatever forwarding does, so its caller must not see an error and
         repeat it; what is left waits for the next forward (forward_pending_messages, maintenance).
-        `until`: as in model.forwarding.forward.
+        `until`: as in model.forwarding.forward. Returns whether any message may have moved.
         """
         try:
-            self.pump(entity, partitions, until)
+            return self.pump(entity, partitions, until)
         except SparkQueueError as exc:
             log.warning("forwarding from %s deferred: %s", entity.name, exc)
+            return False
 
     def forward_after_route_change(self, entity_type: str, name: str, left: str | None, new_route: bool) -> None:
         """After an update changed an entity's routes: settle what reached the destination it `left`, then forward what waits.
@@ -438,9 +443,11 @@ class Broker:
         destination move it too, at most every OWED_EVERY_S per destination in this process, from
         every entity whose forwarding reaches it (a chain's far end holds the only receivers).
 
-        The pass spends at most OWED_BUDGET_S (half the call's timeout when that is tighter) and one
-        batch: a receive is not held up by a large owed backlog or by many sources on a slow store.
-        Sources are taken in random order, and a pass that ran out of time lets the next receive go on.
+        The pass starts no source and no batch after OWED_BUDGET_S (half the call's timeout when that
+        is tighter), but each source it starts forwards one batch: a receive is not held up by a large
+        owed backlog or many sources on a slow store, and a pass always gets somewhere. Sources are
+        taken in random order; a pass that ran out of time after moving messages lets the next receive
+        go on at once (more may be owed), one that moved nothing waits OWED_EVERY_S as usual.
         """
         target = Address.of(entity_type, name).topic  # a queue's name, or a subscription's topic
         now = time.monotonic()
@@ -456,16 +463,17 @@ class Broker:
             return
         sources = _sources_of(target, entries)
         random.shuffle(sources)
-        for kind, source in sources:
-            if time.monotonic() >= until:
+        moved = False
+        for i, (kind, source) in enumerate(sources):
+            if i and time.monotonic() >= until:
                 break
             try:
                 entity = self.entity(kind, source)
             except SparkQueueError as exc:  # deleted meanwhile, or its table unreadable: the receive goes on
                 log.info("forwarding from %s to %s deferred: %s", source, target, exc)
                 continue
-            self.forward_now(entity, list(range(entity.partition_count)), until)
-        if time.monotonic() >= until:  # perhaps not done: the next receive goes on with it
+            moved = self.forward_now(entity, list(range(entity.partition_count)), until) or moved
+        if moved and time.monotonic() >= until:  # perhaps not done: the next receive goes on with it
             with self.lock:
                 self.owed_at.pop(target.lower(), None)
             log.debug("forwards owed to %s: the pass ran out of time; the next receive goes on", target)

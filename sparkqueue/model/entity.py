@@ -18,7 +18,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from sparkqueue.errors import MessageLockLostError, PartitionUnavailableError, StorageError
+from sparkqueue.errors import MessageLockLostError, OperationTimeoutError, PartitionUnavailableError, StorageError
 from sparkqueue.model import lifecycle, limits
 from sparkqueue.model.addresses import Address
 from sparkqueue.model.deadlines import effective
@@ -181,8 +181,20 @@ class Entity:
         return min(ROUTE_QUIET_S, max(0.0, changed_ms / 1000 + ROUTE_QUIET_S - time.time()))
 
     def wait_route_rest(self) -> None:
-        """Sleep out a rest of the main route (route_rest_left_s): for operations that must not come back empty."""
-        time.sleep(self.route_rest_left_s())
+        """Sleep out a rest of the main route (route_rest_left_s): for operations that must not come back empty.
+
+        OperationTimeoutError, without waiting, when the rest outlasts the operation's timeout (a call's `timeout=`).
+        """
+        rest = self.route_rest_left_s()
+        if rest <= 0:
+            return
+        budget = self.deadline().remaining()
+        if rest > budget:
+            raise OperationTimeoutError(
+                f"{self.name!r} changed its forward_to a moment ago; its messages can be taken in {rest:.1f}s, "
+                f"after this call's timeout of {budget:g}s: try again"
+            )
+        time.sleep(rest)
 
     def _route_app(self) -> str:
         """The txn app id whose moves mark changes of the main route (a topic's subscriptions share one table)."""

@@ -86,17 +86,19 @@ def routes(entity: Entity) -> list[Route]:
 def forward(entity: Entity, resolve: Resolver, partitions: list[int] | None = None, until: float | None = None) -> list[str]:
     """Move everything waiting on the entity's routes; returns the destinations that may have received messages.
 
-    `until` (a time.monotonic() value): start no batch after it; what is left waits for the next forward.
+    `until` (a time.monotonic() value): start no batch after it but the first; what is left waits for the next forward.
     """
     reached: list[str] = []
     dt = entity.table.snapshot()
+    first = True
     for route in routes(entity):
         for p in partitions if partitions is not None else range(entity.partition_count):
             if not entity.available(p) or not entity.table.may_hold_messages(dt, p, route.sub_queue, entity.subscription):
                 continue  # (file statistics: a partition with nothing of the route's costs no read)
             while True:
-                if until is not None and time.monotonic() >= until:
+                if not first and until is not None and time.monotonic() >= until:
                     return reached
+                first = False
                 moved = _forward_batch(entity, route, p, resolve)
                 if moved and route.destination not in reached:
                     reached.append(route.destination)
