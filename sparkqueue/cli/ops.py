@@ -12,7 +12,7 @@ from itertools import islice
 from pathlib import Path
 from typing import IO, Any, TypeVar
 
-from sparkqueue import NEXT_AVAILABLE_SESSION, Message, Namespace, ReceivedMessage, ReceiveMode, SubQueue
+from sparkqueue import NEXT_AVAILABLE_SESSION, AutoLockRenewer, Message, Namespace, ReceivedMessage, ReceiveMode, SubQueue
 from sparkqueue.errors import (
     EntityNotFoundError,
     InvalidOperationError,
@@ -34,6 +34,7 @@ log = logging.getLogger(__name__)
 
 ANY_SESSION = "*"  # --session value meaning NEXT_AVAILABLE_SESSION
 MAX_TX_MESSAGES = limits.MAX_TRANSACTION_MESSAGES // 2  # a transaction's operations: each send plus its completion
+RESUBMIT_RENEWAL_S = 24 * 3600.0  # how long a resubmit keeps renewing the locks of the dead letters it holds
 T = TypeVar("T")
 
 Progress = Callable[[int], None]
@@ -567,13 +568,18 @@ def resubmit(
     held: dict[int, ReceivedMessage] = {}  # not accepted or returned: kept locked (so not received again) until the end
     fresh: list[ReceivedMessage] = []
     started = datetime.now(UTC)
-    with receiver(ns, target, dead_letter=True) as r, sender(ns, destination) as s:
+    # Copies sent one by one (a topic, duplicate detection) can outlast a short lock: the renewer keeps every dead
+    # letter held until it is completed or abandoned, so none is moved and left in place too.
+    renewer = AutoLockRenewer(max_lock_renewal_duration=RESUBMIT_RENEWAL_S)
+    with receiver(ns, target, dead_letter=True) as r, sender(ns, destination) as s, renewer:
         try:
             while limit is None or result.resubmitted < limit:
                 want = batch if limit is None else min(batch, limit - result.resubmitted)
                 got = r.receive_messages(max_message_count=want, max_wait_time=None)
                 if not got:
                     break
+                for m in got:
+                    renewer.register(r, m)
                 fresh = []
                 for m in got:
                     if m.sequence_number in held:
@@ -588,9 +594,11 @@ def resubmit(
                 else:
                     _by_key(ns, r, s, fresh, result, progress)
         except BaseException:
+            renewer.close()
             unsettled = {m.sequence_number: m for m in fresh if not is_settled(m)}
             _release(r, [*unsettled.values(), *(m for seq, m in held.items() if seq not in unsettled)], failing=True)
             raise
+        renewer.close()
         _release(r, list(held.values()))
     return result
 
