@@ -313,11 +313,12 @@ class Receiver:
             )
 
     def peek_messages(
-        self, max_message_count: int = 1, *, sequence_number: int | None = None, timeout: float | None = None
+        self, max_message_count: int = 1, sequence_number: int | None = None, *, timeout: float | None = None
     ) -> list[ReceivedMessage]:
         """Browse without locking, in sequence order (partition by partition); later calls continue where this one stopped.
 
-        `sequence_number` starts at the first message numbered at least that (docs/semantics.md §5).
+        `sequence_number` starts at the first message numbered at least that (docs/semantics.md §5); SPEC §5 names it
+        second, so it may be passed by position as well as by keyword (the SDK's way).
         """
         n = limits.check_int(max_message_count, "max_message_count")
         if sequence_number is not None:
