@@ -26,6 +26,7 @@ from sparkqueue.errors import (
     AutoLockRenewTimeout,
     InvalidArgumentTypeError,
     InvalidOperationError,
+    MessageAlreadySettled,
     MessageLockLostError,
 )
 from sparkqueue.message import is_settled, is_settling, lock_expired
@@ -39,6 +40,7 @@ log = logging.getLogger(__name__)
 LockRenewFailureCallback = Callable[[Any, BaseException | None], None]
 RENEW_PERIOD_S = 10.0  # renew when the lock has this long left, as the SDK does
 SLEEP_S = 0.5  # how often the worker looks at the registrations
+SETTLED_RETRIES = 3  # renewal calls a pass tries while messages in its batch are being settled
 
 
 def _duration(value: object, field: str) -> float:
@@ -177,15 +179,26 @@ class AutoLockRenewer:
                     reg.renewable.renew_lock()
                 except Exception as exc:  # a lost lock, a closed receiver, an unavailable partition: report it
                     self._finish(reg, exc)
-        if not messages:
-            return
-        receiver = messages[0].receiver
-        try:
-            held = receiver.renew_message_locks([r.renewable for r in messages])
-        except Exception as exc:
-            for reg in messages:
-                self._finish(reg, exc)
-            return
+        held: list[bool] | None = None
+        for _ in range(SETTLED_RETRIES):
+            # A message the application settled since `_pass` picked it ends its registration alone: the call refuses a
+            # settled message for the whole batch, which stopped renewing every other message in it.
+            for reg in [r for r in messages if is_settled(r.renewable)]:
+                self._finish(reg, None)
+            messages = [r for r in messages if not is_settled(r.renewable)]
+            if not messages:
+                return
+            try:
+                held = messages[0].receiver.renew_message_locks([r.renewable for r in messages])
+                break
+            except MessageAlreadySettled:
+                continue  # one was settled between the look and the call: look again
+            except Exception as exc:
+                for reg in messages:
+                    self._finish(reg, exc)
+                return
+        if held is None:
+            return  # settled under it again and again: the next pass renews the rest
         for reg, ok in zip(messages, held, strict=True):
             if not ok:
                 lost = MessageLockLostError(

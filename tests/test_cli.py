@@ -632,7 +632,7 @@ def test_resubmit_via_topic_keeps_the_locks_of_a_short_lock_subscription_until_e
     locks lapsed midway, the run failed, and a dead letter already copied stayed in the dead-letter queue too."""
     with Namespace(root) as ns:
         ns.create_topic("t")
-        ns.create_subscription("t", "s", lock_duration=timedelta(seconds=1))
+        ns.create_subscription("t", "s")
         with ns.get_topic_sender("t") as s:
             s.send_messages([Message(f"body {i}", message_id=f"m{i}") for i in range(150)])
         with ns.get_subscription_receiver("t", "s") as r:
@@ -642,6 +642,7 @@ def test_resubmit_via_topic_keeps_the_locks_of_a_short_lock_subscription_until_e
                 for m in got:
                     r.dead_letter_message(m, reason="Poison")
                 left -= len(got)
+        ns.update_subscription("t", ns.get_subscription("t", "s"), lock_duration=timedelta(seconds=1))
     p = sq(root, "resubmit", "t/s", "--via-topic")
     assert p.returncode == 0, p.stdout + p.stderr
     with Namespace(root) as ns:

@@ -1081,3 +1081,37 @@ def test_receive_deferred_messages_keeps_its_timeout_during_a_route_rest(ns: Nam
             r.receive_deferred_messages(m.sequence_number, timeout=0.2)
         assert [x.message_id for x in r.receive_deferred_messages(m.sequence_number)] == ["m1"]  # waits the rest out
     update.join()
+
+
+def test_an_owed_pass_forwards_one_hop_past_its_time_and_takes_the_sources_in_turn(
+    ns: Namespace, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Each source an owed pass starts forwards one batch whatever the time, but its later hops used to get one
+    each too: a queue forwarding into a topic whose 10 subscriptions forward on moved 11 batches in one pass (a
+    receive with timeout=1 took 3 s on a slow store). Hops after the first now wait for the next pass. Passes also
+    take the sources in turn (they were shuffled), so a pass with time for one source reaches each in as many passes."""
+    from sparkqueue.broker import core
+
+    monkeypatch.setattr(core, "OWED_BUDGET_S", 0.0)  # time for one source per pass, as on a slow store
+    monkeypatch.setattr(core, "OWED_EVERY_S", 0.0)  # a pass at every receive
+    ns.create_queue("B", enable_partitioning=False)
+    ns.create_topic("T", enable_partitioning=False)
+    for i in range(10):
+        ns.create_subscription("T", f"s{i}", forward_to="B")
+    ns.create_queue("A", enable_partitioning=False, forward_to="T")
+    injector = ns.broker.fault_injector("T", "topic")
+    injector.fail(0, ("write",))
+    ns.get_queue_sender("A").send_messages([Message("x", message_id=f"m{i}") for i in range(5)])  # put off: owed
+    injector.heal()
+    got: Counter[str] = Counter()
+    sizes = []
+    with Namespace(ns.broker.root) as other, other.get_queue_receiver("B") as r:
+        for _ in range(60):  # 11 sources, one reached per pass: A in 11 passes at most, then a subscription per pass
+            batch = r.receive_messages(max_message_count=100, max_wait_time=0.01)
+            r.complete_messages(batch)
+            got.update(m.message_id for m in batch)
+            sizes.append(len(batch))
+            if sum(got.values()) == 50:
+                break
+    assert got == Counter({f"m{i}": 10 for i in range(5)}), (got, sizes)  # every copy once
+    assert max(sizes) <= 5, sizes  # one subscription's batch per pass, never the whole fan-out at once

@@ -111,6 +111,32 @@ def test_02_auto_lock_renewer_reports_a_lost_lock(ns: Namespace) -> None:
     assert msg is m and isinstance(err, AutoLockRenewFailed) and m.auto_renew_error is err
 
 
+def test_02_a_message_settled_while_its_renewal_batch_is_picked_stops_only_its_own_renewal(ns: Namespace) -> None:
+    """Messages of two receivers under one renewer, with 2 s locks (so every pass renews all of them); one receiver's
+    messages are completed one by one. A renewal batch that held a message completed after the pass picked it was
+    refused whole (MessageAlreadySettled), and every other message in it stopped being renewed: 67-105 of 200 later
+    completes lost their locks. Only the settled message's registration ends now."""
+    failures: list[tuple[Any, BaseException | None]] = []
+    for q in ("q1", "q2"):
+        ns.create_queue(q, lock_duration=timedelta(seconds=2), enable_partitioning=False)
+        ns.get_queue_sender(q).send_messages([Message(f"{q}-{i}") for i in range(200)])
+    renewer = AutoLockRenewer(max_lock_renewal_duration=600, on_lock_renew_failure=lambda m, e: failures.append((m, e)))
+    with ns.get_queue_receiver("q1") as r1, ns.get_queue_receiver("q2") as r2, renewer:
+        a = r1.receive_messages(max_message_count=200, max_wait_time=2)
+        b = r2.receive_messages(max_message_count=200, max_wait_time=2)
+        assert len(a) == len(b) == 200
+        for m in a:
+            renewer.register(r1, m)
+        for m in b:
+            renewer.register(r2, m)
+        for m in b:  # completed one by one while both receivers' locks are renewed
+            r2.complete_message(m)
+            time.sleep(0.01)
+        time.sleep(2.5)  # past a lock duration: q1's locks live only if they were renewed
+        r1.complete_messages(a)
+    assert failures == []
+
+
 @pytest.mark.parametrize("partitioned", [True, False])
 def test_02_auto_lock_renewer_keeps_a_whole_receive_batch_and_reports_nothing_settled(ns: Namespace, partitioned: bool) -> None:
     """A batch of 100 messages from one receive, renewed past their lock, then completed while renewals run.

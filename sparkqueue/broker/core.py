@@ -11,7 +11,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-import random
 import threading
 import time
 from collections.abc import Mapping, Sequence
@@ -152,6 +151,7 @@ class Broker:
         self.rules: dict[str, _CachedRules] = {}
         self.faults: dict[str, FaultInjector] = {}
         self.owed_at: dict[str, float] = {}  # when forward_owed last ran per destination (lower-cased name)
+        self.owed_next: dict[str, int] = {}  # per destination: where the next forward_owed pass starts among its sources
         self.lock = threading.RLock()
 
     def close(self) -> None:
@@ -351,17 +351,18 @@ class Broker:
 
         Each round forwards from every entity the previous round reached, however many (a topic may
         have any number of forwarding subscriptions). A message travels at most MAX_HOPS hops, so
-        chains and cycles end within MAX_HOPS + 1 rounds. `until`: as in model.forwarding.forward.
-        Returns whether any message may have moved.
+        chains and cycles end within MAX_HOPS + 1 rounds. `until`: as in model.forwarding.forward; the
+        first batch of `entity` runs whatever the time (a pass always gets somewhere), later hops'
+        only before it. Returns whether any message may have moved.
         """
         level: list[tuple[Entity, list[int] | None]] = [(entity, partitions)]
         moved = False
-        for _ in range(MAX_HOPS + 2):
+        for hop in range(MAX_HOPS + 2):
             reached: dict[tuple[str, str | None], Entity] = {}
             for source, parts in level:
                 if not routes(source):
                     continue
-                for dest in forward(source, self.resolve, parts, until):
+                for dest in forward(source, self.resolve, parts, until, first_free=hop == 0):
                     moved = True
                     for e in self.forwarding_entities(dest):
                         reached.setdefault((e.table.uri, e.subscription), e)
@@ -444,10 +445,11 @@ class Broker:
         every entity whose forwarding reaches it (a chain's far end holds the only receivers).
 
         The pass starts no source and no batch after OWED_BUDGET_S (half the call's timeout when that
-        is tighter), but each source it starts forwards one batch: a receive is not held up by a large
-        owed backlog or many sources on a slow store, and a pass always gets somewhere. Sources are
-        taken in random order; a pass that ran out of time after moving messages lets the next receive
-        go on at once (more may be owed), one that moved nothing waits OWED_EVERY_S as usual.
+        is tighter), but each source it starts forwards one batch (its later hops wait for the next
+        pass): a receive is not held up by a large owed backlog or many sources on a slow store. Passes
+        take the sources in turn, each starting after the last one the previous pass reached, so every
+        source is reached. A pass that ran out of time after moving messages lets the next receive go
+        on at once (more may be owed); one that moved nothing waits OWED_EVERY_S as usual.
         """
         target = Address.of(entity_type, name).topic  # a queue's name, or a subscription's topic
         now = time.monotonic()
@@ -462,11 +464,13 @@ class Broker:
             log.info("forwards owed to %s deferred: %s", target, exc)
             return
         sources = _sources_of(target, entries)
-        random.shuffle(sources)
+        start = self.owed_next.get(target.lower(), 0) % max(1, len(sources))
         moved = False
-        for i, (kind, source) in enumerate(sources):
+        for i, (kind, source) in enumerate(sources[start:] + sources[:start]):
             if i and time.monotonic() >= until:
                 break
+            with self.lock:
+                self.owed_next[target.lower()] = start + i + 1
             try:
                 entity = self.entity(kind, source)
             except SparkQueueError as exc:  # deleted meanwhile, or its table unreadable: the receive goes on

@@ -83,14 +83,22 @@ def routes(entity: Entity) -> list[Route]:
     return out
 
 
-def forward(entity: Entity, resolve: Resolver, partitions: list[int] | None = None, until: float | None = None) -> list[str]:
+def forward(
+    entity: Entity,
+    resolve: Resolver,
+    partitions: list[int] | None = None,
+    until: float | None = None,
+    *,
+    first_free: bool = False,
+) -> list[str]:
     """Move everything waiting on the entity's routes; returns the destinations that may have received messages.
 
-    `until` (a time.monotonic() value): start no batch after it but the first; what is left waits for the next forward.
+    `until` (a time.monotonic() value): start no batch after it (with `first_free`, but the first); what is left
+    waits for the next forward.
     """
     reached: list[str] = []
     dt = entity.table.snapshot()
-    first = True
+    first = first_free
     for route in routes(entity):
         for p in partitions if partitions is not None else range(entity.partition_count):
             if not entity.available(p) or not entity.table.may_hold_messages(dt, p, route.sub_queue, entity.subscription):
