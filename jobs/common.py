@@ -262,25 +262,25 @@ def check_source(cfg: dict[str, Any], what: str) -> None:
 
 def ensure_queue(ns: Namespace, cfg: dict[str, Any]) -> str:
     """The configured queue's name, creating the queue with the configured settings when allowed and missing (the producer)."""
-    q = cfg["queue"]
+    name = str(cfg["queue"]["name"])
     try:
-        ns.get_queue(q["name"])
-        return q["name"]
+        ns.get_queue(name)
+        return name
     except EntityNotFoundError:
         if not flag(cfg, "queue.create"):
             raise
     try:
         ns.create_queue(
-            q["name"],
+            name,
             enable_partitioning=flag(cfg, "queue.enable_partitioning"),
             requires_duplicate_detection=flag(cfg, "queue.requires_duplicate_detection"),
             lock_duration=timedelta(seconds=number(cfg, "queue.lock_duration", float)),
             max_delivery_count=number(cfg, "queue.max_delivery_count", int, 1),
         )
-        log.info("created queue %s", q["name"])
+        log.info("created queue %s", name)
     except EntityAlreadyExistsError:
         pass  # another job created it first
-    return q["name"]
+    return name
 
 
 def setup_logging(verbose: bool) -> None:

@@ -97,7 +97,8 @@ def load_transform(spec: str) -> Callable[[DataFrame], DataFrame]:
         raise InvalidOperationError(f"transform {spec!r}: module {module!r} cannot be imported ({exc})") from None
     if not callable(fn):
         raise InvalidOperationError(f"{spec!r} is not a function")
-    return fn
+    transform: Callable[[DataFrame], DataFrame] = fn
+    return transform
 
 
 def output_rows(received: DataFrame, transform: Callable[[DataFrame], DataFrame], queue: str) -> DataFrame:

@@ -123,7 +123,7 @@ def core_round_trip(ns: Namespace, args: argparse.Namespace, console: Console) -
             ]
             stored += len(sender.send_messages(batch))  # sequence numbers of the messages stored
     elapsed = time.perf_counter() - started
-    dropped = args.messages - stored
+    dropped = int(args.messages) - stored
     ids = f"ids order-0 ... order-{max(args.messages - 1, 0)}"
     console.print(f"sent {args.messages} messages ({ids}) in {elapsed:.2f}s: {stored} stored")
     if dropped:

@@ -10,7 +10,7 @@ python3 -m venv .venv
 .venv/bin/python scripts/check_layers.py
 # The import layers (pyproject.toml [tool.importlinter]): the report is shown only when a layer is broken.
 layers=$(.venv/bin/lint-imports --no-cache 2>&1) || { echo "$layers"; exit 1; }
-.venv/bin/mypy sparkqueue pyspark_sparkqueue
+.venv/bin/mypy sparkqueue pyspark_sparkqueue jobs
 set +e
 # Tests run in parallel workers (pytest-xdist); every Spark test runs in one of them, on one shared SparkSession.
 # Most tests wait on processes, locks and I/O, so 3 workers fit 2 cores. `-n 0` runs them in this process.

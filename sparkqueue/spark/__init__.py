@@ -20,6 +20,7 @@ and the helpers below: `spark_session()` builds a local session configured for s
 from __future__ import annotations
 
 import re
+from typing import TYPE_CHECKING
 
 import pyspark
 from pyspark.sql import DataFrame
@@ -57,6 +58,13 @@ _ENTRY_POINTS = {
     "STREAMS_DIR": "sparkqueue.spark.streaming_source",
     "QueueStreamWriter": "sparkqueue.spark.streaming_sink",
 }
+
+
+if TYPE_CHECKING:  # the entry points' real types, for type checkers (users' code and jobs/), without importing them
+    from sparkqueue.spark.builder import DEFAULT_CONF, spark_session
+    from sparkqueue.spark.datasource import SparkQueueDataSource, register, row_filter, table_path
+    from sparkqueue.spark.streaming_sink import QueueStreamWriter
+    from sparkqueue.spark.streaming_source import STREAMS_DIR, QueueStreamReader
 
 
 def __getattr__(name: str) -> object:
