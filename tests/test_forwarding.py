@@ -1115,3 +1115,31 @@ def test_an_owed_pass_forwards_one_hop_past_its_time_and_takes_the_sources_in_tu
                 break
     assert got == Counter({f"m{i}": 10 for i in range(5)}), (got, sizes)  # every copy once
     assert max(sizes) <= 5, sizes  # one subscription's batch per pass, never the whole fan-out at once
+
+
+def test_owed_passes_reach_every_source_while_other_sources_come_and_go(ns: Namespace, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Passes with time for one source take the sources in turn. Turn kept as a position in the list skipped a source
+    for good while another forwarding queue was created and deleted between receives; it is kept by name now."""
+    from sparkqueue.broker import core
+
+    monkeypatch.setattr(core, "OWED_BUDGET_S", 0.0)
+    monkeypatch.setattr(core, "OWED_EVERY_S", 0.0)
+    ns.create_queue("dst", enable_partitioning=False)
+    for i in range(2):
+        ns.create_queue(f"s{i}", enable_partitioning=False, forward_to="dst")
+    injector = ns.broker.fault_injector("dst")
+    injector.fail(0, ("write",))
+    for i in range(2):
+        ns.get_queue_sender(f"s{i}").send_messages([Message("x", message_id=f"s{i}-{k}") for k in range(3)])
+    injector.heal()
+    got: Counter[str] = Counter()
+    with Namespace(ns.broker.root) as admin, Namespace(ns.broker.root) as other, other.get_queue_receiver("dst") as r:
+        for n in range(12):
+            if n % 2 == 0:
+                admin.create_queue("a-tmp", enable_partitioning=False, forward_to="dst")
+            else:
+                admin.delete_queue("a-tmp")
+            batch = r.receive_messages(max_message_count=100, max_wait_time=0.01)
+            r.complete_messages(batch)
+            got.update(m.message_id for m in batch)
+    assert got == Counter({f"s{i}-{k}": 1 for i in range(2) for k in range(3)})

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import random
 import threading
 import time
 from collections.abc import Mapping, Sequence
@@ -151,7 +152,7 @@ class Broker:
         self.rules: dict[str, _CachedRules] = {}
         self.faults: dict[str, FaultInjector] = {}
         self.owed_at: dict[str, float] = {}  # when forward_owed last ran per destination (lower-cased name)
-        self.owed_next: dict[str, int] = {}  # per destination: where the next forward_owed pass starts among its sources
+        self.owed_last: dict[str, tuple[str, str]] = {}  # per destination: the source forward_owed reached last
         self.lock = threading.RLock()
 
     def close(self) -> None:
@@ -360,10 +361,14 @@ class Broker:
         for hop in range(MAX_HOPS + 2):
             reached: dict[tuple[str, str | None], Entity] = {}
             for source, parts in level:
+                if hop and until is not None and time.monotonic() >= until:
+                    return moved  # a later hop starts no source once the time is spent (each costs reads)
                 if not routes(source):
                     continue
                 for dest in forward(source, self.resolve, parts, until, first_free=hop == 0):
                     moved = True
+                    if until is not None and time.monotonic() >= until:
+                        continue  # out of time: the next hop (every forwarding subscription's reads) waits too
                     for e in self.forwarding_entities(dest):
                         reached.setdefault((e.table.uri, e.subscription), e)
             if not reached:
@@ -447,9 +452,10 @@ class Broker:
         The pass starts no source and no batch after OWED_BUDGET_S (half the call's timeout when that
         is tighter), but each source it starts forwards one batch (its later hops wait for the next
         pass): a receive is not held up by a large owed backlog or many sources on a slow store. Passes
-        take the sources in turn, each starting after the last one the previous pass reached, so every
-        source is reached. A pass that ran out of time after moving messages lets the next receive go
-        on at once (more may be owed); one that moved nothing waits OWED_EVERY_S as usual.
+        take the sources in turn, farthest first, each after the one the previous pass reached last (by
+        name; a random one in a new process), so every source is reached and a message moving down a
+        chain is met at its next hop. A pass that ran out of time after moving messages lets the next
+        receive go on at once (more may be owed); one that moved nothing waits OWED_EVERY_S as usual.
         """
         target = Address.of(entity_type, name).topic  # a queue's name, or a subscription's topic
         now = time.monotonic()
@@ -463,14 +469,13 @@ class Broker:
         except SparkQueueError as exc:  # the receive goes on; its own read reports what it finds
             log.info("forwards owed to %s deferred: %s", target, exc)
             return
-        sources = _sources_of(target, entries)
-        start = self.owed_next.get(target.lower(), 0) % max(1, len(sources))
+        sources = _sources_of(target, entries)[::-1]  # farthest first
         moved = False
-        for i, (kind, source) in enumerate(sources[start:] + sources[:start]):
+        for i, (kind, source) in enumerate(self._in_turn(target.lower(), sources)):
             if i and time.monotonic() >= until:
                 break
             with self.lock:
-                self.owed_next[target.lower()] = start + i + 1
+                self.owed_last[target.lower()] = (kind, source)
             try:
                 entity = self.entity(kind, source)
             except SparkQueueError as exc:  # deleted meanwhile, or its table unreadable: the receive goes on
@@ -481,6 +486,15 @@ class Broker:
             with self.lock:
                 self.owed_at.pop(target.lower(), None)
             log.debug("forwards owed to %s: the pass ran out of time; the next receive goes on", target)
+
+    def _in_turn(self, key: str, sources: list[tuple[str, str]]) -> list[tuple[str, str]]:
+        """`sources` starting after the one forward_owed reached last for destination `key` (at random the first time)."""
+        if not sources:
+            return []
+        last = self.owed_last.get(key)
+        start = sources.index(last) + 1 if last in sources else random.randrange(len(sources))
+        start %= len(sources)
+        return sources[start:] + sources[:start]
 
     def _after_rest(self, entity_type: str, name: str) -> Entity:
         """The entity once its main route has ended any rest after a change, with settings read after that."""
