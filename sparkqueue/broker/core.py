@@ -50,6 +50,7 @@ log = logging.getLogger(__name__)
 PROPERTIES_TTL_S = 1.0  # how long a process trusts cached settings and rules before re-reading the catalog
 OWED_EVERY_S = 5.0  # how often receives of an entity forward what other entities owe it, per process (Broker.forward_owed)
 OWED_BUDGET_S = 0.25  # how long such a pass may hold up the receive that runs it (one batch more at most)
+_RANDOM = random.Random()  # the turns' offsets: not the application's (perhaps seeded) global generator
 
 PROPERTY_TYPES: dict[str, type[AnyEntityProperties]] = {
     QUEUE: QueueProperties,
@@ -152,7 +153,9 @@ class Broker:
         self.rules: dict[str, _CachedRules] = {}
         self.faults: dict[str, FaultInjector] = {}
         self.owed_at: dict[str, float] = {}  # when forward_owed last ran per destination (lower-cased name)
-        self.owed_last: dict[str, tuple[str, str]] = {}  # per destination: the source forward_owed reached last
+        # Per destination: the turn of forward_owed's passes over its sources (Broker._in_turn).
+        self.owed_offset: dict[str, int] = {}
+        self.owed_seen: dict[str, set[tuple[str, str]]] = {}
         self.lock = threading.RLock()
 
     def close(self) -> None:
@@ -369,7 +372,7 @@ class Broker:
                     moved = True
                     if until is not None and time.monotonic() >= until:
                         continue  # out of time: the next hop (every forwarding subscription's reads) waits too
-                    for e in self.forwarding_entities(dest):
+                    for e in self.forwarding_entities(dest, until):
                         reached.setdefault((e.table.uri, e.subscription), e)
             if not reached:
                 return moved
@@ -417,21 +420,26 @@ class Broker:
         if getattr(entity.props, "forward_dead_lettered_messages_to", None):
             self.forward_now(entity, partitions)
 
-    def forwarding_entities(self, name: str) -> list[Entity]:
-        """The entities under a destination name that forward further: the queue, or the topic's subscriptions."""
+    def forwarding_entities(self, name: str, until: float | None = None) -> list[Entity]:
+        """The entities under a destination name that forward further: the queue, or the topic's subscriptions.
+
+        `until` (a time.monotonic() value): load no subscription after it (each load may read the catalog).
+        """
         try:
             return [self.entity(QUEUE, name)]
         except EntityNotFoundError:
-            return self.forwarding_subscriptions(name)
+            return self.forwarding_subscriptions(name, until)
 
-    def forwarding_subscriptions(self, topic_name: str) -> list[Entity]:
-        """The topic's subscriptions that forward (none when the topic is gone)."""
+    def forwarding_subscriptions(self, topic_name: str, until: float | None = None) -> list[Entity]:
+        """The topic's subscriptions that forward (none when the topic is gone); `until` as in forwarding_entities."""
         try:
             names = self.topic_rules(topic_name).forwarding
         except EntityNotFoundError:
             return []
         out = []
         for sub in names:
+            if until is not None and time.monotonic() >= until:
+                break  # the others wait for a later pass (they are sources of the destination too)
             try:
                 entity = self.entity(SUBSCRIPTION, sub_entity_name(topic_name, sub))
             except EntityNotFoundError:  # deleted since the rules were cached
@@ -452,9 +460,8 @@ class Broker:
         The pass starts no source and no batch after OWED_BUDGET_S (half the call's timeout when that
         is tighter), but each source it starts forwards one batch (its later hops wait for the next
         pass): a receive is not held up by a large owed backlog or many sources on a slow store. Passes
-        take the sources in turn, farthest first, each after the one the previous pass reached last (by
-        name; a random one in a new process), so every source is reached and a message moving down a
-        chain is met at its next hop. A pass that ran out of time after moving messages lets the next
+        take the sources in turn (Broker._in_turn), farthest first, so every source is reached and a
+        message moving down a chain is met at its next hop. A pass that ran out of time after moving messages lets the next
         receive go on at once (more may be owed); one that moved nothing waits OWED_EVERY_S as usual.
         """
         target = Address.of(entity_type, name).topic  # a queue's name, or a subscription's topic
@@ -475,7 +482,7 @@ class Broker:
             if i and time.monotonic() >= until:
                 break
             with self.lock:
-                self.owed_last[target.lower()] = (kind, source)
+                self.owed_seen.setdefault(target.lower(), set()).add((kind, source))
             try:
                 entity = self.entity(kind, source)
             except SparkQueueError as exc:  # deleted meanwhile, or its table unreadable: the receive goes on
@@ -488,13 +495,22 @@ class Broker:
             log.debug("forwards owed to %s: the pass ran out of time; the next receive goes on", target)
 
     def _in_turn(self, key: str, sources: list[tuple[str, str]]) -> list[tuple[str, str]]:
-        """`sources` starting after the one forward_owed reached last for destination `key` (at random the first time)."""
+        """`sources` in the order forward_owed takes them for destination `key`: those not reached yet in this turn first.
+
+        Both parts keep `sources`' order, turned by an offset drawn once per destination in this process (so short-lived
+        receivers do not all start at the same source). A turn ends once every current source was reached.
+        """
         if not sources:
             return []
-        last = self.owed_last.get(key)
-        start = sources.index(last) + 1 if last in sources else random.randrange(len(sources))
-        start %= len(sources)
-        return sources[start:] + sources[:start]
+        with self.lock:
+            offset = self.owed_offset.setdefault(key, _RANDOM.randrange(len(sources) * 1_000))
+            seen = self.owed_seen.setdefault(key, set())
+            seen &= set(sources)  # sources gone since no longer count
+            if len(seen) == len(sources):
+                seen.clear()
+            start = offset % len(sources)
+            order = sources[start:] + sources[:start]
+            return [s for s in order if s not in seen] + [s for s in order if s in seen]
 
     def _after_rest(self, entity_type: str, name: str) -> Entity:
         """The entity once its main route has ended any rest after a change, with settings read after that."""
