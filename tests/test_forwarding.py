@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import inspect
+import json
+import subprocess
 import sys
 import threading
 import time
 from collections import Counter
 from datetime import UTC, datetime, timedelta
+from pathlib import Path
 
 import pytest
 from procs import drain, partition_for, peek_all
@@ -1143,3 +1146,50 @@ def test_owed_passes_reach_every_source_while_other_sources_come_and_go(ns: Name
             r.complete_messages(batch)
             got.update(m.message_id for m in batch)
     assert got == Counter({f"s{i}-{k}": 1 for i in range(2) for k in range(3)})
+
+
+# A parent that imported sparkqueue forks eight short-lived receivers of dst, one after another; each prints the ids it
+# received. The parent is a fresh process: no thread of a test run is forked with it.
+FORKING = r"""
+import json, multiprocessing, sys
+from sparkqueue import Namespace
+from sparkqueue.broker import core
+
+core.OWED_BUDGET_S = 0.0  # time for one source per pass, as on a slow store
+
+def receive_once(root, out):
+    with Namespace(root) as ns, ns.get_queue_receiver("dst") as r:
+        batch = r.receive_messages(max_message_count=100, max_wait_time=0.05)
+        r.complete_messages(batch)
+        out.put([m.message_id for m in batch])
+
+if __name__ == "__main__":
+    ctx = multiprocessing.get_context("fork")
+    out = ctx.Queue()
+    for _ in range(8):
+        child = ctx.Process(target=receive_once, args=(sys.argv[1], out))
+        child.start()
+        print(json.dumps(out.get(timeout=60)), flush=True)
+        child.join(60)
+"""
+
+
+def test_receivers_forked_from_one_parent_start_their_owed_passes_at_different_sources(ns: Namespace, tmp_path: Path) -> None:
+    """The turn's start is drawn per process so that short-lived receivers do not all begin with the same source. A
+    generator of sparkqueue's own kept its parent's state in forked children: eight receivers forked after import all
+    began with one source, and with time for one source per pass the four others were never reached."""
+    ns.create_queue("dst", enable_partitioning=False)
+    for i in range(5):
+        ns.create_queue(f"src{i}", enable_partitioning=False, forward_to="dst")
+    injector = ns.broker.fault_injector("dst")
+    injector.fail(0, ("write",))
+    for i in range(5):
+        ns.get_queue_sender(f"src{i}").send_messages([Message("x", message_id=f"src{i}-{k}") for k in range(3)])
+    injector.heal()
+    script = tmp_path / "forking.py"
+    script.write_text(FORKING)
+    done = subprocess.run([sys.executable, str(script), ns.broker.root], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    got = Counter(i for line in done.stdout.splitlines() for i in json.loads(line))
+    assert len({m.split("-")[0] for m in got}) > 1, got  # eight receivers, five sources: not all at the same one
+    assert set(got.values()) == {1}

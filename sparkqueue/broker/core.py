@@ -50,7 +50,9 @@ log = logging.getLogger(__name__)
 PROPERTIES_TTL_S = 1.0  # how long a process trusts cached settings and rules before re-reading the catalog
 OWED_EVERY_S = 5.0  # how often receives of an entity forward what other entities owe it, per process (Broker.forward_owed)
 OWED_BUDGET_S = 0.25  # how long such a pass may hold up the receive that runs it (one batch more at most)
-_RANDOM = random.Random()  # the turns' offsets: not the application's (perhaps seeded) global generator
+# The turns' offsets: neither the application's (perhaps seeded) global generator nor a private one, which a forked
+# process would share with its parent: every forked receiver would start at the same source.
+_RANDOM = random.SystemRandom()
 
 PROPERTY_TYPES: dict[str, type[AnyEntityProperties]] = {
     QUEUE: QueueProperties,
