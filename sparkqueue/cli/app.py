@@ -652,7 +652,8 @@ def send(
             # A regular file: everything checked before anything is sent, so a bad line sends nothing.
             total = None if streamed else ops.count_messages(file, jsonl=jsonl, rules=rules)
             with _input(file) as stream, progress_bar(f"Sending to {target.display}", total) as advance:
-                ops.send_stream(s, stream, source, jsonl=jsonl, batch=batch, rules=rules, progress=advance, result=result)
+                checked = None if total is not None else rules  # a regular file was checked in full just above
+                ops.send_stream(s, stream, source, jsonl=jsonl, batch=batch, rules=checked, progress=advance, result=result)
         except Exception as e:  # midway: say what was sent, so it is not sent twice
             if not result.read:
                 raise

@@ -437,16 +437,19 @@ def send_stream(
     *,
     jsonl: bool,
     batch: int,
-    rules: SendSettings,
+    rules: SendSettings | None,
     progress: Progress = _no_progress,
     result: SendResult | None = None,
 ) -> SendResult:
     """Send a stream's messages in batches (each one atomic send, full or of `batch` messages), counted in `result`.
 
-    A failure midway leaves the batches before it sent: the caller's `result` says how many.
+    Each batch is checked first (`checked`, naming the line of a bad message); `rules` None: the caller checked every
+    message already (count_messages). A failure midway leaves the batches before it sent: `result` says how many.
     """
     result = result if result is not None else SendResult()
-    numbered = checked(iter_messages(stream, source, jsonl=jsonl), rules, source, batch)
+    numbered = iter_messages(stream, source, jsonl=jsonl)
+    if rules is not None:
+        numbered = checked(numbered, rules, source, batch)
     for full, taken in batches(s, numbered, batch, lambda item: item[1]):
         result.stored += len(s.send_messages(full))
         result.read += len(taken)
