@@ -317,8 +317,8 @@ class Receiver:
     ) -> list[ReceivedMessage]:
         """Browse without locking, in sequence order (partition by partition); later calls continue where this one stopped.
 
-        `sequence_number` starts at the first message numbered at least that (docs/semantics.md §5); SPEC §5 names it
-        second, so it may be passed by position as well as by keyword (the SDK's way).
+        `sequence_number` starts at the first message numbered at least that; it may be passed by position as well as
+        by keyword, the SDK's way (docs/semantics.md §5).
         """
         n = limits.check_int(max_message_count, "max_message_count")
         if sequence_number is not None:

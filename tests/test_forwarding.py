@@ -1120,21 +1120,28 @@ def test_an_owed_pass_forwards_one_hop_past_its_time_and_takes_the_sources_in_tu
     assert max(sizes) <= 5, sizes  # one subscription's batch per pass, never the whole fan-out at once
 
 
+def _owed_to_dst(ns: Namespace, sources: list[str], per: int = 3) -> None:
+    """Queue dst, and source queues forwarding to it that each owe it `per` messages (ids `<source>-<k>`): their own
+    forwards were put off by dst's partition failing a moment."""
+    ns.create_queue("dst", enable_partitioning=False)
+    for name in sources:
+        ns.create_queue(name, enable_partitioning=False, forward_to="dst")
+    injector = ns.broker.fault_injector("dst")
+    injector.fail(0, ("write",))
+    for name in sources:
+        ns.get_queue_sender(name).send_messages([Message("x", message_id=f"{name}-{k}") for k in range(per)])
+    injector.heal()
+
+
 def test_owed_passes_reach_every_source_while_other_sources_come_and_go(ns: Namespace, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Passes with time for one source take the sources in turn. Turn kept as a position in the list skipped a source
-    for good while another forwarding queue was created and deleted between receives; it is kept by name now."""
+    """Passes with time for one source take the sources in turn. A turn kept as a position in the list skipped a source
+    for good while another forwarding queue was created and deleted between receives; a pass now takes first the
+    sources not reached yet in the current turn."""
     from sparkqueue.broker import core
 
     monkeypatch.setattr(core, "OWED_BUDGET_S", 0.0)
     monkeypatch.setattr(core, "OWED_EVERY_S", 0.0)
-    ns.create_queue("dst", enable_partitioning=False)
-    for i in range(2):
-        ns.create_queue(f"s{i}", enable_partitioning=False, forward_to="dst")
-    injector = ns.broker.fault_injector("dst")
-    injector.fail(0, ("write",))
-    for i in range(2):
-        ns.get_queue_sender(f"s{i}").send_messages([Message("x", message_id=f"s{i}-{k}") for k in range(3)])
-    injector.heal()
+    _owed_to_dst(ns, [f"s{i}" for i in range(2)])
     got: Counter[str] = Counter()
     with Namespace(ns.broker.root) as admin, Namespace(ns.broker.root) as other, other.get_queue_receiver("dst") as r:
         for n in range(12):
@@ -1178,14 +1185,7 @@ def test_receivers_forked_from_one_parent_start_their_owed_passes_at_different_s
     """The turn's start is drawn per process so that short-lived receivers do not all begin with the same source. A
     generator of sparkqueue's own kept its parent's state in forked children: eight receivers forked after import all
     began with one source, and with time for one source per pass the four others were never reached."""
-    ns.create_queue("dst", enable_partitioning=False)
-    for i in range(5):
-        ns.create_queue(f"src{i}", enable_partitioning=False, forward_to="dst")
-    injector = ns.broker.fault_injector("dst")
-    injector.fail(0, ("write",))
-    for i in range(5):
-        ns.get_queue_sender(f"src{i}").send_messages([Message("x", message_id=f"src{i}-{k}") for k in range(3)])
-    injector.heal()
+    _owed_to_dst(ns, [f"src{i}" for i in range(5)])
     script = tmp_path / "forking.py"
     script.write_text(FORKING)
     done = subprocess.run([sys.executable, str(script), ns.broker.root], capture_output=True, text=True, timeout=300)

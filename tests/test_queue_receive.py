@@ -82,7 +82,7 @@ def _live_files(root: str) -> set[str]:
 
 
 def test_a_receive_fills_its_count_from_the_next_file_in_order(ns: Namespace, root: str) -> None:
-    """A receive returns what is available up to its count (SPEC §5). One that held half its count used to stop
+    """A receive returns what is available up to its count (docs/semantics.md §5). One that held half its count used to stop
     before a file it would have to split, returning 70 of 100 with 170 waiting; it now takes part of that file in
     sequence order, and the rest of the file stays receivable. A count that ends on a file boundary splits nothing."""
     ns.create_queue("q", enable_partitioning=False)
@@ -101,8 +101,8 @@ def test_a_receive_fills_its_count_from_the_next_file_in_order(ns: Namespace, ro
 
 
 def test_a_receive_gathers_from_several_partitions_up_to_its_count(ns: Namespace) -> None:
-    """With 60 messages in each of two partitions, receive(100) returned the 60 of one (SPEC §5: one call gathers from
-    several partitions when one holds fewer than asked): it returns 100, from both, then the other 20."""
+    """With 60 messages in each of two partitions, receive(100) returned the 60 of one (docs/semantics.md §5: one call
+    gathers from several partitions when one holds fewer than asked): it returns 100, from both, then the other 20."""
     ns.create_queue("q")
     _send(ns, [Message(f"a{i}", partition_key=key_for_partition(3, "a")) for i in range(60)])
     _send(ns, [Message(f"b{i}", partition_key=key_for_partition(9, "b")) for i in range(60)])

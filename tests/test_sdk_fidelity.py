@@ -508,7 +508,7 @@ def test_14_peek_counts_only_deliveries_that_ended(ns: Namespace) -> None:
     with ns.get_queue_receiver("q") as r:
         m = _one(r)
         assert [p.delivery_count for p in r.peek_messages(1, sequence_number=0)] == [0]  # locked: still 0
-        assert [p.delivery_count for p in r.peek_messages(1, 0)] == [0]  # SPEC §5 names sequence_number second
+        assert [p.delivery_count for p in r.peek_messages(1, 0)] == [0]  # by position too (docs/semantics.md §5)
         sleep_past(m.locked_until_utc)
         assert [p.delivery_count for p in r.peek_messages(1, sequence_number=0)] == [1]  # the lock expired
         again = _one(r)

@@ -463,15 +463,17 @@ class Broker:
         is tighter), but each source it starts forwards one batch (its later hops wait for the next
         pass): a receive is not held up by a large owed backlog or many sources on a slow store. Passes
         take the sources in turn (Broker._in_turn), farthest first, so every source is reached and a
-        message moving down a chain is met at its next hop. A pass that ran out of time after moving messages lets the next
-        receive go on at once (more may be owed); one that moved nothing waits OWED_EVERY_S as usual.
+        message moving down a chain is met at its next hop. A pass that ran out of time after moving
+        messages lets the next receive go on at once (more may be owed); one that moved nothing waits
+        OWED_EVERY_S as usual.
         """
         target = Address.of(entity_type, name).topic  # a queue's name, or a subscription's topic
+        key = target.lower()
         now = time.monotonic()
         with self.lock:
-            if now - self.owed_at.get(target.lower(), -OWED_EVERY_S) < OWED_EVERY_S:
+            if now - self.owed_at.get(key, -OWED_EVERY_S) < OWED_EVERY_S:
                 return
-            self.owed_at[target.lower()] = now
+            self.owed_at[key] = now
         until = now + min(OWED_BUDGET_S, effective(self.operation_timeout) / 2)
         try:
             entries = self.catalog.entries()
@@ -480,11 +482,11 @@ class Broker:
             return
         sources = _sources_of(target, entries)[::-1]  # farthest first
         moved = False
-        for i, (kind, source) in enumerate(self._in_turn(target.lower(), sources)):
+        for i, (kind, source) in enumerate(self._in_turn(key, sources)):
             if i and time.monotonic() >= until:
                 break
             with self.lock:
-                self.owed_seen.setdefault(target.lower(), set()).add((kind, source))
+                self.owed_seen.setdefault(key, set()).add((kind, source))
             try:
                 entity = self.entity(kind, source)
             except SparkQueueError as exc:  # deleted meanwhile, or its table unreadable: the receive goes on
@@ -493,7 +495,7 @@ class Broker:
             moved = self.forward_now(entity, list(range(entity.partition_count)), until) or moved
         if moved and time.monotonic() >= until:  # perhaps not done: the next receive goes on with it
             with self.lock:
-                self.owed_at.pop(target.lower(), None)
+                self.owed_at.pop(key, None)
             log.debug("forwards owed to %s: the pass ran out of time; the next receive goes on", target)
 
     def _in_turn(self, key: str, sources: list[tuple[str, str]]) -> list[tuple[str, str]]:
