@@ -64,7 +64,7 @@ PROPERTY_TYPES: dict[str, type[AnyEntityProperties]] = {
 def _sources_of(target: str, entries: Sequence[CatalogEntry]) -> list[tuple[str, str]]:
     """The queues and subscriptions whose forwarding reaches queue or topic `target`, directly or over up to MAX_HOPS hops.
 
-    (kind, name) pairs, the farthest last; names compare without case, as entity names do.
+    (kind, name) pairs, the farthest first (forward_owed's order); names compare without case, as entity names do.
     """
     edges = []
     for entry in entries:
@@ -81,7 +81,7 @@ def _sources_of(target: str, entries: Sequence[CatalogEntry]) -> list[tuple[str,
             break
         found.update(dict.fromkeys(step))
         reached = set(step.values())  # a source is a queue, or a subscription of a topic: what forwards there comes next
-    return list(found)
+    return list(found)[::-1]
 
 
 def _alike_entry(entries: Sequence[CatalogEntry], key: str) -> CatalogEntry | None:
@@ -480,7 +480,7 @@ class Broker:
         except SparkQueueError as exc:  # the receive goes on; its own read reports what it finds
             log.info("forwards owed to %s deferred: %s", target, exc)
             return
-        sources = _sources_of(target, entries)[::-1]  # farthest first
+        sources = _sources_of(target, entries)
         moved = False
         for i, (kind, source) in enumerate(self._in_turn(key, sources)):
             if i and time.monotonic() >= until:
