@@ -10,6 +10,7 @@ import threading
 import time
 from datetime import UTC, datetime, timedelta
 
+import pyarrow as pa
 import pytest
 from deltalake import DeltaTable
 from procs import drain, drain_all, key_for_partition, peek_all, sleep_past
@@ -98,6 +99,46 @@ def test_a_receive_fills_its_count_from_the_next_file_in_order(ns: Namespace, ro
         assert not before & _live_files(root)  # the whole remaining file was taken: locked rows in a file of their own
         r.complete_messages(nxt)
     assert ns.get_queue_runtime_properties("q").active_message_count == 0
+
+
+def test_a_receive_that_splits_a_file_leaves_the_rest_in_files_of_its_count(ns: Namespace, root: str) -> None:
+    """receive(100) from a file of 1,000 rewrote the other 900 as one file, which the next receive(100) rewrote again
+    (800 rows), and so on: a lock cost the file, not its count (docs/storage.md, "Receives fill their count"). The
+    rest now goes to files of 100, so each later receive(100) takes one whole file and rewrites none."""
+    ns.create_queue("q", enable_partitioning=False)
+    _send(ns, [Message(f"m{i}") for i in range(1000)])
+    (path,) = glob.glob(f"{root}/entities/queue-*")
+
+    def rows_by_file() -> dict[str, int]:
+        adds = pa.table(DeltaTable(path).get_add_actions(flatten=True)).to_pydict()
+        return dict(zip(adds["path"], adds["num_records"], strict=True))
+
+    with ns.get_queue_receiver("q") as r:
+        first = r.receive_messages(max_message_count=100)
+        assert [m.body for m in first] == [f"m{i}".encode() for i in range(100)]
+        assert sorted(rows_by_file().values()) == [100] * 10  # 100 locked, the other 900 in nine files
+        r.complete_messages(first)
+        for k in range(1, 10):
+            before = rows_by_file()
+            got = r.receive_messages(max_message_count=100)
+            assert [m.body for m in got] == [f"m{i}".encode() for i in range(100 * k, 100 * k + 100)]
+            after = rows_by_file()
+            assert len(set(before) - set(after)) == 1, "the receive rewrote more than the file it took"
+            assert [after[f] for f in set(after) - set(before)] == [100]
+            r.complete_messages(got)
+    assert ns.get_queue_runtime_properties("q").active_message_count == 0
+
+
+def test_a_receive_of_one_splits_a_large_file_into_files_of_a_hundred(ns: Namespace, root: str) -> None:
+    """A receive of fewer than 100 messages leaves the rest in files of 100 rows, not of its count: receive(1) from a
+    file of 250 leaves files of 100, 100 and 49, not 249 files of one row."""
+    ns.create_queue("q", enable_partitioning=False)
+    _send(ns, [Message(f"m{i}") for i in range(250)])
+    (path,) = glob.glob(f"{root}/entities/queue-*")
+    with ns.get_queue_receiver("q") as r:
+        (m,) = r.receive_messages(max_message_count=1)
+        assert m.body == b"m0"
+    assert sorted(pa.table(DeltaTable(path).get_add_actions(flatten=True)).column("num_records").to_pylist()) == [1, 49, 100, 100]
 
 
 def test_a_receive_gathers_from_several_partitions_up_to_its_count(ns: Namespace) -> None:

@@ -31,7 +31,7 @@ from sparkqueue.model.properties import (
     TopicProperties,
 )
 from sparkqueue.model.topics import COPY_KEY, copy_run, live_copies
-from sparkqueue.storage.files import MAX_FILE_ROWS
+from sparkqueue.storage.files import MAX_FILE_ROWS, MIN_SPLIT_ROWS
 from sparkqueue.storage.log import MARK_PREFIX, CommitConflict, Fence, Snapshot
 from sparkqueue.storage.retry import Deadline, backoff, retry_commit
 from sparkqueue.storage.schema import (
@@ -354,7 +354,9 @@ class Entity:
 
         Starts from the caller's snapshot and refreshes only after a conflict or its own commit
         (a commit does not advance the handle's version). The messages a commit locks go to one
-        data file of their own (up to `limit` rows); `written` collects those files' paths.
+        data file of their own (up to `limit` rows); `written` collects those files' paths. A file
+        split by the count keeps its other rows in files of about `limit` rows, so the next receives
+        of that count lock whole files (docs/storage.md, "Receives fill their count").
         """
         if sub_queue == SUB_QUEUE_MAIN and self.route_rest_left_s(dt) > 0:
             return empty_rows()  # forwarders may still hold messages by the route before the change: wait for the rest
@@ -363,6 +365,7 @@ class Entity:
         fresh = True
         dead = False
         scan = limit  # candidates read; grows while expired or over-delivered messages stand in front
+        split = min(max(limit, MIN_SPLIT_ROWS), MAX_FILE_ROWS)
         while limit > 0 and attempt < LOCK_ATTEMPTS_PER_PARTITION:
             if not fresh:
                 dt = self.table.snapshot()
@@ -381,7 +384,9 @@ class Entity:
             cands = lifecycle.through_deliverable(cands, now, self.policy, limit)
             d = lifecycle.deliver(cands, now, self.policy, delete=delete)
             try:
-                self.table.apply(dt, p, d.changes, changed_file_rows=max(limit, MAX_FILE_ROWS), written=written)
+                self.table.apply(
+                    dt, p, d.changes, changed_file_rows=max(limit, MAX_FILE_ROWS), kept_file_rows=split, written=written
+                )
             except CommitConflict:
                 time.sleep(backoff(attempt))
                 attempt += 1

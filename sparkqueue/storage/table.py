@@ -592,6 +592,7 @@ class EntityTable:
         expand: Expand | None = None,
         *,
         changed_file_rows: int = MAX_FILE_ROWS,
+        kept_file_rows: int = MAX_FILE_ROWS,
         written: list[str] | None = None,
         group_by: str | None = None,
         where: Callable[[FileInfo], bool] | None = None,
@@ -606,7 +607,9 @@ class EntityTable:
         The changed rows go to files of their own, apart from the untouched rows of their files,
         in files of up to `changed_file_rows` (a large receive passes its batch size, so that its
         locked messages sit in one file that their settlement drops whole). Once committed, the
-        paths of those files are added to `written`, when given.
+        paths of those files are added to `written`, when given. The untouched rows of a rewritten
+        file go to files of up to `kept_file_rows` (a receive passes its count, so that the next
+        receive of that count takes whole files instead of rewriting the rest again).
 
         With `group_by` (a column), the rows of every rewritten file, changed or not, and the new
         rows are written one file per value of that column: a session entity keeps each session's
@@ -624,7 +627,18 @@ class EntityTable:
         """
         with self.existing():
             return self._apply(
-                dt, partition, changes, new_rows, dedupe_since, expand, changed_file_rows, written, group_by, where, numbered_rows
+                dt,
+                partition,
+                changes,
+                new_rows,
+                dedupe_since,
+                expand,
+                changed_file_rows,
+                kept_file_rows,
+                written,
+                group_by,
+                where,
+                numbered_rows,
             )
 
     def _apply(
@@ -636,6 +650,7 @@ class EntityTable:
         dedupe_since: datetime | None,
         expand: Expand | None,
         changed_file_rows: int,
+        kept_file_rows: int,
         written: list[str] | None,
         group_by: str | None = None,
         where: Callable[[FileInfo], bool] | None = None,
@@ -674,7 +689,7 @@ class EntityTable:
         if group_by is None:
             new_pieces = new_pieces + [(partition, t, MAX_FILE_ROWS) for t in numbered if t.num_rows]
             changed_pieces = [(partition, pa.concat_tables(changed), changed_file_rows)] if changed else []
-            kept_pieces = [(partition, k, MAX_FILE_ROWS) for k in kept]
+            kept_pieces = [(partition, k, kept_file_rows) for k in kept]
         else:
             fresh = [file_rows(staged.rows)] if staged is not None else []
             changed_pieces = [(partition, g, MAX_FILE_ROWS) for g in _groups(changed + kept + fresh + numbered, group_by)]
