@@ -641,6 +641,7 @@ class Management:
 
         An empty list means nothing was found. See docs/storage.md for what is checked and repaired.
         """
+        limits.check_bool(repair, "repair")  # a repair drops what it cannot read: never on a mistyped flag
         findings: list[Finding] = []
         for e in self.broker.catalog.entries():
             if e.entity_type not in (QUEUE, TOPIC):

@@ -411,8 +411,8 @@ class Receiver:
             names = ", ".join(f"{m.sequence_number} ({m.message_id!r})" for m in lost[:5])
             more = f" and {len(lost) - 5} more" if len(lost) > 5 else ""
             raise MessageLockLostError(
-                f"the lock on message(s) {names}{more} expired or was taken by a later delivery; "
-                "the settlement was not applied to them. Receive them again"
+                f"the lock on message(s) {names}{more} expired or was taken by a later delivery, or they were not "
+                f"received from {self.entity_name!r}; the settlement was not applied to them. Receive them again"
             )
         return until
 

@@ -3,15 +3,18 @@
 
 from __future__ import annotations
 
+import glob
+import os
 from collections.abc import Callable
 from datetime import timedelta
+from pathlib import Path
 from typing import Any
 
 import pytest
 from procs import drain, peek_all
 
 from sparkqueue import Message, Namespace
-from sparkqueue.errors import InvalidOperationError, MessageLockLostError, SparkQueueError
+from sparkqueue.errors import InvalidArgumentTypeError, InvalidOperationError, MessageLockLostError, SparkQueueError
 from sparkqueue.model import limits
 
 
@@ -283,6 +286,64 @@ def test_namespace_operation_timeout_must_be_positive(root: str) -> None:
     for bad in (0, -1, "60", True):
         with pytest.raises(InvalidOperationError):
             Namespace(root, operation_timeout=bad)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("flag", ["false", "no", 0, 1, None])
+def test_namespace_create_must_be_a_bool_and_a_refused_one_makes_nothing(tmp_path: Path, flag: object) -> None:
+    """Namespace(root, create="false") made the namespace: the flag was read by its truth. It must be a bool, and a
+    refused one writes nothing at the root."""
+    root = tmp_path / "ns"
+    with pytest.raises(InvalidArgumentTypeError, match="create must be a bool"):
+        Namespace(str(root), create=flag)  # type: ignore[arg-type]
+    assert not root.exists()
+
+
+@pytest.mark.parametrize("flag", ["false", 0, 1, None])
+def test_check_repair_must_be_a_bool_and_a_refused_one_repairs_nothing(ns: Namespace, root: str, flag: object) -> None:
+    """check(repair="false") repaired: a data file set aside to be put back lost its messages for good. The flag must be
+    a bool; a refused one changes nothing, and the file put back serves its messages again."""
+    ns.create_queue("q", enable_partitioning=False)
+    with ns.get_queue_sender("q") as s:
+        s.send_messages([Message(f"m{i}") for i in range(3)])
+    (data,) = glob.glob(f"{root}/entities/queue-*/partition_id=*/*.parquet")
+    os.rename(data, data + ".aside")
+    with pytest.raises(InvalidArgumentTypeError, match="repair must be a bool"):
+        ns.check(repair=flag)  # type: ignore[arg-type]
+    assert [f.repaired for f in ns.check()] == [False]  # still found: nothing was repaired
+    os.rename(data + ".aside", data)
+    assert ns.check() == []
+    assert ns.get_queue_runtime_properties("q").active_message_count == 3
+
+
+def test_flag_and_storage_option_errors_name_what_is_wrong(root: str) -> None:
+    """A numpy bool was refused as "must be a bool, got bool", and a storage option with a non-string key blamed its value."""
+    np = pytest.importorskip("numpy")
+    ns = Namespace(root)
+    with pytest.raises(InvalidArgumentTypeError, match=r"got numpy\.bool"):
+        ns.create_queue("q", enable_partitioning=np.bool_(True))
+    with pytest.raises(InvalidOperationError, match="keys must be strings, got 1"):
+        Namespace(root, storage_options={1: "x"})  # type: ignore[dict-item]
+
+
+def test_a_property_named_twice_as_str_and_bytes_is_refused() -> None:
+    """{b"k": 1, "k": 2} kept one of the two values without a word."""
+    with pytest.raises(InvalidOperationError, match="given twice"):
+        Message("x", application_properties={b"k": 1, "k": 2})
+
+
+def test_settling_another_entitys_message_says_it_may_not_be_from_here(ns: Namespace) -> None:
+    """Completing a message of queue q2 on a receiver of q1 is refused and changes nothing; the error said only that its
+    lock expired or was taken, which sent users looking for a lock problem."""
+    for q in ("q1", "q2"):
+        ns.create_queue(q)
+        with ns.get_queue_sender(q) as s:
+            s.send_messages(Message(q))
+    with ns.get_queue_receiver("q1") as r1, ns.get_queue_receiver("q2") as r2:
+        (m2,) = drain(r2, 1)
+        with pytest.raises(MessageLockLostError, match="not received from 'q1'"):
+            r1.complete_message(m2)
+        r2.complete_message(m2)
+    assert [ns.get_queue_runtime_properties(q).active_message_count for q in ("q1", "q2")] == [1, 0]
 
 
 # ---- receivers ---------------------------------------------------------------------------------

@@ -139,6 +139,7 @@ class Broker:
         storage_options: Mapping[str, str] | None = None,
         create: bool = True,
     ) -> None:
+        limits.check_bool(create, "create")  # Namespace(root, create="false") must not make a namespace
         self.root = resolve_root(root)
         asked = None if tier is None else limits.check_tier(tier)
         self.operation_timeout = limits.check_seconds(operation_timeout, "operation_timeout")  # finite: NaN never expires

@@ -288,9 +288,11 @@ def check_text(value: object, field: str, maximum: int) -> str | None:
 
 
 def check_bool(value: object, field: str) -> bool:
-    """A real bool."""
+    """A real bool: a flag given as "false" or 1 is refused, never read by its truth."""
     if not isinstance(value, bool):
-        raise InvalidArgumentTypeError(f"{field} must be a bool, got {type(value).__name__}")
+        kind = type(value)
+        name = kind.__name__ if kind.__module__ == "builtins" else f"{kind.__module__}.{kind.__qualname__}"  # numpy.bool
+        raise InvalidArgumentTypeError(f"{field} must be a bool, got {name}")
     return value
 
 
@@ -322,6 +324,8 @@ def check_application_properties(props: object) -> dict[str, Any] | None:
                 raise InvalidOperationError(f"application property name {k!r} is not UTF-8") from None
         if not isinstance(k, str):
             raise InvalidOperationError(f"application property names must be str, got {k!r}")
+        if k in out:  # {b"k": 1, "k": 2}: one value would be dropped without a word
+            raise InvalidOperationError(f"application property {k!r} is given twice (as str and as bytes)")
         check_utf8(k, "application property name")
         if isinstance(v, str):
             check_utf8(v, f"application property {k!r}")

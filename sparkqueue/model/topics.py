@@ -371,6 +371,9 @@ def _violations(rows: pa.Table, max_bytes: int) -> list[str | None]:
             out[i] = "the rule action removed the message id"
         elif any(v is not None and len(v) > limits.MAX_KEY_LENGTH for name in _KEY_COLUMNS for v in (keys[name][i],)):
             out[i] = f"the rule action set an id longer than {limits.MAX_KEY_LENGTH} characters"
+        elif None not in (sid := keys["session_id"][i], key := keys["partition_key"][i]) and sid != key:
+            # the session id is the partition key (docs/semantics.md §3): such a copy could never be sent on or resubmitted
+            out[i] = f"the rule action made partition_key {key!r} differ from session_id {sid!r}"
         elif ttls[i] is not None and ttls[i] <= 0:
             out[i] = f"the rule action set sys.TimeToLive to {ttls[i]} ms; it must be positive"
         elif props[i] is not None and not _strict_json(props[i]):

@@ -459,7 +459,9 @@ def check_storage_options(options: Mapping[str, str] | None, root: str | None = 
         raise InvalidOperationError(f"storage_options must be a dict of strings, got {type(options).__name__}")
     out: dict[str, str] = {}
     for key, value in options.items():
-        if not isinstance(key, str) or not isinstance(value, (str, bool, int, float)) or isinstance(value, float):
+        if not isinstance(key, str):
+            raise InvalidOperationError(f"storage_options keys must be strings, got {key!r}")
+        if not isinstance(value, (str, bool, int, float)) or isinstance(value, float):
             raise InvalidOperationError(f"storage_options[{key!r}] must be a string, got {value!r}")
         out[key] = str(value).lower() if isinstance(value, bool) else str(value)
     if root is not None:
