@@ -224,9 +224,11 @@ def _decode(data: bytes, columns: list[str]) -> pa.Table:
 
     `ParquetFile.read` takes half the time of `pq.read_table` on the small files a lock or a
     session writes (0.4 ms against 1 ms: no dataset discovery), but passes over a column the
-    file lacks: a file without one of them is damaged.
+    file lacks: a file without one of them is damaged. One thread decodes a file's columns faster
+    than Arrow's pool does, from one row to 4,000 (0.36 ms against 0.58 for a one-row file): a
+    file is one row group, and handing 29 small columns to the pool costs more than decoding them.
     """
-    t = pq.ParquetFile(pa.BufferReader(data)).read(columns=columns)
+    t = pq.ParquetFile(pa.BufferReader(data)).read(columns=columns, use_threads=False)
     if t.column_names != columns:
         missing = sorted(set(columns) - set(t.column_names))
         raise pa.ArrowInvalid(f"columns {missing} are missing")
