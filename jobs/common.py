@@ -47,6 +47,7 @@ DEFAULTS: dict[str, Any] = {
     "stream_consumer": {"checkpoint": "", "max_messages_per_trigger": 50_000, "trigger": "available_now"},
 }
 FREE_FORM = ("spark", "conf")  # any Spark setting goes under spark.conf; every other key must be one of DEFAULTS
+NOT_ONLY_STRINGS = {"stream_consumer.trigger"}  # "available_now" or seconds; other settings with a string default take strings
 BOOLEANS = {"true": True, "yes": True, "1": True, "false": False, "no": False, "0": False}
 
 # Named flags and the configuration keys they set.
@@ -130,6 +131,9 @@ def _check_keys(tree: Mapping[str, Any], where: str, known: Mapping[str, Any] = 
         if isinstance(known[key], dict) != isinstance(value, dict):
             kind = "a section, not a value" if isinstance(known[key], dict) else "a value, not a section"
             raise ValueError(f"{where}: {'.'.join(path)!r} is {kind}")
+        if isinstance(known[key], str) and not isinstance(value, str) and ".".join(path) not in NOT_ONLY_STRINGS:
+            # queue.name = 5 made a queue "5" in one job and was refused by another; format = 5 failed inside Spark
+            raise ValueError(f"{where}: {'.'.join(path)!r} must be a string, got {value!r}")
         if isinstance(value, dict) and path != FREE_FORM:
             _check_keys(value, where, known[key], path)
 

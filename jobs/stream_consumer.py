@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import math
 import os
 import signal
 import sys
@@ -79,7 +80,7 @@ def settings(cfg: dict[str, Any]) -> dict[str, Any]:
     trigger = str(s["trigger"])
     if trigger != AVAILABLE_NOW:
         try:
-            if float(trigger) <= 0:
+            if not 0 < float(trigger) < math.inf:  # NaN and inf passed this check, then failed inside Spark
                 raise ValueError
         except ValueError:
             raise InvalidOperationError(

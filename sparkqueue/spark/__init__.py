@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING
 import pyspark
 from pyspark.sql import DataFrame
 
+from sparkqueue.errors import InvalidOperationError
 from sparkqueue.spark.schema import RECEIVED_SCHEMA, STATUS_LOCK_LOST, STATUS_OK
 from sparkqueue.spark.staging import STAGING_ATTRIBUTE, STAGING_DIR, STAGING_RETENTION, cleanup_staging, local_uri, remove_dirs
 
@@ -85,6 +86,11 @@ def release(df: DataFrame) -> int:
     staged = getattr(df, STAGING_ATTRIBUTE, None)  # set on the returned DataFrame: covers empty results too
     if staged:
         dirs.add(staged)
+    if not dirs or any(f"/{STAGING_DIR}/" not in d for d in dirs):
+        raise InvalidOperationError(
+            "release() takes a DataFrame that receive_dataframe or a *_dataframe settle returned (or one read from "
+            "only those); this one reads " + (", ".join(sorted(dirs)[:3]) or "no files")
+        )
     return remove_dirs(sorted(dirs))
 
 

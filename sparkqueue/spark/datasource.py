@@ -92,9 +92,11 @@ def resolve(
     """
     from sparkqueue.namespace import Namespace
 
-    ns = namespace if isinstance(namespace, Namespace) else streaming.open_namespace(str(namespace), storage_options)
+    if isinstance(entity_type, str):
+        entity_type = entity_type.lower()  # as sub_queue is read: "QUEUE" is "queue"
     if entity_type not in (None, QUEUE, SUBSCRIPTION):
         raise InvalidOperationError(f"entity_type must be 'queue' or 'subscription', got {entity_type!r}")
+    ns = namespace if isinstance(namespace, Namespace) else streaming.open_namespace(str(namespace), storage_options)
     topic, sub = Address.split_path(name)
     if entity_type == SUBSCRIPTION or (entity_type is None and sub is not None):
         if sub is None:

@@ -9,6 +9,7 @@ Parquet has no interval type; the DataFrame over them computes the interval.
 from __future__ import annotations
 
 import json
+from collections.abc import Iterable
 from datetime import datetime
 
 import pyarrow as pa
@@ -17,11 +18,31 @@ from pyspark.sql import Column
 from pyspark.sql import functions as sf
 from pyspark.sql import types as st
 
+from sparkqueue.errors import InvalidOperationError
 from sparkqueue.model.lifecycle import scheduled_rows
 from sparkqueue.storage.files import FILE_SCHEMA
 from sparkqueue.storage.schema import STATE_ACTIVE, SUB_QUEUE_MAIN, TIMESTAMP
 
 PROPS_TYPE = pa.map_(pa.string(), pa.string())
+
+
+def field_renames(columns: Iterable[str], fields: Iterable[str]) -> dict[str, str]:
+    """Columns that name one of `fields` in another case (`Message_ID`), each mapped to its field; as Spark resolves names.
+
+    Such columns were ignored by sends, so a duplicate-detecting queue stored repeats under fresh
+    ids. Two columns naming one field are refused.
+    """
+    by_lower = {f.lower(): f for f in fields}
+    seen: dict[str, str] = {}
+    for column in columns:
+        field = by_lower.get(column.lower())
+        if field is None:
+            continue
+        if field in seen:
+            raise InvalidOperationError(f"columns {seen[field]!r} and {column!r} both name the message field {field!r}")
+        seen[field] = column
+    return {column: field for field, column in seen.items() if column != field}
+
 
 # Received messages as staged (Arrow / Parquet): time to live in milliseconds.
 STAGED_SCHEMA = pa.schema(

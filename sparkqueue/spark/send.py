@@ -63,6 +63,7 @@ from sparkqueue.model.entity import utcnow
 from sparkqueue.model.partitioning import partition_for_key
 from sparkqueue.model.properties import check_status
 from sparkqueue.spark.commit import Repeats, Written, commit_renumbering
+from sparkqueue.spark.schema import field_renames
 from sparkqueue.spark.session import (
     bucket_key,
     check_dataframe,
@@ -145,6 +146,8 @@ def send_dataframe(
     """
     check_dataframe(df, "send_dataframe")
     refuse_in_transaction(broker, DATAFRAME_REFUSAL)
+    if renamed := field_renames(df.columns, MESSAGE_FIELDS):
+        df = df.withColumnsRenamed(renamed)
     entity = broker.entity(entity_type, name)
     check_status(entity.props, "send", entity.name)
     available = tuple(p for p in range(entity.partition_count) if entity.available(p))
@@ -160,6 +163,7 @@ def send_dataframe(
     )
     if preserve_order is None:
         preserve_order = bool(_key_columns(df))
+    limits.check_bool(preserve_order, "preserve_order")
     # The tasks' files wait for the driver's commit as long as the job runs: a write lease keeps vacuum off them.
     with WriteLease(entity.table.store) as lease:
         accepted, touched, how = _send(entity, df, replace(plan, lease=lease.tag), preserve_order, entity_type)

@@ -16,6 +16,7 @@ from contextlib import contextmanager
 from functools import cache
 
 import mmh3
+from py4j.protocol import Py4JJavaError
 from pyspark import SparkContext
 from pyspark.errors import PySparkException
 from pyspark.sql import Column, DataFrame, SparkSession
@@ -29,11 +30,15 @@ log = logging.getLogger(__name__)
 MARKER = re.compile(r"\[sparkqueue:(\w+)\] (.*?)(?: SQLSTATE: \w+)?$", re.MULTILINE)
 # A Python worker that cannot import what sparkqueue's tasks need runs another interpreter than the driver.
 MISSING_MODULE = re.compile(r"No module named '((?:sparkqueue|pyspark_sparkqueue|pyarrow|deltalake|mmh3|numpy)\b[\w.]*)'")
+# A DataFrame over a staging directory that release() or the retention sweep removed (staging.py).
+STAGING_GONE = re.compile(r"FAILED_READ_FILE\.FILE_NOT_EXIST\].*?(\S*/_spark_staging/\S*?)\. File does not exist")
 
 
 def active_session(spark: SparkSession | None = None) -> SparkSession:
     """The given session, else the active one (or the process's running one, from other threads); raises if none."""
     if spark is not None:
+        if not isinstance(spark, SparkSession):
+            raise InvalidArgumentTypeError(f"spark must be a SparkSession, got {type(spark).__name__}")
         return spark
     active = SparkSession.getActiveSession()  # thread-local: other threads see none ...
     if active is None and SparkContext._active_spark_context is not None:
@@ -81,7 +86,15 @@ def translate(exc: BaseException) -> SparkQueueError | None:
     found = MARKER.search(text)
     if found is None:
         missing = MISSING_MODULE.search(text)
-        return worker_python_error(missing.group(1)) if missing else None
+        if missing:
+            return worker_python_error(missing.group(1))
+        gone = STAGING_GONE.search(text)
+        if gone:
+            return InvalidOperationError(
+                f"the DataFrame reads staged messages that are gone ({gone.group(1)}): it was released "
+                "(sparkqueue.spark.release) or outlived the staging retention; receive the messages again"
+            )
+        return None
     cls = getattr(errors, found.group(1), None)
     if not (isinstance(cls, type) and issubclass(cls, SparkQueueError)):
         cls = SparkQueueError
@@ -93,7 +106,7 @@ def spark_errors() -> Iterator[None]:
     """Re-raise a Spark job failure that carries a sparkqueue error as that error."""
     try:
         yield
-    except PySparkException as exc:
+    except (PySparkException, Py4JJavaError) as exc:  # a job's failure reaches collect() as a bare Py4JJavaError
         err = translate(exc)
         if err is None:
             raise

@@ -117,21 +117,39 @@ def address_of(options: Mapping[str, str], *, sink: bool) -> EntityAddress:
     root = options.get("namespace")
     if not root:
         raise InvalidOperationError('set the namespace root: .option("namespace", root)')
-    name = options.get("entity") or options.get("path")
-    topic, subscription = options.get("topic"), options.get("subscription")
-    if not name and topic and subscription and not sink:
-        name = Address.subscription_of(topic, subscription).path
-    elif not name and topic and sink:
-        name = topic
-    if not name:
-        what = "queue or topic" if sink else "queue or subscription"
-        raise InvalidOperationError(f'name the {what}: .{"start" if sink else "load"}(name) or .option("entity", name)')
+    names = _names(options, sink)
     storage = storage_options_of(options)
     ns = open_namespace(root, storage)
     try:
-        return _resolve(ns, str(root), storage, name, sink)
+        found = {form: _resolve(ns, str(root), storage, name, sink) for form, name in names.items()}
     finally:
         ns.close()
+    if len({(a.entity_type, a.name.lower()) for a in found.values()}) > 1:  # names are case-insensitive
+        # which one won used to depend on the option: a stream could drain, or a sink send to, another entity
+        forms = {"path": f".{'start' if sink else 'load'}(name)", "entity": 'option "entity"', "topic": 'option "topic"'}
+        named = ", ".join(f"{forms[k]} = {v!r}" for k, v in names.items())
+        raise InvalidOperationError(f"the options name different entities ({named}); name it one way")
+    address = next(iter(found.values()))
+    if sink and "topic" in names and address.entity_type != TOPIC:
+        raise InvalidOperationError(f'option "topic" names {names["topic"]!r}, which is a {address.entity_type}, not a topic')
+    return address
+
+
+def _names(options: Mapping[str, str], sink: bool) -> dict[str, str]:
+    """The entity names the options give, by form: `.load(name)`/`.start(name)`, option "entity", "topic" (+ "subscription")."""
+    topic, subscription = options.get("topic"), options.get("subscription")
+    if subscription and not topic:
+        raise InvalidOperationError('option "subscription" needs option "topic" too')
+    if topic and not sink and not subscription:
+        raise InvalidOperationError(f'option "topic" needs option "subscription": the source reads a subscription of {topic!r}')
+    by_topic = None
+    if topic:
+        by_topic = topic if sink or not subscription else Address.subscription_of(topic, subscription).path
+    given = {k: v for k, v in (("path", options.get("path")), ("entity", options.get("entity")), ("topic", by_topic)) if v}
+    if not given:
+        what = "queue or topic" if sink else "queue or subscription"
+        raise InvalidOperationError(f'name the {what}: .{"start" if sink else "load"}(name) or .option("entity", name)')
+    return given
 
 
 def _resolve(ns: Namespace, root: str, storage: dict[str, str], name: str, sink: bool) -> EntityAddress:

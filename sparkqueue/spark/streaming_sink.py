@@ -41,6 +41,7 @@ from sparkqueue.message import Message, message_label, to_rows
 from sparkqueue.model import limits
 from sparkqueue.model.entity import utcnow
 from sparkqueue.model.properties import check_status
+from sparkqueue.spark.schema import field_renames
 from sparkqueue.spark.session import task_error
 from sparkqueue.spark.staging import Staging, cleanup_staging, filesystem, remove_dirs, require_local_root
 from sparkqueue.spark.streaming import EntityAddress, address_of, check_options, idempotence_key
@@ -62,6 +63,7 @@ STRING_FIELDS = (
     "reply_to_session_id",
     "content_type",
 )
+MESSAGE_FIELDS = ("body", *STRING_FIELDS, "application_properties", "time_to_live", "scheduled_enqueue_time_utc")
 
 _namespaces: dict[EntityAddress, Any] = {}
 _lock = threading.Lock()
@@ -79,7 +81,8 @@ class SinkConfig:
 def sink_config(options: dict[str, str], schema: StructType) -> SinkConfig:
     """Validate the sink's (lower-cased) options and input columns."""
     check_options(options, SINK_OPTIONS, "streaming sink")
-    if "body" not in schema.fieldNames():
+    renamed = field_renames(schema.fieldNames(), MESSAGE_FIELDS)  # as messages_from_arrow reads them
+    if "body" not in {renamed.get(name, name) for name in schema.fieldNames()}:
         raise InvalidOperationError(
             f"the sparkqueue sink needs a `body` column (columns are Message fields), got {schema.fieldNames()}"
         )
@@ -215,7 +218,9 @@ def _worker_namespace(address: EntityAddress) -> Any:
 
 
 def messages_from_arrow(batch: pa.RecordBatch) -> list[Message]:
-    """Rows of a micro-batch as Messages (columns named as Message fields; others ignored)."""
+    """Rows of a micro-batch as Messages (columns named as Message fields, in any case; others ignored)."""
+    if renamed := field_renames(batch.schema.names, MESSAGE_FIELDS):
+        batch = batch.rename_columns([renamed.get(name, name) for name in batch.schema.names])
     names = set(batch.schema.names)
     n = batch.num_rows
     cols: dict[str, list[Any]] = {name: batch.column(name).to_pylist() for name in (*STRING_FIELDS, "body") if name in names}

@@ -294,8 +294,12 @@ class StreamState:
         """Whether batches hold whole sessions (a session-requiring entity's main queue; docs/spark-streaming.md)."""
         return bool(getattr(self.entity().props, "requires_session", False)) and self.config.sub_queue != SUB_QUEUE_DEAD_LETTER
 
-    def _available_count(self) -> int:
+    def _available_count(self) -> int | None:
+        """What Trigger.AvailableNow takes at most: the sub-queue's count now, or None (no bound) while a partition
+        is unavailable, whose messages are not counted: the run then reports the damage instead of ending as empty."""
         props = self.entity().runtime_properties()
+        if props.availability_status != "Available":
+            return None
         if self.config.sub_queue == SUB_QUEUE_DEAD_LETTER:
             return props.dead_letter_message_count
         return props.active_message_count
@@ -370,9 +374,13 @@ class StreamState:
         self.fs.create_dir(f"{self.path}/batch-{n:012d}", recursive=True)
         items: list[Item] = []
         held: list[Held] = []
+        down: set[int] = set()
         try:
             while not items:
-                got = self._lock_sessions(n, staging, want, items, held) if self.by_session else self._lock(staging, want, items)
+                if self.by_session:
+                    got = self._lock_sessions(n, staging, want, items, held)
+                else:
+                    got = self._lock(staging, want, items, down)
                 if self.budget is not None:
                     self.budget -= got
                 if got == 0 or (self.budget is not None and self.budget <= 0):
@@ -383,6 +391,9 @@ class StreamState:
         if not items:
             self._release(held)
             self._remove_batch(n)
+            down |= set(entity.hidden_partitions(self.config.sub_queue))
+            if down:  # damaged storage is reported, never read as empty (docs/semantics.md §10), as receive_dataframe does
+                raise entity.unavailable(sorted(down), f"batch {n} of the stream locked nothing")
             return 0
         manifest = {"batch": n, "items": items, "at": utcnow().isoformat(), "sessions": [_held_record(h) for h in held]}
         self._write_json(f"{self.path}/batch-{n:012d}/{MANIFEST}", manifest)
@@ -394,8 +405,11 @@ class StreamState:
         log.info("stream %s: batch %d holds %d messages of %s", self.stream_id, n, len(items), self.config.address.display)
         return len(items)
 
-    def _lock(self, staging: Staging, want: int, items: list[Item]) -> int:
+    def _lock(self, staging: Staging, want: int, items: list[Item], down: set[int]) -> int:
         """Lock up to `want` messages spread over the partitions (as receive_dataframe does); returns how many.
+
+        Partitions a locking thread found unavailable (damage found there marks that thread's handle
+        only) are added to `down`.
 
         Nothing renews these locks before the batch is recorded, so locking stops after a sixth of
         the lock duration (its first renewal, of every message at once, needs time too): a batch
@@ -424,7 +438,9 @@ class StreamState:
             # Partitions lock in parallel threads (commits on different partitions never conflict),
             # each thread on a namespace handle of its own.
             locked = self.pool.map(partial(self._lock_partition, job, round_no, stop_at), plan)
-            for (p, share), (got, pairs) in zip(plan, locked, strict=True):
+            for (p, share), (got, pairs, unavailable) in zip(plan, locked, strict=True):
+                if unavailable:
+                    down.add(p)
                 items += self._drop_committed(pairs)
                 total += got
                 estimate[p] = max(0, estimate[p] - got)
@@ -548,10 +564,12 @@ class StreamState:
         assert result is not None
         return result
 
-    def _lock_partition(self, job: ReceiveJob, round_no: int, stop_at: float, plan: tuple[int, int]) -> tuple[int, list[Item]]:
+    def _lock_partition(
+        self, job: ReceiveJob, round_no: int, stop_at: float, plan: tuple[int, int]
+    ) -> tuple[int, list[Item], bool]:
         """Lock up to `share` messages of partition p into the batch's directory, in commits until `stop_at` (monotonic).
 
-        Returns how many were locked and their (sequence, token) pairs.
+        Returns how many were locked, their (sequence, token) pairs, and whether none was because p is unavailable.
         """
         p, share = plan
         entity = self._thread_entity()
@@ -569,7 +587,7 @@ class StreamState:
                 pairs += zip(rows.column("sequence_number").to_pylist(), rows.column("lock_token").to_pylist(), strict=True)
             if rows.num_rows < ask:
                 break
-        return got, pairs
+        return got, pairs, not got and not entity.available(p)
 
     def _settle(self, items: list[Item], op: str) -> list[bool]:
         """Settle items partition by partition in parallel threads; per item: did its lock hold."""

@@ -100,6 +100,7 @@ def test_dead_letters_and_subscriptions(spark, ns, numbered):
     dlq = read(spark, ns, "t/Subscriptions/s1", sub_queue="deadletter").collect()
     assert len(dlq) == 5 and {row.dead_letter_reason for row in dlq} == {"Bad"}
     assert read(spark, ns, "t/Subscriptions/s1", entity_type="subscription").count() == 15
+    assert read(spark, ns, "t/Subscriptions/s1", entity_type="SUBSCRIPTION").count() == 15  # any case, as sub_queue
     assert read(spark, ns, "t/s1").count() == 15  # the short form, as the CLI reads it
     ns.create_queue("t/s1")  # queue names may hold '/': such a queue comes first
     assert read(spark, ns, "t/s1").count() == 0

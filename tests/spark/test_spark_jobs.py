@@ -73,6 +73,14 @@ def test_misspelt_settings_are_refused_and_booleans_read_as_written(tmp_path):
     for raw, expected in (("False", False), ("false", False), ("no", False), ("True", True), ("1", True)):
         cfg = common.load_config(path, common.overrides_from(producer.parse_args(["--set", f"queue.create={raw}"])))
         assert common.flag(cfg, "queue.create") is expected
+    # A number where a name or path is due: the producer made a queue "5" that the consumer refused, `format = 5`
+    # failed inside Spark, `checkpoint = 5` wrote to ./5. Refused as the file is read; quoted, it is a string.
+    for text in ("[queue]\nname = 5\n", "[producer]\nformat = 5\n", "[stream_consumer]\ncheckpoint = 5\n"):
+        bad.write_text(text)
+        with pytest.raises(ValueError, match="must be a string, got 5"):
+            common.load_config(bad)
+    bad.write_text('[queue]\nname = "5"\n[stream_consumer]\ntrigger = 30\n')
+    assert common.load_config(bad)["queue"]["name"] == "5"
     cfg = common.load_config(path, common.overrides_from(producer.parse_args(["--set", "queue.create=maybe"])))
     with pytest.raises(ValueError, match=r"setting queue\.create must be true or false, got 'maybe'"):
         common.flag(cfg, "queue.create")

@@ -117,7 +117,7 @@ def test_only_the_locks_of_a_live_peek_lock_receive_are_settled_from_its_staged_
         got = r.receive_dataframe(20)
         assert got.count() == 20
         assert release(got) == 1
-        with pytest.raises(Exception, match=r"(?i)not exist|PATH_NOT_FOUND|FileNotFound"):
+        with pytest.raises(InvalidOperationError, match="staged messages that are gone"):
             r.complete_dataframe(got)
     assert ns.get_queue_runtime_properties("q").total_message_count == 20  # the released receive settled nothing
 
@@ -141,6 +141,33 @@ def test_received_dataframe_outlives_a_vacuum_of_the_table_until_released(spark,
     assert release(got) == 1
     with pytest.raises(Exception, match=r"(?i)not exist|PATH_NOT_FOUND|FileNotFound"):
         got.collect()
+
+
+def test_settling_a_released_dataframe_and_releasing_another_dataframe_are_clear_errors(spark, ns, numbered, tmp_path):
+    """Settling a received DataFrame after release() raised a raw Py4JJavaError with a Java stack; release() of a
+    DataFrame a receive did not return returned 0 (spark.range) or raised a builtin ValueError (a user's Parquet),
+    and receive_dataframe(spark="x") an AttributeError. Each is an InvalidOperationError now, and nothing changes."""
+    ns.create_queue("q", lock_duration=LONG_LOCK)
+    with ns.get_queue_sender("q") as s:
+        s.send_dataframe(numbered(5).select("body"))
+        with pytest.raises(InvalidOperationError, match="preserve_order must be a bool"):
+            s.send_dataframe(numbered(5).select("body"), preserve_order="no")
+    spark.range(3).write.parquet(str(tmp_path / "user"))
+    with ns.get_queue_receiver("q") as r:
+        with pytest.raises(InvalidOperationError, match="spark must be a SparkSession"):
+            r.receive_dataframe(5, spark="x")  # type: ignore[arg-type]
+        got = r.receive_dataframe(5)
+        assert release(got) == 1
+        for df in (got, got.where("delivery_count >= 0")):
+            with pytest.raises(InvalidOperationError, match="staged messages that are gone"):
+                r.complete_dataframe(df)
+        for other in (spark.range(3), spark.read.parquet(str(tmp_path / "user"))):
+            with pytest.raises(InvalidOperationError, match="takes a DataFrame that receive_dataframe"):
+                release(other)
+    assert (tmp_path / "user").exists()
+    assert ns.get_queue_runtime_properties("q").total_message_count == 5  # nothing was completed ...
+    with ns.get_queue_receiver("q") as r:
+        assert r.receive_messages(5, max_wait_time=0.5) == []  # ... nor given back: still locked
 
 
 def test_received_properties_map_as_the_data_source_shows_them(spark, ns):

@@ -236,6 +236,29 @@ def test_wrong_column_types_fail_on_the_driver(spark, ns):
             s.send_dataframe(spark.range(3))
 
 
+def test_columns_naming_message_fields_in_another_case_are_those_fields(spark, ns):
+    """Spark resolves `Message_ID` as `message_id`, but send_dataframe ignored such columns: two sends of "order-1" to a
+    duplicate-detecting queue stored two messages under fresh ids, without their time to live. They are the fields now,
+    on the JVM path and the staged one, and two columns naming one field are refused."""
+    ns.create_queue("q", requires_duplicate_detection=True)
+    ns.create_queue("plain")
+    df = spark.createDataFrame(
+        [("x", "order-1", timedelta(minutes=3))], "Body string, Message_ID string, Time_To_Live interval day to second"
+    )
+    with ns.get_queue_sender("q") as s:
+        assert s.send_dataframe(df) == 1
+        assert s.send_dataframe(df) == 0  # the repeat, by its id
+    with ns.get_queue_sender("plain") as s:
+        assert s.send_dataframe(df) == 1  # the JVM writer's path
+    for queue in ("q", "plain"):
+        (m,) = peek_all(ns, queue)
+        assert (m.body, m.message_id, m.time_to_live) == (b"x", "order-1", timedelta(minutes=3))
+    both = spark.createDataFrame([("x", "y")], "body string, BODY string")
+    with ns.get_queue_sender("plain") as s, pytest.raises(InvalidOperationError, match="both name the message field 'body'"):
+        s.send_dataframe(both)
+    assert len(peek_all(ns, "plain")) == 1
+
+
 def test_json_properties_interval_ttl_and_scheduled_time(spark, ns):
     ns.create_queue("q", default_message_time_to_live=timedelta(minutes=5))
     later = datetime.now(UTC) + timedelta(hours=1)

@@ -268,6 +268,23 @@ def test_source_refuses_an_entity_that_takes_no_receives(spark, tmp_path):
         assert ns.get_queue_runtime_properties("dst").active_message_count == 2
 
 
+def test_source_fails_on_a_damaged_queue_instead_of_streaming_nothing(spark, tmp_path):
+    """The queue's only data file damaged: receive_dataframe raised, while the stream ended with no error and no row
+    (`availableNow`), or emitted empty batches forever: damaged storage read as empty. Its query fails naming the
+    partition, and a batch directory is not left behind."""
+    root = str(tmp_path / "ns")
+    with Namespace(root) as ns:
+        ns.create_queue("q", enable_partitioning=False)
+    send(root, "q", 20)
+    for f in Path(root, "entities").rglob("*.parquet"):
+        f.write_bytes(f.read_bytes()[:10])
+    reader = spark.readStream.format("sparkqueue").option("namespace", root).load("q")
+    query = reader.writeStream.format("memory").queryName("damaged_q").option("checkpointLocation", str(tmp_path / "ck"))
+    with pytest.raises(PySparkException, match=r"partition\(s\) 0 of 'q'"):
+        query.trigger(availableNow=True).start().awaitTermination(120)
+    assert batch_dirs(root) == []
+
+
 def test_sink_refuses_an_entity_whose_sends_are_disabled(spark, tmp_path):
     """As a sender: a SendDisabled queue fails the query, and nothing is stored."""
     root = str(tmp_path / "ns")
@@ -538,6 +555,47 @@ def test_sink_rejects_rows_without_body_and_a_query_without_checkpoint(spark, tm
         assert ns.get_queue_runtime_properties("out").active_message_count == 0
 
 
+def test_options_naming_different_entities_are_refused(spark, tmp_path):
+    """`.option("entity", "t/s").load("q")` drained and completed t/s, `.option("topic", ...)` with a subscription lost
+    to `load(name)`, and the sink's `.option("entity", "orders").start("audit")` sent to orders: which name won depended
+    on the option. Two names of different entities are refused, nothing received or sent; two names of one entity
+    (any case) are one name, and the sink's option "topic" must name a topic."""
+    root = str(tmp_path / "ns")
+    with Namespace(root) as ns:
+        ns.create_queue("q")
+        ns.create_queue("orders")
+        ns.create_topic("t")
+        ns.create_subscription("t", "s")
+        ns.get_topic_sender("t").send_messages(Message("for-s"))
+    send(root, "q", 1)
+
+    def source(name: str | None, **options: str):  # type: ignore[no-untyped-def]
+        reader = spark.readStream.format("sparkqueue").option("namespace", root)
+        for k, v in options.items():
+            reader = reader.option(k, v)
+        return reader.load(name) if name else reader.load()
+
+    with pytest.raises(PySparkException, match="name different entities"):
+        source("q", entity="t/s")
+    with pytest.raises(PySparkException, match="name different entities"):
+        source("q", topic="t", subscription="s")
+    with pytest.raises(PySparkException, match='needs option "subscription"'):
+        source(None, topic="t")
+    assert source("Q", entity="q").isStreaming  # one entity, named twice
+    rate = spark.readStream.format("rate").option("rowsPerSecond", 1).load().selectExpr("CAST(value AS STRING) AS body")
+    for i, (name, options, match) in enumerate(
+        [("q", {"entity": "orders"}, "name different entities"), (None, {"topic": "q"}, "not a topic")]
+    ):
+        w = rate.writeStream.format("sparkqueue").option("namespace", root).option("checkpointLocation", str(tmp_path / f"c{i}"))
+        for k, v in options.items():
+            w = w.option(k, v)
+        with pytest.raises(PySparkException, match=match):
+            (w.start(name) if name else w.start()).awaitTermination(60)
+    with Namespace(root) as ns:
+        assert [ns.get_queue_runtime_properties(q).active_message_count for q in ("q", "orders")] == [1, 0]
+        assert ns.get_subscription_runtime_properties("t", "s").active_message_count == 1
+
+
 def write_config(tmp_path: Path, lock_s: int) -> Path:
     path = tmp_path / "job.toml"
     path.write_text(
@@ -650,6 +708,9 @@ def test_options_and_row_conversion_without_a_session():
     assert messages_from_arrow(as_json)[0].application_properties == {"n": 2}
     with pytest.raises(InvalidOperationError, match="JSON object"):
         messages_from_arrow(pa.RecordBatch.from_pydict({"body": pa.array([b"x"]), "application_properties": pa.array(["[]"])}))
+
+    (cased,) = messages_from_arrow(pa.RecordBatch.from_pydict({"Body": pa.array(["b"]), "Message_ID": pa.array(["m-1"])}))
+    assert (cased.body, cased.message_id) == (b"b", "m-1")  # field names in any case, as Spark resolves them
 
     parts = [([f"f{p}"], [f"t{p}-{i}" for i in range(n)]) for p, n in enumerate([ROWS_PER_TASK, 10, ROWS_PER_TASK // 2, 5])]
     tasks = group_partitions(7, parts)
@@ -837,8 +898,9 @@ def test_stream_consumer_settings():
     args = stream_consumer.parse_args(["--trigger", "30", "--checkpoint", "/ck", "--max-messages-per-trigger", "7"])
     s = stream_consumer.settings(common.load_config(None, common.overrides_from(args, stream_consumer.FLAGS)))
     assert (s["checkpoint"], s["trigger"], s["max_messages_per_trigger"]) == ("/ck", "30", 7)
-    with pytest.raises(InvalidOperationError, match="trigger must be"):
-        stream_consumer.settings(common.load_config(None, {"stream_consumer.trigger": "soon"}))
+    for trigger in ("soon", "nan", "inf", "-1", 0):  # nan and inf passed, then failed once Spark had started
+        with pytest.raises(InvalidOperationError, match="trigger must be"):
+            stream_consumer.settings(common.load_config(None, {"stream_consumer.trigger": trigger}))
 
 
 def test_the_stream_names_a_subscription_in_the_short_form_too(tmp_path):
