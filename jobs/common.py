@@ -102,8 +102,19 @@ def overrides_from(args: argparse.Namespace, flags: dict[str, str] | None = None
         key, sep, raw = item.partition("=")
         if not sep:
             raise SystemExit(f"--set expects SECTION.KEY=VALUE, got {item!r}")
-        out[key.strip()] = _parse_value(raw)
+        key = key.strip()
+        out[key] = _parse_value(raw) if not _takes_text(key) or raw.strip()[:1] in "\"'" else raw  # id_prefix=2024: text
     return out
+
+
+def _takes_text(dotted: str) -> bool:
+    """True for a setting whose value is a name, path or text (its default is a string): `--set` gives it the raw text."""
+    node: Any = DEFAULTS
+    for part in dotted.split("."):
+        if not isinstance(node, dict) or part not in node:
+            return False
+        node = node[part]
+    return isinstance(node, str) and dotted not in NOT_ONLY_STRINGS
 
 
 def _parse_value(raw: str) -> Any:
@@ -133,7 +144,7 @@ def _check_keys(tree: Mapping[str, Any], where: str, known: Mapping[str, Any] = 
             raise ValueError(f"{where}: {'.'.join(path)!r} is {kind}")
         if isinstance(known[key], str) and not isinstance(value, str) and ".".join(path) not in NOT_ONLY_STRINGS:
             # queue.name = 5 made a queue "5" in one job and was refused by another; format = 5 failed inside Spark
-            raise ValueError(f"{where}: {'.'.join(path)!r} must be a string, got {value!r}")
+            raise ValueError(f'{where}: {".".join(path)!r} must be a string, got {value!r} (quote it: "{value}")')
         if isinstance(value, dict) and path != FREE_FORM:
             _check_keys(value, where, known[key], path)
 

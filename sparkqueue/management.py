@@ -52,6 +52,7 @@ from sparkqueue.model.filters import (
 )
 from sparkqueue.model.properties import (
     EntityProperties,
+    PartitionRuntimeProperties,
     QueueProperties,
     RuleProperties,
     RuntimeProperties,
@@ -339,7 +340,7 @@ class Management:
 
     def list_queues_runtime_properties(self) -> list[RuntimeProperties]:
         """Runtime properties of every queue, by name."""
-        return [self._runtime(QUEUE, q.name) for q in self.list_queues()]
+        return [_listed(functools.partial(self._runtime, QUEUE, q.name), q) for q in self.list_queues()]
 
     # ---- topics ----------------------------------------------------------------------------------
 
@@ -373,7 +374,7 @@ class Management:
 
     def list_topics_runtime_properties(self) -> list[RuntimeProperties]:
         """Runtime properties of every topic, by name."""
-        return [self.get_topic_runtime_properties(t.name) for t in self.list_topics()]
+        return [_listed(functools.partial(self.get_topic_runtime_properties, t.name), t) for t in self.list_topics()]
 
     # ---- subscriptions ---------------------------------------------------------------------------
 
@@ -476,7 +477,10 @@ class Management:
 
     def list_subscriptions_runtime_properties(self, topic_name: str) -> list[RuntimeProperties]:
         """Runtime properties of every subscription of the topic, by name."""
-        return [self.get_subscription_runtime_properties(topic_name, s.name) for s in self.list_subscriptions(topic_name)]
+        return [
+            _listed(functools.partial(self.get_subscription_runtime_properties, topic_name, s.name), s)
+            for s in self.list_subscriptions(topic_name)
+        ]
 
     # ---- rules -----------------------------------------------------------------------------------
 
@@ -660,6 +664,14 @@ class Management:
             for f in found:
                 f.table = f"{e.entity_type} {name} ({f.table})"
             findings += found
+        for path, count in maintenance.unnamed_tables(self.broker.store, ENTITIES_DIR, self._table_paths).items():
+            findings.append(  # never repaired: its entry, not the table, may be what is damaged
+                Finding(
+                    f"table {path}",
+                    f"no catalog entry names this table, which holds {count} data file(s): the namespace catalog lost "
+                    "its entry, or a delete was interrupted; maintenance leaves it alone",
+                )
+            )
         if repair:
             with self.broker.lock:
                 self.broker.tables.clear()  # handles re-read the repaired log
@@ -959,3 +971,19 @@ def _same_entity_name(entity_type: str, name: str) -> Callable[[str], bool]:
         return taken.name.lower() == wanted.name.lower()
 
     return same
+
+
+def _listed(fetch: Callable[[], RuntimeProperties], props: EntityProperties) -> RuntimeProperties:
+    """An entity's runtime properties for a list: one whose table cannot be read is listed, not the list failed.
+
+    It comes with availability "Unknown", every partition unavailable and no count (the CLI shows "≥0"); getting its
+    runtime properties alone raises the error (docs/semantics.md §10).
+    """
+    try:
+        return fetch()
+    except StorageError as exc:
+        log.warning("runtime properties of %s %r could not be read: %s", props.entity_type, props.name, exc)
+        parts = [PartitionRuntimeProperties(partition_id=p, available=False) for p in range(props.partition_count)]
+        out = RuntimeProperties.aggregate(props.name, parts)
+        out.availability_status = "Unknown"
+        return out

@@ -12,7 +12,7 @@ from datetime import timedelta
 import pytest
 from procs import PARTITIONS, drain, drain_all, key_for_partition, peek_all
 
-from sparkqueue import Message, Namespace, SubQueue
+from sparkqueue import NEXT_AVAILABLE_SESSION, Message, Namespace, SubQueue
 from sparkqueue.errors import PartitionUnavailableError
 
 DOWN = 5  # the partition the tests make unavailable
@@ -166,6 +166,28 @@ def test_a_receive_that_can_read_no_partition_holding_its_messages_raises(ns: Na
     _heal(ns)
     with ns.get_queue_receiver("q") as r:
         assert _ids(drain(r, 3)) == ["d0", "d1", "d2"]
+
+
+def test_next_available_session_skips_a_partition_its_own_read_finds_damaged(ns: Namespace, root: str) -> None:
+    """A session queue's file in partition 5 damaged on disk (not a fault already known): NEXT_AVAILABLE_SESSION raised
+    PartitionUnavailableError whenever its rotating start reached partition 5 before the healthy session in 9, so a
+    session-pool loop ending on OperationTimeoutError died. It skips the partition, as receives do."""
+    ns.create_queue("sq", requires_session=True)
+    with ns.get_queue_sender("sq") as s:
+        for p in (DOWN, UP):
+            s.send_messages([Message(f"{p}-{i}", session_id=key_for_partition(p, "sess")) for i in range(3)])
+    table = ns.broker.entity("queue", "sq").table
+    (victim,) = [f for f in table.snapshot().files if f.partition == DOWN]
+    with open(f"{table.uri}/{victim.path}", "wb"):
+        pass  # emptied
+    for _ in range(8):  # fresh handles: each pass starts at another partition, most of them reaching 5 before 9
+        with Namespace(root, create=False) as fresh, fresh.get_queue_receiver("sq", session_id=NEXT_AVAILABLE_SESSION) as r:
+            assert r.session.session_id == key_for_partition(UP, "sess")
+    with Namespace(root, create=False) as fresh:
+        with fresh.get_queue_receiver("sq", session_id=NEXT_AVAILABLE_SESSION) as r:
+            r.complete_messages(r.receive_messages(3, max_wait_time=1))  # the healthy session done: only 5 holds any
+        with pytest.raises(PartitionUnavailableError, match="no session was accepted"):
+            fresh.get_queue_receiver("sq", session_id=NEXT_AVAILABLE_SESSION, max_wait_time=0.5)  # reported, not "none"
 
 
 def test_peek_raises_for_an_unavailable_partition_it_must_read_and_keeps_its_place(ns: Namespace) -> None:

@@ -154,8 +154,8 @@ def test_a_subscription_cannot_forward_to_its_own_topic(ns: Namespace) -> None:
 # ---- what cannot travel ---------------------------------------------------------------------------
 
 
-def _key_conflict_topic(ns: Namespace, **sub_settings: object) -> None:
-    """A topic whose subscription gives message 'a' a second copy with a session id its partition key contradicts."""
+def _session_setting_topic(ns: Namespace, **sub_settings: object) -> None:
+    """A topic whose subscription gives message 'a' (sent with partition key 'k') a session id by a rule action."""
     ns.create_topic("t", enable_partitioning=False)
     ns.create_subscription("t", "s", **sub_settings)
     ns.create_rule("t", "s", "tag", filter=SqlRuleFilter("sys.MessageId = 'a'"), action=SqlRuleAction("SET sys.SessionId = 'x'"))
@@ -163,29 +163,32 @@ def _key_conflict_topic(ns: Namespace, **sub_settings: object) -> None:
         s.send_messages([Message("a", message_id="a", partition_key="k"), Message("b", message_id="b")])
 
 
-def test_a_copy_whose_keys_conflict_is_dead_lettered_and_forwarding_goes_on(ns: Namespace) -> None:
-    """A copy no partition can take (session id != partition key) is dead-lettered at the source; later ones still travel."""
+def test_a_copy_an_action_gave_a_session_id_travels_with_it_as_its_partition_key(ns: Namespace) -> None:
+    """Such a copy kept partition key 'k' beside session id 'x', which no partition can take: forwarding dead-lettered it
+    (ForwardingPartitionKeyConflict). The key now follows the session id (docs/semantics.md §8), and the copy travels.
+    (Copies stored with conflicting keys before that are still dead-lettered when forwarded.)"""
     ns.create_queue("dst")
-    _key_conflict_topic(ns, forward_to="dst")
+    _session_setting_topic(ns, forward_to="dst")
     ns.get_topic_sender("t").send_messages(Message("c", message_id="c"))
-    assert queue_ids(ns, "dst") == Counter({"a": 1, "b": 1, "c": 1})
-    with ns.get_subscription_receiver("t", "s", sub_queue=SubQueue.DEAD_LETTER) as dlq:
-        (m,) = drain(dlq, 1)
-    assert (m.message_id, m.session_id, m.dead_letter_reason) == ("a", "x", "ForwardingPartitionKeyConflict")
+    assert queue_ids(ns, "dst") == Counter({"a": 2, "b": 1, "c": 1})  # $Default's copy of 'a' and the rule's
+    with ns.get_queue_receiver("dst") as r:
+        moved = sorted((m.session_id or "", m.partition_key or "") for m in peek_all(r) if m.message_id == "a")
+    assert moved == [("", "k"), ("x", "x")]
     assert sub_ids(ns, "t", "s") == Counter()
+    with ns.get_subscription_receiver("t", "s", sub_queue=SubQueue.DEAD_LETTER) as dlq:
+        assert peek_all(dlq) == []
 
 
-def test_dead_letters_whose_keys_conflict_stay_receivable_and_the_others_travel(ns: Namespace) -> None:
-    """forward_dead_lettered_messages_to leaves a dead letter it cannot place in the DLQ, where it stays receivable."""
+def test_dead_letters_an_action_gave_a_session_id_are_forwarded_too(ns: Namespace) -> None:
+    """forward_dead_lettered_messages_to moves such a dead letter with the others: its keys agree."""
     ns.create_queue("dst")
-    _key_conflict_topic(ns, forward_dead_lettered_messages_to="dst")
+    _session_setting_topic(ns, forward_dead_lettered_messages_to="dst")
     with ns.get_subscription_receiver("t", "s") as r:
         for m in drain(r, 3):
             r.dead_letter_message(m, reason="bad")
-    assert queue_ids(ns, "dst") == Counter({"a": 1, "b": 1})
+    assert queue_ids(ns, "dst") == Counter({"a": 2, "b": 1})
     with ns.get_subscription_receiver("t", "s", sub_queue=SubQueue.DEAD_LETTER) as dlq:
-        (m,) = drain(dlq, 1)
-    assert (m.message_id, m.session_id) == ("a", "x")
+        assert peek_all(dlq) == []
 
 
 @pytest.mark.parametrize("status", [EntityStatus.DISABLED, EntityStatus.SEND_DISABLED])

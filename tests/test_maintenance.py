@@ -772,6 +772,36 @@ def test_maintenance_removes_a_table_no_catalog_entry_names_and_nothing_else(sto
             assert [str(m) for m in drain(r, 1)] == ["kept too"]
 
 
+def test_an_unnamed_table_holding_messages_is_reported_and_kept_not_removed(ns: Namespace, root: str) -> None:
+    """The catalog's newest entry (the create of "orders") deleted: the queue vanished without a report, and maintenance
+    then removed its table, messages and all, as an orphan. check() reports such a table and maintenance keeps it; a
+    table that carries a delete's tombstone, or holds no data file, still goes."""
+    ns.create_queue("a")
+    ns.create_queue("orders")  # the catalog's newest entry
+    with ns.get_queue_sender("orders") as s:
+        s.send_messages([Message(f"order {i}") for i in range(5)])
+    table = ns.broker.entity("queue", "orders").table.uri
+    ns.close()
+    os.remove(sorted(glob.glob(f"{root}/_catalog/_delta_log/*.json"))[-1])
+    deleting = _orphan_table(Namespace(root))  # a delete killed after its tombstone: data files and the mark
+    os.makedirs(f"{root}/{deleting}/partition_id=0")
+    Path(f"{root}/{deleting}/partition_id=0/part-x.parquet").write_bytes(b"x")
+    Path(f"{root}/{deleting}/_sparkqueue_deleting").write_bytes(b"")
+    old = time.time() - 3 * 3600
+    for f in glob.glob(f"{root}/entities/**", recursive=True):
+        os.utime(f, (old, old))
+    with Namespace(root, create=False) as again:
+        assert [q.name for q in again.list_queues()] == ["a"]
+        (found,) = again.check()
+        assert found.table == f"table entities/{os.path.basename(table)}" and "no catalog entry names" in found.problem
+        assert not found.repaired
+        again.run_maintenance()
+        assert len(glob.glob(f"{table}/**/*.parquet", recursive=True)) == 1  # the five messages' file stayed
+        assert not os.path.exists(f"{root}/{deleting}")
+        assert [f.table for f in again.check(repair=True)] == [found.table]  # repair leaves it too
+    assert DeltaTable(table).to_pyarrow_table(columns=["body"]).num_rows == 5  # readable as it was
+
+
 def test_a_recent_table_without_catalog_entry_is_left_for_its_create_to_record(ns: Namespace) -> None:
     orphan = _orphan_table(ns)
     ns.run_maintenance(vacuum_retention=timedelta(0))

@@ -4,6 +4,7 @@ namespace's lifecycle and tiers (docs/semantics.md §1, §10, §11)."""
 from __future__ import annotations
 
 import dataclasses
+import glob
 import shutil
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
@@ -89,6 +90,43 @@ def test_list_queues(ns: Namespace) -> None:
     assert [q.name for q in ns.list_queues()] == ["a", "b", "c"]
     ns.delete_queue("b")
     assert [q.name for q in ns.list_queues()] == ["a", "c"]
+
+
+def test_a_queue_whose_log_is_torn_is_listed_as_unknown_and_the_others_counted(ns: Namespace, root: str) -> None:
+    """One queue's torn newest log entry made list_queues_runtime_properties() (and `sparkqueue list`) fail for every
+    queue. That queue is listed with availability "Unknown" and no count; alone, its runtime properties still raise."""
+    for name in ("bad", "good"):
+        ns.create_queue(name)
+        with ns.get_queue_sender(name) as s:
+            s.send_messages([Message("x"), Message("y")])
+    bad_log = ns.broker.entity("queue", "bad").table.uri + "/_delta_log"
+    ns.close()
+    newest = sorted(glob.glob(bad_log + "/*.json"))[-1]
+    data = Path(newest).read_bytes()
+    Path(newest).write_bytes(data[: len(data) // 2])
+    with Namespace(root, create=False) as again:
+        listed = {p.name: p for p in again.list_queues_runtime_properties()}
+        assert (listed["good"].availability_status, listed["good"].active_message_count) == ("Available", 2)
+        assert listed["bad"].availability_status == "Unknown"
+        assert not any(p.available for p in listed["bad"].partitions)
+        with pytest.raises(StorageCorruptedError):
+            again.get_queue_runtime_properties("bad")
+
+
+def test_an_entity_whose_table_is_gone_while_the_catalog_names_it_is_damage_not_deleted(ns: Namespace) -> None:
+    """The queue's directory removed by hand: receives and sends said the entity "was deleted" (EntityNotFoundError),
+    while get_queue and create_queue still found it. Damaged storage is reported as such."""
+    ns.create_queue("q")
+    with ns.get_queue_sender("q") as s:
+        s.send_messages(Message("x"))
+    shutil.rmtree(ns.broker.entity("queue", "q").table.uri)
+    with Namespace(ns.root, create=False) as fresh:  # another process, which never read the table
+        with pytest.raises(StorageCorruptedError, match="catalog names it"):
+            fresh.get_queue_runtime_properties("q")
+        with fresh.get_queue_sender("q") as s, pytest.raises(StorageCorruptedError, match="catalog names it"):
+            s.send_messages(Message("y"))
+        fresh.delete_queue("q")  # the name is free again
+        fresh.create_queue("q")
 
 
 def test_queue_and_topic_names_share_one_case_insensitive_space(ns: Namespace) -> None:

@@ -129,16 +129,35 @@ def test_a_receive_that_splits_a_file_leaves_the_rest_in_files_of_its_count(ns: 
     assert ns.get_queue_runtime_properties("q").active_message_count == 0
 
 
-def test_a_receive_of_one_splits_a_large_file_into_files_of_a_hundred(ns: Namespace, root: str) -> None:
-    """A receive of fewer than 100 messages leaves the rest in files of 100 rows, not of its count: receive(1) from a
-    file of 250 leaves files of 100, 100 and 49, not 249 files of one row."""
+@pytest.mark.parametrize(("sent", "count", "files"), [(250, 1, [1, 49, 100, 100]), (1000, 99, [99, 109, 198, 198, 198, 198])])
+def test_a_small_receive_splits_a_file_into_files_of_a_multiple_of_its_count(
+    ns: Namespace, root: str, sent: int, count: int, files: list[int]
+) -> None:
+    """A receive of fewer than 100 messages leaves the rest in files of a multiple of its count of at least 100 rows:
+    receive(1) from a file of 250 leaves files of 100, 100 and 49, not 249 files of one row; receive(99) leaves files of
+    198 (two receives each), not of 100, which left a file of one row that split the next file again."""
     ns.create_queue("q", enable_partitioning=False)
-    _send(ns, [Message(f"m{i}") for i in range(250)])
+    _send(ns, [Message(f"m{i}") for i in range(sent)])
     (path,) = glob.glob(f"{root}/entities/queue-*")
     with ns.get_queue_receiver("q") as r:
-        (m,) = r.receive_messages(max_message_count=1)
-        assert m.body == b"m0"
-    assert sorted(pa.table(DeltaTable(path).get_add_actions(flatten=True)).column("num_records").to_pylist()) == [1, 49, 100, 100]
+        got = r.receive_messages(max_message_count=count)
+        assert [m.body for m in got] == [f"m{i}".encode() for i in range(count)]
+    assert sorted(pa.table(DeltaTable(path).get_add_actions(flatten=True)).column("num_records").to_pylist()) == files
+
+
+def test_a_split_keeps_files_of_large_messages_at_megabytes(ns: Namespace, root: str) -> None:
+    """The rest of a split file went to files of 800 KB (the byte cap shrank with the 100-row cap): 29 messages of
+    200 KB became eight files. They stay within the usual 8 MB cap: one file."""
+    ns.create_queue("q", enable_partitioning=False)
+    with ns.get_queue_sender("q") as s:
+        batch = s.create_message_batch(max_size_in_bytes=8 * 1024 * 1024)
+        for _ in range(30):
+            batch.add_message(Message(bytes(200_000)))
+        s.send_messages(batch)
+    (path,) = glob.glob(f"{root}/entities/queue-*")
+    with ns.get_queue_receiver("q") as r:
+        assert len(r.receive_messages(max_message_count=1)) == 1
+    assert sorted(pa.table(DeltaTable(path).get_add_actions(flatten=True)).column("num_records").to_pylist()) == [1, 29]
 
 
 def test_a_receive_gathers_from_several_partitions_up_to_its_count(ns: Namespace) -> None:

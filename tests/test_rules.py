@@ -654,36 +654,32 @@ def test_an_action_leaving_no_message_id_dead_letters_the_copy(ns: Namespace, sq
     assert "removed the message id" in (dead.dead_letter_error_description or "")
 
 
-@pytest.mark.parametrize(
-    ("requires_session", "message", "sql"),
-    [
-        (True, Message("x", session_id="s1"), "SET sys.PartitionKey = 'other'"),
-        (False, Message("x", partition_key="k"), "SET sys.SessionId = 'other'"),
-    ],
-)
-def test_an_action_making_the_partition_key_differ_from_the_session_id_dead_letters_the_copy(
-    ns: Namespace, requires_session: bool, message: Message, sql: str
-) -> None:
+def test_an_action_making_the_partition_key_differ_from_the_session_id_dead_letters_the_copy(ns: Namespace) -> None:
     """The session id is the partition key (docs/semantics.md §3). A copy an action gave a partition key other than its
     session id was stored as it was: it could not be sent on, and `sparkqueue resubmit` stopped at it with the
-    subscription's other dead letters. It goes to the dead letters unmodified (RuleActionViolation); an action that keeps
-    the two equal delivers the copy."""
+    subscription's other dead letters. It goes to the dead letters unmodified (RuleActionViolation)."""
     ns.create_topic("t", enable_partitioning=False)
-    ns.create_subscription("t", "s", requires_session=requires_session)
-    ns.create_subscription("t", "same", requires_session=True)
-    ns.create_rule("t", "s", "keys", action=SqlRuleAction(sql))
-    ns.create_rule("t", "same", "keys", action=SqlRuleAction("SET sys.SessionId = 'k2'; SET sys.PartitionKey = 'k2'"))
-    message.message_id = "m"
-    ns.get_topic_sender("t").send_messages(message)
+    ns.create_subscription("t", "s", requires_session=True)
+    ns.create_rule("t", "s", "keys", action=SqlRuleAction("SET sys.PartitionKey = 'other'"))
+    ns.get_topic_sender("t").send_messages(Message("x", message_id="m", session_id="s1"))
     with ns.get_subscription_receiver("t", "s", sub_queue=SubQueue.DEAD_LETTER) as r:
-        dead = peek_all(r)
-    copies = [m for m in dead if m.dead_letter_reason == "RuleActionViolation"]
-    assert [(m.message_id, m.session_id, m.partition_key) for m in copies] == [("m", message.session_id, message.partition_key)]
-    assert "differ from session_id" in (copies[0].dead_letter_error_description or "")
-    with ns.get_subscription_receiver("t", "same", session_id="k2", max_wait_time=2) as r:
-        (kept,) = r.receive_messages(max_message_count=5, max_wait_time=2)
-        assert (kept.session_id, kept.partition_key) == ("k2", "k2")
-        r.complete_message(kept)
+        dead = [m for m in peek_all(r) if m.dead_letter_reason == "RuleActionViolation"]
+    assert [(m.message_id, m.session_id, m.partition_key) for m in dead] == [("m", "s1", None)]  # unmodified
+    assert "differ from session_id" in (dead[0].dead_letter_error_description or "")
+
+
+@pytest.mark.parametrize("message", [Message("x", session_id="a"), Message("x", session_id="a", partition_key="a")])
+def test_an_action_setting_the_session_id_takes_the_partition_key_along(ns: Namespace, message: Message) -> None:
+    """`SET sys.SessionId = 'b'` on a message sent with session "a" and partition key "a" (the SDK allows both, equal)
+    dead-lettered the copy for a key differing from its session: the key is the session id, so it follows it."""
+    ns.create_topic("t", enable_partitioning=False)
+    ns.create_subscription("t", "s", requires_session=True)
+    ns.create_rule("t", "s", "move", action=SqlRuleAction("SET sys.SessionId = 'b'"))
+    ns.get_topic_sender("t").send_messages(message)
+    with ns.get_subscription_receiver("t", "s", session_id="b", max_wait_time=2) as r:
+        (got,) = r.receive_messages(max_message_count=5, max_wait_time=2)
+        assert (got.session_id, got.partition_key) == ("b", None if message.partition_key is None else "b")
+        r.complete_message(got)
 
 
 LONE = "\udc80"  # a lone surrogate: a Python str with no UTF-8 form

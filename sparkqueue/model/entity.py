@@ -316,12 +316,13 @@ class Entity:
                 break
         return pa.concat_tables(out) if out else empty_rows()
 
-    def hidden_partitions(self, sub_queue: str) -> list[int]:
+    def hidden_partitions(self, sub_queue: str, found_down: Collection[int] = ()) -> list[int]:
         """The unavailable partitions whose files may hold messages of the sub-queue, when every such partition is
-        unavailable; else []. A receive that found nothing then raises (`unavailable`) rather than read as empty."""
+        unavailable; else []. A receive that found nothing then raises (`unavailable`) rather than read as empty.
+        `found_down`: partitions other handles found unavailable (a Spark task's, a locking thread's)."""
         dt = self.table.snapshot()
         holding = [p for p in range(self.partition_count) if self.table.may_hold_messages(dt, p, sub_queue, self.subscription)]
-        down = [p for p in holding if not self.available(p)]
+        down = [p for p in holding if p in found_down or not self.available(p)]
         return down if down and len(down) == len(holding) else []
 
     def unavailable(self, partitions: Sequence[int], outcome: str) -> PartitionUnavailableError:
@@ -355,8 +356,9 @@ class Entity:
         Starts from the caller's snapshot and refreshes only after a conflict or its own commit
         (a commit does not advance the handle's version). The messages a commit locks go to one
         data file of their own (up to `limit` rows); `written` collects those files' paths. A file
-        split by the count keeps its other rows in files of about `limit` rows, so the next receives
-        of that count lock whole files (docs/storage.md, "Receives fill their count").
+        split by the count keeps its other rows in files of `limit` rows (a multiple of it, for a
+        small count), so the next receives of that count lock whole files (docs/storage.md,
+        "Receives fill their count").
         """
         if sub_queue == SUB_QUEUE_MAIN and self.route_rest_left_s(dt) > 0:
             return empty_rows()  # forwarders may still hold messages by the route before the change: wait for the rest
@@ -365,7 +367,8 @@ class Entity:
         fresh = True
         dead = False
         scan = limit  # candidates read; grows while expired or over-delivered messages stand in front
-        split = min(max(limit, MIN_SPLIT_ROWS), MAX_FILE_ROWS)
+        count = max(limit, 1)
+        split = min(count * -(-MIN_SPLIT_ROWS // count), MAX_FILE_ROWS)  # receive(30) leaves files of 120: 4 receives each
         while limit > 0 and attempt < LOCK_ATTEMPTS_PER_PARTITION:
             if not fresh:
                 dt = self.table.snapshot()

@@ -32,7 +32,13 @@ from datetime import datetime
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from sparkqueue.errors import InvalidOperationError, OperationTimeoutError, SessionCannotBeLockedError, SessionLockLostError
+from sparkqueue.errors import (
+    InvalidOperationError,
+    OperationTimeoutError,
+    PartitionUnavailableError,
+    SessionCannotBeLockedError,
+    SessionLockLostError,
+)
 from sparkqueue.model import lifecycle
 from sparkqueue.model.entity import POLL_MAX_S, POLL_MIN_S, ROW_COLUMNS, Entity, Guard, SettleResult, empty_rows, utcnow
 from sparkqueue.model.ids import new_ids
@@ -214,22 +220,32 @@ class Sessions:
             p = (start + i) % self.entity.partition_count
             if not self.entity.available(p):
                 continue
-            dt = self.table.snapshot()
-            seen: set[str] = set(exclude)
-            got = self._try_sessions(dt, p, self._free_by_stats(dt, p), seen, prefetch, delete)
+            try:
+                got = self._accept_in(p, prefetch, delete, exclude)
+            except PartitionUnavailableError as exc:  # damage this pass found: skip it, as receives do (the caller reports)
+                log.warning("session accept on %s skipped partition %d: %s", self.entity.name, p, exc)
+                continue
             if got is not None:
                 return got
-            window = 64
-            while True:
-                now = utcnow()
-                cands = self.table.candidates(dt, p, SUB_QUEUE_MAIN, now, window, subscription=self.entity.subscription)
-                got = self._try_sessions(dt, p, cands.column("session_id").to_pylist(), seen, prefetch, delete)
-                if got is not None:
-                    return got
-                if cands.num_rows < window:
-                    break
-                window *= 4  # every session in the window is held: a free one may wait further back
         return None
+
+    def _accept_in(self, p: int, prefetch: int, delete: bool, exclude: frozenset[str]) -> tuple[SessionLock, pa.Table] | None:
+        """Lock a free session of partition p that has an available message, if there is one (see _accept_next)."""
+        dt = self.table.snapshot()
+        seen: set[str] = set(exclude)
+        got = self._try_sessions(dt, p, self._free_by_stats(dt, p), seen, prefetch, delete)
+        if got is not None:
+            return got
+        window = 64
+        while True:
+            now = utcnow()
+            cands = self.table.candidates(dt, p, SUB_QUEUE_MAIN, now, window, subscription=self.entity.subscription)
+            got = self._try_sessions(dt, p, cands.column("session_id").to_pylist(), seen, prefetch, delete)
+            if got is not None:
+                return got
+            if cands.num_rows < window:
+                return None
+            window *= 4  # every session in the window is held: a free one may wait further back
 
     def _free_by_stats(self, dt: Snapshot, p: int) -> list[str]:
         """Sessions of the partition that, by file statistics alone, have a message available now (oldest first)."""

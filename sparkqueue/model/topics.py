@@ -272,6 +272,7 @@ def checked_action_copies(original: pa.Table, acted: pa.Table, max_bytes: int) -
     A message id the action left null reads as "" (the schema holds no null id), which _violations refuses.
     """
     acted = with_columns(acted, message_id=pc.fill_null(acted.column("message_id"), ""))
+    acted = _key_follows_session(original, acted)
     acted = _recompute_size(_recompute_expiry(_recompute_schedule(original, acted.cast(original.schema))))
     problems = _violations(acted, max_bytes)
     if not any(problems):
@@ -355,6 +356,22 @@ def _strict_json(text: str) -> bool:
     except ValueError:
         return False
     return True
+
+
+def _key_follows_session(original: pa.Table, acted: pa.Table) -> pa.Table:
+    """Copies whose action set a new sys.SessionId but left sys.PartitionKey as sent: the key takes the new session id.
+
+    The session id is the partition key (docs/semantics.md §3), so a sender's key equal to its session id was that id;
+    a key an action set itself is left as set (`_violations` refuses one that differs).
+    """
+    key, sid, old_sid = acted.column("partition_key"), acted.column("session_id"), original.column("session_id")
+    moved = pc.and_(
+        pc.coalesce(pc.not_equal(sid, old_sid), pc.is_valid(sid)),  # the action changed (or set) the session id ...
+        pc.fill_null(pc.equal(key, original.column("partition_key")), False),  # ... and kept the sent key
+    )
+    if not pc.any(moved).as_py():
+        return acted
+    return with_columns(acted, partition_key=pc.if_else(moved, sid, key))
 
 
 def _violations(rows: pa.Table, max_bytes: int) -> list[str | None]:

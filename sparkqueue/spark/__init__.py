@@ -80,16 +80,17 @@ def __getattr__(name: str) -> object:
 def release(df: DataFrame) -> int:
     """Delete the staging files a DataFrame from receive_dataframe or a *_dataframe settle reads; returns dirs removed.
 
-    The DataFrame cannot be evaluated afterwards. Other DataFrames are rejected.
+    The DataFrame cannot be evaluated afterwards. One that reads other files is rejected; one that reads no file (an
+    empty receive's, derived) releases nothing.
     """
     dirs = {local_uri(f).rsplit("/", 1)[0] for f in df.inputFiles()}
     staged = getattr(df, STAGING_ATTRIBUTE, None)  # set on the returned DataFrame: covers empty results too
     if staged:
         dirs.add(staged)
-    if not dirs or any(f"/{STAGING_DIR}/" not in d for d in dirs):
+    if any(f"/{STAGING_DIR}/" not in d for d in dirs):
         raise InvalidOperationError(
-            "release() takes a DataFrame that receive_dataframe or a *_dataframe settle returned (or one read from "
-            "only those); this one reads " + (", ".join(sorted(dirs)[:3]) or "no files")
+            "release() takes a DataFrame that receive_dataframe or a *_dataframe settle returned (or one derived from "
+            "those); this one reads " + ", ".join(sorted(dirs)[:3])
         )
     return remove_dirs(sorted(dirs))
 

@@ -42,7 +42,7 @@ from pyspark.sql.datasource import (
 from pyspark.sql.types import StructType
 
 from sparkqueue.broker import split_subscription_path, sub_entity_name
-from sparkqueue.errors import EntityNotFoundError, InvalidOperationError
+from sparkqueue.errors import EntityNotFoundError, InvalidOperationError, StorageCorruptedError
 from sparkqueue.model.addresses import QUEUE, SUBSCRIPTION, TOPIC, Address
 from sparkqueue.model.entity import ROW_COLUMNS, utcnow
 from sparkqueue.spark import streaming
@@ -222,7 +222,10 @@ class EntityReader(DataSourceReader):
         target = ReadTarget.of(streaming.lowered(options))
         self.table_uri, self.subscription, self.sub_queue = target.table_uri, target.subscription, target.sub_queue
         self.storage_options = target.storage_options
-        snap = DeltaLog(open_store(self.table_uri, self.storage_options), FileIndex).load()
+        try:
+            snap = DeltaLog(open_store(self.table_uri, self.storage_options), FileIndex).load()
+        except FileNotFoundError as exc:  # resolve() found the entity in the catalog: its table is lost, not deleted
+            raise StorageCorruptedError(f"table {self.table_uri} is missing, though the namespace catalog names it") from exc
         self.version = snap.version
         self.files = _files_by_partition(snap.files)
         log.debug("reading %s at version %d (%d partitions)", self.table_uri, self.version, len(self.files))

@@ -109,9 +109,9 @@ def receive_dataframe(
             if got:
                 break
             if time.monotonic() >= give_up:
-                down |= set(entity.hidden_partitions(sub_queue))
-                if down:  # damaged storage is reported, never read as empty (docs/semantics.md §10)
-                    raise entity.unavailable(sorted(down), "nothing was received")
+                hidden = entity.hidden_partitions(sub_queue, down)
+                if hidden:  # damaged storage is reported, never read as empty (docs/semantics.md §10), as core receives do
+                    raise entity.unavailable(hidden, "nothing was received")
                 break
             time.sleep(min(poll, max(0.0, give_up - time.monotonic())))
             poll = min(POLL_MAX_S, poll * 2)

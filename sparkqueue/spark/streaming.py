@@ -130,6 +130,11 @@ def address_of(options: Mapping[str, str], *, sink: bool) -> EntityAddress:
         named = ", ".join(f"{forms[k]} = {v!r}" for k, v in names.items())
         raise InvalidOperationError(f"the options name different entities ({named}); name it one way")
     address = next(iter(found.values()))
+    topic = options.get("topic")
+    if topic and not sink and "topic" not in names:  # .option("topic", "t").load("t/s"): the same subscription, or refused
+        owner = Address.of(SUBSCRIPTION, address.name).topic if address.entity_type == SUBSCRIPTION else None
+        if owner is None or owner.lower() != topic.lower():
+            raise InvalidOperationError(f'option "topic" = {topic!r}, but {address.display!r} is not one of its subscriptions')
     if sink and "topic" in names and address.entity_type != TOPIC:
         raise InvalidOperationError(f'option "topic" names {names["topic"]!r}, which is a {address.entity_type}, not a topic')
     return address
@@ -140,11 +145,14 @@ def _names(options: Mapping[str, str], sink: bool) -> dict[str, str]:
     topic, subscription = options.get("topic"), options.get("subscription")
     if subscription and not topic:
         raise InvalidOperationError('option "subscription" needs option "topic" too')
-    if topic and not sink and not subscription:
+    named = options.get("path") or options.get("entity")
+    if topic and not sink and not subscription and not named:
         raise InvalidOperationError(f'option "topic" needs option "subscription": the source reads a subscription of {topic!r}')
-    by_topic = None
-    if topic:
-        by_topic = topic if sink or not subscription else Address.subscription_of(topic, subscription).path
+    by_topic = None  # a topic alone beside a subscription's name: checked against it (address_of)
+    if topic and sink:
+        by_topic = topic
+    elif topic and subscription:
+        by_topic = Address.subscription_of(topic, subscription).path
     given = {k: v for k, v in (("path", options.get("path")), ("entity", options.get("entity")), ("topic", by_topic)) if v}
     if not given:
         what = "queue or topic" if sink else "queue or subscription"

@@ -391,9 +391,10 @@ class StreamState:
         if not items:
             self._release(held)
             self._remove_batch(n)
-            down |= set(entity.hidden_partitions(self.config.sub_queue))
-            if down:  # damaged storage is reported, never read as empty (docs/semantics.md §10), as receive_dataframe does
-                raise entity.unavailable(sorted(down), f"batch {n} of the stream locked nothing")
+            hidden = entity.hidden_partitions(self.config.sub_queue, down)
+            if hidden:  # damaged storage is reported, never read as empty (docs/semantics.md §10): as core receives do,
+                # only when every partition that may hold messages is unavailable; readable ones keep streaming
+                raise entity.unavailable(hidden, f"batch {n} of the stream locked nothing")
             return 0
         manifest = {"batch": n, "items": items, "at": utcnow().isoformat(), "sessions": [_held_record(h) for h in held]}
         self._write_json(f"{self.path}/batch-{n:012d}/{MANIFEST}", manifest)

@@ -38,7 +38,7 @@ FILE_SCHEMA = pa.schema([f for f in ENTITY_SCHEMA if f.name != PARTITION_COLUMN]
 BODY_COLUMN = "body"
 LIGHT_COLUMNS = [c for c in FILE_SCHEMA.names if c != BODY_COLUMN]  # what every check reads: all but the payload
 MAX_FILE_ROWS = 1000
-MIN_SPLIT_ROWS = 100  # a receive splitting a file leaves the rest in files of its count, but of no fewer rows
+MIN_SPLIT_ROWS = 100  # a receive splitting a file leaves the rest in files of its count, or of a multiple of it this large
 MAX_FILE_BYTES = 8 * 1024 * 1024
 CACHE_BYTES = 64 * 1024 * 1024  # per table handle: recently touched files, which settles re-read
 
@@ -168,11 +168,12 @@ class DataFiles:
 
 
 def _chunks(rows: pa.Table, max_rows: int) -> list[pa.Table]:
-    """Rows cut (in order) into files of at most `max_rows` rows and about as many KB (MAX_FILE_BYTES per 1,000)."""
+    """Rows cut (in order) into files of at most `max_rows` rows and MAX_FILE_BYTES (more for files past 1,000 rows:
+    MAX_FILE_BYTES per 1,000). A smaller row cap keeps the byte cap: files of large messages stay a few MB."""
     if rows.num_rows <= 1:  # a single send or lock: no size to weigh (Table.nbytes costs a tenth of a millisecond)
         return [rows] if rows.num_rows else []
     per_row = max(1, rows.nbytes // rows.num_rows)
-    step = max(1, min(max_rows, MAX_FILE_BYTES * max_rows // MAX_FILE_ROWS // per_row))
+    step = max(1, min(max_rows, MAX_FILE_BYTES * max(max_rows, MAX_FILE_ROWS) // MAX_FILE_ROWS // per_row))
     return [rows.slice(i, step) for i in range(0, rows.num_rows, step)]
 
 

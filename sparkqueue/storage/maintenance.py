@@ -35,9 +35,9 @@ from sparkqueue.storage.checkpoint import trim_log, write_checkpoint
 from sparkqueue.storage.files import MAX_FILE_BYTES, MAX_FILE_ROWS, remove_action
 from sparkqueue.storage.index import FileInfo
 from sparkqueue.storage.leases import lease_of, live_leases
-from sparkqueue.storage.log import LOG_DIR, CommitConflict, Snapshot, delete_table
+from sparkqueue.storage.log import LOG_DIR, TOMBSTONE, CommitConflict, Snapshot, delete_table
 from sparkqueue.storage.schema import STATE_COMPLETED, TIMESTAMP, constant
-from sparkqueue.storage.store import Store
+from sparkqueue.storage.store import Entry, Store
 from sparkqueue.storage.table import EntityTable
 
 log = logging.getLogger(__name__)
@@ -324,11 +324,13 @@ def _removals(table: MaintainedTable) -> dict[str, float]:
 def remove_orphan_tables(root: Store, folder: str, live: Callable[[], set[str]], retention: timedelta) -> MaintenanceReport:
     """Delete entity tables under `folder` that no catalog entry names, once all their files are old.
 
-    A process killed between making an entity's table and recording it in the catalog (or between
-    dropping the record and the table) leaves such a table. The folders are listed before `live`
-    reads the catalog, so a table recorded meanwhile counts as live; one being made now is newer
-    than ORPHAN_RETENTION (a create records its table within seconds) and stays, as does a folder
-    with no file yet (a create's first directories).
+    A process killed between making an entity's table and recording it in the catalog (or while
+    deleting the table) leaves such a table. The folders are listed before `live` reads the
+    catalog, so a table recorded meanwhile counts as live; one being made now is newer than
+    ORPHAN_RETENTION (a create records its table within seconds) and stays, as does a folder with
+    no file yet (a create's first directories). A table holding data files is deleted only under
+    its delete's tombstone: otherwise its entry may be what is missing (a damaged catalog), and
+    its messages stay, reported by `unnamed_tables` (Namespace.check).
     """
     report = MaintenanceReport()
     prefix = folder.rstrip("/") + "/"
@@ -341,10 +343,33 @@ def remove_orphan_tables(root: Store, folder: str, live: Callable[[], set[str]],
         files = root.list(table + "/")
         if not files or any(e.mtime_s >= keep_after for e in files):  # no file tells its age: one being made now
             continue
+        if _data_files(table, files) and not any(e.path == f"{table}/{TOMBSTONE}" for e in files):
+            log.warning("left table %s alone: no catalog entry names it, but it holds messages (Namespace.check)", table)
+            continue
         removed = delete_table(root.child(table))
         report.vacuumed_files += removed
         log.info("removed table %s: no catalog entry names it (%d files)", table, removed)
     return report
+
+
+def unnamed_tables(root: Store, folder: str, live: Callable[[], set[str]]) -> dict[str, int]:
+    """Tables under `folder` that no catalog entry names and that hold data files, with how many (what maintenance keeps)."""
+    prefix = folder.rstrip("/") + "/"
+    candidates = root.folders(prefix)
+    named = live()
+    out = {}
+    for table in candidates:
+        if table not in named:
+            files = root.list(table + "/")
+            if (count := len(_data_files(table, files))) and not any(e.path == f"{table}/{TOMBSTONE}" for e in files):
+                out[table] = count
+    return out
+
+
+def _data_files(table: str, files: list[Entry]) -> list[Entry]:
+    """The files of a table's listing outside its log (its data files, and leftovers of writes)."""
+    log_dir = f"{table}/{LOG_DIR}/"
+    return [e for e in files if not e.path.startswith(log_dir) and e.path != f"{table}/{TOMBSTONE}"]
 
 
 def maintain_catalog(catalog: MaintainedTable, vacuum_retention: timedelta | None) -> MaintenanceReport:

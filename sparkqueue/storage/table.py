@@ -129,8 +129,11 @@ class EntityTable:
         partition_count: int,
         faults: FaultInjector | None = None,
         storage_options: dict[str, str] | None = None,
+        named: Callable[[], bool] | None = None,
     ) -> None:
+        """`named()` tells whether the namespace catalog still names this table: a missing log it names is damage."""
         self.uri = uri.rstrip("/")
+        self.named = named
         self.partition_count = partition_count
         self.max_partition_bytes: int | None = None  # the entity's size quota per partition
         self.deleted = False  # a commit found the table deleted under this handle (TableDeletedError)
@@ -176,11 +179,17 @@ class EntityTable:
 
     @contextmanager
     def existing(self) -> Iterator[None]:
-        """Turn a missing log (another process deleted the entity) into EntityNotFoundError."""
+        """Turn a missing log into EntityNotFoundError (another process deleted the entity: the catalog names the
+        table no more), or StorageCorruptedError (the catalog still names it: its files were lost)."""
         try:
             yield
         except FileNotFoundError as exc:
             if not self.log.exists():
+                if self.named is not None and self.named():
+                    raise StorageCorruptedError(
+                        f"table {self.uri} is missing, though the namespace catalog names it: damaged storage "
+                        "(Namespace.check, `sparkqueue check`)"
+                    ) from exc
                 raise EntityNotFoundError(f"the entity stored at {self.uri} was deleted") from exc
             raise StorageCorruptedError(f"table {self.uri}: {exc}") from exc
 

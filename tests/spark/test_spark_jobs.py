@@ -81,6 +81,9 @@ def test_misspelt_settings_are_refused_and_booleans_read_as_written(tmp_path):
             common.load_config(bad)
     bad.write_text('[queue]\nname = "5"\n[stream_consumer]\ntrigger = 30\n')
     assert common.load_config(bad)["queue"]["name"] == "5"
+    for raw in ("2024", "2024-06-01", '"2024"'):  # --set takes such a setting's text as written (quotes optional)
+        args = producer.parse_args(["--set", f"producer.id_prefix={raw}"])
+        assert common.load_config(path, common.overrides_from(args))["producer"]["id_prefix"] == raw.strip('"')
     cfg = common.load_config(path, common.overrides_from(producer.parse_args(["--set", "queue.create=maybe"])))
     with pytest.raises(ValueError, match=r"setting queue\.create must be true or false, got 'maybe'"):
         common.flag(cfg, "queue.create")

@@ -145,8 +145,8 @@ def test_received_dataframe_outlives_a_vacuum_of_the_table_until_released(spark,
 
 def test_settling_a_released_dataframe_and_releasing_another_dataframe_are_clear_errors(spark, ns, numbered, tmp_path):
     """Settling a received DataFrame after release() raised a raw Py4JJavaError with a Java stack; release() of a
-    DataFrame a receive did not return returned 0 (spark.range) or raised a builtin ValueError (a user's Parquet),
-    and receive_dataframe(spark="x") an AttributeError. Each is an InvalidOperationError now, and nothing changes."""
+    DataFrame reading a user's Parquet raised a builtin ValueError, and receive_dataframe(spark="x") an
+    AttributeError. Each is an InvalidOperationError now, and nothing changes."""
     ns.create_queue("q", lock_duration=LONG_LOCK)
     with ns.get_queue_sender("q") as s:
         s.send_dataframe(numbered(5).select("body"))
@@ -161,9 +161,10 @@ def test_settling_a_released_dataframe_and_releasing_another_dataframe_are_clear
         for df in (got, got.where("delivery_count >= 0")):
             with pytest.raises(InvalidOperationError, match="staged messages that are gone"):
                 r.complete_dataframe(df)
-        for other in (spark.range(3), spark.read.parquet(str(tmp_path / "user"))):
-            with pytest.raises(InvalidOperationError, match="takes a DataFrame that receive_dataframe"):
-                release(other)
+        with pytest.raises(InvalidOperationError, match="takes a DataFrame that receive_dataframe"):
+            release(spark.read.parquet(str(tmp_path / "user")))
+        assert release(spark.range(3)) == 0  # reads no file: nothing to release (as a derived empty receive)
+        assert release(r.receive_dataframe(5).select("body")) == 0  # an empty receive, derived: no error either
     assert (tmp_path / "user").exists()
     assert ns.get_queue_runtime_properties("q").total_message_count == 5  # nothing was completed ...
     with ns.get_queue_receiver("q") as r:

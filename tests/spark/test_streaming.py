@@ -14,7 +14,7 @@ import signal
 import subprocess
 import sys
 import time
-from datetime import timedelta
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
 import pyarrow as pa
@@ -555,6 +555,35 @@ def test_sink_rejects_rows_without_body_and_a_query_without_checkpoint(spark, tm
         assert ns.get_queue_runtime_properties("out").active_message_count == 0
 
 
+def test_source_streams_the_readable_partitions_of_a_partly_damaged_queue(spark, tmp_path):
+    """One partition damaged, another holding messages and a scheduled one: the stream failed as soon as a batch locked
+    nothing, though core receives skip a damaged partition while others may hold messages. It streams what it can read."""
+    from procs import key_for_partition
+
+    root = str(tmp_path / "ns")
+    with Namespace(root) as ns:
+        ns.create_queue("q")
+        with ns.get_queue_sender("q") as s:
+            s.send_messages([Message(f"bad-{i}", partition_key=key_for_partition(10)) for i in range(5)])
+            later = datetime.now(UTC) + timedelta(hours=1)
+            s.send_messages(Message("later", partition_key=key_for_partition(6), scheduled_enqueue_time_utc=later))
+            s.send_messages([Message(f"ok-{i}", partition_key=key_for_partition(6)) for i in range(5)])
+    for f in Path(root, "entities").rglob("partition_id=10/*.parquet"):
+        f.write_bytes(b"not parquet")
+    reader = spark.readStream.format("sparkqueue").option("namespace", root).load("q")
+    query = (
+        reader.selectExpr("CAST(body AS STRING) AS body")
+        .writeStream.format("memory")
+        .queryName("partly_damaged")
+        .option("checkpointLocation", str(tmp_path / "ck"))
+        .trigger(availableNow=True)
+        .start()
+    )
+    query.awaitTermination(120)
+    assert query.exception() is None
+    assert sorted(r.body for r in spark.table("partly_damaged").collect()) == [f"ok-{i}" for i in range(5)]
+
+
 def test_options_naming_different_entities_are_refused(spark, tmp_path):
     """`.option("entity", "t/s").load("q")` drained and completed t/s, `.option("topic", ...)` with a subscription lost
     to `load(name)`, and the sink's `.option("entity", "orders").start("audit")` sent to orders: which name won depended
@@ -582,6 +611,9 @@ def test_options_naming_different_entities_are_refused(spark, tmp_path):
     with pytest.raises(PySparkException, match='needs option "subscription"'):
         source(None, topic="t")
     assert source("Q", entity="q").isStreaming  # one entity, named twice
+    assert source("t/s", topic="T").isStreaming  # the topic alone beside one of its subscriptions: the same entity
+    with pytest.raises(PySparkException, match="is not one of its subscriptions"):
+        source("q", topic="t")
     rate = spark.readStream.format("rate").option("rowsPerSecond", 1).load().selectExpr("CAST(value AS STRING) AS body")
     for i, (name, options, match) in enumerate(
         [("q", {"entity": "orders"}, "name different entities"), (None, {"topic": "q"}, "not a topic")]
