@@ -36,6 +36,7 @@ from sparkqueue.errors import (
     PartitionUnavailableError,
     QuotaExceededError,
     SparkQueueError,
+    StorageCorruptedError,
     StorageError,
 )
 from sparkqueue.model import limits
@@ -981,7 +982,7 @@ def _listed(fetch: Callable[[], RuntimeProperties], props: EntityProperties) -> 
     """
     try:
         return fetch()
-    except StorageError as exc:
+    except StorageCorruptedError as exc:  # damage to this entity's table; a store that cannot be reached still raises
         log.warning("runtime properties of %s %r could not be read: %s", props.entity_type, props.name, exc)
         parts = [PartitionRuntimeProperties(partition_id=p, available=False) for p in range(props.partition_count)]
         out = RuntimeProperties.aggregate(props.name, parts)

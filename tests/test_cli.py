@@ -781,6 +781,27 @@ def test_show_and_list_mark_the_counts_of_an_unreadable_partition_as_lower_bound
     assert table.returncode == 0 and "≥0" in table.stdout and "lower bounds" in table.stderr
 
 
+def test_list_shows_a_queue_whose_log_is_torn_as_unknown_and_the_others(root: Path) -> None:
+    """One queue's torn newest log entry made `list` exit 1 without listing anything: it lists every entity, that one
+    with availability Unknown and its counts as lower bounds."""
+    import glob
+
+    with Namespace(root) as ns:
+        for name in ("bad", "good"):
+            ns.create_queue(name, enable_partitioning=False)
+            with ns.get_queue_sender(name) as s:
+                s.send_messages([Message("a"), Message("b")])
+        bad_log = ns.broker.entity("queue", "bad").table.uri + "/_delta_log"
+    newest = sorted(glob.glob(bad_log + "/*.json"))[-1]
+    Path(newest).write_bytes(Path(newest).read_bytes()[:20])
+    listed, table = sq_all(root, ("list", "--json"), ("list",))
+    assert listed.returncode == 0, listed.stderr
+    by_name = {q["name"]: q for q in as_json(listed.stdout)["queues"]}
+    assert (by_name["bad"]["availability_status"], by_name["bad"]["counts_complete"]) == ("Unknown", False)
+    assert (by_name["good"]["active_message_count"], by_name["good"]["counts_complete"]) == (2, True)
+    assert table.returncode == 0 and "good" in table.stdout and "≥0" in table.stdout, table.stdout + table.stderr
+
+
 def test_rule_create_refuses_a_repeated_property_and_echoes_subject(root: Path) -> None:
     """--property region=eu --property region=us kept only "us"; --subject was echoed as `label`."""
     with Namespace(root) as ns:

@@ -787,9 +787,15 @@ def test_an_unnamed_table_holding_messages_is_reported_and_kept_not_removed(ns: 
     os.makedirs(f"{root}/{deleting}/partition_id=0")
     Path(f"{root}/{deleting}/partition_id=0/part-x.parquet").write_bytes(b"x")
     Path(f"{root}/{deleting}/_sparkqueue_deleting").write_bytes(b"")
+    leased = "entities/queue-leased"  # deleted, then a Spark send's lease refresher wrote its lease again: no data
+    EntityTable.create(f"{root}/{leased}")
+    os.makedirs(f"{root}/{leased}/{LEASE_DIR}")
+    Path(f"{root}/{leased}/{LEASE_DIR}/lease-1").write_bytes(b"{}")
+    Path(f"{root}/{leased}/.tmp-1").write_bytes(b"x")
     old = time.time() - 3 * 3600
-    for f in glob.glob(f"{root}/entities/**", recursive=True):
-        os.utime(f, (old, old))
+    for folder, _, names in os.walk(f"{root}/entities"):  # dot files too
+        for name in names:
+            os.utime(f"{folder}/{name}", (old, old))
     with Namespace(root, create=False) as again:
         assert [q.name for q in again.list_queues()] == ["a"]
         (found,) = again.check()
@@ -798,7 +804,12 @@ def test_an_unnamed_table_holding_messages_is_reported_and_kept_not_removed(ns: 
         again.run_maintenance()
         assert len(glob.glob(f"{table}/**/*.parquet", recursive=True)) == 1  # the five messages' file stayed
         assert not os.path.exists(f"{root}/{deleting}")
+        assert not os.path.exists(f"{root}/{leased}")
         assert [f.table for f in again.check(repair=True)] == [found.table]  # repair leaves it too
+        again.create_queue("fresh")  # a table made since the orphan retention is no finding: its create may be running
+        with again.get_queue_sender("fresh") as s:
+            s.send_messages(Message("new"))
+        assert [f.table for f in again.check()] == [found.table]
     assert DeltaTable(table).to_pyarrow_table(columns=["body"]).num_rows == 5  # readable as it was
 
 

@@ -654,17 +654,28 @@ def test_an_action_leaving_no_message_id_dead_letters_the_copy(ns: Namespace, sq
     assert "removed the message id" in (dead.dead_letter_error_description or "")
 
 
-def test_an_action_making_the_partition_key_differ_from_the_session_id_dead_letters_the_copy(ns: Namespace) -> None:
+@pytest.mark.parametrize(
+    ("message", "sql"),
+    [
+        (Message("x", message_id="m", session_id="s1"), "SET sys.PartitionKey = 'other'"),
+        (Message("x", message_id="m", partition_key="K"), "SET sys.SessionId = 'X'; SET sys.PartitionKey = 'K'"),
+    ],
+)
+def test_an_action_making_the_partition_key_differ_from_the_session_id_dead_letters_the_copy(
+    ns: Namespace, message: Message, sql: str
+) -> None:
     """The session id is the partition key (docs/semantics.md §3). A copy an action gave a partition key other than its
     session id was stored as it was: it could not be sent on, and `sparkqueue resubmit` stopped at it with the
-    subscription's other dead letters. It goes to the dead letters unmodified (RuleActionViolation)."""
+    subscription's other dead letters. It goes to the dead letters unmodified (RuleActionViolation), also when the
+    action set the key it was sent with (a key the action sets does not follow the session id)."""
     ns.create_topic("t", enable_partitioning=False)
     ns.create_subscription("t", "s", requires_session=True)
-    ns.create_rule("t", "s", "keys", action=SqlRuleAction("SET sys.PartitionKey = 'other'"))
-    ns.get_topic_sender("t").send_messages(Message("x", message_id="m", session_id="s1"))
+    ns.delete_rule("t", "s", "$Default")
+    ns.create_rule("t", "s", "keys", action=SqlRuleAction(sql))
+    ns.get_topic_sender("t").send_messages(message)
     with ns.get_subscription_receiver("t", "s", sub_queue=SubQueue.DEAD_LETTER) as r:
         dead = [m for m in peek_all(r) if m.dead_letter_reason == "RuleActionViolation"]
-    assert [(m.message_id, m.session_id, m.partition_key) for m in dead] == [("m", "s1", None)]  # unmodified
+    assert [(m.message_id, m.session_id, m.partition_key) for m in dead] == [("m", message.session_id, message.partition_key)]
     assert "differ from session_id" in (dead[0].dead_letter_error_description or "")
 
 

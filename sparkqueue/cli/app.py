@@ -479,22 +479,32 @@ def list_entities(
     ns = state(ctx).namespace()
     rows: list[dict[str, Any]] = []
 
-    def row(kind: str, name: str, props: Any, rp: Callable[[], Any]) -> dict[str, Any]:
+    def row(kind: str, name: str, props: Any, listed: Callable[[], list[Any]]) -> dict[str, Any] | None:
         r: dict[str, Any] = {"type": kind, "name": name, "partitions": props.partition_count}
         if counts:
-            r.update({k: v for k, v in render.runtime_dict(rp()).items() if k != "partitions"})
+            # The list calls: an entity whose table cannot be read is listed as "Unknown", not the listing failed.
+            rp = {x.name: x for x in listed()}.get(name)
+            if rp is None:
+                return None  # deleted since it was listed
+            r.update({k: v for k, v in render.runtime_dict(rp).items() if k != "partitions"})
         return r
 
     queues = sorted(ns.list_queues(), key=lambda p: p.name)
     topics = sorted(ns.list_topics(), key=lambda p: p.name)
+    queue_counts = functools.cache(ns.list_queues_runtime_properties)
+    topic_counts = functools.cache(ns.list_topics_runtime_properties)
     for q in queues:
-        rows.append(row("queue", q.name, q, functools.partial(ns.get_queue_runtime_properties, q.name)))
+        if (r := row("queue", q.name, q, queue_counts)) is not None:
+            rows.append(r)
     for t in topics:
-        rows.append(row("topic", t.name, t, functools.partial(ns.get_topic_runtime_properties, t.name)))
+        if (r := row("topic", t.name, t, topic_counts)) is None:
+            continue
+        rows.append(r)
+        sub_counts = functools.cache(functools.partial(ns.list_subscriptions_runtime_properties, t.name))
         for s in sorted(ns.list_subscriptions(t.name), key=lambda p: p.name):
-            sub = row("subscription", s.name, s, functools.partial(ns.get_subscription_runtime_properties, t.name, s.name))
-            sub["topic"] = t.name
-            rows.append(sub)
+            if (sub := row("subscription", s.name, s, sub_counts)) is not None:
+                sub["topic"] = t.name
+                rows.append(sub)
     if as_json:
         print_json(
             {
@@ -824,8 +834,9 @@ def _resubmit_problems(result: ops.ResubmitResult, target: ops.Target) -> list[s
         )
     if result.returned:
         problems.append(
-            f"{result.returned} resubmitted message(s) came straight back to the dead-letter queue ({target.label} "
-            "forwards to a destination that is missing or disabled): fix its forward_to, then resubmit again."
+            f"{result.returned} resubmitted message(s) came straight back to the dead-letter queue: `sparkqueue peek "
+            f"{target.label} --dead-letter` shows why (a rule action that makes the copy invalid, a missing session id, "
+            "or a forward_to to a destination that is missing or disabled); fix that, then resubmit again."
         )
     return problems
 

@@ -115,7 +115,7 @@ def _copies(indexed: pa.Table, sub: Subscriber, cap: int) -> list[pa.Table]:
         matched = indexed.filter(hit)
         if matched.num_rows:
             acted = with_rule_name(rule.action.apply(matched, cap).select(indexed.schema.names), rule.name)
-            acted = checked_action_copies(matched, acted, cap)
+            acted = checked_action_copies(matched, acted, cap, key_set=rule.action.sets("partition_key"))
             out.append(_cap_ttl(_tag(acted, sub.key), sub))
     if plain is not None:
         matched = indexed.filter(plain)
@@ -266,13 +266,14 @@ def check_session_action(action: Any, requires_session: bool, partition_count: i
     )
 
 
-def checked_action_copies(original: pa.Table, acted: pa.Table, max_bytes: int) -> pa.Table:
+def checked_action_copies(original: pa.Table, acted: pa.Table, max_bytes: int, *, key_set: bool = False) -> pa.Table:
     """Rule-action copies with enqueue time, size and expiry recomputed; a copy made invalid is dead-lettered unmodified.
 
     A message id the action left null reads as "" (the schema holds no null id), which _violations refuses.
     """
     acted = with_columns(acted, message_id=pc.fill_null(acted.column("message_id"), ""))
-    acted = _key_follows_session(original, acted)
+    if not key_set:  # an action that sets sys.PartitionKey itself keeps what it set (_violations checks it)
+        acted = _key_follows_session(original, acted)
     acted = _recompute_size(_recompute_expiry(_recompute_schedule(original, acted.cast(original.schema))))
     problems = _violations(acted, max_bytes)
     if not any(problems):
@@ -287,7 +288,8 @@ def sessionless_dead_lettered(copies: pa.Table, entity_kind: str) -> pa.Table:
 
     A message no session receiver could ever take would otherwise sit there unreceivable.
     """
-    missing = pc.is_null(copies.column("session_id"))
+    # A copy dead-lettered already (a rule action left it invalid) keeps its reason: dead letters need no session.
+    missing = pc.and_(pc.is_null(copies.column("session_id")), pc.not_equal(copies.column("sub_queue"), SUB_QUEUE_DEAD_LETTER))
     if not pc.any(missing).as_py():
         return copies
     why = f"the {entity_kind} requires sessions and the message has no session_id"
@@ -361,8 +363,9 @@ def _strict_json(text: str) -> bool:
 def _key_follows_session(original: pa.Table, acted: pa.Table) -> pa.Table:
     """Copies whose action set a new sys.SessionId but left sys.PartitionKey as sent: the key takes the new session id.
 
-    The session id is the partition key (docs/semantics.md §3), so a sender's key equal to its session id was that id;
-    a key an action set itself is left as set (`_violations` refuses one that differs).
+    The session id is the partition key (docs/semantics.md §3), so the key a sender gave follows the new id. The caller
+    skips this for an action that sets sys.PartitionKey itself: that key stays as set (`_violations` refuses one that
+    differs from the session id).
     """
     key, sid, old_sid = acted.column("partition_key"), acted.column("session_id"), original.column("session_id")
     moved = pc.and_(

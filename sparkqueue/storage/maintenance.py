@@ -36,7 +36,7 @@ from sparkqueue.storage.files import MAX_FILE_BYTES, MAX_FILE_ROWS, remove_actio
 from sparkqueue.storage.index import FileInfo
 from sparkqueue.storage.leases import lease_of, live_leases
 from sparkqueue.storage.log import LOG_DIR, TOMBSTONE, CommitConflict, Snapshot, delete_table
-from sparkqueue.storage.schema import STATE_COMPLETED, TIMESTAMP, constant
+from sparkqueue.storage.schema import PARTITION_COLUMN, STATE_COMPLETED, TIMESTAMP, constant
 from sparkqueue.storage.store import Entry, Store
 from sparkqueue.storage.table import EntityTable
 
@@ -353,23 +353,34 @@ def remove_orphan_tables(root: Store, folder: str, live: Callable[[], set[str]],
 
 
 def unnamed_tables(root: Store, folder: str, live: Callable[[], set[str]]) -> dict[str, int]:
-    """Tables under `folder` that no catalog entry names and that hold data files, with how many (what maintenance keeps)."""
+    """Tables under `folder` that no catalog entry names and that hold data files, with how many (what maintenance keeps).
+
+    As maintenance, it counts only tables whose files are all older than ORPHAN_RETENTION, and reads the catalog
+    again after listing them: a create or delete running meanwhile is not reported as a lost entry.
+    """
     prefix = folder.rstrip("/") + "/"
     candidates = root.folders(prefix)
     named = live()
+    keep_after = time.time() - ORPHAN_RETENTION.total_seconds()
     out = {}
     for table in candidates:
-        if table not in named:
-            files = root.list(table + "/")
-            if (count := len(_data_files(table, files))) and not any(e.path == f"{table}/{TOMBSTONE}" for e in files):
-                out[table] = count
+        if table in named:
+            continue
+        files = root.list(table + "/")
+        if any(e.mtime_s >= keep_after for e in files) or any(e.path == f"{table}/{TOMBSTONE}" for e in files):
+            continue
+        if count := len(_data_files(table, files)):
+            out[table] = count
+    if out:
+        named = live()
+        out = {t: n for t, n in out.items() if t not in named}
     return out
 
 
 def _data_files(table: str, files: list[Entry]) -> list[Entry]:
-    """The files of a table's listing outside its log (its data files, and leftovers of writes)."""
-    log_dir = f"{table}/{LOG_DIR}/"
-    return [e for e in files if not e.path.startswith(log_dir) and e.path != f"{table}/{TOMBSTONE}"]
+    """The data files of a table's listing: those of its partitions, not its log, leases, staging or temporary files."""
+    data = f"{table}/{PARTITION_COLUMN}="
+    return [e for e in files if e.path.startswith(data) and not e.path.rsplit("/", 1)[-1].startswith(".tmp-")]
 
 
 def maintain_catalog(catalog: MaintainedTable, vacuum_retention: timedelta | None) -> MaintenanceReport:
