@@ -364,6 +364,14 @@ def expected_failures(verbose: bool) -> Iterator[None]:
         pass
     try:
         yield
+    except KeyboardInterrupt:
+        if verbose:
+            raise
+        logging.getLogger("jobs").error(
+            "interrupted: what the run completed stays completed; messages it had locked come back when their locks "
+            "expire (queue.lock_duration), and staged files go with the next run's clean-up"
+        )
+        raise SystemExit(130) from None
     except failures as exc:
         if verbose:
             raise

@@ -151,10 +151,8 @@ def core_round_trip(ns: Namespace, args: argparse.Namespace, console: Console) -
             console.print(f"dead letter {m.message_id}: {m.dead_letter_reason} ({m.dead_letter_error_description})", markup=False)
     if dead_now:  # not before the detection window has passed: the ids are still recorded as sent
         window = ns.get_queue(QUEUE).duplicate_detection_history_time_window
-        console.print(
-            f"move them back, once duplicate detection's {window} window has passed (a resubmitted copy keeps its id): "
-            f"sparkqueue --root {ns.root} resubmit {QUEUE}"
-        )
+        console.print(f"move them back, once duplicate detection's {window} window has passed (a resubmitted copy keeps its id):")
+        console.print(f"  sparkqueue --root {ns.root} resubmit {QUEUE}", soft_wrap=True, markup=False)  # one line to copy
     return dropped
 
 

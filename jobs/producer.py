@@ -79,6 +79,15 @@ def run(cfg: dict[str, Any], spark: SparkSession) -> int:
             accepted = sender.send_dataframe(build_frame(spark, cfg))
         elapsed = time.perf_counter() - started
         log.info("sent %d messages to %s in %.1fs (%.0f msg/s)", accepted, queue, elapsed, accepted / max(elapsed, 1e-9))
+        generated = None if cfg["producer"]["source"] else common.numbers(cfg, NUMBERS)[0]
+        if generated is not None and accepted < generated:  # a re-run with the same id prefix: said, not left to guess
+            log.info(
+                "%d of the %d generated messages were dropped by duplicate detection: %s already holds their ids "
+                "(an earlier run); use another --id-prefix to send new ones",
+                generated - accepted,
+                generated,
+                queue,
+            )
         return accepted
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 import subprocess
 import sys
@@ -187,6 +188,25 @@ def test_bad_settings_and_transforms_are_named_before_spark_starts(tmp_path):
         with pytest.raises(SystemExit) as exit_info:
             job(["--config", str(path), *args])
         assert exit_info.value.code == 1
+
+
+def test_a_producer_rerun_says_its_messages_were_dropped_as_duplicates(spark, tmp_path, caplog):
+    """A second run with the same id prefix logged only "sent 0 messages", leaving the user to guess why."""
+    path = write_config(tmp_path, 10)
+    args = ["--set", "producer.generate=20", "--set", "queue.requires_duplicate_detection=true"]
+    cfg = common.load_config(path, common.overrides_from(producer.parse_args(args)))
+    assert producer.run(cfg, spark) == 20
+    with caplog.at_level(logging.INFO, logger="jobs"):
+        assert producer.run(cfg, spark) == 0
+    assert "20 of the 20 generated messages were dropped by duplicate detection" in caplog.text
+
+
+def test_an_interrupted_job_reports_in_one_line_and_exits_130(caplog):
+    """Ctrl-C in a job printed three chained tracebacks (pyspark's signal handler, py4j): one line says what stays done."""
+    with caplog.at_level(logging.ERROR, logger="jobs"), pytest.raises(SystemExit) as exit_info, common.expected_failures(False):
+        raise KeyboardInterrupt
+    assert exit_info.value.code == 130
+    assert len(caplog.records) == 1 and "interrupted" in caplog.records[0].getMessage()
 
 
 def test_a_consumer_refuses_an_output_table_of_other_columns_before_receiving(spark, tmp_path):
