@@ -479,11 +479,11 @@ def list_entities(
     ns = state(ctx).namespace()
     rows: list[dict[str, Any]] = []
 
-    def row(kind: str, name: str, props: Any, listed: Callable[[], list[Any]]) -> dict[str, Any] | None:
+    def row(kind: str, name: str, props: Any, listed: Callable[[], dict[str, Any]]) -> dict[str, Any] | None:
         r: dict[str, Any] = {"type": kind, "name": name, "partitions": props.partition_count}
         if counts:
             # The list calls: an entity whose table cannot be read is listed as "Unknown", not the listing failed.
-            rp = {x.name: x for x in listed()}.get(name)
+            rp = listed().get(name)
             if rp is None:
                 return None  # deleted since it was listed
             r.update({k: v for k, v in render.runtime_dict(rp).items() if k != "partitions"})
@@ -491,8 +491,8 @@ def list_entities(
 
     queues = sorted(ns.list_queues(), key=lambda p: p.name)
     topics = sorted(ns.list_topics(), key=lambda p: p.name)
-    queue_counts = functools.cache(ns.list_queues_runtime_properties)
-    topic_counts = functools.cache(ns.list_topics_runtime_properties)
+    queue_counts = functools.cache(lambda: _by_name(ns.list_queues_runtime_properties()))
+    topic_counts = functools.cache(lambda: _by_name(ns.list_topics_runtime_properties()))
     for q in queues:
         if (r := row("queue", q.name, q, queue_counts)) is not None:
             rows.append(r)
@@ -500,7 +500,7 @@ def list_entities(
         if (r := row("topic", t.name, t, topic_counts)) is None:
             continue
         rows.append(r)
-        sub_counts = functools.cache(functools.partial(ns.list_subscriptions_runtime_properties, t.name))
+        sub_counts = functools.cache(lambda t=t: _by_name(ns.list_subscriptions_runtime_properties(t.name)))
         for s in sorted(ns.list_subscriptions(t.name), key=lambda p: p.name):
             if (sub := row("subscription", s.name, s, sub_counts)) is not None:
                 sub["topic"] = t.name
@@ -997,3 +997,8 @@ def rule_delete(ctx: typer.Context, topic: Topic, subscription: Subscription, na
     """Delete a rule of a subscription (quote '$Default' in the shell)."""
     state(ctx).namespace().delete_rule(topic, subscription, name)
     done(f"Deleted rule {name!r} of {topic}/{subscription}.")
+
+
+def _by_name(listed: list[Any]) -> dict[str, Any]:
+    """Runtime properties from a list call, by entity name (`list` looks each entity up once)."""
+    return {rp.name: rp for rp in listed}

@@ -37,7 +37,7 @@ from pyspark.sql.datasource import DataSourceStreamArrowWriter, WriterCommitMess
 from pyspark.sql.types import StructType
 
 from sparkqueue.errors import InvalidOperationError, SparkQueueError, StorageError
-from sparkqueue.message import Message, message_label, to_rows
+from sparkqueue.message import MESSAGE_FIELDS, Message, message_label, to_rows
 from sparkqueue.model import limits
 from sparkqueue.model.entity import utcnow
 from sparkqueue.model.properties import check_status
@@ -63,7 +63,6 @@ STRING_FIELDS = (
     "reply_to_session_id",
     "content_type",
 )
-MESSAGE_FIELDS = ("body", *STRING_FIELDS, "application_properties", "time_to_live", "scheduled_enqueue_time_utc")
 
 _namespaces: dict[EntityAddress, Any] = {}
 _lock = threading.Lock()

@@ -333,17 +333,8 @@ def remove_orphan_tables(root: Store, folder: str, live: Callable[[], set[str]],
     its messages stay, reported by `unnamed_tables` (Namespace.check).
     """
     report = MaintenanceReport()
-    prefix = folder.rstrip("/") + "/"
-    candidates = root.folders(prefix)
-    named = live()
-    keep_after = time.time() - max(retention, ORPHAN_RETENTION).total_seconds()
-    for table in candidates:
-        if table in named:
-            continue
-        files = root.list(table + "/")
-        if not files or any(e.mtime_s >= keep_after for e in files):  # no file tells its age: one being made now
-            continue
-        if _data_files(table, files) and not any(e.path == f"{table}/{TOMBSTONE}" for e in files):
+    for table, files in _old_unnamed(root, folder, live, retention):
+        if _holds_messages(table, files):
             log.warning("left table %s alone: no catalog entry names it, but it holds messages (Namespace.check)", table)
             continue
         removed = delete_table(root.child(table))
@@ -358,29 +349,39 @@ def unnamed_tables(root: Store, folder: str, live: Callable[[], set[str]]) -> di
     As maintenance, it counts only tables whose files are all older than ORPHAN_RETENTION, and reads the catalog
     again after listing them: a create or delete running meanwhile is not reported as a lost entry.
     """
-    prefix = folder.rstrip("/") + "/"
-    candidates = root.folders(prefix)
-    named = live()
-    keep_after = time.time() - ORPHAN_RETENTION.total_seconds()
-    out = {}
-    for table in candidates:
-        if table in named:
-            continue
-        files = root.list(table + "/")
-        if any(e.mtime_s >= keep_after for e in files) or any(e.path == f"{table}/{TOMBSTONE}" for e in files):
-            continue
-        if count := len(_data_files(table, files)):
-            out[table] = count
+    out = {table: n for table, files in _old_unnamed(root, folder, live, timedelta(0)) if (n := _holds_messages(table, files))}
     if out:
         named = live()
         out = {t: n for t, n in out.items() if t not in named}
     return out
 
 
-def _data_files(table: str, files: list[Entry]) -> list[Entry]:
-    """The data files of a table's listing: those of its partitions, not its log, leases, staging or temporary files."""
+def _old_unnamed(
+    root: Store, folder: str, live: Callable[[], set[str]], retention: timedelta
+) -> Iterator[tuple[str, list[Entry]]]:
+    """Tables under `folder` that no catalog entry names and whose files are all older than `retention` (at least
+    ORPHAN_RETENTION), with their listings. The folders are listed before `live` reads the catalog, so a table recorded
+    meanwhile counts as named; a folder with no file yet (a create's first directories) is left out: nothing tells its age.
+    """
+    candidates = root.folders(folder.rstrip("/") + "/")
+    named = live()
+    keep_after = time.time() - max(retention, ORPHAN_RETENTION).total_seconds()
+    for table in candidates:
+        if table in named:
+            continue
+        files = root.list(table + "/")
+        if files and not any(e.mtime_s >= keep_after for e in files):
+            yield table, files
+
+
+def _holds_messages(table: str, files: list[Entry]) -> int:
+    """How many data files an unnamed table's listing holds (those of its partitions, not its log, leases, staging or
+    temporary files), 0 under its delete's tombstone: what maintenance must not remove, since its entry may be what is
+    missing (a damaged catalog)."""
+    if any(e.path == f"{table}/{TOMBSTONE}" for e in files):
+        return 0
     data = f"{table}/{PARTITION_COLUMN}="
-    return [e for e in files if e.path.startswith(data) and not e.path.rsplit("/", 1)[-1].startswith(".tmp-")]
+    return sum(1 for e in files if e.path.startswith(data) and not e.path.rsplit("/", 1)[-1].startswith(".tmp-"))
 
 
 def maintain_catalog(catalog: MaintainedTable, vacuum_retention: timedelta | None) -> MaintenanceReport:
