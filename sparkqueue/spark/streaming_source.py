@@ -20,11 +20,13 @@ sessions and takes their messages in order, records the session locks in the man
 them, and completes the messages under them and releases the sessions after the commit, so a
 session's messages keep their order within and across batches (docs/spark-streaming.md, "Sessions").
 
-While a batch is in flight a thread in the source process renews its locks every third of the
-entity's lock duration. A lock lost anyway (the query was down longer than a lock duration) is
-handled on completion: the sequence numbers whose completion failed are kept in the stream's
-`_skip.json`, and when this stream receives such a message again it completes it instead of
-emitting it, so committed output is not repeated. Batch records that Spark never logged (the
+While a batch is in flight a thread in the source process renews its locks a third of the entity's
+lock duration after they were taken (or last renewed), oldest first and in commits of RENEW_CHUNK
+messages, so a large batch's first locks are renewed well before they lapse. A lock lost anyway
+(the query was down longer than a lock duration) is handled on completion: the sequence numbers
+whose completion failed are kept in the stream's `_skip.json`, and when this stream receives such
+a message again it completes it instead of emitting it, so committed output is not repeated (nor
+counted again against a Trigger.AvailableNow run's budget). Batch records that Spark never logged (the
 process died between recording a batch and Spark writing its offset) are discarded at the next
 `latestOffset`, their locks abandoned.
 """
@@ -33,6 +35,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import random
 import threading
 import time
@@ -85,6 +88,7 @@ MAX_SESSIONS_PER_BATCH = 256  # renewing (and completing) a session is a commit 
 SESSIONS_JOURNAL = "_sessions.json"  # a batch's session locks as they are taken (released if the batch is never logged)
 Held = tuple[SessionLock, list[int]]  # a session lock and the sequence numbers the batch emits under it
 LOCK_THREADS = 4  # partitions locked (and completed) at once by the source's driver process
+RENEW_CHUNK = RECEIVE_CHUNK  # messages per renewal commit: a large batch's oldest locks are renewed first, not last
 ROWS_PER_TASK = 20_000  # a batch is read by one Spark task per this many messages (at most one per queue partition)
 MANIFEST = "_manifest.json"
 SKIP_FILE = "_skip.json"
@@ -274,11 +278,16 @@ class StreamState:
         self.fs, self.path = filesystem(self.uri)
         self.fs.create_dir(self.path, recursive=True)
         self.inflight: dict[int, list[Item]] = {}
+        self.renewed_at: dict[int, float] = {}  # in-flight batch -> when (monotonic) its locks were taken or last renewed
         self.held: dict[int, list[Held]] = {}  # session batches: the session locks that cover their messages
         self.session_ops = threading.Lock()  # renewal never runs beside a completion or release of a batch's sessions
         self.lock = threading.Lock()
+        # Held while one batch's locks are renewed: its completion waits rather than racing the renewal, whose
+        # commits would make the completion retry on and on while the locks aged unrenewed.
+        self.renewal = threading.Lock()
         self.skip = self._load_skip()
         self._stopping = threading.Event()
+        self._wake = threading.Event()  # a batch was recorded (or the source stops): the renewer looks again
         self._renewer: threading.Thread | None = None
         self.pool = ThreadPoolExecutor(LOCK_THREADS, thread_name_prefix=f"sparkqueue-stream-{stream_id[:8]}")
         self._local = threading.local()
@@ -375,14 +384,15 @@ class StreamState:
         items: list[Item] = []
         held: list[Held] = []
         down: set[int] = set()
+        started = time.monotonic()
         try:
             while not items:
                 if self.by_session:
                     got = self._lock_sessions(n, staging, want, items, held)
                 else:
                     got = self._lock(staging, want, items, down)
-                if self.budget is not None:
-                    self.budget -= got
+                if self.budget is not None:  # what the batch emits: a message completed at once was counted when emitted
+                    self.budget -= len(items)
                 if got == 0 or (self.budget is not None and self.budget <= 0):
                     break
         except BaseException:
@@ -400,9 +410,11 @@ class StreamState:
         self._write_json(f"{self.path}/batch-{n:012d}/{MANIFEST}", manifest)
         with self.lock:
             self.inflight[n] = items
+            self.renewed_at[n] = started
             if held:
                 self.held[n] = held
         self._ensure_renewer()
+        self._wake.set()
         log.info("stream %s: batch %d holds %d messages of %s", self.stream_id, n, len(items), self.config.address.display)
         return len(items)
 
@@ -653,6 +665,7 @@ class StreamState:
             out += group_partitions(n, [(files[p], tokens[p]) for p in sorted(tokens)])
         if out:
             self._ensure_renewer()
+            self._wake.set()  # batches replayed after a restart hold locks of unknown age: renewed at once
         return out
 
     # ---- completion ------------------------------------------------------------------------------
@@ -662,8 +675,9 @@ class StreamState:
         for b in self.batches():
             if b > n:
                 break
-            with self.lock:
+            with self.renewal, self.lock:
                 renewed = self.inflight.pop(b, None)  # the renewer leaves locks being completed alone
+                self.renewed_at.pop(b, None)  # if the completion fails, the restored batch is renewed at once
             held = self._held_of(b)
             items = self._items(b)
             try:
@@ -729,8 +743,9 @@ class StreamState:
         for b in self.batches():
             if b <= n:
                 continue
-            with self.lock:
+            with self.renewal, self.lock:
                 self.inflight.pop(b, None)
+                self.renewed_at.pop(b, None)
             held = self._held_of(b)
             with self.lock:
                 self.held.pop(b, None)
@@ -779,29 +794,63 @@ class StreamState:
             self._renewer.start()
 
     def _renew_loop(self) -> None:
-        """Renew the in-flight batches' locks every third of the lock duration (own namespace handle: own thread)."""
+        """Renew each in-flight batch's locks a third of the lock duration after they were taken or last renewed, and the
+        session locks of session batches every third (own namespace handle: own thread)."""
         ns = self.config.address.namespace()
+        sessions_due = time.monotonic() + max(0.5, self.config.address.entity(ns).policy.lock_duration.total_seconds() / 3)
         try:
-            while True:
-                entity = self.config.address.entity(ns)
-                interval = max(0.5, entity.policy.lock_duration.total_seconds() / 3)
-                if self._stopping.wait(interval):
-                    return
-                with self.lock:
-                    items = [it for b in sorted(self.inflight) if b not in self.held for it in self.inflight[b]]
-                self._renew_sessions(ns)
-                if not items:
-                    continue
-                try:
-                    result = self._settle_on(ns, items, lifecycle.RENEW)
-                except SparkQueueError as exc:
-                    log.warning("stream %s: lock renewal failed (%s); retrying", self.stream_id, exc)
-                    continue
-                lost = result.ok.count(False)
-                if lost:
-                    log.info("stream %s: %d in-flight messages no longer hold their lock", self.stream_id, lost)
+            while not self._stopping.is_set():
+                third = max(0.5, self.config.address.entity(ns).policy.lock_duration.total_seconds() / 3)
+                now = time.monotonic()
+                if now >= sessions_due:
+                    self._renew_sessions(ns)
+                    sessions_due = now + third
+                due = self._renew_due(third)
+                self._wake.wait(max(0.0, min(due, sessions_due) - time.monotonic()))
+                self._wake.clear()
         finally:
             ns.close()
+
+    def _renew_due(self, third: float) -> float:
+        """Renew the message locks of batches taken or renewed a third of the lock duration ago (batches not yet
+        renewed since a restart at once); returns when (monotonic) the next renewal is due.
+
+        Oldest batch first, and within a batch in the order its locks were taken (each partition's
+        first messages first), RENEW_CHUNK messages at a time with partitions in parallel.
+        """
+        with self.lock:
+            batches = sorted(b for b in self.inflight if b not in self.held)
+        for b in batches:
+            with self.renewal:
+                with self.lock:
+                    items = self.inflight.get(b)
+                    last = self.renewed_at.get(b, 0.0)
+                if items is None or time.monotonic() < last + third:
+                    continue
+                start = time.monotonic()
+                try:
+                    lost = self._renew_batch(items)
+                except SparkQueueError as exc:
+                    log.warning("stream %s: lock renewal failed (%s); retrying", self.stream_id, exc)
+                    return time.monotonic() + 0.5
+                with self.lock:
+                    if b in self.inflight:
+                        self.renewed_at[b] = start
+            if lost:
+                log.info("stream %s: %d in-flight messages of batch %d no longer hold their lock", self.stream_id, lost, b)
+        with self.lock:
+            pending = [self.renewed_at.get(b, 0.0) for b in self.inflight if b not in self.held]
+        return min(pending, default=math.inf) + third
+
+    def _renew_batch(self, items: list[Item]) -> int:
+        """Renew a batch's message locks in the order they were taken, RENEW_CHUNK at a time; how many were lost."""
+        lost = 0
+        ordered = in_lock_order(items)
+        for i in range(0, len(ordered), RENEW_CHUNK):
+            if self._stopping.is_set():
+                break
+            lost += self._settle(ordered[i : i + RENEW_CHUNK], lifecycle.RENEW).count(False)
+        return lost
 
     def _renew_sessions(self, ns: Namespace) -> None:
         """Renew the session locks of in-flight batches (they cover their messages' locks), one commit each.
@@ -828,12 +877,24 @@ class StreamState:
     def stop(self) -> None:
         """Stop renewing; close the namespace handle."""
         self._stopping.set()
+        self._wake.set()
         if self._renewer is not None:
             self._renewer.join(timeout=5)
         self.pool.shutdown(wait=True)
         for ns in self._thread_namespaces:
             ns.close()
         self.ns.close()
+
+
+def in_lock_order(items: list[Item]) -> list[Item]:
+    """A batch's items in the order their locks were taken: partitions lock in parallel, each its messages in order."""
+    rank: dict[int, int] = defaultdict(int)
+    keyed = []
+    for item in items:
+        p = partition_of(item[0])
+        keyed.append((rank[p], item))
+        rank[p] += 1
+    return [item for _, item in sorted(keyed, key=lambda k: k[0])]
 
 
 def _held_record(held: Held) -> list[Any]:

@@ -844,6 +844,50 @@ def test_skipped_messages_of_a_deleted_entity_do_not_hide_those_of_the_one_made_
         assert ns.get_queue_runtime_properties("q").total_message_count == 0
 
 
+def test_available_now_counts_each_message_once_when_a_lapsed_lock_brings_it_back(tmp_path):
+    """Trigger.AvailableNow takes as many messages as the queue held. A batch whose locks lapsed before completion
+    sends its messages back; the stream completes them unseen (their output was committed).
+
+    Before, those completions counted against the run's budget a second time: the run ended early
+    with that many messages never emitted (CI saw 81,920 of 300,000 left in the queue).
+    """
+    from sparkqueue.spark.streaming_source import StreamState, source_config
+
+    root = str(tmp_path / "ns")
+    with Namespace(root) as ns:
+        ns.create_queue("q", enable_partitioning=False, lock_duration=timedelta(seconds=1))
+    send(root, "q", 10)
+    state = StreamState(source_config({"namespace": root, "path": "q"}), "stream-1", available_now=True)
+    try:
+        assert state.receive(0, 4) == 4
+        with state.lock:  # the renewer waits for this lock: nothing renews batch 0, and its locks lapse
+            time.sleep(2.5)
+        state.complete_through(0)  # the sink had committed batch 0: its messages are skipped when they come again
+        assert len(state.skip) == 4
+        emitted = 0
+        for n in range(1, 10):
+            got = state.receive(n, 100)
+            if not got:
+                break
+            emitted += got
+            state.complete_through(n)
+        assert emitted == 6 and not state.skip
+    finally:
+        state.stop()
+    with Namespace(root) as ns:
+        assert ns.get_queue_runtime_properties("q").total_message_count == 0
+
+
+def test_renewal_takes_a_batch_in_the_order_its_locks_were_taken():
+    """Partitions lock in parallel, so a batch's oldest locks are each partition's first: renewal takes those first."""
+    from sparkqueue.spark.streaming_source import in_lock_order
+    from sparkqueue.storage.table import sequence_number
+
+    a = [(sequence_number(0, i), f"a{i}") for i in range(3)]
+    b = [(sequence_number(5, i), f"b{i}") for i in range(2)]
+    assert [t for _, t in in_lock_order(a + b)] == ["a0", "b0", "a1", "b1", "a2"]
+
+
 def _session_queue(root: str, sessions: int, per: int, lock: timedelta | None = None) -> None:
     """A session queue holding `per` messages of each of `sessions` sessions, sent round by round."""
     with Namespace(root) as ns:
