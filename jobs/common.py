@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 from sparkqueue import Namespace
 from sparkqueue.errors import EntityAlreadyExistsError, EntityNotFoundError, SparkQueueError
+from sparkqueue.model.properties import QueueProperties
 
 if TYPE_CHECKING:  # pyspark is imported only by the jobs that start Spark (maintenance does not)
     from pyspark.sql import SparkSession
@@ -278,24 +279,46 @@ def check_source(cfg: dict[str, Any], what: str) -> None:
 def ensure_queue(ns: Namespace, cfg: dict[str, Any]) -> str:
     """The configured queue's name, creating the queue with the configured settings when allowed and missing (the producer)."""
     name = str(cfg["queue"]["name"])
+    wanted = queue_settings(cfg)
     try:
-        ns.get_queue(name)
+        warn_of_other_settings(ns.get_queue(name), wanted)
         return name
     except EntityNotFoundError:
         if not flag(cfg, "queue.create"):
             raise
     try:
-        ns.create_queue(
-            name,
-            enable_partitioning=flag(cfg, "queue.enable_partitioning"),
-            requires_duplicate_detection=flag(cfg, "queue.requires_duplicate_detection"),
-            lock_duration=timedelta(seconds=number(cfg, "queue.lock_duration", float)),
-            max_delivery_count=number(cfg, "queue.max_delivery_count", int, 1),
-        )
+        ns.create_queue(name, **wanted)
         log.info("created queue %s", name)
     except EntityAlreadyExistsError:
-        pass  # another job created it first
+        warn_of_other_settings(ns.get_queue(name), wanted)  # another job created it first
     return name
+
+
+def queue_settings(cfg: dict[str, Any]) -> dict[str, Any]:
+    """The [queue] settings a created queue gets, as create_queue's keyword arguments."""
+    return {
+        "enable_partitioning": flag(cfg, "queue.enable_partitioning"),
+        "requires_duplicate_detection": flag(cfg, "queue.requires_duplicate_detection"),
+        "lock_duration": timedelta(seconds=number(cfg, "queue.lock_duration", float)),
+        "max_delivery_count": number(cfg, "queue.max_delivery_count", int, 1),
+    }
+
+
+def _shown(value: object) -> str:
+    """A setting's value as the config writes it (a duration in seconds)."""
+    return f"{value.total_seconds():g}" if isinstance(value, timedelta) else repr(value)
+
+
+def warn_of_other_settings(props: QueueProperties, wanted: dict[str, Any]) -> None:
+    """Log the configured [queue] settings an existing queue does not have: the queue's own settings apply."""
+    differ = [f"{k} is {_shown(getattr(props, k))}, not {_shown(v)}" for k, v in wanted.items() if getattr(props, k) != v]
+    if differ:
+        log.warning(
+            "queue %s exists with other settings than the config's [queue] (which apply only when the producer creates "
+            "it): %s; the queue's settings apply (Namespace.update_queue changes those that can change)",
+            props.name,
+            "; ".join(differ),
+        )
 
 
 def setup_logging(verbose: bool) -> None:

@@ -7,6 +7,7 @@ import os
 import subprocess
 import sys
 import time
+from datetime import timedelta
 from pathlib import Path
 
 import pytest
@@ -199,6 +200,24 @@ def test_a_producer_rerun_says_its_messages_were_dropped_as_duplicates(spark, tm
     with caplog.at_level(logging.INFO, logger="jobs"):
         assert producer.run(cfg, spark) == 0
     assert "20 of the 20 generated messages were dropped by duplicate detection" in caplog.text
+
+
+def test_the_producer_names_settings_an_existing_queue_does_not_have(tmp_path, caplog):
+    """The producer reused an existing queue with other settings than the config's [queue] without a word."""
+    cfg = common.load_config(write_config(tmp_path, 60))
+    with common.namespace(cfg) as ns:
+        ns.create_queue("jobs-q", lock_duration=timedelta(seconds=30), max_delivery_count=10)
+        with caplog.at_level(logging.WARNING, logger="jobs"):
+            assert common.ensure_queue(ns, cfg) == "jobs-q"
+        assert [r.getMessage().split(": ", 1)[1] for r in caplog.records] == [
+            "lock_duration is 30, not 60; the queue's settings apply (Namespace.update_queue changes those that can change)"
+        ]
+        caplog.clear()
+        ns.update_queue(ns.get_queue("jobs-q"), lock_duration=timedelta(seconds=60))
+        with caplog.at_level(logging.WARNING, logger="jobs"):
+            assert common.ensure_queue(ns, cfg) == "jobs-q"
+        assert caplog.records == []
+        assert ns.get_queue("jobs-q").lock_duration == timedelta(seconds=60)
 
 
 def test_an_interrupted_job_reports_in_one_line_and_exits_130(caplog):
