@@ -89,6 +89,7 @@ SESSIONS_JOURNAL = "_sessions.json"  # a batch's session locks as they are taken
 Held = tuple[SessionLock, list[int]]  # a session lock and the sequence numbers the batch emits under it
 LOCK_THREADS = 4  # partitions locked (and completed) at once by the source's driver process
 RENEW_CHUNK = RECEIVE_CHUNK  # messages per renewal commit: a large batch's oldest locks are renewed first, not last
+RENEW_RETRY_S = 0.5  # a renewal that failed (or a renewer round that raised) is tried again after this
 ROWS_PER_TASK = 20_000  # a batch is read by one Spark task per this many messages (at most one per queue partition)
 MANIFEST = "_manifest.json"
 SKIP_FILE = "_skip.json"
@@ -290,6 +291,9 @@ class StreamState:
         self._wake = threading.Event()  # a batch was recorded (or the source stops): the renewer looks again
         self._renewer: threading.Thread | None = None
         self.pool = ThreadPoolExecutor(LOCK_THREADS, thread_name_prefix=f"sparkqueue-stream-{stream_id[:8]}")
+        # Renewal commits have threads of their own: stop() need not wait for one, and locking never delays them.
+        self.renew_pool = ThreadPoolExecutor(LOCK_THREADS, thread_name_prefix=f"sparkqueue-renew-{stream_id[:8]}")
+        self._sessions_now = False  # a replayed session batch: its session locks are renewed at once
         self._local = threading.local()
         self._thread_namespaces: list[Namespace] = []
         self.budget: int | None = self._available_count() if available_now else None
@@ -604,11 +608,8 @@ class StreamState:
 
     def _settle(self, items: list[Item], op: str) -> list[bool]:
         """Settle items partition by partition in parallel threads; per item: did its lock hold."""
-        groups: dict[int, list[int]] = defaultdict(list)
-        for i, (s, _) in enumerate(items):
-            groups[partition_of(s)].append(i)
         ok = [False] * len(items)
-        idx = list(groups.values())
+        idx = partition_groups(items)
         results = self.pool.map(lambda ii: self._settle_on(self._thread_namespace(), [items[i] for i in ii], op).ok, idx)
         for ii, res in zip(idx, results, strict=True):
             for i, v in zip(ii, res, strict=True):
@@ -652,9 +653,11 @@ class StreamState:
                 )
             items = [(int(s), str(t)) for s, t in m["items"]]
             with self.lock:
+                replayed = n not in self.inflight  # no renewed_at entry either: its locks are renewed at once
                 self.inflight.setdefault(n, items)
                 if m.get("sessions"):
                     self.held.setdefault(n, [_held_of_record(r) for r in m["sessions"]])
+                    self._sessions_now = self._sessions_now or replayed
             tokens: dict[int, list[str]] = defaultdict(list)
             for s, t in items:
                 tokens[partition_of(s)].append(t)
@@ -689,7 +692,8 @@ class StreamState:
             except SparkQueueError as exc:  # e.g. a partition unavailable: keep the record, retry at the next call
                 if renewed is not None:  # and keep the locks renewed until then: another receiver must not take them
                     with self.lock:
-                        self.inflight.setdefault(b, renewed)
+                        self.inflight.setdefault(b, renewed)  # with no renewed_at entry: renewed at once
+                    self._wake.set()
                 log.warning("stream %s: completing batch %d failed (%s); will retry", self.stream_id, b, exc)
                 return
             lost = [s for (s, _), ok in zip(items, done, strict=True) if not ok]
@@ -795,28 +799,41 @@ class StreamState:
 
     def _renew_loop(self) -> None:
         """Renew each in-flight batch's locks a third of the lock duration after they were taken or last renewed, and the
-        session locks of session batches every third (own namespace handle: own thread)."""
+        session locks of session batches every third (own namespace handle: own thread).
+
+        A round that raises is logged and tried again: the thread must outlive any one failure,
+        or the batches in flight would lose their locks.
+        """
         ns = self.config.address.namespace()
-        sessions_due = time.monotonic() + max(0.5, self.config.address.entity(ns).policy.lock_duration.total_seconds() / 3)
+        sessions_due = math.inf  # set in the first round
         try:
             while not self._stopping.is_set():
-                third = max(0.5, self.config.address.entity(ns).policy.lock_duration.total_seconds() / 3)
-                now = time.monotonic()
-                if now >= sessions_due:
-                    self._renew_sessions(ns)
-                    sessions_due = now + third
-                due = self._renew_due(third)
-                self._wake.wait(max(0.0, min(due, sessions_due) - time.monotonic()))
+                try:
+                    third = max(0.5, self.config.address.entity(ns).policy.lock_duration.total_seconds() / 3)
+                    now = time.monotonic()
+                    sessions_due = min(sessions_due, now + third)
+                    if now >= sessions_due or self._sessions_now:
+                        self._sessions_now = False
+                        self._renew_sessions(ns)
+                        sessions_due = now + third
+                    due = min(self._renew_due(third), sessions_due)
+                except Exception:
+                    log.exception("stream %s: lock renewal failed; retrying", self.stream_id)
+                    due = time.monotonic() + RENEW_RETRY_S
+                self._wake.wait(max(0.0, due - time.monotonic()))
                 self._wake.clear()
         finally:
             ns.close()
 
     def _renew_due(self, third: float) -> float:
-        """Renew the message locks of batches taken or renewed a third of the lock duration ago (batches not yet
-        renewed since a restart at once); returns when (monotonic) the next renewal is due.
+        """Renew the message locks of batches taken or renewed a third of the lock duration ago (batches with no such
+        time, replayed after a restart or restored after a failed completion, at once); returns when (monotonic) the
+        next renewal is due.
 
         Oldest batch first, and within a batch in the order its locks were taken (each partition's
-        first messages first), RENEW_CHUNK messages at a time with partitions in parallel.
+        first messages first), RENEW_CHUNK messages at a time with partitions in parallel. A
+        partition whose renewal fails does not stop the others, nor later batches: its batch is
+        tried again after RENEW_RETRY_S.
         """
         with self.lock:
             batches = sorted(b for b in self.inflight if b not in self.held)
@@ -824,33 +841,48 @@ class StreamState:
             with self.renewal:
                 with self.lock:
                     items = self.inflight.get(b)
-                    last = self.renewed_at.get(b, 0.0)
+                    last = self.renewed_at.get(b, -math.inf)
                 if items is None or time.monotonic() < last + third:
                     continue
                 start = time.monotonic()
-                try:
-                    lost = self._renew_batch(items)
-                except SparkQueueError as exc:
-                    log.warning("stream %s: lock renewal failed (%s); retrying", self.stream_id, exc)
-                    return time.monotonic() + 0.5
+                lost, failed = self._renew_batch(items)
                 with self.lock:
-                    if b in self.inflight:
-                        self.renewed_at[b] = start
+                    if b in self.inflight:  # a failed batch is due again after RENEW_RETRY_S
+                        self.renewed_at[b] = time.monotonic() - third + RENEW_RETRY_S if failed else start
             if lost:
                 log.info("stream %s: %d in-flight messages of batch %d no longer hold their lock", self.stream_id, lost, b)
         with self.lock:
-            pending = [self.renewed_at.get(b, 0.0) for b in self.inflight if b not in self.held]
+            pending = [self.renewed_at.get(b, -math.inf) for b in self.inflight if b not in self.held]
         return min(pending, default=math.inf) + third
 
-    def _renew_batch(self, items: list[Item]) -> int:
-        """Renew a batch's message locks in the order they were taken, RENEW_CHUNK at a time; how many were lost."""
+    def _renew_batch(self, items: list[Item]) -> tuple[int, bool]:
+        """Renew a batch's message locks in the order they were taken, RENEW_CHUNK at a time.
+
+        Returns how many locks were lost, and whether a partition's renewal failed (its items are
+        then neither renewed nor counted lost; the other partitions are renewed).
+        """
         lost = 0
+        failed = False
         ordered = in_lock_order(items)
         for i in range(0, len(ordered), RENEW_CHUNK):
             if self._stopping.is_set():
                 break
-            lost += self._settle(ordered[i : i + RENEW_CHUNK], lifecycle.RENEW).count(False)
-        return lost
+            chunk = ordered[i : i + RENEW_CHUNK]
+            groups = [[chunk[j] for j in ii] for ii in partition_groups(chunk)]
+            for result in self.renew_pool.map(self._renew_partition, groups):
+                if result is None:
+                    failed = True
+                else:
+                    lost += result
+        return lost, failed
+
+    def _renew_partition(self, items: list[Item]) -> int | None:
+        """Renew one partition's items on the calling thread's handle: how many locks were lost, None when it failed."""
+        try:
+            return self._settle_on(self._thread_namespace(), items, lifecycle.RENEW).ok.count(False)
+        except SparkQueueError as exc:
+            log.warning("stream %s: renewing %d locks failed (%s); retrying", self.stream_id, len(items), exc)
+            return None
 
     def _renew_sessions(self, ns: Namespace) -> None:
         """Renew the session locks of in-flight batches (they cover their messages' locks), one commit each.
@@ -880,10 +912,19 @@ class StreamState:
         self._wake.set()
         if self._renewer is not None:
             self._renewer.join(timeout=5)
+        self.renew_pool.shutdown(wait=False, cancel_futures=True)  # a renewal commit under way is not waited for
         self.pool.shutdown(wait=True)
         for ns in self._thread_namespaces:
             ns.close()
         self.ns.close()
+
+
+def partition_groups(items: list[Item]) -> list[list[int]]:
+    """The indexes of `items` grouped by queue partition (settles and renewals commit a partition at a time)."""
+    groups: dict[int, list[int]] = defaultdict(list)
+    for i, (s, _) in enumerate(items):
+        groups[partition_of(s)].append(i)
+    return list(groups.values())
 
 
 def in_lock_order(items: list[Item]) -> list[Item]:

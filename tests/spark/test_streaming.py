@@ -878,6 +878,81 @@ def test_available_now_counts_each_message_once_when_a_lapsed_lock_brings_it_bac
         assert ns.get_queue_runtime_properties("q").total_message_count == 0
 
 
+def test_a_batch_whose_renewal_fails_does_not_stop_the_renewal_of_later_batches(tmp_path, monkeypatch):
+    """Batch 0's partition fails its settles, so its completion fails and it stays in flight; batch 1 holds messages of
+    a healthy partition. Before, every renewal round stopped at batch 0: batch 1's locks lapsed while Spark processed
+    it, and another receiver took its messages."""
+    from procs import key_for_partition
+
+    from sparkqueue.errors import PartitionUnavailableError
+    from sparkqueue.model import lifecycle
+    from sparkqueue.spark.streaming_source import StreamState, source_config
+    from sparkqueue.storage.table import partition_of
+
+    root = str(tmp_path / "ns")
+    failing, healthy = 3, 9
+    with Namespace(root) as ns:
+        ns.create_queue("q", lock_duration=timedelta(seconds=3))
+        with ns.get_queue_sender("q") as s:
+            s.send_messages([Message(f"a{i}", partition_key=key_for_partition(failing)) for i in range(5)])
+    state = StreamState(source_config({"namespace": root, "path": "q"}), "stream-1", available_now=False)
+    settle_on = state._settle_on
+
+    def partition_fails(ns, items, op):
+        if op in (lifecycle.RENEW, lifecycle.COMPLETE) and any(partition_of(s) == failing for s, _ in items):
+            raise PartitionUnavailableError(f"partition {failing} is unavailable (test)")
+        return settle_on(ns, items, op)
+
+    monkeypatch.setattr(state, "_settle_on", partition_fails)
+    try:
+        assert state.receive(0, 10) == 5
+        state.complete_through(0)  # fails: batch 0 stays in flight, its renewal failing too
+        assert 0 in state.inflight
+        with Namespace(root) as ns, ns.get_queue_sender("q") as s:
+            s.send_messages([Message(f"b{i}", partition_key=key_for_partition(healthy)) for i in range(5)])
+        assert state.receive(1, 10) == 5
+        time.sleep(4.5)  # Spark processes batch 1 for longer than a lock duration
+        with Namespace(root) as ns, ns.get_queue_receiver("q") as r:
+            taken = [m.body.decode() for m in r.receive_messages(10, max_wait_time=1)]
+        assert [b for b in taken if b.startswith("b")] == []
+    finally:
+        state.stop()
+
+
+def test_the_renewer_outlives_an_unexpected_error(tmp_path, monkeypatch):
+    """An error other than sparkqueue's (here an OSError) in a renewal ended the renewal thread: the batch in flight
+    lost its locks and another receiver took its messages. It is logged and the renewal tried again."""
+    from sparkqueue.model import lifecycle
+    from sparkqueue.spark.streaming_source import StreamState, source_config
+
+    root = str(tmp_path / "ns")
+    with Namespace(root) as ns:
+        ns.create_queue("q", enable_partitioning=False, lock_duration=timedelta(seconds=3))
+    send(root, "q", 5)
+    state = StreamState(source_config({"namespace": root, "path": "q"}), "stream-1", available_now=False)
+    settle_on = state._settle_on
+    raised: list[str] = []
+
+    def first_renewal_fails(ns, items, op):
+        if op == lifecycle.RENEW and not raised:
+            raised.append(op)
+            raise OSError("a transient I/O error (test)")
+        return settle_on(ns, items, op)
+
+    monkeypatch.setattr(state, "_settle_on", first_renewal_fails)
+    try:
+        assert state.receive(0, 10) == 5
+        time.sleep(4.5)
+        assert raised
+        with Namespace(root) as ns, ns.get_queue_receiver("q") as r:
+            assert r.receive_messages(10, max_wait_time=1) == []
+        state.complete_through(0)
+    finally:
+        state.stop()
+    with Namespace(root) as ns:
+        assert ns.get_queue_runtime_properties("q").total_message_count == 0
+
+
 def test_renewal_takes_a_batch_in_the_order_its_locks_were_taken():
     """Partitions lock in parallel, so a batch's oldest locks are each partition's first: renewal takes those first."""
     from sparkqueue.spark.streaming_source import in_lock_order
