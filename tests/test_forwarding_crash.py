@@ -544,13 +544,14 @@ def test_a_message_a_concurrent_forwarder_expired_while_another_delivered_it_is_
     with Namespace(root) as ns:
         ns.create_queue("dst")
         ns.create_queue("src", enable_partitioning=False, dead_lettering_on_message_expiration=True)
-        with ns.get_queue_sender("src") as s:
-            s.send_messages(Message("m1", message_id="m1", time_to_live=timedelta(seconds=6)))
-        expires = time.monotonic() + 6
-    set_forward_to_leaving_messages_waiting(root, "src", "dst")  # m1 waits: forward_pending_messages forwards it
-    child = pausing(root, "_deliver", "go-forward", stdin=subprocess.PIPE)
+    child = pausing(root, "_deliver", "go-forward", stdin=subprocess.PIPE)  # A starts before m1's time to live does
     try:
         assert child.stdout is not None and child.stdin is not None and child.stdout.readline() == "ready\n"
+        with Namespace(root) as ns, ns.get_queue_sender("src") as s:
+            # live until A has read it, after a process that sets forward_to has run (6 s were too few on a loaded machine)
+            s.send_messages(Message("m1", message_id="m1", time_to_live=timedelta(seconds=15)))
+        expires = time.monotonic() + 15
+        set_forward_to_leaving_messages_waiting(root, "src", "dst")  # m1 waits: forward_pending_messages forwards it
         child.stdin.write("go\n")
         child.stdin.flush()
         assert child.stdout.readline() == "paused\n"  # A read m1 while it was live

@@ -234,7 +234,7 @@ def test_a_consumer_refuses_an_output_table_of_other_columns_before_receiving(sp
     an output path that is a file is refused as well. By default the output follows the namespace root."""
     from jobs import stream_consumer
 
-    path = write_config(tmp_path, 10)
+    path = write_config(tmp_path, 60)  # no lock may lapse between receive and complete, even on a loaded machine
     cfg = common.load_config(path, common.overrides_from(producer.parse_args(["--set", "producer.generate=20"])))
     assert producer.run(cfg, spark) == 20
     cfg["consumer"]["max_messages"] = 5
