@@ -205,6 +205,39 @@ def test_session_messages_have_the_session_lock(root: str, queue: str, tmp_path:
             r.complete_message(m0)
 
 
+def test_a_receive_right_after_a_renewal_stamps_the_renewed_expiry(root: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A renewal (an AutoLockRenewer thread) and a receive of the application's thread: a receive that ran between the
+    renewal's commit and the holder learning the new expiry stamped its messages with the old one, so settling them
+    raised MessageLockLostError once that had passed, though the session lock held. The receive here runs in that gap
+    (in the renewing call itself), where a thread switch would put it."""
+    from sparkqueue.model import sessions
+
+    with Namespace(root) as ns:
+        ns.create_queue("short", requires_session=True, lock_duration=timedelta(seconds=3))
+    _send(root, "short", "s1", ["m0"])
+    with Namespace(root) as ns, ns.get_queue_receiver("short", session_id="s1") as r:
+        assert r.session is not None
+        first_until = r.session.locked_until_utc
+        got: list[Any] = []
+        commit = sessions.retry_commit
+
+        def renew_then_receive(attempt: Any, deadline: Any, what: str) -> Any:
+            out = commit(attempt, deadline, what)
+            if what == "renew session lock" and not got:
+                got.extend(r.receive_messages(max_message_count=1, max_wait_time=1))
+            return out
+
+        time.sleep(1.5)
+        monkeypatch.setattr(sessions, "retry_commit", renew_then_receive)
+        renewed_until = r.session.renew_lock()
+        monkeypatch.undo()
+        (m0,) = got
+        assert m0.locked_until_utc == renewed_until == r.session.locked_until_utc
+        while datetime.now(UTC) <= first_until + timedelta(seconds=0.3):  # past the first expiry, before the renewed one
+            time.sleep(0.05)
+        r.complete_message(m0)
+
+
 def test_peek_on_a_session_receiver_shows_only_its_session(root: str, queue: str, tmp_path: Path) -> None:
     """Another process's sessions (even in the same partition) never show in a session receiver's peek."""
     for s in ("s1", "s2", "s3"):

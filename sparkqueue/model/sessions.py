@@ -418,10 +418,10 @@ class Sessions:
             if rows.num_rows:
                 changes.append(_session_until_changes(lifecycle.changes(rows, OP_SET), until))
             self._apply(dt, lock.partition, lock.session_id, pa.concat_tables(changes))
+            lock.locked_until = until  # under the mutex: a receive right after stamps its messages with the new expiry
             return until
 
-        lock.locked_until = retry_commit(attempt, self.entity.deadline(), "renew session lock")
-        return lock.locked_until
+        return retry_commit(attempt, self.entity.deadline(), "renew session lock")
 
     def get_state(self, lock: SessionLock) -> bytes | None:
         """The session state stored with the session."""
