@@ -19,9 +19,18 @@ import pytest
 from deltalake import DeltaTable
 
 from sparkqueue.errors import StorageCorruptedError, StorageError
-from sparkqueue.storage.checkpoint import write_checkpoint
+from sparkqueue.storage.checkpoint import last_checkpoint_problem, write_checkpoint
 from sparkqueue.storage.index import FileIndex
-from sparkqueue.storage.log import MARK_PREFIX, MARK_RETENTION_MS, CommitConflict, DeltaLog, Fence, Snapshot
+from sparkqueue.storage.log import (
+    MARK_PREFIX,
+    MARK_RETENTION_MS,
+    CommitConflict,
+    DeltaLog,
+    Fence,
+    Snapshot,
+    TableDeletedError,
+    delete_table,
+)
 from sparkqueue.storage.schema import ENTITY_SCHEMA, PARTITION_COLUMN
 from sparkqueue.storage.store import Entry, LocalStore, resolve_root
 from sparkqueue.storage.table import EntityTable
@@ -814,3 +823,36 @@ def test_a_commit_whose_liveness_check_fails_after_it_landed_is_reported_landed(
     version = table.log.commit(snap, [table.data.write(0, _rows(0, 1, 1))], [], [Fence("sparkqueue.seq.0", 1)])
     monkeypatch.undo()
     assert _second_handle(table).load().version == version
+
+
+def test_a_checkpoint_written_after_its_table_was_deleted_is_removed_and_no_commit_takes_it_for_a_live_log(
+    table: EntityTable,
+) -> None:
+    """Maintenance read the table, another process deleted it, then the checkpoint's put made the table's folder again;
+    a sender whose handle predated the delete committed on, counted that checkpoint as a live log, and its send was
+    acknowledged into a deleted table: lost. The checkpointer now removes what it wrote, and a commit counts only
+    checkpoints at or after its own version (a trim keeps the entries from the newest checkpoint on)."""
+    snap = table.snapshot()
+    _one_row_commits(table, snap, 2)
+    sender = _second_handle(table)
+    theirs = sender.load()
+    delete_table(table.store)
+    assert not write_checkpoint(table.store, snap)
+    assert not Path(table.uri).exists()
+    # A checkpoint of an older version put after the delete (the window before the checkpointer removes it).
+    table.store.put(f"_delta_log/{snap.version - 1:020d}.checkpoint.parquet", b"older")
+    with pytest.raises(TableDeletedError):
+        sender.commit(theirs, [table.data.write(9, _rows(9, 1, 1))], [], [Fence("sparkqueue.seq.9", 1)])
+    assert not (Path(table.uri) / "_delta_log" / f"{snap.version + 1:020d}.json").exists()
+
+
+def test_a_checkpoint_written_after_check_listed_the_log_is_not_reported_missing(table: EntityTable) -> None:
+    """`check` lists the log, then reads `_last_checkpoint`: a checkpoint written in between (any writer's, every 100th
+    version, or maintenance) was reported as "names version N, which has no checkpoint", damage that was not there."""
+    snap = table.snapshot()
+    _one_row_commits(table, snap, 2)
+    listed = [e.path for e in table.store.list("_delta_log/")]
+    assert write_checkpoint(table.store, snap)
+    assert last_checkpoint_problem(table.store, listed) is None
+    table.store.delete(f"_delta_log/{snap.version:020d}.checkpoint.parquet")  # really missing: still reported
+    assert "which has no checkpoint" in str(last_checkpoint_problem(table.store, listed))

@@ -487,6 +487,35 @@ def test_maintenance_trims_the_delta_log(ns: Namespace, root: str) -> None:
         assert len(s.send_messages(Message("after", message_id="after"))) == 1
 
 
+def test_an_old_file_removed_minutes_ago_is_kept_for_the_retention_after_the_log_forgot_its_removal(
+    ns: Namespace, root: str
+) -> None:
+    """The log keeps minutes of entries, vacuum's retention is an hour. Once the entry that removed a file was trimmed,
+    vacuum judged the file by its age alone: a two-hour-old file went minutes after its removal, under any reader
+    still holding an older snapshot (a long spark.read, a Delta reader), which then found a live file missing. Vacuum
+    now counts from when it first found the file unreferenced."""
+    ns.create_queue("q", enable_partitioning=False)
+    with ns.get_queue_sender("q") as s:
+        s.send_messages([Message(f"m{i}", message_id=f"m{i}") for i in range(5)])
+    table = _table_path(root)
+    two_hours_ago = time.time() - 7200
+    sent = glob.glob(f"{table}/partition_id=*/*.parquet")
+    for f in [*sent, *glob.glob(f"{table}/_delta_log/*.json")]:
+        os.utime(f, (two_hours_ago, two_hours_ago))
+    pinned = DeltaTable(table)  # a reader holding the version before the removal
+    with ns.get_queue_receiver("q") as r:
+        r.complete_messages(drain(r, 5))
+    three_minutes_ago = time.time() - 180  # past the log retention: the removal's entry is trimmed
+    for f in glob.glob(f"{table}/_delta_log/*.json"):
+        os.utime(f, (three_minutes_ago, three_minutes_ago))
+    for _ in range(2):
+        ns.run_maintenance()
+        assert all(os.path.exists(f) for f in sent)
+    assert pinned.to_pyarrow_table().num_rows == 5
+    ns.run_maintenance(vacuum_retention=timedelta(0))  # found unreferenced long enough now
+    assert not any(os.path.exists(f) for f in sent)
+
+
 def test_run_maintenance_vacuums_the_catalog_and_trims_its_log(ns: Namespace, root: str) -> None:
     """Every catalog change writes the whole catalog to a new file: maintenance deletes the replaced files once past
     the vacuum retention and the log entries behind its checkpoint once past the log retention; nothing else changes."""

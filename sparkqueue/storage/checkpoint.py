@@ -18,7 +18,15 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from sparkqueue.storage.log import LOG_DIR, MARK_PREFIX, MARK_RETENTION_MS, Snapshot, log_retention_s
+from sparkqueue.storage.log import (
+    LOG_DIR,
+    MARK_PREFIX,
+    MARK_RETENTION_MS,
+    Snapshot,
+    deleted_since,
+    log_retention_s,
+    withdraw,
+)
 from sparkqueue.storage.store import Store
 
 log = logging.getLogger(__name__)
@@ -41,8 +49,13 @@ def write_checkpoint(store: Store, snap: Snapshot, now_ms: int | None = None) ->
         table = checkpoint_table(snap, now_ms)
         sink = pa.BufferOutputStream()
         pq.write_table(table, sink, compression="snappy")
-        store.put(f"{LOG_DIR}/{snap.version:020d}.checkpoint.parquet", sink.getvalue().to_pybytes())
+        path = f"{LOG_DIR}/{snap.version:020d}.checkpoint.parquet"
+        store.put(path, sink.getvalue().to_pybytes())
         _point_at(store, snap.version, table.num_rows)
+        if deleted_since(store, snap.version):  # the put made the table's folder again: a sender must not find it live
+            withdraw(store, [path, LAST_CHECKPOINT])
+            log.info("%s was deleted while it was checkpointed at version %d", store.uri, snap.version)
+            return False
     except Exception as exc:
         log.warning("checkpoint of %s at version %d skipped: %s", store.uri, snap.version, exc)
         return False
@@ -136,7 +149,7 @@ def last_checkpoint_problem(store: Store, paths: Iterable[str]) -> str | None:
     named = last_checkpoint_version(store)
     if named is None:
         return f"{LAST_CHECKPOINT} cannot be read ({raw[:40]!r}); Delta readers list the log instead"
-    if named in complete_checkpoints(paths):
+    if named in complete_checkpoints(paths) or checkpoint_exists(store, named):  # one written since the listing is fine
         return None
     return f"{LAST_CHECKPOINT} names version {named}, which has no checkpoint: delta-rs cannot open the table"
 

@@ -578,23 +578,49 @@ class DeltaLog:
     def _alone(self, version: int) -> bool:
         """True when the entry just written is the log's only one: the table was deleted (the entry before it is gone).
 
-        A log trimmed behind a checkpoint still lists that checkpoint, so only a deleted table
-        leaves nothing else.
+        A log trimmed behind a checkpoint still lists that checkpoint, which is at `version` or later
+        (a trim keeps the entries from the newest checkpoint on), so only a deleted table leaves
+        nothing else. A checkpoint of an older version proves nothing: a checkpointer that read the
+        table before its delete may have written one after it (checkpoint.write_checkpoint then
+        removes it again).
         """
-        mine = f"{version:020d}.json"
-        names = (e.path.rpartition("/")[2] for e in self.store.list(f"{LOG_DIR}/"))
-        return not any(name != mine and _ENTRY.match(name) for name in names)
+        for e in self.store.list(f"{LOG_DIR}/"):
+            m = _ENTRY.match(e.path.rpartition("/")[2])
+            if m is None or (int(m.group(1)) == version and m.group(2) == "json"):
+                continue
+            if m.group(2) == "json" or int(m.group(1)) >= version:
+                return False
+        return True
 
     def _withdraw(self, version: int, adds: Sequence[AddFile]) -> None:
         """Remove what a commit into a deleted table made again (its files, its entry, the directories): nothing reads them."""
-        for path in [*(a.path for a in adds), _entry_path(version)]:
-            with contextlib.suppress(OSError, StorageError):
-                self.store.delete(path)
-        local = self.store.local_path("")
-        if local is not None:
-            for folder, _, _ in sorted(os.walk(local), key=lambda w: -len(w[0])):
-                with contextlib.suppress(OSError):
-                    os.rmdir(folder)
+        withdraw(self.store, [*(a.path for a in adds), _entry_path(version)])
+
+
+def withdraw(store: Store, paths: Iterable[str]) -> None:
+    """Remove files a writer made in a table deleted under it, then the directories left empty: nothing reads them."""
+    for path in paths:
+        with contextlib.suppress(OSError, StorageError):
+            store.delete(path)
+    local = store.local_path("")
+    if local is not None:
+        for folder, _, _ in sorted(os.walk(local), key=lambda w: -len(w[0])):
+            with contextlib.suppress(OSError):
+                os.rmdir(folder)
+
+
+def deleted_since(store: Store, version: int) -> bool:
+    """True when the table a writer read at `version` was deleted since: its tombstone is there, or its log holds
+    neither entry `version` nor any newer file (a trim keeps the entries from the newest checkpoint on)."""
+    if store.exists(TOMBSTONE):
+        return True
+    if store.exists(_entry_path(version)):
+        return False
+    for e in store.list(f"{LOG_DIR}/"):
+        m = _ENTRY.match(e.path.rpartition("/")[2])
+        if m is not None and int(m.group(1)) > version:
+            return False
+    return True
 
 
 def delete_table(store: Store) -> int:

@@ -46,6 +46,7 @@ TARGET_ROWS = MAX_FILE_ROWS  # compaction removes small files; it never builds f
 TARGET_BYTES = MAX_FILE_BYTES
 SMALL_FRACTION = 0.25  # a file under a quarter of the target is "small"
 DEFAULT_VACUUM_RETENTION = timedelta(hours=1)
+UNREFERENCED = f"{LOG_DIR}/_sparkqueue_unreferenced"  # vacuum's record of files whose removal the log no longer dates
 ORPHAN_RETENTION = timedelta(minutes=10)  # a live writer commits within seconds; files this old and not live are not its
 CLOCK_MARGIN = timedelta(minutes=5)  # how far the clocks of machines sharing a namespace may disagree
 
@@ -271,19 +272,23 @@ def vacuum(
     """Delete files the table no longer references: removed more than `retention` ago, or never committed.
 
     A file removed by a commit still in the log is judged by that commit's time. Past the log's
-    retention the removal time is gone, and a file that is not live is judged by its age; so is a
-    file no commit ever referenced (a writer killed between writing and committing), which is kept
-    at least ORPHAN_RETENTION because a live writer commits its files within seconds of writing
-    them (docs/storage.md). Left-over temporary files of killed writers go the same way. Files of
-    a live write lease (a DataFrame send still writing, leases.py) are kept whatever their age;
-    the leases are read before the snapshot, so a lease gone by then was released after its commit
-    landed, and the snapshot holds that commit's files.
+    retention (minutes) the removal time is gone: such a file, like one no commit ever referenced
+    (a writer killed between writing and committing), goes once vacuum has found it unreferenced
+    for `retention` (UNREFERENCED records when it first did, so a reader holding an older snapshot
+    keeps its files for the retention, not the log's) and it is at least ORPHAN_RETENTION old, since
+    a live writer commits its files within seconds of writing them (docs/storage.md). Left-over
+    temporary files of killed writers go the same way. Files of a live write lease (a DataFrame
+    send still writing, leases.py) are kept whatever their age; the leases are read before the
+    snapshot, so a lease gone by then was released after its commit landed, and the snapshot
+    holds that commit's files.
     """
     report = report or MaintenanceReport()
     now = time.time()
     leased = live_leases(table.store, now)
     snap = table.snapshot()
     removed_at = _removals(table)
+    seen = _unreferenced(table)
+    still: dict[str, float] = {}
     keep_removed_after = now - retention.total_seconds()
     keep_unknown_after = now - max(retention, ORPHAN_RETENTION).total_seconds()
     deleted = 0
@@ -293,11 +298,31 @@ def vacuum(
         if e.path in snap.files or lease_of(e.path) in leased:
             continue
         when = removed_at.get(e.path)
-        if (when is not None and when < keep_removed_after) or (when is None and e.mtime_s < keep_unknown_after):
+        if when is None:
+            when = still[e.path] = seen.get(e.path, now)
+            if e.mtime_s >= keep_unknown_after:
+                continue
+        if when <= keep_removed_after:
             table.store.delete(e.path)
+            still.pop(e.path, None)
             deleted += 1
+    if still != seen:
+        table.store.put(UNREFERENCED, json.dumps(still).encode())
     report.vacuumed_files += deleted
     return report
+
+
+def _unreferenced(table: MaintainedTable) -> dict[str, float]:
+    """When vacuum first found each file it could not date by a removal in the log unreferenced (UNREFERENCED).
+
+    Written by every vacuum, the last one winning: a time lost to a concurrent run is taken again
+    later, which only keeps a file longer.
+    """
+    try:
+        raw = json.loads(table.store.get(UNREFERENCED))
+    except (FileNotFoundError, ValueError):
+        return {}
+    return {str(k): float(v) for k, v in raw.items()} if isinstance(raw, dict) else {}
 
 
 def _removals(table: MaintainedTable) -> dict[str, float]:
