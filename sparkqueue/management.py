@@ -177,7 +177,7 @@ class Management:
             recorded = self._recorded(table_path)
             if recorded is False:
                 try:
-                    self._remove_table(table_path)
+                    self._remove_table(table_path, keep_tombstone=False)  # unrecorded: no handle holds it
                 except Exception as cleanup:  # the store may be what failed: the create's own error is the one to report
                     log.warning("could not remove the table of the failed create (maintenance removes it later): %s", cleanup)
             if not recorded or not isinstance(exc, Exception):
@@ -219,12 +219,13 @@ class Management:
             "(longer than the orphan retention) before recording it; create it again"
         )
 
-    def _remove_table(self, table_path: str) -> None:
-        """Delete an entity table's files, data first and log last (a half-deleted table reads as deleted)."""
+    def _remove_table(self, table_path: str, *, keep_tombstone: bool = True) -> None:
+        """Delete an entity table's files, data first and log last (a half-deleted table reads as deleted); its tombstone
+        stays for handles that predate the delete until maintenance removes it (storage.log.delete_table)."""
         if "://" in table_path or table_path.startswith("/"):
             log.warning("leaving %s in place: it was recorded outside the namespace root", table_path)
             return
-        delete_table(self.broker.store.child(table_path))
+        delete_table(self.broker.store.child(table_path), keep_tombstone=keep_tombstone)
 
     def _check_entity_quota(self, props: EntityProperties, catalog: list[CatalogEntry] | None = None) -> None:
         """At most 10,000 entities and 100 partitioned queues and topics per namespace (in `catalog`; default: now)."""

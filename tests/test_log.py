@@ -825,25 +825,25 @@ def test_a_commit_whose_liveness_check_fails_after_it_landed_is_reported_landed(
     assert _second_handle(table).load().version == version
 
 
-def test_a_checkpoint_written_after_its_table_was_deleted_is_removed_and_no_commit_takes_it_for_a_live_log(
-    table: EntityTable,
-) -> None:
+def test_writers_whose_handles_predate_a_delete_leave_nothing_in_the_deleted_table(table: EntityTable) -> None:
     """Maintenance read the table, another process deleted it, then the checkpoint's put made the table's folder again;
     a sender whose handle predated the delete committed on, counted that checkpoint as a live log, and its send was
-    acknowledged into a deleted table: lost. The checkpointer now removes what it wrote, and a commit counts only
-    checkpoints at or after its own version (a trim keeps the entries from the newest checkpoint on)."""
+    acknowledged into a deleted table: lost (and stray files of two such writers could each pass for the other's live
+    table). The delete's tombstone now stays until maintenance removes the folder: every such writer finds it."""
     snap = table.snapshot()
     _one_row_commits(table, snap, 2)
-    sender = _second_handle(table)
-    theirs = sender.load()
+    first, second = _second_handle(table), _second_handle(table)
+    older = first.load()
+    _one_row_commits(table, table.snapshot(), 1)
+    newer = second.load()
     delete_table(table.store)
     assert not write_checkpoint(table.store, snap)
+    for log, read in ((first, older), (second, newer)):
+        with pytest.raises(TableDeletedError):
+            log.commit(read, [table.data.write(9, _rows(9, 1, 1))], [], [Fence("sparkqueue.seq.9", 1)])
+    assert [e.path for e in table.store.list()] == ["_sparkqueue_deleting"]
+    assert delete_table(table.store, keep_tombstone=False) == 0  # what maintenance does once the tombstone is old
     assert not Path(table.uri).exists()
-    # A checkpoint of an older version put after the delete (the window before the checkpointer removes it).
-    table.store.put(f"_delta_log/{snap.version - 1:020d}.checkpoint.parquet", b"older")
-    with pytest.raises(TableDeletedError):
-        sender.commit(theirs, [table.data.write(9, _rows(9, 1, 1))], [], [Fence("sparkqueue.seq.9", 1)])
-    assert not (Path(table.uri) / "_delta_log" / f"{snap.version + 1:020d}.json").exists()
 
 
 def test_a_checkpoint_written_after_check_listed_the_log_is_not_reported_missing(table: EntityTable) -> None:

@@ -936,7 +936,7 @@ import sparkqueue.management as management
 from sparkqueue import Namespace
 from sparkqueue.storage.log import LOG_DIR, TOMBSTONE
 
-def half(store):
+def half(store, **_):
     store.put(TOMBSTONE, b"")
     for e in store.list():
         if e.path != TOMBSTONE and not e.path.startswith(f"{LOG_DIR}/"):

@@ -243,8 +243,8 @@ class DeltaLog:
     # ---- reading --------------------------------------------------------------------------------
 
     def exists(self) -> bool:
-        """True when the table has any log entry."""
-        return bool(self.store.list(f"{LOG_DIR}/"))
+        """True when the table has any log entry or checkpoint (other files there, such as vacuum's record, do not count)."""
+        return any(_ENTRY.match(e.path.rpartition("/")[2]) for e in self.store.list(f"{LOG_DIR}/"))
 
     def load(self) -> Snapshot:
         """The newest snapshot: newest complete checkpoint plus the JSON entries after it.
@@ -623,16 +623,24 @@ def deleted_since(store: Store, version: int) -> bool:
     return True
 
 
-def delete_table(store: Store) -> int:
+def delete_table(store: Store, *, keep_tombstone: bool = True) -> int:
     """Delete a table's files under its tombstone, data first and log last (a half-deleted table reads as deleted).
 
     Commits landing while the files go find the tombstone and withdraw themselves (DeltaLog.commit).
-    Returns how many files went; a local table's directories go too.
+    The tombstone stays (`keep_tombstone`), alone in the table's folder: a writer whose handle
+    predates the delete (a sender's cached table, a checkpointer, a vacuum) finds it and withdraws
+    what it wrote, whatever it wrote (without it, stray files of two such writers each passed for
+    the other's live table). Maintenance removes the folder once the tombstone is old
+    (maintenance.remove_orphan_tables, which passes False). Returns how many files went; a local
+    table's emptied directories go too.
     """
     store.put(TOMBSTONE, b"")
     files = [e for e in store.list() if e.path != TOMBSTONE]
     for e in sorted(files, key=lambda e: e.path.startswith(f"{LOG_DIR}/")):
         store.delete(e.path)
+    if keep_tombstone:
+        withdraw(store, [])
+        return len(files)
     store.delete(TOMBSTONE)
     local = store.local_path("")
     if local is not None:

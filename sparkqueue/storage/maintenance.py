@@ -35,7 +35,7 @@ from sparkqueue.storage.checkpoint import trim_log, write_checkpoint
 from sparkqueue.storage.files import MAX_FILE_BYTES, MAX_FILE_ROWS, remove_action
 from sparkqueue.storage.index import FileInfo
 from sparkqueue.storage.leases import lease_of, live_leases
-from sparkqueue.storage.log import LOG_DIR, TOMBSTONE, CommitConflict, Snapshot, delete_table
+from sparkqueue.storage.log import LOG_DIR, TOMBSTONE, CommitConflict, Snapshot, delete_table, withdraw
 from sparkqueue.storage.schema import PARTITION_COLUMN, STATE_COMPLETED, TIMESTAMP, constant
 from sparkqueue.storage.store import Entry, Store
 from sparkqueue.storage.table import EntityTable
@@ -290,7 +290,7 @@ def vacuum(
     seen = _unreferenced(table)
     still: dict[str, float] = {}
     keep_removed_after = now - retention.total_seconds()
-    keep_unknown_after = now - max(retention, ORPHAN_RETENTION).total_seconds()
+    keep_unknown_after = now - ORPHAN_RETENTION.total_seconds()
     deleted = 0
     for e in table.store.list():
         if e.path.startswith(f"{LOG_DIR}/") and not e.path.rsplit("/", 1)[-1].startswith(".tmp-"):
@@ -299,15 +299,17 @@ def vacuum(
             continue
         when = removed_at.get(e.path)
         if when is None:
-            when = still[e.path] = seen.get(e.path, now)
-            if e.mtime_s >= keep_unknown_after:
+            if e.mtime_s >= keep_unknown_after:  # a live writer's file, or one committed after the snapshot: not dated yet
                 continue
+            when = still[e.path] = seen.get(e.path, now)
         if when <= keep_removed_after:
             table.store.delete(e.path)
             still.pop(e.path, None)
             deleted += 1
-    if still != seen:
+    if still != seen and not table.store.exists(TOMBSTONE):
         table.store.put(UNREFERENCED, json.dumps(still).encode())
+        if table.store.exists(TOMBSTONE):  # deleted meanwhile: the record must not outlive the table
+            withdraw(table.store, [UNREFERENCED])
     report.vacuumed_files += deleted
     return report
 
@@ -362,7 +364,7 @@ def remove_orphan_tables(root: Store, folder: str, live: Callable[[], set[str]],
         if _holds_messages(table, files):
             log.warning("left table %s alone: no catalog entry names it, but it holds messages (Namespace.check)", table)
             continue
-        removed = delete_table(root.child(table))
+        removed = delete_table(root.child(table), keep_tombstone=False)
         report.vacuumed_files += removed
         log.info("removed table %s: no catalog entry names it (%d files)", table, removed)
     return report
