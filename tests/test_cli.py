@@ -629,20 +629,22 @@ def test_resubmit_via_topic_leaves_dead_letters_no_subscription_stored(root: Pat
 
 def test_resubmit_via_topic_keeps_the_locks_of_a_short_lock_subscription_until_each_copy_is_sent(root: Path) -> None:
     """Copies to a topic go one by one while the receive's batch of dead letters stays locked: with a 1 s lock the
-    locks lapsed midway, the run failed, and a dead letter already copied stayed in the dead-letter queue too."""
+    locks lapsed midway, the run failed, and a dead letter already copied stayed in the dead-letter queue too.
+    (A 2 s lock here: a 1 s one left a loaded machine's renewer no margin for a stall; 300 copies outlast it.)"""
+    n = 300
     with Namespace(root) as ns:
         ns.create_topic("t")
         ns.create_subscription("t", "s")
         with ns.get_topic_sender("t") as s:
-            s.send_messages([Message(f"body {i}", message_id=f"m{i}") for i in range(150)])
+            s.send_messages([Message(f"body {i}", message_id=f"m{i}") for i in range(n)])
         with ns.get_subscription_receiver("t", "s") as r:
-            left = 150
+            left = n
             while left:
                 got = r.receive_messages(max_message_count=left, max_wait_time=2)
                 for m in got:
                     r.dead_letter_message(m, reason="Poison")
                 left -= len(got)
-        ns.update_subscription("t", ns.get_subscription("t", "s"), lock_duration=timedelta(seconds=1))
+        ns.update_subscription("t", ns.get_subscription("t", "s"), lock_duration=timedelta(seconds=2))
     p = sq(root, "resubmit", "t/s", "--via-topic")
     assert p.returncode == 0, p.stdout + p.stderr
     with Namespace(root) as ns:
@@ -650,7 +652,7 @@ def test_resubmit_via_topic_keeps_the_locks_of_a_short_lock_subscription_until_e
             main = Counter(m.message_id for m in peek_all(r))
         with ns.get_subscription_receiver("t", "s", sub_queue=SubQueue.DEAD_LETTER) as r:
             dead = Counter(m.message_id for m in peek_all(r))
-    assert main == Counter(f"m{i}" for i in range(150)) and not dead
+    assert main == Counter(f"m{i}" for i in range(n)) and not dead
 
 
 def test_send_fills_batches_by_size_not_only_by_count(root: Path, tmp_path: Path) -> None:
