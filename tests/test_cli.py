@@ -5,6 +5,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 import uuid
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
@@ -627,32 +628,53 @@ def test_resubmit_via_topic_leaves_dead_letters_no_subscription_stored(root: Pat
         assert dlq_receivable(ns, "t", "s1") == 3  # still there, and released (not left locked)
 
 
-def test_resubmit_via_topic_keeps_the_locks_of_a_short_lock_subscription_until_each_copy_is_sent(root: Path) -> None:
+def test_resubmit_via_topic_keeps_the_locks_of_a_short_lock_subscription_until_each_copy_is_sent(
+    root: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """Copies to a topic go one by one while the receive's batch of dead letters stays locked: with a 1 s lock the
     locks lapsed midway, the run failed, and a dead letter already copied stayed in the dead-letter queue too.
-    (A 2 s lock here: a 1 s one left a loaded machine's renewer no margin for a stall; 300 copies outlast it.)"""
-    n = 300
+
+    Each copy is slowed by 0.1 s, so the run outlasts the 5 s lock several times on any machine (a race of a short
+    lock against a loaded machine's renewer proved nothing but the machine's load).
+    """
+    from sparkqueue.sender import Sender
+
+    lock = timedelta(seconds=5)
     with Namespace(root) as ns:
         ns.create_topic("t")
         ns.create_subscription("t", "s")
         with ns.get_topic_sender("t") as s:
-            s.send_messages([Message(f"body {i}", message_id=f"m{i}") for i in range(n)])
+            s.send_messages([Message(f"body {i}", message_id=f"m{i}") for i in range(150)])
         with ns.get_subscription_receiver("t", "s") as r:
-            left = n
+            left = 150
             while left:
                 got = r.receive_messages(max_message_count=left, max_wait_time=2)
                 for m in got:
                     r.dead_letter_message(m, reason="Poison")
                 left -= len(got)
-        ns.update_subscription("t", ns.get_subscription("t", "s"), lock_duration=timedelta(seconds=2))
-    p = sq(root, "resubmit", "t/s", "--via-topic")
-    assert p.returncode == 0, p.stdout + p.stderr
+        ns.update_subscription("t", ns.get_subscription("t", "s"), lock_duration=lock)
+    send = Sender.send_messages
+
+    def slow_send(self: Sender, *args: Any, **kwargs: Any) -> Any:
+        time.sleep(0.1)
+        return send(self, *args, **kwargs)
+
+    monkeypatch.setattr(Sender, "send_messages", slow_send)
+    with Namespace(root) as ns:
+        target = ops.resolve(ns, "t/s")
+        result = ops.ResubmitResult(ops.resubmit_destination(ns, target, via_topic=True))
+        began = time.monotonic()
+        ops.resubmit(ns, target, result)
+        took = time.monotonic() - began
+    monkeypatch.undo()
+    assert took > 2 * lock.total_seconds()  # the run outlasted the lock: the renewer kept the dead letters locked
+    assert result.at_least_once == 150
     with Namespace(root) as ns:
         with ns.get_subscription_receiver("t", "s") as r:
             main = Counter(m.message_id for m in peek_all(r))
         with ns.get_subscription_receiver("t", "s", sub_queue=SubQueue.DEAD_LETTER) as r:
             dead = Counter(m.message_id for m in peek_all(r))
-    assert main == Counter(f"m{i}" for i in range(n)) and not dead
+    assert main == Counter(f"m{i}" for i in range(150)) and not dead
 
 
 def test_send_fills_batches_by_size_not_only_by_count(root: Path, tmp_path: Path) -> None:
