@@ -23,7 +23,7 @@ import re
 import shutil
 import time
 import uuid
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol, Self
 
@@ -31,7 +31,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from sparkqueue.errors import EntityNotFoundError, StorageCorruptedError, StorageError
-from sparkqueue.storage.store import Store
+from sparkqueue.storage.store import Entry, Store
 
 log = logging.getLogger(__name__)
 
@@ -244,7 +244,7 @@ class DeltaLog:
 
     def exists(self) -> bool:
         """True when the table has any log entry or checkpoint (other files there, such as vacuum's record, do not count)."""
-        return any(_ENTRY.match(e.path.rpartition("/")[2]) for e in self.store.list(f"{LOG_DIR}/"))
+        return any(True for _ in _log_files(self.store))
 
     def load(self) -> Snapshot:
         """The newest snapshot: newest complete checkpoint plus the JSON entries after it.
@@ -271,11 +271,7 @@ class DeltaLog:
         jsons: set[int] = set()
         parts: dict[int, dict[int, str]] = {}
         totals: dict[int, int] = {}
-        for e in self.store.list(f"{LOG_DIR}/"):
-            folder, _, name = e.path.rpartition("/")
-            m = _ENTRY.match(name) if folder == LOG_DIR else None  # not the entries of subfolders (_damaged/)
-            if m is None:
-                continue
+        for e, m in _log_files(self.store):
             v = int(m.group(1))
             if m.group(2) == "json":
                 jsons.add(v)
@@ -554,12 +550,7 @@ class DeltaLog:
 
         A checkpoint at v itself was made by a reader of this very entry, which must then stand.
         """
-        for e in self.store.list(f"{LOG_DIR}/"):
-            folder, _, name = e.path.rpartition("/")
-            m = _ENTRY.match(name) if folder == LOG_DIR else None
-            if m is not None and m.group(2) != "json" and int(m.group(1)) > version:
-                return True
-        return False
+        return any(m.group(2) != "json" and int(m.group(1)) > version for _, m in _log_files(self.store))
 
     def _deleted_under(self, version: int) -> bool:
         """True when the table is being deleted (its tombstone), or was (the entry before `version` gone, only it left).
@@ -584,9 +575,8 @@ class DeltaLog:
         table before its delete may have written one after it (checkpoint.write_checkpoint then
         removes it again).
         """
-        for e in self.store.list(f"{LOG_DIR}/"):
-            m = _ENTRY.match(e.path.rpartition("/")[2])
-            if m is None or (int(m.group(1)) == version and m.group(2) == "json"):
+        for _, m in _log_files(self.store):
+            if int(m.group(1)) == version and m.group(2) == "json":
                 continue
             if m.group(2) == "json" or int(m.group(1)) >= version:
                 return False
@@ -597,11 +587,26 @@ class DeltaLog:
         withdraw(self.store, [*(a.path for a in adds), _entry_path(version)])
 
 
+def _log_files(store: Store) -> Iterator[tuple[Entry, re.Match[str]]]:
+    """The log's entries and checkpoints, each with its name's match (version, kind); not the files of its subfolders
+    (_damaged/) nor other files there (temporary files, vacuum's record)."""
+    for e in store.list(f"{LOG_DIR}/"):
+        folder, _, name = e.path.rpartition("/")
+        m = _ENTRY.match(name) if folder == LOG_DIR else None
+        if m is not None:
+            yield e, m
+
+
 def withdraw(store: Store, paths: Iterable[str]) -> None:
     """Remove files a writer made in a table deleted under it, then the directories left empty: nothing reads them."""
     for path in paths:
         with contextlib.suppress(OSError, StorageError):
             store.delete(path)
+    _remove_empty_dirs(store)
+
+
+def _remove_empty_dirs(store: Store) -> None:
+    """Remove a local table's directories left empty, deepest first (object stores have none)."""
     local = store.local_path("")
     if local is not None:
         for folder, _, _ in sorted(os.walk(local), key=lambda w: -len(w[0])):
@@ -616,11 +621,7 @@ def deleted_since(store: Store, version: int) -> bool:
         return True
     if store.exists(_entry_path(version)):
         return False
-    for e in store.list(f"{LOG_DIR}/"):
-        m = _ENTRY.match(e.path.rpartition("/")[2])
-        if m is not None and int(m.group(1)) > version:
-            return False
-    return True
+    return not any(int(m.group(1)) > version for _, m in _log_files(store))
 
 
 def delete_table(store: Store, *, keep_tombstone: bool = True) -> int:
@@ -639,7 +640,7 @@ def delete_table(store: Store, *, keep_tombstone: bool = True) -> int:
     for e in sorted(files, key=lambda e: e.path.startswith(f"{LOG_DIR}/")):
         store.delete(e.path)
     if keep_tombstone:
-        withdraw(store, [])
+        _remove_empty_dirs(store)
         return len(files)
     store.delete(TOMBSTONE)
     local = store.local_path("")
