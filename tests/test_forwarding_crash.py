@@ -373,6 +373,8 @@ def slow(*a, **k):
     return deliver(*a, **k)
 forwarding._deliver = slow
 with Namespace(sys.argv[1], create=False) as ns:
+    print("ready", flush=True)
+    sys.stdin.readline()  # the messages are sent: forward them
     ns.forward_pending_messages()
 print("done", flush=True)
 """
@@ -391,13 +393,18 @@ def test_a_forwarder_that_read_its_run_before_an_expiry_removes_no_dead_letter(
     with Namespace(root) as ns:
         ns.create_queue("dst")
         ns.create_queue("src", forward_to="dst", dead_lettering_on_message_expiration=True, enable_partitioning=False)
-        with ns.get_queue_sender("src") as s:
-            expiring = Message("m1", message_id="m1", time_to_live=timedelta(seconds=ttl))
-            s.send_messages([Message("m0", message_id="m0"), expiring, Message("m2", message_id="m2")])
-        sent = time.monotonic()
-        x = subprocess.Popen([sys.executable, "-c", SLOW_FORWARDER, root, str(ttl + 2)], stdout=subprocess.PIPE, text=True)
+        args = [sys.executable, "-c", SLOW_FORWARDER, root, str(ttl + 2)]
+        x = subprocess.Popen(args, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
         try:
-            assert x.stdout is not None and x.stdout.readline().strip() == "holds its run"
+            assert x.stdin is not None and x.stdout is not None
+            assert x.stdout.readline().strip() == "ready"  # started before the send: its start costs none of m1's TTL
+            with ns.get_queue_sender("src") as s:
+                expiring = Message("m1", message_id="m1", time_to_live=timedelta(seconds=ttl))
+                s.send_messages([Message("m0", message_id="m0"), expiring, Message("m2", message_id="m2")])
+            sent = time.monotonic()
+            x.stdin.write("go\n")
+            x.stdin.flush()
+            assert x.stdout.readline().strip() == "holds its run"
             assert time.monotonic() - sent < ttl, "X read its run after m1 expired: the race was not set up"
             time.sleep(max(0.0, sent + ttl + 0.3 - time.monotonic()))
             ns.forward_pending_messages()  # Y: expires m1, forwards m0 and m2

@@ -172,6 +172,36 @@ def test_a_receive_gathers_from_several_partitions_up_to_its_count(ns: Namespace
         assert len(r.receive_messages(max_message_count=100)) == 20
 
 
+def test_a_receive_slow_to_gather_stops_taking_partitions_before_its_first_locks_could_lapse(
+    ns: Namespace, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A receive locked partition after partition however long it took: under load, receive(100) with 2 s locks returned
+    locks with 0.2 s left. It takes no new partition once it has been locking for a sixth of the lock duration.
+
+    Each partition's lock here takes 0.4 s more (16 of them: 6.4 s, past the 5 s lock); the receive stops after a few,
+    every lock it returns has most of its duration left, and the rest wait for the next receive, none lost."""
+    from sparkqueue.model.entity import Entity
+
+    ns.create_queue("q", lock_duration=timedelta(seconds=5))
+    _send(ns, [Message(f"p{p}-{i}", partition_key=key_for_partition(p, f"k{p}")) for p in range(16) for i in range(4)])
+    lock_partition = Entity.receive_partition
+
+    def slow(self: Entity, *args: object, **kwargs: object) -> pa.Table:
+        rows = lock_partition(self, *args, **kwargs)  # type: ignore[arg-type]
+        time.sleep(0.4)
+        return rows
+
+    monkeypatch.setattr(Entity, "receive_partition", slow)
+    with ns.get_queue_receiver("q") as r:
+        got = r.receive_messages(max_message_count=64, max_wait_time=1)
+        returned = datetime.now(UTC)
+        assert 0 < len(got) < 64
+        assert min(m.locked_until_utc for m in got) > returned + timedelta(seconds=2.5)
+        monkeypatch.undo()
+        rest = drain(r, 64 - len(got))
+    assert sorted(m.body for m in got + rest) == sorted(f"p{p}-{i}".encode() for p in range(16) for i in range(4))
+
+
 def test_max_wait_time_returns_empty_list_when_nothing_arrives(ns: Namespace) -> None:
     """With nothing to receive, receive_messages waits up to max_wait_time and returns []."""
     ns.create_queue("q")

@@ -203,17 +203,19 @@ def test_dlq_ignores_max_delivery_count(ns: Namespace) -> None:
 
 
 def test_renew_message_lock_extends_the_lock(ns: Namespace) -> None:
-    """renew_message_lock extends the lock by lock_duration: the message stays locked past its first expiry."""
-    ns.create_queue("q", lock_duration=timedelta(seconds=3))
+    """renew_message_lock extends the lock by lock_duration: the message stays locked past its first expiry.
+
+    Renewed 3 s into a 5 s lock: after the first expiry, the receive and the complete have about 3 s of the renewed one."""
+    ns.create_queue("q", lock_duration=timedelta(seconds=5))
     _send(ns, [Message("x")])
     with ns.get_queue_receiver("q") as r, ns.get_queue_receiver("q") as other:
         m = _one(r)
         first = m.locked_until_utc
         assert first is not None
-        time.sleep(1.0)
+        time.sleep(3.0)
         before = datetime.now(UTC)
         until = r.renew_message_lock(m)
-        assert until >= before + timedelta(seconds=3)
+        assert until >= before + timedelta(seconds=5)
         assert until > first
         assert m.locked_until_utc == until
         sleep_past(first)  # past the first expiry, within the renewed lock

@@ -60,8 +60,10 @@ def test_01_received_message_can_be_sent_and_scheduled_again(ns: Namespace) -> N
 
 
 def test_02_auto_lock_renewer_keeps_message_and_session_locks(ns: Namespace) -> None:
-    """Registered messages (and the receiver's auto_lock_renewer=) keep their locks past lock_duration; close() stops."""
-    ns.create_queue("q", lock_duration=timedelta(seconds=2))
+    """Registered messages (and the receiver's auto_lock_renewer=) keep their locks past lock_duration; close() stops.
+
+    4 s locks: the renewer looks every 0.5 s, so a loaded machine keeps over 3 s of slack."""
+    ns.create_queue("q", lock_duration=timedelta(seconds=4))
     with ns.get_queue_sender("q") as s:
         s.send_messages([Message("a"), Message("b")])
     with AutoLockRenewer(max_lock_renewal_duration=30) as renewer:
@@ -77,7 +79,7 @@ def test_02_auto_lock_renewer_keeps_message_and_session_locks(ns: Namespace) -> 
             r.complete_message(m2)
     assert ns.get_queue_runtime_properties("q").total_message_count == 0
 
-    ns.create_queue("sq", requires_session=True, lock_duration=timedelta(seconds=2))
+    ns.create_queue("sq", requires_session=True, lock_duration=timedelta(seconds=4))
     with ns.get_queue_sender("sq") as s:
         s.send_messages(Message("x", session_id="s1"))
     renewer = AutoLockRenewer()
@@ -112,13 +114,13 @@ def test_02_auto_lock_renewer_reports_a_lost_lock(ns: Namespace) -> None:
 
 
 def test_02_a_message_settled_while_its_renewal_batch_is_picked_stops_only_its_own_renewal(ns: Namespace) -> None:
-    """Messages of two receivers under one renewer, with 2 s locks (so every pass renews all of them); one receiver's
-    messages are completed one by one. A renewal batch that held a message completed after the pass picked it was
-    refused whole (MessageAlreadySettled), and every other message in it stopped being renewed: 67-105 of 200 later
-    completes lost their locks. Only the settled message's registration ends now."""
+    """Messages of two receivers under one renewer, with 4 s locks (under the renewer's 10 s period, so every pass renews
+    all of them); one receiver's messages are completed one by one. A renewal batch that held a message completed after
+    the pass picked it was refused whole (MessageAlreadySettled), and every other message in it stopped being renewed:
+    67-105 of 200 later completes lost their locks. Only the settled message's registration ends now."""
     failures: list[tuple[Any, BaseException | None]] = []
     for q in ("q1", "q2"):
-        ns.create_queue(q, lock_duration=timedelta(seconds=2), enable_partitioning=False)
+        ns.create_queue(q, lock_duration=timedelta(seconds=4), enable_partitioning=False)
         ns.get_queue_sender(q).send_messages([Message(f"{q}-{i}") for i in range(200)])
     renewer = AutoLockRenewer(max_lock_renewal_duration=600, on_lock_renew_failure=lambda m, e: failures.append((m, e)))
     with ns.get_queue_receiver("q1") as r1, ns.get_queue_receiver("q2") as r2, renewer:
@@ -132,7 +134,7 @@ def test_02_a_message_settled_while_its_renewal_batch_is_picked_stops_only_its_o
         for m in b:  # completed one by one while both receivers' locks are renewed
             r2.complete_message(m)
             time.sleep(0.01)
-        time.sleep(2.5)  # past a lock duration: q1's locks live only if they were renewed
+        time.sleep(4.5)  # past a lock duration: q1's locks live only if they were renewed
         r1.complete_messages(a)
     assert failures == []
 

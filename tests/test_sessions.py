@@ -558,9 +558,10 @@ def test_new_holder_gets_an_abandoned_message_first_behind_a_thousand_scheduled_
     """The accept's head is the session's earliest available message even behind a full file of other rows.
 
     An accept keeps a session's first KEEP_TOGETHER rows together; an abandoned message behind them
-    (here: 1,000 scheduled messages first) still comes before the earlier holder's later messages.
+    (here: 1,000 scheduled messages first) still comes before the earlier holder's later messages. A 5 s lock:
+    the first holder's accept, receive and abandon take up to a second on a loaded machine.
     """
-    _session_queue(ns, lock=SHORT)
+    _session_queue(ns, lock=timedelta(seconds=5))
     with ns.get_queue_sender("q") as s:
         later = datetime.now(UTC) + timedelta(days=1)
         s.schedule_messages([Message(f"s{i}", session_id="S") for i in range(1000)], later)

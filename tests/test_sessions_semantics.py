@@ -213,7 +213,7 @@ def test_a_receive_right_after_a_renewal_stamps_the_renewed_expiry(root: str, mo
     from sparkqueue.model import sessions
 
     with Namespace(root) as ns:
-        ns.create_queue("short", requires_session=True, lock_duration=timedelta(seconds=3))
+        ns.create_queue("short", requires_session=True, lock_duration=timedelta(seconds=5))
     _send(root, "short", "s1", ["m0"])
     with Namespace(root) as ns, ns.get_queue_receiver("short", session_id="s1") as r:
         assert r.session is not None
@@ -227,7 +227,7 @@ def test_a_receive_right_after_a_renewal_stamps_the_renewed_expiry(root: str, mo
                 got.extend(r.receive_messages(max_message_count=1, max_wait_time=1))
             return out
 
-        time.sleep(1.5)
+        time.sleep(3.0)  # renewed 3 s into the 5 s lock: the complete below has about 2.5 s of the renewed one
         monkeypatch.setattr(sessions, "retry_commit", renew_then_receive)
         renewed_until = r.session.renew_lock()
         monkeypatch.undo()

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import math
 import random
 import time
 from collections import defaultdict
@@ -64,6 +65,9 @@ log = logging.getLogger(__name__)
 
 ROW_COLUMNS = ENTITY_COLUMNS[1:]  # every column but the partition id, which lives in the path
 LOCK_ATTEMPTS_PER_PARTITION = 3
+# A receive takes no new lock after a sixth of the lock duration since it started locking (docs/semantics.md §5): one
+# that went on locking partition after partition (or chunk after chunk) under load returned locks about to lapse.
+LOCKING_SHARE = 6
 # A receive that meets expired (or over-delivered) messages reads this many times more candidates on its next round,
 # up to MAX_EXPIRY_SCAN, so a run of them costs a few commits, not one per message.
 EXPIRY_SCAN_GROWTH = 4
@@ -204,6 +208,10 @@ class Entity:
         """A deadline of one operation timeout (or the call's tighter `timeout=`) from now."""
         return Deadline(effective(self.operation_timeout))
 
+    def locking_time_s(self, delete: bool = False) -> float:
+        """How long a receive keeps taking more locks after its first (LOCKING_SHARE); a RECEIVE_AND_DELETE one has no bound."""
+        return math.inf if delete else self.policy.lock_duration.total_seconds() / LOCKING_SHARE
+
     def available(self, partition: int) -> bool:
         """False while a fault is injected on the partition."""
         return self.table.available(partition)
@@ -298,10 +306,14 @@ class Entity:
         out: list[pa.Table] = []
         remaining = max_count
         dt = self.table.snapshot()  # one snapshot serves every partition this pass does not change
+        stop_at = math.inf  # set by the first partition that gives messages (LOCKING_SHARE)
         for i in range(self.partition_count):
             p = (start + i) % self.partition_count
+            if time.monotonic() >= stop_at:
+                break  # the first locks would have too little time left: return what this pass took
             if not self.available(p) or not self.table.holds_files(dt, p):
                 continue  # an empty partition: nothing to read (a receive of one message would try most of 16)
+            began = time.monotonic()
             try:
                 got = self.receive_partition(dt, p, sub_queue, remaining, delete)
             except StorageError as exc:
@@ -310,6 +322,8 @@ class Entity:
                 log.warning("receive from %s stopped at partition %d (%s): returning what it took", self.name, p, exc)
                 break  # what earlier partitions gave is locked (or deleted) already: returned, never dropped
             if got.num_rows:
+                if not out:  # its locks were stamped after `began`
+                    stop_at = began + self.locking_time_s(delete)
                 out.append(got)
                 remaining -= got.num_rows
             if remaining <= 0:

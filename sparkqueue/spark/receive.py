@@ -19,7 +19,6 @@ asked for.
 from __future__ import annotations
 
 import logging
-import math
 import random
 import time
 import uuid
@@ -51,7 +50,6 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 RECEIVE_CHUNK = 16_384  # messages per lock commit inside a task (two send files)
-LOCKING_SHARE = 6  # no new lock commit starts after lock_duration / LOCKING_SHARE (each task's first excepted)
 CLOCK_SKEW = timedelta(seconds=30)  # how far apart the driver's and executors' clocks may be
 MAX_ROUNDS = 64  # a safety bound: rounds end on their own (see gather)
 POLL_MIN_S, POLL_MAX_S = 0.05, 1.0
@@ -174,7 +172,7 @@ def gather(spark: SparkSession, job: ReceiveJob, entity: Entity, want: int, roun
         candidates = candidates[shift:] + candidates[:shift]
     total = 0
     down: set[int] = set()
-    stop_at = time.monotonic() + locking_time_s(entity, job.delete)
+    stop_at = time.monotonic() + entity.locking_time_s(job.delete)
     for _ in range(MAX_ROUNDS):
         plan = shares(want - total, candidates, estimate)
         if not plan:
@@ -196,14 +194,6 @@ def gather(spark: SparkSession, job: ReceiveJob, entity: Entity, want: int, roun
         if total >= want or (total and time.monotonic() >= stop_at):
             break
     return total, rounds, down
-
-
-def locking_time_s(entity: Entity, delete: bool = False) -> float:
-    """How long a receive keeps taking more locks: one that locked on for a lock duration returned lapsed locks.
-
-    A RECEIVE_AND_DELETE receive holds no lock, so it has no such bound.
-    """
-    return math.inf if delete else entity.policy.lock_duration.total_seconds() / LOCKING_SHARE
 
 
 def candidate_partitions(entity: Entity, sub_queue: str) -> dict[int, int]:
@@ -269,11 +259,11 @@ def lock_task(
 def lock_partition(job: ReceiveJob, entity: Entity, p: int, share: int, round_no: int) -> int:
     """Lock up to `share` messages of partition p in commits of job.chunk, staging each commit's messages in a file.
 
-    After the first commit, no new one starts once the locking time (`locking_time_s`) has passed.
+    After the first commit, no new one starts once the locking time (`Entity.locking_time_s`) has passed.
     """
     got = 0
     chunk_no = 0
-    stop_at = time.monotonic() + locking_time_s(entity, job.delete)
+    stop_at = time.monotonic() + entity.locking_time_s(job.delete)
     # A retried task: drop what a failed attempt staged (its locks lapse). Removed messages have no
     # other copy, so in RECEIVE_AND_DELETE mode they stay (their files are named per attempt).
     if not job.delete and job.staging.remove(f"part-p{p:05d}-r{round_no:03d}-"):

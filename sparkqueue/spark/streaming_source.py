@@ -61,7 +61,7 @@ from sparkqueue.model.entity import Entity, SettleResult, utcnow
 from sparkqueue.model.properties import check_receivable
 from sparkqueue.model.sessions import SessionLock, Sessions
 from sparkqueue.spark.datasource import sub_queue_of
-from sparkqueue.spark.receive import RECEIVE_CHUNK, ReceiveJob, candidate_partitions, locking_time_s, shares, stage_chunk
+from sparkqueue.spark.receive import RECEIVE_CHUNK, ReceiveJob, candidate_partitions, shares, stage_chunk
 from sparkqueue.spark.schema import received_arrow, staged_rows
 from sparkqueue.spark.staging import Staging, filesystem, require_local_root
 from sparkqueue.spark.streaming import EntityAddress, address_of, check_options, positive_int
@@ -433,7 +433,7 @@ class StreamState:
         that kept locking past the lock duration lost its first locks before it was emitted.
         """
         entity = self.entity()
-        stop_at = time.monotonic() + locking_time_s(entity)
+        stop_at = time.monotonic() + entity.locking_time_s()
         job = ReceiveJob(
             EntityRef.of(self.ns.broker, self.config.address.entity_type, self.config.address.name),
             self.config.sub_queue,

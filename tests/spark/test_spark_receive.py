@@ -434,16 +434,17 @@ def test_a_receive_whose_dataframe_cannot_be_made_gives_its_locks_back_at_once(s
 
 
 def test_a_receive_stops_locking_before_its_first_locks_could_lapse(spark, ns, numbered):
-    """Many small lock commits under a 3 s lock: the call returned messages whose locks had lapsed during it.
+    """Many small lock commits under a short lock: the call returned messages whose locks had lapsed during it.
 
-    Locking now stops after a sixth of the lock duration: fewer messages than asked, every lock still held.
+    Locking now stops after a sixth of the lock duration (1 s of 6 s): fewer messages than asked, every lock still
+    held with seconds to spare. Without the stop, all 4,000 would be locked (400 commits take several seconds).
     """
     from sparkqueue.spark.receive import receive_dataframe
 
-    ns.create_queue("q", enable_partitioning=False, lock_duration=timedelta(seconds=3))  # one partition, one lock task
+    ns.create_queue("q", enable_partitioning=False, lock_duration=timedelta(seconds=6))  # one partition, one lock task
     with ns.get_queue_sender("q") as s:
         s.send_dataframe(numbered(4000))
-    df = receive_dataframe(ns.broker, "queue", "q", 4000, spark, chunk=10)  # 400 commits take longer than 3 s
+    df = receive_dataframe(ns.broker, "queue", "q", 4000, spark, chunk=10)  # 400 commits take longer than 1 s
     returned = time.time()
     rows = df.select("sequence_number", "locked_until_utc").collect()
     assert 0 < len(rows) < 4000
