@@ -928,6 +928,20 @@ def test_time_minus_time_is_a_duration_in_milliseconds() -> None:
     assert run("@t - sys.EnqueuedTimeUtc < 0", SYS, {"t": T0}) == [F, T]
 
 
+def test_times_centuries_apart_subtract_to_their_duration() -> None:
+    """A difference past 2**53 µs (times ~285 years apart) raised ArrowInvalid for every row, so fan-out dead-lettered the
+    message (test_rules has the no-TTL message this hit). Such differences are durations like any other."""
+    batch = make_batch({"enqueued_time_utc": T0})
+    latest = dt.datetime.max.replace(tzinfo=dt.UTC)  # a no-TTL message's sys.ExpiresAtUtc
+    assert run("@latest - sys.EnqueuedTimeUtc > @d", batch, {"latest": latest, "d": dt.timedelta(minutes=1)}) == [T]
+    since = dt.datetime(1700, 1, 1, tzinfo=dt.UTC)
+    whole_ms = (T0 - since) // dt.timedelta(milliseconds=1)
+    assert run("sys.EnqueuedTimeUtc - @since = @ms", batch, {"since": since, "ms": whole_ms}) == [T]
+    odd = since + dt.timedelta(microseconds=500)  # not a whole millisecond: the float lane
+    between = "sys.EnqueuedTimeUtc - @odd > @below AND sys.EnqueuedTimeUtc - @odd < @ms"  # whole_ms - 0.5
+    assert run(between, batch, {"odd": odd, "below": whole_ms - 1, "ms": whole_ms}) == [T]
+
+
 def test_time_plus_or_minus_a_duration_is_a_time() -> None:
     """As C# binds DateTime +/- TimeSpan; a duration is a timedelta parameter or a number of milliseconds."""
     hour = dt.timedelta(hours=1)

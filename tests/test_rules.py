@@ -461,7 +461,12 @@ def test_an_action_postpones_a_copy_by_a_duration(ns: Namespace) -> None:
     ttl_filter = SqlRuleFilter("sys.ExpiresAtUtc - sys.EnqueuedTimeUtc > @d", {"d": timedelta(minutes=5)})
     subscribe(ns, "t", "long-lived", {"r": (ttl_filter, None)})
     with ns.get_topic_sender("t") as s:
-        s.send_messages([Message("x", message_id="long", time_to_live=timedelta(hours=2)), Message("y", message_id="short")])
+        s.send_messages(
+            [
+                Message("x", message_id="long", time_to_live=timedelta(hours=2)),
+                Message("y", message_id="short", time_to_live=timedelta(minutes=1)),
+            ]
+        )
     assert ids_in(ns, "t", "long-lived") == Counter({"long": 1})
     assert runtime_counts(ns, "t", "delayed") == (0, 2)
     with ns.get_subscription_receiver("t", "delayed") as r:
@@ -806,6 +811,27 @@ def test_a_rule_can_read_the_expiry_time(ns: Namespace) -> None:
         s.send_messages([Message("x", message_id="ttl", time_to_live=timedelta(hours=1)), Message("y", message_id="never")])
     assert ids_in(ns, "t", "expiring") == Counter({"ttl": 1})
     assert ids_in(ns, "t", "after") == Counter({"ttl": 1, "never": 1})
+
+
+def test_the_docs_lifetime_filter_selects_a_message_without_time_to_live(ns: Namespace) -> None:
+    """`sys.ExpiresAtUtc - sys.EnqueuedTimeUtc > @d` (docs/semantics.md §8) raised for a message without a TTL (its
+    expiry, DateTime.MaxValue, lies over 2**53 µs after its enqueue time): fan-out dead-lettered it as
+    FilterEvaluationException. It lives forever, so the filter selects it."""
+    ns.create_topic("t")
+    subscribe(
+        ns, "t", "s", {"long": (SqlRuleFilter("sys.ExpiresAtUtc - sys.EnqueuedTimeUtc > @d", {"d": timedelta(minutes=1)}), None)}
+    )
+    with ns.get_topic_sender("t") as s:
+        s.send_messages(
+            [
+                Message("forever"),
+                Message("hour", time_to_live=timedelta(hours=1)),
+                Message("second", time_to_live=timedelta(seconds=30)),
+            ]
+        )
+    with ns.get_subscription_receiver("t", "s") as r:
+        assert sorted(str(m) for m in peek_all(r)) == ["forever", "hour"]
+    assert ns.get_subscription_runtime_properties("t", "s").dead_letter_message_count == 0
 
 
 def test_an_action_copy_counts_its_properties_as_a_send_does(ns: Namespace) -> None:
