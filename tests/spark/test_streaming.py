@@ -544,6 +544,11 @@ def test_sink_rejects_rows_without_body_and_a_query_without_checkpoint(spark, tm
     with pytest.raises(PySparkException, match="needs a `body` column"):
         w = rate.writeStream.format("sparkqueue").option("namespace", root).option("checkpointLocation", str(tmp_path / "c1"))
         w.start("out").awaitTermination(60)
+    with pytest.raises(PySparkException, match=r"partition_key must be a string column, got bigint"):
+        # refused at start, as send_dataframe refuses it: the query started and failed at its first batch
+        q = rate.selectExpr("CAST(value AS STRING) AS body", "value AS partition_key").writeStream.format("sparkqueue")
+        q = q.option("namespace", root).option("checkpointLocation", str(tmp_path / "c0"))
+        q.start("out").awaitTermination(60)
     with pytest.raises(PySparkException, match="checkpointLocation"):
         q = rate.selectExpr("CAST(value AS STRING) AS body").writeStream.format("sparkqueue").option("namespace", root)
         q.start("out").awaitTermination(60)
