@@ -309,11 +309,11 @@ class Entity:
         stop_at = math.inf  # set by the first partition that gives messages (LOCKING_SHARE)
         for i in range(self.partition_count):
             p = (start + i) % self.partition_count
-            if time.monotonic() >= stop_at:
+            began = time.monotonic()
+            if began >= stop_at:
                 break  # the first locks would have too little time left: return what this pass took
             if not self.available(p) or not self.table.holds_files(dt, p):
                 continue  # an empty partition: nothing to read (a receive of one message would try most of 16)
-            began = time.monotonic()
             try:
                 got = self.receive_partition(dt, p, sub_queue, remaining, delete)
             except StorageError as exc:

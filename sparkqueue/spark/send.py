@@ -383,9 +383,14 @@ def _string(types: dict[str, st.DataType], name: str) -> Column:
     dtype = types.get(name)
     if dtype is None or isinstance(dtype, st.NullType):
         return sf.lit(None).cast("string")
-    if not isinstance(dtype, st.StringType):
-        raise InvalidOperationError(f"{name} must be a string column, got {dtype.simpleString()}")
+    check_string_field(name, dtype)
     return sf.col(name)
+
+
+def check_string_field(name: str, dtype: st.DataType) -> None:
+    """A message's string field (STRING_FIELDS) must be a string or all-null column; the sends and the sink refuse others."""
+    if not isinstance(dtype, (st.StringType, st.NullType)):
+        raise InvalidOperationError(f"{name} must be a string column, got {dtype.simpleString()} (cast it to a string)")
 
 
 def _properties_json(types: dict[str, st.DataType]) -> Column:

@@ -34,7 +34,7 @@ from typing import Any
 
 import pyarrow as pa
 from pyspark.sql.datasource import DataSourceStreamArrowWriter, WriterCommitMessage
-from pyspark.sql.types import NullType, StringType, StructType
+from pyspark.sql.types import StructType
 
 from sparkqueue.errors import InvalidOperationError, SparkQueueError, StorageError
 from sparkqueue.message import MESSAGE_FIELDS, Message, message_label, to_rows
@@ -42,7 +42,7 @@ from sparkqueue.model import limits
 from sparkqueue.model.entity import utcnow
 from sparkqueue.model.properties import check_status
 from sparkqueue.spark.schema import field_renames
-from sparkqueue.spark.send import STRING_FIELDS
+from sparkqueue.spark.send import STRING_FIELDS, check_string_field
 from sparkqueue.spark.session import task_error
 from sparkqueue.spark.staging import Staging, cleanup_staging, filesystem, remove_dirs, require_local_root
 from sparkqueue.spark.streaming import EntityAddress, address_of, check_options, idempotence_key
@@ -77,10 +77,8 @@ def sink_config(options: dict[str, str], schema: StructType) -> SinkConfig:
         )
     for column in schema.fields:  # as send_dataframe refuses them: a running query would fail at its first batch
         field = renamed.get(column.name, column.name)
-        if field in STRING_FIELDS and not isinstance(column.dataType, (StringType, NullType)):
-            raise InvalidOperationError(
-                f"{field} must be a string column, got {column.dataType.simpleString()} (CAST({column.name} AS STRING))"
-            )
+        if field in STRING_FIELDS:
+            check_string_field(field, column.dataType)
     app, checkpoint = options.get("txnappid"), options.get("checkpointlocation")
     if not app and not checkpoint:
         raise InvalidOperationError(
