@@ -130,7 +130,7 @@ class Namespace(Management):
             Receiver(
                 self,
                 QUEUE,
-                queue_name,
+                limits.check_name_type(queue_name),
                 receive_mode=receive_mode,
                 sub_queue=sub_queue,
                 prefetch_count=prefetch_count,

@@ -47,7 +47,10 @@ SESSION_ACCEPT_PREFETCH = 100  # messages an accept delivers at most (with a pre
 
 
 class Receiver:
-    """Receives from one queue or subscription (or its dead-letter sub-queue); a context manager and an iterator."""
+    """Receives from one queue or subscription (or its dead-letter sub-queue); a context manager and an iterator.
+
+    `name` is the catalog's (a subscription's "<topic>|<subscription>"), checked by the Namespace method that made it.
+    """
 
     def __init__(
         self,
@@ -62,7 +65,6 @@ class Receiver:
         session_id: str | object | None = None,
         auto_lock_renewer: AutoLockRenewer | None = None,
     ) -> None:
-        limits.check_name_type(name, entity_type)
         if auto_lock_renewer is not None and not isinstance(auto_lock_renewer, AutoLockRenewer):
             raise InvalidArgumentTypeError(
                 f"auto_lock_renewer must be an AutoLockRenewer, got {type(auto_lock_renewer).__name__}"

@@ -270,6 +270,35 @@ def test_a_name_with_no_utf8_form_is_refused(ns: Namespace, call: Callable[[Name
     assert [r.name for r in ns.list_rules("t", "s")] == ["$Default"]
 
 
+PIPED: dict[str, tuple[Callable[[Namespace], Any], str]] = {
+    "get_queue": (lambda ns: ns.get_queue("q|x"), "queue name 'q|x'"),
+    "get_subscription, subscription part": (lambda ns: ns.get_subscription("t", "s|x"), "subscription name 's|x'"),
+    "get_subscription, topic part": (lambda ns: ns.get_subscription("t|s", "x"), "topic name 't|s'"),
+    "get_rule": (lambda ns: ns.get_rule("t", "s", "$Default|x"), "rule name '[$]Default[|]x'"),
+    "get_subscription_receiver": (lambda ns: ns.get_subscription_receiver("t", "s|x"), "subscription name 's|x'"),
+    "get_topic_sender": (lambda ns: ns.get_topic_sender("t|s"), "topic name 't|s'"),
+    "delete_subscription": (lambda ns: ns.delete_subscription("t", "s|x"), "subscription name 's|x'"),
+    "create_queue": (lambda ns: ns.create_queue("q|x"), "queue name 'q|x'"),
+    "create_rule": (lambda ns: ns.create_rule("t", "s", "r|x"), "rule name 'r|x'"),
+}
+
+
+@pytest.mark.parametrize("call, named", PIPED.values(), ids=PIPED.keys())
+def test_a_name_holding_the_catalog_separator_is_refused_by_that_name(
+    ns: Namespace, call: Callable[[Namespace], Any], named: str
+) -> None:
+    """The catalog joins a subscription's or rule's name parts with '|'. A lookup holding one raised
+    EntityNotFoundError naming another path ("t/Subscriptions/s/Rules/x" for subscription "s|x"); every name given is
+    refused as invalid, naming what was asked for, and nothing changes."""
+    ns.create_topic("t")
+    ns.create_subscription("t", "s")
+    with pytest.raises(InvalidOperationError, match=f"invalid {named}: names cannot contain '[|]'"):
+        call(ns)
+    assert [x.name for x in ns.list_subscriptions("t")] == ["s"]
+    assert [r.name for r in ns.list_rules("t", "s")] == ["$Default"]
+    assert ns.list_queues() == []
+
+
 @pytest.mark.parametrize("name", ["a", "a" * 260, "orders.v2", "my_queue-1", "A1", "path/to/queue"])
 def test_valid_queue_names_are_accepted(ns: Namespace, name: str) -> None:
     """Names of 1 to 260 letters, digits, '.', '-', '_' and '/' (alphanumeric at both ends) work end to end."""

@@ -2,8 +2,8 @@
 
 The catalog keys each entity by a string `"<kind>:<name>"`, the name joining a subscription or a
 rule to its topic with '|' ("subscription:orders|audit", "rule:orders|audit|$Default"); entity
-names may not contain '|' (the name patterns in model/limits.py refuse it at creation; a lookup
-name holding one finds nothing). This module is the one place that builds and reads those strings.
+names may not contain '|' (model/limits.py refuses it in every name given, to a creation or a
+lookup). This module is the one place that builds and reads those strings.
 """
 
 from __future__ import annotations

@@ -88,11 +88,15 @@ def check_name_type(name: object, what: str = "queue") -> str:
     """A name given to look an entity up: a str (TypeError otherwise, as in the SDK), not empty, with a UTF-8 form (ValueError).
 
     No entity can have a name with lone surrogates (what sys.argv makes of undecodable bytes): the catalog stores UTF-8.
+    Nor one holding '|', which joins a subscription's or rule's name parts in the catalog (model/addresses.py): it is
+    refused here, as an empty name is, so the error names what was asked for, not the parts the catalog would read out of it.
     """
     if not isinstance(name, str):
         raise InvalidArgumentTypeError(f"{what} name must be a str, got {type(name).__name__}")
     if not name:
         raise InvalidOperationError(f"{what} name must not be empty")
+    if "|" in name:
+        raise InvalidOperationError(f"invalid {what} name {name!r}: names cannot contain '|'")
     return check_utf8(name, f"{what} name {name!r}")
 
 

@@ -16,7 +16,8 @@ would narrow the next query on the same DataFrame. Rows are the live messages of
 (completed tombstones excluded) in the received-message layout, with `state` active, deferred
 or scheduled; lock columns show current locks.
 
-Subscriptions load as "<topic>/Subscriptions/<subscription>" or "<topic>/<subscription>" (or option entity_type=subscription).
+Subscriptions load as "<topic>/Subscriptions/<subscription>" or "<topic>/<subscription>" (or option entity_type=subscription);
+options `entity`, or `topic` with `subscription`, name the entity instead of `load(name)`, as for the streaming source.
 
 With the Delta Lake jars on the cluster, `spark.read.format("delta").load(table_path(ns, name))`
 reads the same table; `row_filter(...)` gives the predicate that selects an entity's live messages.
@@ -69,7 +70,8 @@ SUB_QUEUES = {
     "$deadletterqueue": SUB_QUEUE_DEAD_LETTER,
 }
 READ_COLUMNS = list(dict.fromkeys([*ROW_COLUMNS, "kind", "subscription"]))
-READ_OPTIONS = frozenset({"entity_type", "sub_queue"})  # beside streaming.COMMON_OPTIONS
+READ_OPTIONS = frozenset({"entity_type", "sub_queue", "entity", "topic", "subscription"})  # beside streaming.COMMON_OPTIONS
+NAMING_OPTIONS = frozenset({"entity", "topic", "subscription"})  # another way to name the entity, as the stream source
 
 
 def register(spark: SparkSession) -> None:
@@ -207,11 +209,14 @@ class ReadTarget:
         """The options checked and the entity resolved (its namespace and it must exist); no table is read."""
         streaming.check_options(options, READ_OPTIONS, "reader")
         root = options.get("namespace")
-        name = options.get("path")
+        name, entity_type = options.get("path"), options.get("entity_type")
+        if root and options.keys() & NAMING_OPTIONS:  # named as the stream source names it, checked the same way
+            address = streaming.address_of(options, sink=False)
+            name, entity_type = address.display, entity_type or address.entity_type
         if not root or not name:
             raise InvalidOperationError('use spark.read.format("sparkqueue").option("namespace", root).load(entity_name)')
         storage = streaming.storage_options_of(options)
-        table_uri, _, subscription = resolve(root, name, options.get("entity_type"), storage)
+        table_uri, _, subscription = resolve(root, name, entity_type, storage)
         return cls(table_uri, subscription, sub_queue_of(options.get("sub_queue")), storage)
 
 

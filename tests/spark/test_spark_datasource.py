@@ -108,6 +108,34 @@ def test_dead_letters_and_subscriptions(spark, ns, numbered):
         read(spark, ns, "t").count()
 
 
+def test_a_batch_read_takes_the_stream_sources_naming_options(spark, ns, numbered):
+    """`option("topic", t).option("subscription", s).load()` passed load() (the stream source's check) and then failed
+    the first action: the reader took no such option. It reads the subscription now; `entity` names an entity as
+    load(name) does, and names that disagree fail load() itself."""
+    ns.create_topic("t")
+    ns.create_subscription("t", "s1")
+    ns.create_queue("q")
+    with ns.get_topic_sender("t") as s:
+        s.send_dataframe(numbered(20))
+    with ns.get_queue_sender("q") as s:
+        s.send_dataframe(numbered(3))
+
+    def base():  # a DataFrameReader keeps the options set on it: a fresh one per read
+        return spark.read.format("sparkqueue").option("namespace", ns.root)
+
+    assert base().option("topic", "t").option("subscription", "s1").load().count() == 20
+    assert base().option("topic", "t").option("subscription", "s1").option("sub_queue", "deadletter").load().count() == 0
+    assert base().option("entity", "t/Subscriptions/s1").load().count() == 20
+    assert base().option("entity", "q").load().count() == 3
+    assert base().option("entity", "q").load("q").count() == 3  # the same entity named twice
+    with pytest.raises(Exception, match="name different entities"):
+        base().option("entity", "q").load("t/s1")
+    with pytest.raises(Exception, match='option "subscription" needs option "topic"'):
+        base().option("subscription", "s1").load()
+    with pytest.raises(Exception, match="subscription 't/Subscriptions/nope' does not exist"):
+        base().option("topic", "t").option("subscription", "nope").load()
+
+
 def test_a_dead_letter_whose_scheduled_time_is_ahead_reads_as_active_in_spark_too(spark, ns):
     """Forwarding to a missing queue dead-letters a scheduled message at once; Spark called it scheduled."""
     from datetime import UTC, datetime, timedelta
@@ -153,7 +181,7 @@ def test_reader_errors_are_one_line_and_unknown_options_are_refused(spark, ns, n
     with pytest.raises(Exception, match="no queue, topic or subscription named 'nope'") as err:
         read(spark, ns, "nope").count()
     assert "datasource.py" not in str(err.value) and "resolve(" not in str(err.value)  # no frames inside sparkqueue
-    options = "entity_type, namespace, path, storage_option"
+    options = "entity, entity_type, namespace, path, storage_option"
     with pytest.raises(Exception, match=f"has no option 'subqueue'; its options: {options}") as err:
         read(spark, ns, "q", subQueue="deadletter").count()
     assert "datasource.py" not in str(err.value)
