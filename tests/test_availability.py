@@ -13,7 +13,7 @@ import pytest
 from procs import PARTITIONS, drain, drain_all, key_for_partition, peek_all
 
 from sparkqueue import NEXT_AVAILABLE_SESSION, Message, Namespace, SubQueue
-from sparkqueue.errors import PartitionUnavailableError
+from sparkqueue.errors import EntityNotFoundError, PartitionUnavailableError
 
 DOWN = 5  # the partition the tests make unavailable
 UP = 9  # a partition that stays available
@@ -166,6 +166,47 @@ def test_a_receive_that_can_read_no_partition_holding_its_messages_raises(ns: Na
     _heal(ns)
     with ns.get_queue_receiver("q") as r:
         assert _ids(drain(r, 3)) == ["d0", "d1", "d2"]
+
+
+def test_a_read_caught_by_another_handle_s_delete_reports_the_delete_and_marks_nothing(
+    ns: Namespace, root: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Another handle deleted queue q (and made it again) while this one's cached table still listed q's data files. The
+    receive found them missing and called it damage: PartitionUnavailableError, and marks that kept the partitions of
+    the NEW queue q unavailable in this process for 30 s (damage marks go by entity name). It reports the delete
+    (EntityNotFoundError) and marks nothing; the next receive reads the new queue."""
+    import sparkqueue.management as management
+    from sparkqueue.storage.log import delete_table
+
+    ns.create_queue("q")
+    with Namespace(root, create=False) as sender, sender.get_queue_sender("q") as s:  # files this handle never read
+        s.send_messages([Message(f"old{p}", partition_key=key_for_partition(p)) for p in range(PARTITIONS)])
+    r = ns.get_queue_receiver("q", max_wait_time=0.5)
+    paused: list[int] = []
+
+    def half_then_whole(store, **kw):  # the delete caught half-way (tombstone, no data files, log still there) ...
+        from sparkqueue.storage.log import LOG_DIR, TOMBSTONE
+
+        store.put(TOMBSTONE, b"")
+        for e in store.list():
+            if e.path != TOMBSTONE and not e.path.startswith(f"{LOG_DIR}/"):
+                store.delete(e.path)
+        paused.append(1)
+        return 0
+
+    with Namespace(root, create=False) as other:
+        monkeypatch.setattr(management, "delete_table", half_then_whole)
+        other.delete_queue("q")
+        assert paused
+        with pytest.raises(EntityNotFoundError, match="was deleted while this read was under way"):
+            r.receive_messages(10)  # this handle still trusts its cached settings (under a second old)
+        monkeypatch.setattr(management, "delete_table", delete_table)
+        other.create_queue("q")
+        with other.get_queue_sender("q") as s:
+            s.send_messages([Message(f"new{p}", partition_key=key_for_partition(p)) for p in range(PARTITIONS)])
+    assert sorted(str(m) for m in drain(r, PARTITIONS)) == sorted(f"new{p}" for p in range(PARTITIONS))
+    assert ns.get_queue_runtime_properties("q").availability_status == "Available"
+    r.close()
 
 
 def test_next_available_session_skips_a_partition_its_own_read_finds_damaged(ns: Namespace, root: str) -> None:

@@ -35,6 +35,7 @@ from sparkqueue.storage.faults import FaultInjector
 from sparkqueue.storage.files import FILE_SCHEMA, MAX_FILE_ROWS, DataFiles, file_rows, remove_action
 from sparkqueue.storage.index import FileIndex, FileInfo
 from sparkqueue.storage.log import (
+    TOMBSTONE,
     AddFile,
     CommitConflict,
     DeltaLog,
@@ -234,14 +235,25 @@ class EntityTable:
 
         A file missing only because the read's snapshot is old (a compaction replaced it, and a
         vacuum at a short retention deleted it, while the read was under way) is no damage: the
-        partition is skipped by this read alone.
+        partition is skipped by this read alone. Nor is one whose table is being deleted (another
+        handle deleted its entity): that is TableDeletedError, and the broker looks the entity up again.
         """
         partition = path.split("/", 1)[0].removeprefix(f"{PARTITION_COLUMN}=")
+        if missing and self._being_deleted():  # its entity's delete is under way: no damage, and no mark on the name
+            self.deleted = True
+            return TableDeletedError(f"table {self.uri} was deleted while this read was under way; nothing was read")
         if missing and not self._live_now(path):
             log.info("data file %s was replaced since this read's snapshot; the partition is skipped this time", path)
             return PartitionUnavailableError(f"partition {partition} changed under this read (file {path} was replaced)")
         log.error("storage damage: %s", what)
         return self.faults.damaged(int(partition), what) if partition.isdigit() else StorageCorruptedError(what)
+
+    def _being_deleted(self) -> bool:
+        """Whether the table's delete has begun (its tombstone is there: storage.log.delete_table); False when unknown."""
+        try:
+            return self.store.exists(TOMBSTONE)
+        except (SparkQueueError, OSError):
+            return False
 
     def _live_now(self, path: str) -> bool:
         """Whether a data file is live at the newest version (a fresh load: callers hold their snapshots).
