@@ -384,7 +384,8 @@ def resolve_root(root: str | os.PathLike[str]) -> str:
     A relative local root is made absolute, so the namespace opens the same from any directory,
     process or Spark executor. The file-system root itself and empty roots are refused: a
     namespace writes `_catalog` and `entities` under its root. So is anything obstore and delta-rs
-    would read as another location: a URI's query or fragment, '.' or '..' segments, URL escapes.
+    would read as another location: a URI's query or fragment, '.' or '..' segments, URL escapes,
+    a backslash or a space at its end.
     """
     if root is None or not isinstance(root, (str, os.PathLike)):
         raise InvalidOperationError(f"a namespace root is a path or a URI, got {root!r}")
@@ -430,7 +431,15 @@ def _object_store_root(text: str, scheme: str, rest: str) -> str:
             f"namespace URI {text!r} holds a URL escape ('%' and two hex digits), which the store decodes into "
             "another path; write the path it means"
         )
-    return f"{scheme}://{rest.rstrip('/')}"
+    root = f"{scheme}://{rest.rstrip('/')}"
+    # obstore's URL parser drops spaces at the end (the namespace marker went to 'ns' while the tables went under
+    # 'ns '), and delta-rs reads a backslash as '/': either would put part of the namespace outside its root
+    if root.endswith(" ") or "\\" in rest:
+        raise InvalidOperationError(
+            f"namespace URI {text!r} ends in a space or holds a backslash, which the stores read as another path; "
+            "write the path it means"
+        )
+    return root
 
 
 def _local_root(text: str, path: str) -> str:
@@ -532,12 +541,12 @@ def with_deadline_options(root: str, options: Mapping[str, str], seconds: float)
         return dict(options)
     given = {_bare_key(k) for k in options}
     out = dict(options)
-    # Client options given at all replace those obstore reads from the environment (AZURE_ALLOW_HTTP, say), so a
-    # namespace configured by environment variables alone keeps them; its retries are still bounded. Options given
-    # in part take the environment's client options along with the timeout, as delta-rs does.
-    if options and "timeout" not in given:
+    # Client options given at all replace those obstore reads from the environment (AZURE_ALLOW_HTTP, say), so the
+    # request timeout takes the environment's client options along, as delta-rs does: options given in part, or none
+    # (a namespace configured by environment variables alone). A timeout set in the environment is kept.
+    if "timeout" not in given:
         out.update({k: v for k, v in _environment_client_options(root).items() if k not in given})
-        out["timeout"] = f"{max(1, math.ceil(min(30.0, seconds)))}s"
+        out.setdefault("timeout", f"{max(1, math.ceil(min(30.0, seconds)))}s")
     if "retry_timeout" not in given:
         out["retry_timeout"] = f"{max(1, math.ceil(seconds))}s"
     return out
