@@ -209,6 +209,33 @@ def test_a_read_caught_by_another_handle_s_delete_reports_the_delete_and_marks_n
     r.close()
 
 
+def test_damage_found_in_a_deleted_queue_does_not_mark_the_queue_made_again_under_its_name(ns: Namespace, root: str) -> None:
+    """Damage marks go by entity name: a partition found damaged in queue q stayed unavailable, for 30 s, in the new
+    queue q another handle made after deleting the damaged one. A new table's handle starts without them."""
+    import time
+
+    from sparkqueue.broker.core import PROPERTIES_TTL_S
+
+    ns.create_queue("q")
+    with Namespace(root, create=False) as sender, sender.get_queue_sender("q") as s:  # files this handle never read
+        s.send_messages(Message("old", partition_key=key_for_partition(DOWN)))
+    table = ns.broker.entity("queue", "q").table
+    (victim,) = [f for f in table.snapshot().files if f.partition == DOWN]
+    with open(f"{table.uri}/{victim.path}", "wb"):
+        pass  # emptied: real damage
+    with ns.get_queue_receiver("q") as r, pytest.raises(PartitionUnavailableError, match=f"partition\\(s\\) {DOWN}"):
+        r.receive_messages(5, max_wait_time=0.2)
+    with Namespace(root, create=False) as other:
+        other.delete_queue("q")
+        other.create_queue("q")
+        with other.get_queue_sender("q") as s:
+            s.send_messages(Message("new", partition_key=key_for_partition(DOWN)))
+    time.sleep(PROPERTIES_TTL_S + 0.2)  # this handle's cached settings lapse: it looks q up again
+    with ns.get_queue_receiver("q") as r:
+        assert [str(m) for m in r.receive_messages(5, max_wait_time=2)] == ["new"]
+    assert ns.get_queue_runtime_properties("q").availability_status == "Available"
+
+
 def test_next_available_session_skips_a_partition_its_own_read_finds_damaged(ns: Namespace, root: str) -> None:
     """A session queue's file in partition 5 damaged on disk (not a fault already known): NEXT_AVAILABLE_SESSION raised
     PartitionUnavailableError whenever its rotating start reached partition 5 before the healthy session in 9, so a

@@ -280,6 +280,7 @@ class Broker:
             table = self.tables.get(path)
             if table is None:
                 faults = self.faults.setdefault(owner, FaultInjector())
+                faults.forget_damage()  # found in a table this name had before (deleted and made again): not this one's
                 named = lambda: any(e.table_path.partition("#")[0] == path for e in self.catalog.entries())
                 table = EntityTable(self.table_uri(path), partition_count, faults, self.store_options, named)
                 self.tables[path] = table

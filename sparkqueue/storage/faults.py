@@ -41,6 +41,11 @@ class FaultInjector:
             return None
         return hit[0]
 
+    def forget_damage(self) -> None:
+        """Drop the damage marks (injected faults stay): they were found in another table than the one now named."""
+        with self._lock:
+            self._damaged.clear()
+
     def fail(self, partition: int, kinds: tuple[str, ...] = ("read", "write")) -> None:
         """Make the partition's reads and/or writes fail until `heal` is called."""
         with self._lock:
