@@ -17,7 +17,13 @@ import sys
 from collections.abc import Callable
 from typing import Any, TypeVar
 
-from pyspark.sql.datasource import DataSource, DataSourceReader, DataSourceStreamReader, DataSourceStreamWriter
+from pyspark.sql.datasource import (
+    DataSource,
+    DataSourceReader,
+    DataSourceStreamReader,
+    DataSourceStreamWriter,
+    DataSourceWriter,
+)
 from pyspark.sql.types import StructType
 
 __all__ = ["DefaultSource"]
@@ -72,8 +78,15 @@ class DefaultSource(DataSource):
 
     def reader(self, schema: StructType) -> DataSourceReader:
         """A reader pinned to the table's current version."""
-        reader: DataSourceReader = _plain(lambda: _implementation().make_reader(dict(self.options)))
+        reader: DataSourceReader = _plain(lambda: _implementation().make_reader(dict(self.options), schema))
         return reader
+
+    def writer(self, schema: StructType, overwrite: bool) -> DataSourceWriter:
+        """Refused: DataFrames are sent with sender.send_dataframe (or a streaming query)."""
+        writer: DataSourceWriter = _plain(
+            lambda: _implementation().SparkQueueDataSource(dict(self.options)).writer(schema, overwrite)
+        )
+        return writer
 
     def streamReader(self, schema: StructType) -> DataSourceStreamReader:  # noqa: N802 - pyspark's name
         """`spark.readStream.format("sparkqueue")`: peek-locked micro-batches."""

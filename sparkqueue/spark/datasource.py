@@ -25,7 +25,6 @@ reads the same table; `row_filter(...)` gives the predicate that selects an enti
 
 from __future__ import annotations
 
-import contextlib
 import logging
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -38,16 +37,17 @@ from pyspark.sql.datasource import (
     DataSourceReader,
     DataSourceStreamReader,
     DataSourceStreamWriter,
+    DataSourceWriter,
     InputPartition,
 )
 from pyspark.sql.types import StructType
 
-from sparkqueue.broker import split_subscription_path, sub_entity_name
-from sparkqueue.errors import EntityNotFoundError, InvalidOperationError, StorageCorruptedError
-from sparkqueue.model.addresses import QUEUE, SUBSCRIPTION, TOPIC, Address
+from sparkqueue.broker import split_subscription_path
+from sparkqueue.errors import InvalidOperationError, StorageCorruptedError
+from sparkqueue.model.addresses import QUEUE, SUBSCRIPTION
 from sparkqueue.model.entity import ROW_COLUMNS, utcnow
 from sparkqueue.spark import streaming
-from sparkqueue.spark.schema import RECEIVED_SCHEMA, received_arrow, staged_rows
+from sparkqueue.spark.schema import RECEIVED_SCHEMA, check_read_schema, received_arrow, staged_rows
 from sparkqueue.storage.files import DataFiles
 from sparkqueue.storage.index import FileIndex
 from sparkqueue.storage.log import DeltaLog
@@ -69,6 +69,10 @@ SUB_QUEUES = {
     "dead_letter": SUB_QUEUE_DEAD_LETTER,
     "$deadletterqueue": SUB_QUEUE_DEAD_LETTER,
 }
+WRITE_REFUSED = (
+    'df.write.format("sparkqueue") is not supported: send a DataFrame with sender.send_dataframe(df), '
+    'or stream one with df.writeStream.format("sparkqueue")'
+)
 READ_COLUMNS = list(dict.fromkeys([*ROW_COLUMNS, "kind", "subscription"]))
 READ_OPTIONS = frozenset({"entity_type", "sub_queue", "entity", "topic", "subscription"})  # beside streaming.COMMON_OPTIONS
 NAMING_OPTIONS = frozenset({"entity", "topic", "subscription"})  # another way to name the entity, as the stream source
@@ -87,36 +91,21 @@ def register(spark: SparkSession) -> None:
 def resolve(
     namespace: object, name: str, entity_type: str | None = None, storage_options: dict[str, str] | None = None
 ) -> tuple[str, str, str | None]:
-    """(Delta table URI, entity type, subscription key or None) of a queue or subscription name.
+    """(Delta table URI, entity type, subscription key or None) of a queue or subscription name (streaming.resolve_name).
 
     "<topic>/Subscriptions/<subscription>" names a subscription, as Service Bus paths do; "<topic>/<subscription>"
     too, unless a queue has that name (queue names may hold '/').
     """
     from sparkqueue.namespace import Namespace
 
-    if isinstance(entity_type, str):
-        entity_type = entity_type.lower()  # as sub_queue is read: "QUEUE" is "queue"
-    if entity_type not in (None, QUEUE, SUBSCRIPTION):
-        raise InvalidOperationError(f"entity_type must be 'queue' or 'subscription', got {entity_type!r}")
+    kind = streaming.entity_type_of(entity_type)
     ns = namespace if isinstance(namespace, Namespace) else streaming.open_namespace(str(namespace), storage_options)
-    topic, sub = Address.split_path(name)
-    if entity_type == SUBSCRIPTION or (entity_type is None and sub is not None):
-        if sub is None:
-            raise InvalidOperationError(f"name a subscription as '<topic>/Subscriptions/<subscription>', got {name!r}")
-        entry = ns.broker.entry(SUBSCRIPTION, sub_entity_name(topic, sub))
-        path, key = split_subscription_path(entry.table_path)
+    address = streaming.resolve_name(ns, name, sink=False, entity_type=kind)
+    table = ns.broker.entry(address.entity_type, address.name).table_path
+    if address.entity_type == SUBSCRIPTION:
+        path, key = split_subscription_path(table)
         return ns.table_uri(path), SUBSCRIPTION, key
-    # In the CLI's order (cli/ops.resolve): a queue, a topic, then the short "<topic>/<subscription>" form.
-    with contextlib.suppress(EntityNotFoundError):
-        return ns.table_uri(ns.broker.entry(QUEUE, name).table_path), QUEUE, None
-    with contextlib.suppress(EntityNotFoundError):
-        ns.broker.entry(TOPIC, name)  # a clearer error for topics: their messages live in subscriptions
-        raise InvalidOperationError(f"{name!r} is a topic; read one of its subscriptions ('{name}/Subscriptions/<name>')")
-    short = Address.split_short(name) if entity_type is None else None
-    if short is not None:
-        with contextlib.suppress(EntityNotFoundError):
-            return resolve(ns, Address.subscription_of(*short).path, SUBSCRIPTION)
-    raise EntityNotFoundError(f"no queue, topic or subscription named {name!r} in namespace {ns.root!r}")
+    return ns.table_uri(table), QUEUE, None
 
 
 def table_path(namespace: object, name: str, entity_type: str | None = None) -> str:
@@ -162,7 +151,11 @@ class SparkQueueDataSource(DataSource):
 
     def reader(self, schema: StructType) -> DataSourceReader:
         """A reader pinned to the table's current version."""
-        return make_reader(dict(self.options))
+        return make_reader(dict(self.options), schema)
+
+    def writer(self, schema: StructType, overwrite: bool) -> DataSourceWriter:
+        """Refused with the calls that send a DataFrame (a batch write would have no sender's checks and no fences)."""
+        raise InvalidOperationError(WRITE_REFUSED)
 
     def streamReader(self, schema: StructType) -> DataSourceStreamReader:  # noqa: N802 - pyspark's name
         """`spark.readStream.format("sparkqueue")`: peek-locked micro-batches (sparkqueue.spark.streaming_source)."""
@@ -190,8 +183,9 @@ def check_load(options: dict[str, str]) -> None:
         ReadTarget.of(options)
 
 
-def make_reader(options: dict[str, str]) -> DataSourceReader:
-    """The entity's reader (pinned to the table's current version)."""
+def make_reader(options: dict[str, str], schema: StructType) -> DataSourceReader:
+    """The entity's reader (pinned to the table's current version), for the schema it emits."""
+    check_read_schema(schema)
     return EntityReader(options)
 
 
@@ -210,7 +204,7 @@ class ReadTarget:
         streaming.check_options(options, READ_OPTIONS, "reader")
         root = options.get("namespace")
         name, entity_type = options.get("path"), options.get("entity_type")
-        if root and options.keys() & NAMING_OPTIONS:  # named as the stream source names it, checked the same way
+        if options.keys() & NAMING_OPTIONS:  # named as the stream source names it, checked the same way
             address = streaming.address_of(options, sink=False)
             name, entity_type = address.display, entity_type or address.entity_type
         if not root or not name:

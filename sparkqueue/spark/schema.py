@@ -167,3 +167,12 @@ def received_arrow(staged: pa.Table) -> pa.Table:
     ttl = pc.multiply(staged.column("time_to_live_ms"), 1000).cast(pa.duration("us"))
     i = staged.schema.get_field_index("time_to_live_ms")
     return staged.set_column(i, RECEIVED_ARROW_SCHEMA.field("time_to_live"), ttl)
+
+
+def check_read_schema(schema: st.StructType) -> None:
+    """A read's schema (a user's `.schema(...)` replaces the source's) must be the received-message layout it emits."""
+    if [(f.name, f.dataType) for f in schema.fields] != [(f.name, f.dataType) for f in RECEIVED_SCHEMA.fields]:
+        raise InvalidOperationError(
+            "the sparkqueue source has a fixed schema (sparkqueue.spark.RECEIVED_SCHEMA): load without .schema(...) "
+            "and select the columns you need"
+        )

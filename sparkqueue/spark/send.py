@@ -40,7 +40,7 @@ import itertools
 import json
 import logging
 import random
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import asdict, dataclass, replace
 from functools import partial
 from typing import TYPE_CHECKING, Any
@@ -336,6 +336,7 @@ def prepare(df: DataFrame, plan: SendPlan, owned: bool = False, block: int = ROU
     types = {f.name: f.dataType for f in df.schema.fields}
     if "body" not in types:
         raise InvalidOperationError(f"the DataFrame needs a `body` column (binary or string); it has {sorted(types)}")
+    check_message_types(types)
     ignored = sorted(set(types) - set(MESSAGE_FIELDS))
     if ignored:
         log.debug("columns that are not message fields are ignored: %s", ignored)
@@ -371,12 +372,33 @@ def prepare(df: DataFrame, plan: SendPlan, owned: bool = False, block: int = ROU
     )
 
 
+def check_message_types(types: Mapping[str, st.DataType]) -> None:
+    """Refuse message-field columns (by field name) of a type no send takes: InvalidOperationError, before any task runs.
+
+    Types alone, no Spark: the sends run it before building their columns, and the streaming sink
+    when its query starts (a query given such a column failed inside its first batch's tasks).
+    """
+    for name, dtype in types.items():
+        if name == "body":
+            _check_body(dtype)
+        elif name in STRING_FIELDS:
+            check_string_field(name, dtype)
+        elif name == "application_properties":
+            _check_properties(dtype)
+        elif name == "time_to_live":
+            _check_ttl(dtype)
+        elif name == "scheduled_enqueue_time_utc":
+            _check_scheduled(dtype)
+
+
 def _body(dtype: st.DataType) -> Column:
-    if isinstance(dtype, st.BinaryType):
-        return sf.col("body")
-    if isinstance(dtype, st.StringType):
-        return sf.col("body").cast("binary")
-    raise InvalidOperationError(f"body must be binary or string, got {dtype.simpleString()}")
+    _check_body(dtype)
+    return sf.col("body") if isinstance(dtype, st.BinaryType) else sf.col("body").cast("binary")
+
+
+def _check_body(dtype: st.DataType) -> None:
+    if not isinstance(dtype, (st.BinaryType, st.StringType)):
+        raise InvalidOperationError(f"body must be binary or string, got {dtype.simpleString()}")
 
 
 def _string(types: dict[str, st.DataType], name: str) -> Column:
@@ -398,6 +420,14 @@ def _properties_json(types: dict[str, st.DataType]) -> Column:
     dtype = types.get("application_properties")
     if dtype is None or isinstance(dtype, st.NullType):
         return sf.lit(None).cast("string")
+    _check_properties(dtype)
+    column: Column = properties_udf(sf.col("application_properties"))
+    return column
+
+
+def _check_properties(dtype: st.DataType) -> None:
+    if isinstance(dtype, st.NullType):
+        return
     if isinstance(dtype, st.MapType):
         if not isinstance(dtype.keyType, st.StringType) or not isinstance(dtype.valueType, _PROPERTY_VALUE_TYPES):
             raise InvalidOperationError(
@@ -411,8 +441,6 @@ def _properties_json(types: dict[str, st.DataType]) -> Column:
         raise InvalidOperationError(
             f"application_properties must be a map, a struct or a JSON object string, got {dtype.simpleString()}"
         )
-    column: Column = properties_udf(sf.col("application_properties"))
-    return column
 
 
 @arrow_udf(st.StringType())  # type: ignore[untyped-decorator]
@@ -448,18 +476,22 @@ def _ttl_us(types: dict[str, st.DataType]) -> Column:
     dtype = types.get("time_to_live")
     if dtype is None or isinstance(dtype, st.NullType):
         return sf.lit(None).cast("long")
+    _check_ttl(dtype)
     if isinstance(dtype, st.DayTimeIntervalType):  # any day-time interval fits a long of microseconds
         micros = sf.expr("unix_micros(timestamp_micros(0) + time_to_live)")
         never_us = int(limits.TTL_NEVER.total_seconds()) * 1_000_000
         return _ttl_rule(micros, never_us, micros, sf.col("time_to_live").cast("string"))
-    if isinstance(dtype, st.NumericType):  # as the core: NaN and infinities refused
-        seconds = sf.col("time_to_live").cast("double")
-        bad = sf.isnan(seconds) | (sf.abs(seconds) == float("inf"))
-        shown = sf.concat(seconds.cast("string"), sf.lit(" seconds"))
-        not_finite = failing(InvalidOperationError, "time_to_live must be a finite number of seconds, got ", seconds)
-        ttl = _ttl_rule(seconds, limits.TTL_NEVER.total_seconds(), seconds * 1_000_000, shown)
-        return sf.when(bad, not_finite).otherwise(ttl)
-    raise InvalidOperationError(f"time_to_live must be seconds (a number) or a day-time interval, got {dtype.simpleString()}")
+    seconds = sf.col("time_to_live").cast("double")  # a number: as the core, NaN and infinities refused
+    bad = sf.isnan(seconds) | (sf.abs(seconds) == float("inf"))
+    shown = sf.concat(seconds.cast("string"), sf.lit(" seconds"))
+    not_finite = failing(InvalidOperationError, "time_to_live must be a finite number of seconds, got ", seconds)
+    ttl = _ttl_rule(seconds, limits.TTL_NEVER.total_seconds(), seconds * 1_000_000, shown)
+    return sf.when(bad, not_finite).otherwise(ttl)
+
+
+def _check_ttl(dtype: st.DataType) -> None:
+    if not isinstance(dtype, (st.NullType, st.DayTimeIntervalType, st.NumericType)):
+        raise InvalidOperationError(f"time_to_live must be seconds (a number) or a day-time interval, got {dtype.simpleString()}")
 
 
 def _ttl_rule(value: Column, never: float, micros: Column, shown: Column) -> Column:
@@ -482,9 +514,13 @@ def _scheduled(types: dict[str, st.DataType]) -> Column:
     dtype = types.get("scheduled_enqueue_time_utc")
     if dtype is None or isinstance(dtype, st.NullType):
         return sf.lit(None).cast("timestamp")
-    if isinstance(dtype, (st.TimestampType, st.TimestampNTZType)):
-        return sf.col("scheduled_enqueue_time_utc")
-    raise InvalidOperationError(f"scheduled_enqueue_time_utc must be a timestamp, got {dtype.simpleString()}")
+    _check_scheduled(dtype)
+    return sf.col("scheduled_enqueue_time_utc")
+
+
+def _check_scheduled(dtype: st.DataType) -> None:
+    if not isinstance(dtype, (st.NullType, st.TimestampType, st.TimestampNTZType)):
+        raise InvalidOperationError(f"scheduled_enqueue_time_utc must be a timestamp, got {dtype.simpleString()}")
 
 
 def _size(c: str) -> Column:

@@ -51,6 +51,8 @@ def lowered(options: Mapping[str, str]) -> dict[str, str]:
 
 def check_options(options: Mapping[str, str], known: frozenset[str], what: str) -> None:
     """Refuse options (lower-cased keys) that `what` does not take: a misspelt one would otherwise be ignored silently."""
+    if "paths" in options:  # what Spark makes of load([...])
+        raise InvalidOperationError(f"the sparkqueue {what} reads one entity: load(name), not a list of names")
     allowed = COMMON_OPTIONS | known
     unknown = sorted(k for k in options if k not in allowed and not k.startswith(STORAGE_OPTION_PREFIX))
     if unknown:
@@ -112,16 +114,17 @@ class EntityAddress:
 def address_of(options: Mapping[str, str], *, sink: bool) -> EntityAddress:
     """The entity the (lower-cased) options name; raises a clear error when it is missing or unknown.
 
-    The source reads queues and subscriptions; the sink writes queues and topics.
+    The source reads queues and subscriptions (option entity_type narrows which); the sink writes queues and topics.
     """
     root = options.get("namespace")
     if not root:
         raise InvalidOperationError('set the namespace root: .option("namespace", root)')
     names = _names(options, sink)
     storage = storage_options_of(options)
+    kind = None if sink else entity_type_of(options.get("entity_type"))
     ns = open_namespace(root, storage)
     try:
-        found = {form: _resolve(ns, str(root), storage, name, sink) for form, name in names.items()}
+        found = {form: resolve_name(ns, name, sink=sink, entity_type=kind) for form, name in names.items()}
     finally:
         ns.close()
     if len({(a.entity_type, a.name.lower()) for a in found.values()}) > 1:  # names are case-insensitive
@@ -160,24 +163,40 @@ def _names(options: Mapping[str, str], sink: bool) -> dict[str, str]:
     return given
 
 
-def _resolve(ns: Namespace, root: str, storage: dict[str, str], name: str, sink: bool) -> EntityAddress:
-    frozen = tuple(sorted(storage.items()))
+def entity_type_of(value: str | None) -> str | None:
+    """The `entity_type` option of a read: None, 'queue' or 'subscription' (in any case, as sub_queue is read)."""
+    kind = value.lower() if isinstance(value, str) and value else None
+    if kind not in (None, QUEUE, SUBSCRIPTION):
+        raise InvalidOperationError(f"entity_type must be 'queue' or 'subscription', got {value!r}")
+    return kind
+
+
+def resolve_name(ns: Namespace, name: str, *, sink: bool, entity_type: str | None = None) -> EntityAddress:
+    """The entity a name gives, on a namespace handle: a queue or subscription to read, a queue or topic to send to.
+
+    "<topic>/Subscriptions/<subscription>" names a subscription, as Service Bus paths do; "<topic>/<subscription>"
+    too, unless a queue has that name (queue names may hold '/'). `entity_type` (reads) takes only that kind.
+    """
+    frozen = tuple(sorted(ns.storage_options.items()))
     topic, sub = Address.split_path(name)
-    if sub is not None:
+    if entity_type == SUBSCRIPTION and sub is None:
+        short = Address.split_short(name)
+        if short is None:
+            raise InvalidOperationError(f"name a subscription as '<topic>/Subscriptions/<subscription>', got {name!r}")
+        topic, sub = short
+    if sub is not None and entity_type != QUEUE:
         if sink:
             raise InvalidOperationError(f"the sink sends to a queue or topic, not to a subscription ({name!r})")
         ns.broker.entry(SUBSCRIPTION, sub_entity_name(topic, sub))  # EntityNotFoundError when absent
         return EntityAddress(ns.root, frozen, SUBSCRIPTION, sub_entity_name(topic, sub))
-    # In the CLI's order (cli/ops.resolve): a queue, a topic, then (the source) the short "<topic>/<subscription>" form.
+    # In the CLI's order (cli/ops.resolve): a queue, a topic, then (reads) the short "<topic>/<subscription>" form.
     for kind in (QUEUE, TOPIC):
         with contextlib.suppress(EntityNotFoundError):
             ns.broker.entry(kind, name)
             if kind == TOPIC and not sink:
-                raise InvalidOperationError(
-                    f"{name!r} is a topic; stream one of its subscriptions ('{name}/Subscriptions/<name>')"
-                )
+                raise InvalidOperationError(f"{name!r} is a topic; read one of its subscriptions ('{name}/Subscriptions/<name>')")
             return EntityAddress(ns.root, frozen, kind, name)
-    short = None if sink else Address.split_short(name)
+    short = None if sink or entity_type == QUEUE else Address.split_short(name)
     if short is not None:
         with contextlib.suppress(EntityNotFoundError):
             ns.broker.entry(SUBSCRIPTION, sub_entity_name(*short))
@@ -207,9 +226,11 @@ def idempotence_key(app_id: str, version: int) -> Fence:
 
 def stream_reader(options: Mapping[str, str], schema: StructType) -> DataSourceStreamReader:
     """The streaming source's reader (called by the `sparkqueue` data source)."""
+    from sparkqueue.spark.schema import check_read_schema
     from sparkqueue.spark.streaming_source import QueueStreamReader, RefusedStreamReader, source_config
 
     try:
+        check_read_schema(schema)
         config = source_config(lowered(options))
     except SparkQueueError as exc:
         return RefusedStreamReader(exc)  # raised at the first offset: pyspark would mask it here

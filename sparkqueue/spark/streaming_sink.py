@@ -42,7 +42,7 @@ from sparkqueue.model import limits
 from sparkqueue.model.entity import utcnow
 from sparkqueue.model.properties import check_status
 from sparkqueue.spark.schema import field_renames
-from sparkqueue.spark.send import STRING_FIELDS, check_string_field
+from sparkqueue.spark.send import STRING_FIELDS, check_message_types
 from sparkqueue.spark.session import task_error
 from sparkqueue.spark.staging import Staging, cleanup_staging, filesystem, remove_dirs, require_local_root
 from sparkqueue.spark.streaming import EntityAddress, address_of, check_options, idempotence_key
@@ -75,10 +75,8 @@ def sink_config(options: dict[str, str], schema: StructType) -> SinkConfig:
         raise InvalidOperationError(
             f"the sparkqueue sink needs a `body` column (columns are Message fields), got {schema.fieldNames()}"
         )
-    for column in schema.fields:  # as send_dataframe refuses them: a running query would fail at its first batch
-        field = renamed.get(column.name, column.name)
-        if field in STRING_FIELDS:
-            check_string_field(field, column.dataType)
+    # as send_dataframe refuses them: a running query would fail inside its first batch's tasks
+    check_message_types({renamed.get(column.name, column.name): column.dataType for column in schema.fields})
     app, checkpoint = options.get("txnappid"), options.get("checkpointlocation")
     if not app and not checkpoint:
         raise InvalidOperationError(

@@ -79,7 +79,8 @@ RELEASE_COLUMNS = ["sequence_number", "sub_queue", "state", "lock_token"]  # wha
 
 STREAMS_DIR = "_spark_streams"
 DEFAULT_MAX_MESSAGES_PER_TRIGGER = 10_000
-SOURCE_OPTIONS = frozenset({"entity", "topic", "subscription", "sub_queue", "maxmessagespertrigger"})  # and COMMON_OPTIONS
+# beside COMMON_OPTIONS; all but maxMessagesPerTrigger are the batch reader's too (datasource.READ_OPTIONS)
+SOURCE_OPTIONS = frozenset({"entity", "entity_type", "topic", "subscription", "sub_queue", "maxmessagespertrigger"})
 ALL_AVAILABLE_CAP = 1_000_000  # a batch Spark asks to hold "everything" still locks at most this many
 SKIP_RETENTION = timedelta(days=14)  # how long a committed-but-not-completed message is remembered
 MAX_ROUNDS = 64

@@ -136,6 +136,49 @@ def test_a_batch_read_takes_the_stream_sources_naming_options(spark, ns, numbere
         base().option("topic", "t").option("subscription", "nope").load()
 
 
+def test_entity_type_reads_the_short_subscription_form_and_the_stream_source_takes_it_too(spark, ns, numbered):
+    """entity_type=subscription refused "t/s1", the short form that works without it; readStream with entity_type
+    passed load() and start(), then failed at its first offset (the source took no such option)."""
+    from sparkqueue.spark.streaming_source import source_config
+
+    ns.create_topic("t")
+    ns.create_subscription("t", "s1")
+    with ns.get_topic_sender("t") as s:
+        s.send_dataframe(numbered(4))
+    assert read(spark, ns, "t/s1", entity_type="subscription").count() == 4
+    ns.create_queue("t/s1")  # a queue of that name comes first, unless the read asks for a subscription
+    assert read(spark, ns, "t/s1").count() == 0
+    assert read(spark, ns, "t/s1", entity_type="subscription").count() == 4
+    assert read(spark, ns, "t/s1", entity_type="queue").count() == 0
+    with pytest.raises(EntityNotFoundError, match="subscription 't/Subscriptions/nope' does not exist"):
+        table_path(ns, "t/nope", entity_type="subscription")
+    with pytest.raises(InvalidOperationError, match="entity_type must be 'queue' or 'subscription'"):
+        table_path(ns, "t/s1", entity_type="topic")
+    base = {"namespace": ns.root, "path": "t/s1"}
+    assert source_config({**base, "entity_type": "subscription"}).address.display == "t/Subscriptions/s1"
+    assert source_config({**base, "entity_type": "QUEUE"}).address.display == "t/s1"
+    assert source_config(base).address.display == "t/s1"
+
+
+def test_a_given_schema_a_batch_write_and_a_list_of_names_get_errors_that_say_what_to_do(spark, ns, numbered):
+    """`.schema(...)` skipped the source's schema and failed with Spark's column-count mismatch; `df.write` said "writer
+    is not implemented"; load([...]) named an option 'paths' the user never set."""
+    ns.create_queue("q")
+    with ns.get_queue_sender("q") as s:
+        s.send_dataframe(numbered(3))
+    reader = spark.read.format("sparkqueue").option("namespace", ns.root)
+    with pytest.raises(Exception, match=r"fixed schema .* load without .schema"):
+        reader.schema("message_id string").load("q").collect()
+    from sparkqueue.spark import RECEIVED_SCHEMA
+
+    assert spark.read.format("sparkqueue").option("namespace", ns.root).schema(RECEIVED_SCHEMA).load("q").count() == 3
+    with pytest.raises(Exception, match=r"reads one entity: load.name., not a list"):
+        spark.read.format("sparkqueue").option("namespace", ns.root).load(["q", "q"]).count()
+    with pytest.raises(Exception, match=r"is not supported: send a DataFrame with sender.send_dataframe"):
+        numbered(2).write.format("sparkqueue").option("namespace", ns.root).mode("append").save("q")
+    assert ns.get_queue_runtime_properties("q").active_message_count == 3
+
+
 def test_a_dead_letter_whose_scheduled_time_is_ahead_reads_as_active_in_spark_too(spark, ns):
     """Forwarding to a missing queue dead-letters a scheduled message at once; Spark called it scheduled."""
     from datetime import UTC, datetime, timedelta

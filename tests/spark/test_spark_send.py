@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -347,9 +348,11 @@ def test_a_task_failing_after_others_wrote_their_files_sends_nothing(spark, ns, 
     ns.create_queue("q")
     table_dir = ns.broker.entity("queue", "q").table.uri
     fail_id = 3999  # in the last of 16 input partitions: local[2] runs it after most of the others
-    # Inlined (not data_files): the UDF runs in Spark's workers, which cannot import this test module.
+    # Inlined (not data_files): the UDF runs in Spark's workers, which cannot import this test module. os.walk skips
+    # what vanishes meanwhile (Path.rglob raised FileNotFoundError for another task's renamed attempt directory).
     files_written = _waiting(
-        lambda: any("_delta_log" not in p.parts for p in Path(table_dir).rglob("*.parquet")), "another task's files"
+        lambda: any(f.endswith(".parquet") and "_delta_log" not in d for d, _, fs in os.walk(table_dir) for f in fs),
+        "another task's files",
     )
 
     def body(i, b):  # a plain Python UDF (no type hints: pyspark would read them as an Arrow UDF's)
@@ -391,8 +394,14 @@ def test_a_vacuum_while_a_long_dataframe_send_writes_keeps_its_files(spark, ns, 
         ns.create_subscription("q", "s")
     table_dir = ns.broker.entity(entity, "q").table.uri
     root, gate_id, seen = ns.root, 3999, str(tmp_path / "seen.json")
+
+    def _files_under(top: str, suffix: str = "") -> list[Path]:  # defined here: cloudpickle ships it to the workers
+        """Files under a directory Spark's tasks are writing: os.walk skips what vanishes meanwhile (Path.rglob raised
+        FileNotFoundError for another task's `_temporary` attempt directory, renamed as that task committed)."""
+        return [Path(d, f) for d, _, files in os.walk(top) for f in files if f.endswith(suffix)]
+
     files_written = _waiting(
-        lambda: any("_delta_log" not in p.parts for p in Path(table_dir).rglob("*.parquet")), "another task's files"
+        lambda: any("_delta_log" not in p.parts for p in _files_under(table_dir, ".parquet")), "another task's files"
     )
 
     def body(i, b):  # a plain Python UDF, run in a Spark worker process
@@ -403,10 +412,11 @@ def test_a_vacuum_while_a_long_dataframe_send_writes_keeps_its_files(spark, ns, 
         except RuntimeError:  # the topic send's validation pass, which writes nothing: wait in the write pass
             return b
         old = time.time() - 7200
-        uncommitted = [p for p in Path(table_dir).rglob("*.parquet") if "_delta_log" not in p.parts]
-        for p in Path(table_dir).rglob("*"):
-            if p.is_file() and "_delta_log" not in p.parts and "_sparkqueue_leases" not in p.parts:
-                os.utime(p, (old, old))
+        uncommitted = [p for p in _files_under(table_dir, ".parquet") if "_delta_log" not in p.parts]
+        for p in _files_under(table_dir):
+            if "_delta_log" not in p.parts and "_sparkqueue_leases" not in p.parts:
+                with contextlib.suppress(FileNotFoundError):  # another task's attempt directory, renamed meanwhile
+                    os.utime(p, (old, old))
         from sparkqueue import Namespace as Ns
 
         with Ns(root) as other:

@@ -224,7 +224,7 @@ def test_source_refuses_bad_options(spark, tmp_path):
         load(namespace=root, entity="q", maxMessagesPerTrigger="0")
     with pytest.raises(PySparkException, match="set the namespace root"):
         load(entity="q")
-    with pytest.raises(PySparkException, match="streaming source has no option 'subqueue'") as refused:
+    with pytest.raises(PySparkException, match="has no option 'subqueue'") as refused:
         load(namespace=root, entity="q", subQueue="deadletter")  # sub_queue, misspelt: refused, not ignored
     assert "UnboundLocalError" not in str(refused.value)  # the refusal itself, not pyspark's runner failing on it
     with pytest.raises(PySparkException, match="has no option 'subqueue'"):
@@ -241,8 +241,8 @@ def test_source_refuses_bad_options(spark, tmp_path):
 def test_source_refuses_an_entity_that_takes_no_receives(spark, tmp_path):
     """As a receiver: a ReceiveDisabled queue, and an auto-forwarding one, refuse the stream; nothing is received.
 
-    Named by option `entity`, the refusal comes at `load()`; named by `load(name)` (which a batch
-    read takes too), when the started query first asks for an offset.
+    The refusal comes when the started query first asks for an offset: `load()` cannot tell a stream
+    from a batch read (which browses such a queue), however the entity is named.
     """
     root = str(tmp_path / "ns")
     with Namespace(root) as ns:
@@ -256,13 +256,17 @@ def test_source_refuses_an_entity_that_takes_no_receives(spark, tmp_path):
         props.forward_to = "dst"  # set after the messages arrived: the update forwards them
         ns.update_queue(props)
     for name, match in (("off", "ReceiveDisabled"), ("fwd", "forwards its messages")):
-        with pytest.raises(PySparkException, match=match):
-            spark.readStream.format("sparkqueue").option("namespace", root).option("entity", name).load()
-        checkpoint = str(tmp_path / f"c-{name}")
-        reader = spark.readStream.format("sparkqueue").option("namespace", root).load(name)
-        q = reader.writeStream.format("memory").queryName(f"never_{name}").option("checkpointLocation", checkpoint)
-        with pytest.raises(PySparkException, match=match):
-            q.trigger(availableNow=True).start().awaitTermination()
+        by_option = spark.readStream.format("sparkqueue").option("namespace", root).option("entity", name).load()
+        for form, reader in (
+            ("option", by_option),
+            ("load", spark.readStream.format("sparkqueue").option("namespace", root).load(name)),
+        ):
+            checkpoint = str(tmp_path / f"c-{name}-{form}")
+            q = reader.writeStream.format("memory").queryName(f"never_{name}_{form}").option("checkpointLocation", checkpoint)
+            with pytest.raises(PySparkException, match=match):
+                q.trigger(availableNow=True).start().awaitTermination()
+        browsed = spark.read.format("sparkqueue").option("namespace", root).option("entity", name).load()
+        assert browsed.count() == (2 if name == "off" else 0)  # a batch read by the same options browses it
     with Namespace(root) as ns:
         assert ns.get_queue_runtime_properties("off").active_message_count == 2
         assert ns.get_queue_runtime_properties("dst").active_message_count == 2
@@ -536,6 +540,38 @@ def test_sink_sends_to_a_topic_through_its_subscription_rules(spark, tmp_path):
         assert ns.get_subscription_runtime_properties("t", "even").active_message_count == 15
 
 
+SINK_COLUMN_REFUSALS = {
+    "body int": ("body INT", "body must be binary or string, got int"),
+    "properties map of arrays": (
+        "body STRING, application_properties MAP<STRING, ARRAY<INT>>",
+        "application_properties must map strings to strings, numbers or booleans",
+    ),
+    "time_to_live string": ("body STRING, time_to_live STRING", "time_to_live must be seconds .a number. or a day-time"),
+    "time_to_live year-month": ("body STRING, time_to_live INTERVAL YEAR TO MONTH", "or a day-time interval, got interval"),
+    "scheduled string": ("body STRING, scheduled_enqueue_time_utc STRING", "scheduled_enqueue_time_utc must be a timestamp"),
+    "Subject bigint": ("body STRING, Subject BIGINT", "subject must be a string column, got bigint"),
+}
+
+
+@pytest.mark.parametrize("ddl, refused", SINK_COLUMN_REFUSALS.values(), ids=SINK_COLUMN_REFUSALS.keys())
+def test_the_sink_refuses_at_its_start_every_column_type_send_dataframe_refuses(spark, tmp_path, ddl, refused):
+    """The sink checked only its string fields when its query started; an int body, a year-month TTL (a bare KeyError),
+    a string schedule ... started and failed inside the first batch's tasks. Its start (`sink_config`, which Spark runs
+    before the first batch) refuses them as send_dataframe does."""
+    from pyspark.sql.types import StructType
+
+    from sparkqueue.errors import InvalidOperationError
+    from sparkqueue.spark.streaming_sink import sink_config
+
+    root = str(tmp_path / "ns")
+    with Namespace(root) as ns:
+        ns.create_queue("out")
+    options = {"namespace": root, "path": "out", "checkpointlocation": str(tmp_path / "ck")}
+    with pytest.raises(InvalidOperationError, match=refused):
+        sink_config(options, StructType.fromDDL(ddl))
+    assert sink_config(options, StructType.fromDDL("body STRING, Subject STRING, time_to_live DOUBLE")).address.name == "out"
+
+
 def test_sink_rejects_rows_without_body_and_a_query_without_checkpoint(spark, tmp_path):
     root = str(tmp_path / "ns")
     with Namespace(root) as ns:
@@ -545,7 +581,7 @@ def test_sink_rejects_rows_without_body_and_a_query_without_checkpoint(spark, tm
         w = rate.writeStream.format("sparkqueue").option("namespace", root).option("checkpointLocation", str(tmp_path / "c1"))
         w.start("out").awaitTermination(60)
     with pytest.raises(PySparkException, match=r"partition_key must be a string column, got bigint"):
-        # refused at start, as send_dataframe refuses it: the query started and failed at its first batch
+        # refused before the first batch, as send_dataframe refuses it: the query started and failed inside that batch
         q = rate.selectExpr("CAST(value AS STRING) AS body", "value AS partition_key").writeStream.format("sparkqueue")
         q = q.option("namespace", root).option("checkpointLocation", str(tmp_path / "c0"))
         q.start("out").awaitTermination(60)
