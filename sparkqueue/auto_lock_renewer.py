@@ -118,6 +118,8 @@ class AutoLockRenewer:
             )
         if isinstance(renewable, ReceivedMessage) and renewable.lock_token is None:
             raise InvalidOperationError("the message holds no lock (peeked, or received in RECEIVE_AND_DELETE mode)")
+        if isinstance(renewable, ReceivedMessage) and receiver.session is not None:  # as the SDK refuses it
+            raise InvalidOperationError("a session's messages hold no lock of their own: register receiver.session")
         duration = (
             self._max_duration
             if max_lock_renewal_duration is None

@@ -43,6 +43,7 @@ log = logging.getLogger(__name__)
 
 MAX_RECEIVE_BATCH = 2**31 - 1
 # Messages a session accept locks with the session in its one commit (held in the receiver's cache).
+MAX_PREFETCH = 50_000  # as the SDK
 SESSION_ACCEPT_PREFETCH = 100  # messages an accept delivers at most (with a prefetch_count), in the accept's commit
 
 
@@ -73,12 +74,14 @@ class Receiver:
             self.receive_mode = ReceiveMode(receive_mode)
         except ValueError:
             raise InvalidOperationError(f"receive_mode must be a ReceiveMode, got {receive_mode!r}") from None
+        if auto_lock_renewer is not None and self.receive_mode == ReceiveMode.RECEIVE_AND_DELETE and session_id is None:
+            raise InvalidOperationError("auto_lock_renewer cannot be used in RECEIVE_AND_DELETE mode: its messages hold no lock")
         if sub_queue is not None:
             try:
                 SubQueue(sub_queue)
             except ValueError:
                 raise InvalidOperationError(f"sub_queue must be SubQueue.DEAD_LETTER or None, got {sub_queue!r}") from None
-        self.prefetch_count = limits.check_int(prefetch_count, "prefetch_count", minimum=0)
+        self.prefetch_count = limits.check_int(prefetch_count, "prefetch_count", minimum=0, maximum=MAX_PREFETCH)
         self.max_wait_time = limits.wait_seconds(max_wait_time, "max_wait_time")
         self._ns = namespace
         self.entity_type = entity_type

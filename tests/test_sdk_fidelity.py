@@ -94,6 +94,20 @@ def test_02_auto_lock_renewer_keeps_message_and_session_locks(ns: Namespace) -> 
         renewer.register(r, r.session)
 
 
+def test_02_a_session_message_is_refused_by_the_renewer_as_the_sdk_refuses_it(ns: Namespace) -> None:
+    """A session's messages hold no lock of their own (their session's covers them): the SDK's register raises
+    ValueError for one; sparkqueue took it and failed each renewal. The session itself is what to register."""
+    ns.create_queue("sq", requires_session=True)
+    with ns.get_queue_sender("sq") as s:
+        s.send_messages(Message("x", session_id="s1"))
+    with AutoLockRenewer() as renewer, ns.get_queue_receiver("sq", session_id="s1") as r:
+        m = _one(r)
+        with pytest.raises(ValueError, match=r"register receiver\.session"):
+            renewer.register(r, m)
+        renewer.register(r, r.session)
+        r.complete_message(m)
+
+
 def test_02_auto_lock_renewer_reports_a_lost_lock(ns: Namespace) -> None:
     """on_lock_renew_failure(renewable, error) is called when renewal fails; the error is kept on the message."""
     ns.create_queue("q", lock_duration=timedelta(seconds=2))

@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 from procs import drain, peek_all
 
-from sparkqueue import Message, Namespace
+from sparkqueue import AutoLockRenewer, Message, Namespace
 from sparkqueue.errors import InvalidArgumentTypeError, InvalidOperationError, MessageLockLostError, SparkQueueError
 from sparkqueue.model import limits
 
@@ -420,11 +420,14 @@ def test_receive_rejects_bad_max_wait_time(loaded: Namespace, wait: object) -> N
         {"sub_queue": "poison"},
         {"prefetch_count": -1},
         {"prefetch_count": "10"},
+        {"prefetch_count": 50_001},
+        {"receive_mode": "receiveanddelete", "auto_lock_renewer": AutoLockRenewer()},
     ],
-    ids=repr,
+    ids=lambda kw: ", ".join(f"{k}={v!r}" if isinstance(v, (str, int)) else f"{k}={type(v).__name__}" for k, v in kw.items()),
 )
 def test_receiver_rejects_bad_options(loaded: Namespace, kwargs: dict[str, Any]) -> None:
-    """Unknown receive modes or sub-queues and negative prefetch counts raise InvalidOperationError."""
+    """Unknown receive modes or sub-queues, prefetch counts outside the SDK's 0-50,000 and a lock renewer for a
+    receive-and-delete receiver (whose messages hold no lock; the SDK refuses it too) raise InvalidOperationError."""
     with pytest.raises(InvalidOperationError):
         loaded.get_queue_receiver("q", **kwargs)
     _untouched(loaded)
