@@ -336,7 +336,6 @@ def prepare(df: DataFrame, plan: SendPlan, owned: bool = False, block: int = ROU
     types = {f.name: f.dataType for f in df.schema.fields}
     if "body" not in types:
         raise InvalidOperationError(f"the DataFrame needs a `body` column (binary or string); it has {sorted(types)}")
-    check_message_types(types)
     ignored = sorted(set(types) - set(MESSAGE_FIELDS))
     if ignored:
         log.debug("columns that are not message fields are ignored: %s", ignored)
@@ -375,8 +374,8 @@ def prepare(df: DataFrame, plan: SendPlan, owned: bool = False, block: int = ROU
 def check_message_types(types: Mapping[str, st.DataType]) -> None:
     """Refuse message-field columns (by field name) of a type no send takes: InvalidOperationError, before any task runs.
 
-    Types alone, no Spark: the sends run it before building their columns, and the streaming sink
-    when its query starts (a query given such a column failed inside its first batch's tasks).
+    Types alone, no Spark: the streaming sink runs it when its query starts (a query given such a
+    column failed inside its first batch's tasks); the sends' column builders below make the same checks.
     """
     for name, dtype in types.items():
         if name == "body":
