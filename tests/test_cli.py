@@ -591,6 +591,13 @@ def test_receive_wait_out_of_range_says_why(root: Path, wait: str, said: str) ->
     assert p.returncode == 2 and said in p.stderr
 
 
+def test_a_duration_under_a_microsecond_says_so(root: Path) -> None:
+    """--ttl 0.0000001 said "must be positive, got 0:00:00": the value was rounded to 0 before the check."""
+    p = sq(root, "create", "queue", "q", "--ttl", "0.0000001")
+    assert p.returncode == 1 and "1e-07 seconds is under a microsecond" in p.stderr, p.stderr
+    assert "Traceback" not in p.stderr
+
+
 def test_rule_create_names_the_action_it_stored(root: Path) -> None:
     ok(root, "create", "topic", "t")
     ok(root, "create", "subscription", "t", "s")

@@ -247,7 +247,10 @@ def seconds(value: float | None) -> timedelta | None:
         return None
     if not math.isfinite(value) or abs(value) >= MAX_SECONDS:
         raise CliError(f"{value} seconds is not a duration sparkqueue can store")
-    return timedelta(seconds=value)
+    duration = timedelta(seconds=value)
+    if value and not duration:  # it would be checked as 0 ("must be positive, got 0:00:00") for a positive value
+        raise CliError(f"{value} seconds is under a microsecond, the finest duration sparkqueue keeps")
+    return duration
 
 
 def detection_window(duplicate_detection: bool, window: float | None) -> timedelta | None:
