@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import logging
 import os
+import random
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
@@ -12,7 +14,8 @@ import pytest
 
 from sparkqueue.errors import StorageCorruptedError, StorageError
 from sparkqueue.message import Message, SendSettings, to_rows
-from sparkqueue.storage.files import FILE_SCHEMA, DataFiles, _stats
+from sparkqueue.storage import files as files_module
+from sparkqueue.storage.files import FILE_SCHEMA, DataFiles, _encoded_bound, _stats, encode_parquet
 from sparkqueue.storage.store import LocalStore
 
 
@@ -109,3 +112,47 @@ def test_in_sequence_sorts_out_of_order_rows_and_leaves_ordered_ones_as_they_are
     assert in_sequence(ordered) is ordered
     mixed = pa.concat_tables([pa.table({"sequence_number": pa.array(v, pa.int64())}) for v in ([4, 8], [1, 9])])
     assert in_sequence(mixed).column("sequence_number").to_pylist() == [1, 4, 8, 9]
+
+
+def _varied_file(rng: random.Random, n: int) -> pa.Table:
+    """n rows of the file schema, each nullable column all null, every other row null, or full, at random."""
+    cols: dict[str, pa.Array] = {}
+    for f in FILE_SCHEMA:
+        mode = rng.choice(["null", "alternate", "full"]) if f.nullable else "full"
+        values: list[object]
+        if pa.types.is_binary(f.type) or pa.types.is_string(f.type):
+            size = rng.choice([0, 1, 40, 1024, 70_000 if n < 10 else 3])
+            values = [os.urandom(size) if pa.types.is_binary(f.type) else os.urandom(size // 2).hex() for _ in range(n)]
+        elif pa.types.is_boolean(f.type):
+            values = [rng.random() < 0.5 for _ in range(n)]
+        elif pa.types.is_timestamp(f.type):
+            values = [datetime(2026, 1, 1, tzinfo=UTC) + timedelta(microseconds=rng.randrange(10**12)) for _ in range(n)]
+        else:
+            values = [rng.randrange(-(2**31), 2**31) for _ in range(n)]
+        if mode == "null":
+            values = [None] * n
+        elif mode == "alternate":
+            values = [v if i % 2 else None for i, v in enumerate(values)]
+        cols[f.name] = pa.array(values, f.type)
+    return pa.table(cols, schema=FILE_SCHEMA)
+
+
+def test_files_are_encoded_within_their_size_bound_and_read_back_whole(caplog: pytest.LogCaptureFixture) -> None:
+    """The one-buffer encoding's bound holds for files of every shape, slices of larger tables included; rows round-trip."""
+    rng = random.Random(7)
+    caplog.set_level(logging.DEBUG, logger="sparkqueue.storage.files")
+    for _ in range(60):
+        rows = _varied_file(rng, rng.choice([1, 2, 7, 100, 1000]))
+        if rows.num_rows > 2 and rng.random() < 0.3:
+            rows = rows.slice(1, rows.num_rows - 2)
+        data = encode_parquet(rows)
+        assert pq.read_table(pa.BufferReader(data)).cast(FILE_SCHEMA).equals(rows)
+        assert len(data) <= _encoded_bound(rows)
+    assert "outgrew its encoding bound" not in caplog.text
+
+
+def test_a_file_past_its_size_bound_is_encoded_whole_all_the_same(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Should the bound ever fall short, the file is encoded again by a growing stream, never cut."""
+    monkeypatch.setattr(files_module, "_encoded_bound", lambda rows: 64)
+    rows = _rows(50).cast(FILE_SCHEMA)
+    assert pq.read_table(pa.BufferReader(encode_parquet(rows))).cast(FILE_SCHEMA).equals(rows)
