@@ -23,6 +23,7 @@ from sparkqueue.errors import MessageLockLostError, OperationTimeoutError, Parti
 from sparkqueue.model import lifecycle, limits
 from sparkqueue.model.addresses import Address
 from sparkqueue.model.deadlines import effective
+from sparkqueue.model.ids import item_arrays
 from sparkqueue.model.partitioning import RoundRobin, partition_for_key
 from sparkqueue.model.properties import (
     AnyEntityProperties,
@@ -473,7 +474,7 @@ class Entity:
 
         A dead letter's reason and description are one text, or a list with one per item.
         """
-        seqs, tokens = _item_arrays(items)
+        seqs, tokens = item_arrays(items)
         parts = pc.shift_right(seqs, SEQUENCE_BITS).to_numpy()
         ok = np.zeros(len(items), bool)
         until: list[datetime | None] = [None] * len(items)
@@ -551,7 +552,7 @@ class Entity:
                 touch = st.guard(dt, partition, now) if st.guard is not None else None  # SessionLockLostError
                 if touch is not None and touch.num_rows:
                     parts.append(touch)
-                good, valid = self.locked_rows(dt, partition, st.sub_queue, *_item_arrays(st.items), now)
+                good, valid = self.locked_rows(dt, partition, st.sub_queue, *item_arrays(st.items), now)
                 if not valid.all():
                     raise MessageLockLostError(
                         "a message settled in the transaction lost its lock (expired or superseded); nothing was applied"
@@ -700,11 +701,6 @@ def _count_into(info: PartitionRuntimeProperties, rows: pa.Table, now: datetime)
     info.scheduled_message_count = pc.sum(scheduled).as_py() or 0
     info.active_message_count = main.num_rows - info.deferred_message_count - info.scheduled_message_count
     info.total_message_count = rows.num_rows
-
-
-def _item_arrays(items: Sequence[tuple[int, str]]) -> tuple[pa.Int64Array, pa.StringArray]:
-    """(sequence_number, lock_token) items as two arrays, side by side."""
-    return pa.array([s for s, _ in items], pa.int64()), pa.array([t for _, t in items], pa.string())
 
 
 def _by_partition(seqs: Iterable[int]) -> dict[int, list[int]]:

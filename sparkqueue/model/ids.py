@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator, Sequence
+from typing import overload
 
 import numpy as np
 import pyarrow as pa
@@ -74,3 +76,42 @@ def sequences_of_tokens(tokens: pa.Array | pa.ChunkedArray) -> pa.Int64Array:
         out[where] = value
         ok[where] = good
     return pa.array(out, pa.int64(), mask=~ok)
+
+
+class TokenItems(Sequence[tuple[int, str]]):
+    """(sequence_number, lock_token) settle items held as two Arrow arrays side by side.
+
+    A settle of many messages (a DataFrame's, in Spark tasks) passes its arrays as they are: the
+    settle path works on arrays, and making a Python tuple per item on the way cost more than
+    the rest of its bookkeeping. Indexing or iterating still gives tuples.
+    """
+
+    def __init__(self, seqs: pa.Int64Array, tokens: pa.StringArray) -> None:
+        if len(seqs) != len(tokens):
+            raise ValueError(f"{len(seqs)} sequence numbers for {len(tokens)} lock tokens")
+        self.seqs = seqs
+        self.tokens = tokens
+
+    def __len__(self) -> int:
+        return len(self.seqs)
+
+    @overload
+    def __getitem__(self, i: int) -> tuple[int, str]: ...
+
+    @overload
+    def __getitem__(self, i: slice) -> TokenItems: ...
+
+    def __getitem__(self, i: int | slice) -> tuple[int, str] | TokenItems:
+        if isinstance(i, slice):
+            return TokenItems(self.seqs[i], self.tokens[i])
+        return self.seqs[i].as_py(), self.tokens[i].as_py()
+
+    def __iter__(self) -> Iterator[tuple[int, str]]:
+        return zip(self.seqs.to_pylist(), self.tokens.to_pylist(), strict=True)
+
+
+def item_arrays(items: Sequence[tuple[int, str]]) -> tuple[pa.Int64Array, pa.StringArray]:
+    """(sequence_number, lock_token) items as two arrays, side by side (TokenItems' own, as they are)."""
+    if isinstance(items, TokenItems):
+        return items.seqs, items.tokens
+    return pa.array([s for s, _ in items], pa.int64()), pa.array([t for _, t in items], pa.string())

@@ -150,7 +150,7 @@ def read_staged(spark: SparkSession, job: ReceiveJob, now: datetime) -> DataFram
     rows = job.staging.read(spark, ENTITY_FILE_SPARK)
     if not job.delete:
         rows = rows.where(sf.col("lock_token").isNotNull())
-    df = rows.select(*received_from_entity_rows(now))
+    df = rows.selectExpr(*received_from_entity_rows(now))
     setattr(df, STAGING_ATTRIBUTE, job.staging.uri)
     setattr(df, LOCKED_ATTRIBUTE, not job.delete)
     return df

@@ -14,8 +14,6 @@ from datetime import datetime
 
 import pyarrow as pa
 import pyarrow.compute as pc
-from pyspark.sql import Column
-from pyspark.sql import functions as sf
 from pyspark.sql import types as st
 
 from sparkqueue.errors import InvalidOperationError
@@ -109,26 +107,28 @@ STATUS_LOCK_LOST = "lock_lost"
 ENTITY_FILE_SPARK = _struct(FILE_SCHEMA)
 
 
-def received_from_entity_rows(now: datetime) -> list[Column]:
-    """Spark columns turning entity rows (ENTITY_FILE_SPARK) into the received-message layout; Spark's staged_rows.
+def received_from_entity_rows(now: datetime) -> list[str]:
+    """SQL expressions turning entity rows (ENTITY_FILE_SPARK) into the received-message layout; Spark's staged_rows.
 
-    `now` decides which active messages report the state "scheduled", as staged_rows does.
+    For `DataFrame.selectExpr`: one call to the JVM, where building the same projection from
+    Column objects made about 900 (0.2 s of every DataFrame receive). `now` decides which active
+    messages report the state "scheduled", as staged_rows does.
     """
+    at = pa.scalar(now, TIMESTAMP).value  # epoch microseconds: a literal no session time zone reinterprets
     # lifecycle.scheduled_rows in Spark: a dead letter whose scheduled time is ahead is no scheduled message
-    main = sf.col("sub_queue") == SUB_QUEUE_MAIN
-    scheduled = main & (sf.col("state") == STATE_ACTIVE) & (sf.col("scheduled_enqueue_time_utc") > sf.lit(now))
+    scheduled = (
+        f"sub_queue = '{SUB_QUEUE_MAIN}' AND state = '{STATE_ACTIVE}' AND scheduled_enqueue_time_utc > timestamp_micros({at})"
+    )
     computed = {
-        "partition_id": sf.shiftright("sequence_number", 48).cast("int"),
-        "state": sf.when(scheduled, sf.lit("scheduled")).otherwise(sf.col("state")),
+        "partition_id": "CAST(shiftright(sequence_number, 48) AS INT)",
+        "state": f"CASE WHEN {scheduled} THEN 'scheduled' ELSE state END",
         # from_json keeps string values as they are and gives numbers and booleans as their JSON text (props_map)
-        "application_properties": sf.from_json("application_properties", "map<string,string>"),
-        "time_to_live": sf.col("time_to_live_ms") * sf.expr("INTERVAL '0.001' SECOND"),
+        "application_properties": "from_json(application_properties, 'map<string,string>')",
+        "time_to_live": "time_to_live_ms * INTERVAL '0.001' SECOND",
         # a locked row is stored with this delivery counted; a message reports the ended ones (0 first)
-        "delivery_count": sf.when(sf.col("lock_token").isNotNull(), sf.col("delivery_count") - 1)
-        .otherwise(sf.col("delivery_count"))
-        .cast("int"),
+        "delivery_count": "CAST(CASE WHEN lock_token IS NOT NULL THEN delivery_count - 1 ELSE delivery_count END AS INT)",
     }
-    return [computed.get(name, sf.col(name)).alias(name) for name in RECEIVED_COLUMNS]
+    return [f"{computed.get(name, f'`{name}`')} AS `{name}`" for name in RECEIVED_COLUMNS]
 
 
 def props_map(json_props: pa.ChunkedArray | pa.Array) -> pa.Array:

@@ -27,7 +27,7 @@ from pyspark.sql import types as st
 from sparkqueue.broker import refuse_in_transaction
 from sparkqueue.errors import InvalidOperationError
 from sparkqueue.model import lifecycle, limits
-from sparkqueue.model.ids import sequences_of_tokens
+from sparkqueue.model.ids import TokenItems, sequences_of_tokens
 from sparkqueue.spark.schema import SETTLE_RESULT_SCHEMA, SETTLE_RESULT_SPARK, STATUS_LOCK_LOST, STATUS_OK
 from sparkqueue.spark.session import active_session, bucket_key, check_dataframe, failing, spark_errors, task_count
 from sparkqueue.spark.staging import Staging, cleanup_staging
@@ -220,7 +220,7 @@ def settle_tokens(job: SettleJob, tokens: pa.Array, reasons: pa.Array, descripti
     seqs = sequences_of_tokens(tokens)
     seq_np = seqs.fill_null(-1).to_numpy()
     part_np = np.where(seq_np >= 0, seq_np >> SEQUENCE_BITS, -1)
-    first = pc.index_in(tokens, value_set=tokens).to_numpy(zero_copy_only=False)
+    first = first_occurrences(seq_np, tokens)
     settle_me = (first == np.arange(n)) & (part_np >= 0) & (part_np < job.partition_count)
     held = np.zeros(n, bool)
     parts = sorted(int(p) for p in np.unique(part_np[settle_me]))
@@ -229,7 +229,7 @@ def settle_tokens(job: SettleJob, tokens: pa.Array, reasons: pa.Array, descripti
         positions = positions[np.argsort(seq_np[positions], kind="stable")]
         for start in range(0, len(positions), job.chunk):
             chunk = pa.array(positions[start : start + job.chunk])
-            items = list(zip(seqs.take(chunk).to_pylist(), tokens.take(chunk).to_pylist(), strict=True))
+            items = TokenItems(seqs.take(chunk), tokens.take(chunk))
             per_row = job.op == lifecycle.DEAD_LETTER
             reason = reasons.take(chunk).to_pylist() if per_row else None
             description = descriptions.take(chunk).to_pylist() if per_row else None
@@ -238,3 +238,17 @@ def settle_tokens(job: SettleJob, tokens: pa.Array, reasons: pa.Array, descripti
             held[positions[start : start + job.chunk]] = result.ok
     status = np.where(held[first], STATUS_OK, STATUS_LOCK_LOST)
     return pa.array(status, pa.string()), parts
+
+
+def first_occurrences(seqs: np.ndarray, tokens: pa.Array) -> np.ndarray:
+    """For each token, the position of its first occurrence among `tokens`.
+
+    A token begins with its message's sequence number, so distinct sequence numbers (every valid
+    token once: the usual case) mean distinct tokens, which a sort of integers shows; only
+    otherwise are the tokens hashed (a sort takes 5 ms of 250,000; the hash, 70-120).
+    """
+    ordered = np.sort(seqs)
+    if not (ordered[1:] == ordered[:-1]).any():
+        return np.arange(len(seqs))
+    first: np.ndarray = pc.index_in(tokens, value_set=tokens).to_numpy(zero_copy_only=False)
+    return first

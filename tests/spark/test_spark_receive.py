@@ -9,6 +9,8 @@ from datetime import timedelta
 from pathlib import Path
 
 import procs
+import pyarrow as pa
+import pyarrow.compute as pc
 import pyarrow.parquet as pq
 import pytest
 from chispa import assert_df_equality
@@ -16,7 +18,9 @@ from pyspark.sql import functions as sf
 
 from sparkqueue import ReceiveMode, SubQueue
 from sparkqueue.errors import InvalidOperationError
+from sparkqueue.model.ids import lock_tokens, sequences_of_tokens
 from sparkqueue.spark import RECEIVED_SCHEMA, release
+from sparkqueue.spark.settle import first_occurrences
 
 pytestmark = pytest.mark.spark
 LONG_LOCK = timedelta(minutes=5)  # the longest allowed: a busy CI machine must not expire locks mid-test
@@ -464,3 +468,16 @@ def test_a_receive_dataframe_from_a_damaged_queue_raises_instead_of_returning_no
         f.unlink()
     with ns.get_queue_receiver("q") as r, pytest.raises(PartitionUnavailableError, match=r"partition\(s\) 0 of 'q'"):
         r.receive_dataframe(10)
+
+
+def test_repeated_tokens_point_at_their_first_occurrence_whatever_the_sequence_numbers_show():
+    """settle.first_occurrences: distinct messages take the fast path; a token given twice, a message's stale and new
+    tokens, and tokens of no message are told apart as hashing every token would."""
+    seqs = pa.array([3, 1, 2], pa.int64())
+    tokens = lock_tokens(seqs)
+    assert first_occurrences(seqs.to_numpy(), tokens).tolist() == [0, 1, 2]
+    again = lock_tokens(pa.array([1], pa.int64()))  # message 1 delivered again: same sequence number, another token
+    mixed = pa.concat_arrays([tokens, tokens.slice(0, 1), again, pa.array(["junk", "junk"], pa.string())])
+    mixed_seqs = sequences_of_tokens(mixed).fill_null(-1).to_numpy()
+    expected = pc.index_in(mixed, value_set=mixed).to_numpy(zero_copy_only=False).tolist()
+    assert first_occurrences(mixed_seqs, mixed).tolist() == expected == [0, 1, 2, 0, 4, 5, 5]
