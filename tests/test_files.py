@@ -9,6 +9,7 @@ from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
 import pyarrow as pa
+import pyarrow.compute as pc
 import pyarrow.parquet as pq
 import pytest
 
@@ -16,6 +17,7 @@ from sparkqueue.errors import StorageCorruptedError, StorageError
 from sparkqueue.message import Message, SendSettings, to_rows
 from sparkqueue.storage import files as files_module
 from sparkqueue.storage.files import FILE_SCHEMA, DataFiles, _encoded_bound, _stats, encode_parquet
+from sparkqueue.storage.schema import index_of, member_of
 from sparkqueue.storage.store import LocalStore
 
 
@@ -156,3 +158,26 @@ def test_a_file_past_its_size_bound_is_encoded_whole_all_the_same(monkeypatch: p
     monkeypatch.setattr(files_module, "_encoded_bound", lambda rows: 64)
     rows = _rows(50).cast(FILE_SCHEMA)
     assert pq.read_table(pa.BufferReader(encode_parquet(rows))).cast(FILE_SCHEMA).equals(rows)
+
+
+def test_index_of_and_member_of_answer_as_arrow_index_in_and_is_in() -> None:
+    """The binary-search lookups agree with pc.index_in / pc.is_in: duplicates, unsorted and chunked keys, misses, nulls."""
+    rng = random.Random(3)
+    cases: list[tuple[pa.Array | pa.ChunkedArray, pa.Array | pa.ChunkedArray]] = [
+        (pa.array([], pa.int64()), pa.array([1, 2], pa.int64())),
+        (pa.array([5, 6], pa.int64()), pa.array([], pa.int64())),
+        (pa.array([1, None, 3], pa.int64()), pa.array([3, 1], pa.int64())),  # nulls: Arrow's answer
+        (pa.array([1, 2, 3], pa.int32()), pa.array([3, 9], pa.int32())),
+    ]
+    for _ in range(200):
+        keys = [rng.randrange(-5, 40) + (rng.randrange(3) << 48) for _ in range(rng.randrange(1, 30))]
+        if rng.random() < 0.5:
+            keys.sort()
+        values = [rng.randrange(-5, 40) + (rng.randrange(3) << 48) for _ in range(rng.randrange(0, 30))]
+        half = len(keys) // 2
+        key_array = pa.chunked_array([keys[:half], keys[half:]], pa.int64()) if rng.random() < 0.3 else pa.array(keys, pa.int64())
+        cases.append((pa.array(values, pa.int64()), key_array))
+    for values, keys in cases:
+        expected = pc.index_in(values, value_set=keys)
+        assert index_of(values, keys).to_pylist() == expected.to_pylist()
+        assert member_of(values, keys).to_pylist() == pc.is_in(values, value_set=keys).to_pylist()

@@ -48,6 +48,7 @@ from sparkqueue.storage.schema import (
     TIMESTAMP,
     constant,
     in_sequence,
+    index_of,
     keep_rows,
     with_columns,
 )
@@ -510,7 +511,7 @@ class Entity:
         """
         rows = self.table.rows_by_sequence(dt, p, seqs, STATE_COLUMNS, self.subscription)
         rows = keep_rows(rows, pc.and_(self.owns(rows), pc.equal(rows.column("sub_queue"), sub_queue)))
-        at = pc.index_in(seqs, value_set=rows.column("sequence_number"))  # each item's row; null where it has none
+        at = index_of(seqs, rows.column("sequence_number"))  # each item's row; null where it has none
         present = pc.is_valid(at).to_numpy(zero_copy_only=False)
         cur = rows.take(at.drop_null())
         held = np.asarray(lifecycle.lock_valid(cur, tokens.filter(pa.array(present)), now), bool)

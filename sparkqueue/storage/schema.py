@@ -7,6 +7,7 @@ receive path prunes files by the min/max of `sequence_number`, `available_at_utc
 
 from __future__ import annotations
 
+import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
@@ -164,3 +165,33 @@ def in_sequence(rows: pa.Table) -> pa.Table:
     if rows.num_rows < 2 or pc.all(pc.less(seqs.slice(0, rows.num_rows - 1), seqs.slice(1))).as_py():
         return rows
     return rows.sort_by("sequence_number")
+
+
+def index_of(values: pa.Array | pa.ChunkedArray, keys: pa.Array | pa.ChunkedArray) -> pa.Array:
+    """Per value, the position of its first occurrence in `keys`, null where it has none: `pc.index_in` for numbers.
+
+    Sequence numbers (int64, no nulls) are looked up by a binary search of the sorted keys: a
+    hash set built per call (`pc.index_in`, `pc.is_in`) cost 1-2 ms for every file a lock of
+    16,384 messages touched, against a tenth of that. Other input goes to `pc.index_in`.
+    """
+    if values.null_count or keys.null_count or not pa.types.is_int64(values.type) or not pa.types.is_int64(keys.type):
+        return pc.index_in(values, value_set=keys)
+    v, k = _numbers(values), _numbers(keys)
+    if len(k) == 0:
+        return pa.nulls(len(v), pa.int64())
+    order = None if bool(np.all(k[1:] >= k[:-1])) else np.argsort(k, kind="stable")  # stable: the first of equal keys
+    ordered = k if order is None else k[order]
+    at = np.minimum(np.searchsorted(ordered, v), len(ordered) - 1)
+    found = ordered[at] == v
+    return pa.array(at if order is None else order[at], pa.int64(), mask=~found)
+
+
+def member_of(values: pa.Array | pa.ChunkedArray, keys: pa.Array | pa.ChunkedArray) -> pa.Array:
+    """Mask of the `values` found among `keys` (never null for values that are not): `pc.is_in` for numbers, see index_of."""
+    return pc.is_valid(index_of(values, keys))
+
+
+def _numbers(values: pa.Array | pa.ChunkedArray) -> np.ndarray:
+    """An int64 array without nulls as numpy (a view where Arrow allows it)."""
+    out: np.ndarray = values.to_numpy() if isinstance(values, pa.ChunkedArray) else values.to_numpy(zero_copy_only=False)
+    return out

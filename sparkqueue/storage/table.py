@@ -57,7 +57,9 @@ from sparkqueue.storage.schema import (
     TIMESTAMP,
     conform,
     in_sequence,
+    index_of,
     keep_rows,
+    member_of,
     with_columns,
 )
 from sparkqueue.storage.store import Store, delta_rs_errors, open_store
@@ -539,7 +541,7 @@ class EntityTable:
         bounds = pc.min_max(wanted)
         lo, hi = bounds["min"].as_py(), bounds["max"].as_py()
         t = self._read(self._files_between(dt, partition, lo, hi, subscription), cols)
-        return in_sequence(keep_rows(t, pc.is_in(t.column("sequence_number"), value_set=wanted)))
+        return in_sequence(keep_rows(t, member_of(t.column("sequence_number"), wanted)))
 
     def rows_between(self, dt: Snapshot, partition: int, lo: int, hi: int, columns: Sequence[str]) -> pa.Table:
         """Current rows of one partition numbered lo..hi (inclusive), of every kind and state, in sequence order."""
@@ -690,11 +692,11 @@ class EntityTable:
                 if f.max_seq < lo or f.min_seq > hi or (where is not None and not where(f)):
                     continue
                 in_file = self.data.read(f.path, ["sequence_number"]).column(0)
-                hit = pc.is_in(in_file, value_set=seqs)
+                hit = member_of(in_file, seqs)
                 if not pc.any(hit).as_py():
                     continue
                 removed.append(f)
-                if pc.all(pc.is_in(in_file, value_set=deleted)).as_py():
+                if pc.all(member_of(in_file, deleted)).as_py():
                     continue  # every row of the file goes: drop it without reading (or rewriting) its bodies
                 split = _apply_changes(self.data.read(f.path), changes)
                 if split is not None:
@@ -762,7 +764,7 @@ def _apply_changes(rows: pa.Table, changes: pa.Table) -> tuple[pa.Table, pa.Tabl
     A change of every row in the file's order (one message, a whole file locked) takes the change
     columns as they are: each take or cast is a compute call, and a single send's round trip made dozens.
     """
-    idx = pc.index_in(rows.column("sequence_number"), value_set=changes.column("sequence_number"))
+    idx = index_of(rows.column("sequence_number"), changes.column("sequence_number"))
     hit = pc.is_valid(idx)
     changed = pc.sum(hit).as_py() or 0
     if not changed:
