@@ -184,7 +184,7 @@ def test_a_read_caught_by_another_handle_s_delete_reports_the_delete_and_marks_n
     r = ns.get_queue_receiver("q", max_wait_time=0.5)
     paused: list[int] = []
 
-    def half_then_whole(store, **kw):  # the delete caught half-way (tombstone, no data files, log still there) ...
+    def delete_half_way(store, **kw):  # the delete caught half-way (tombstone, no data files, log still there) ...
         from sparkqueue.storage.log import LOG_DIR, TOMBSTONE
 
         store.put(TOMBSTONE, b"")
@@ -195,7 +195,7 @@ def test_a_read_caught_by_another_handle_s_delete_reports_the_delete_and_marks_n
         return 0
 
     with Namespace(root, create=False) as other:
-        monkeypatch.setattr(management, "delete_table", half_then_whole)
+        monkeypatch.setattr(management, "delete_table", delete_half_way)
         other.delete_queue("q")
         assert paused
         with pytest.raises(EntityNotFoundError, match="was deleted while this read was under way"):
