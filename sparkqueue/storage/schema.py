@@ -173,6 +173,8 @@ def index_of(values: pa.Array | pa.ChunkedArray, keys: pa.Array | pa.ChunkedArra
     Sequence numbers (int64, no nulls) are looked up by a binary search of the sorted keys: a
     hash set built per call (`pc.index_in`, `pc.is_in`) cost 1-2 ms for every file a lock of
     16,384 messages touched, against a tenth of that. Other input goes to `pc.index_in`.
+    The positions come as one int64 array (`pc.index_in` gives int32, chunked for chunked input):
+    callers filter, take and test validity, which take either.
     """
     if values.null_count or keys.null_count or not pa.types.is_int64(values.type) or not pa.types.is_int64(keys.type):
         return pc.index_in(values, value_set=keys)
