@@ -43,6 +43,7 @@ from sparkqueue.storage.schema import (
     SUB_QUEUE_MAIN,
     TIMESTAMP,
     constant,
+    member_of,
     with_columns,
 )
 from sparkqueue.storage.table import OP_SET, Expand, empty_changes
@@ -549,8 +550,8 @@ def _settle_source(entity: Entity, p: int, changes: pa.Table, read: pa.Table) ->
         return True
     dt = entity.table.snapshot()
     seqs = changes.column("sequence_number")
-    mine = read.filter(pc.is_in(read.column("sequence_number"), value_set=seqs))
-    still = changes.filter(pc.is_in(seqs, value_set=_as_read(entity, dt, p, mine)))
+    mine = read.filter(member_of(read.column("sequence_number"), seqs))
+    still = changes.filter(member_of(seqs, _as_read(entity, dt, p, mine)))
     if still.num_rows:
         entity.table.apply(dt, p, still)
     return bool(still.num_rows == changes.num_rows)

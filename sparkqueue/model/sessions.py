@@ -57,6 +57,7 @@ from sparkqueue.storage.schema import (
     STATE_DEFERRED,
     SUB_QUEUE_MAIN,
     TIMESTAMP,
+    member_of,
     with_columns,
 )
 from sparkqueue.storage.table import MUTABLE_COLUMNS, OP_DELETE, OP_SET, OP_SET_BODY, empty_changes, partition_of
@@ -472,7 +473,7 @@ class Sessions:
                 self._apply(dt, lock.partition, lock.session_id, lifecycle.changes(row, OP_DELETE))
                 return
             locked = rows.filter(_held(rows))
-            unused = pc.is_in(locked.column("sequence_number"), value_set=pa.array(list(undelivered), pa.int64()))
+            unused = member_of(locked.column("sequence_number"), pa.array(list(undelivered), pa.int64()))
             parts = [lifecycle.changes(row, OP_SET, lock_token=None, locked_until_utc=None)]
             for mask, op in ((unused, lifecycle.RELEASE), (pc.invert(unused), lifecycle.ABANDON)):
                 some = locked.filter(mask)
@@ -718,7 +719,7 @@ class Sessions:
 
 def _picked(rows: pa.Table, some: pa.Table) -> pa.Array:
     """Which of `rows` are among `some` (by sequence number)."""
-    return pc.is_in(rows.column("sequence_number"), value_set=some.column("sequence_number"))
+    return member_of(rows.column("sequence_number"), some.column("sequence_number"))
 
 
 def _first_seq(changes: pa.Table) -> int | None:

@@ -26,7 +26,7 @@ from sparkqueue.errors import QuotaExceededError, StorageError
 from sparkqueue.model.entity import enqueued_at, utcnow
 from sparkqueue.storage.leases import require_live
 from sparkqueue.storage.log import AddFile, CommitConflict, Fence
-from sparkqueue.storage.schema import PARTITION_COLUMN, with_columns
+from sparkqueue.storage.schema import PARTITION_COLUMN, index_of, with_columns
 from sparkqueue.storage.table import accepted_rows, fence_app_id, sequence_number
 
 if TYPE_CHECKING:
@@ -181,7 +181,7 @@ def renumber(
             first = pa.scalar(sequence_number(p, new + 1), pa.int64())
             for rows in files:
                 if rows.num_rows:
-                    seqs = pc.add(pc.index_in(rows.column("sequence_number"), value_set=numbers), first)
+                    seqs = pc.add(index_of(rows.column("sequence_number"), numbers), first)
                     written.append(table.data.write(p, with_columns(rows, sequence_number=seqs.cast(pa.int64()))))
             done[p] = (len(numbers), repeats)
     except BaseException:

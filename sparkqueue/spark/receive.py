@@ -42,7 +42,7 @@ from sparkqueue.spark.session import active_session, spark_errors, task_count
 from sparkqueue.spark.staging import LOCKED_ATTRIBUTE, STAGING_ATTRIBUTE, Staging, cleanup_staging
 from sparkqueue.spark.worker import DATAFRAME_REFUSAL, EntityRef, marking_errors
 from sparkqueue.storage.files import FILE_SCHEMA
-from sparkqueue.storage.schema import KIND_MESSAGE, SUB_QUEUE_MAIN
+from sparkqueue.storage.schema import KIND_MESSAGE, SUB_QUEUE_MAIN, member_of
 
 if TYPE_CHECKING:
     from sparkqueue.broker import Broker
@@ -312,7 +312,7 @@ def drop_superseded(staging: Staging, prefix: str, seqs: pa.ChunkedArray) -> Non
     again_total = 0
     for name in staging.names(prefix):
         old = staging.read_file(name)
-        again = pc.is_in(old.column("sequence_number"), value_set=seqs.combine_chunks())
+        again = member_of(old.column("sequence_number"), seqs)
         if pc.any(again).as_py():
             again_total += pc.sum(again).as_py()
             staging.write(name, old.filter(pc.invert(again)))

@@ -67,7 +67,7 @@ from sparkqueue.spark.staging import Staging, filesystem, require_local_root
 from sparkqueue.spark.streaming import EntityAddress, address_of, check_options, positive_int
 from sparkqueue.spark.worker import EntityRef
 from sparkqueue.storage.files import FILE_SCHEMA
-from sparkqueue.storage.schema import STATE_ACTIVE, SUB_QUEUE_DEAD_LETTER
+from sparkqueue.storage.schema import STATE_ACTIVE, SUB_QUEUE_DEAD_LETTER, member_of
 from sparkqueue.storage.table import partition_of
 
 if TYPE_CHECKING:
@@ -505,7 +505,7 @@ class StreamState:
             emitted += [s for s, _ in kept]
             if kept:
                 keep = pa.array([s for s, _ in kept], pa.int64())
-                rows = got.filter(pc.is_in(got.column("sequence_number"), value_set=keep))
+                rows = got.filter(member_of(got.column("sequence_number"), keep))
                 staging.write(f"part-p{lock.partition:05d}-s{len(held):05d}.parquet", rows.select(FILE_SCHEMA.names))
                 items += kept
             self._write_json(f"{self.path}/batch-{n:012d}/{SESSIONS_JOURNAL}", [_held_record(h) for h in held])
