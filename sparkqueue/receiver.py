@@ -42,8 +42,8 @@ log = logging.getLogger(__name__)
 
 
 MAX_RECEIVE_BATCH = 2**31 - 1
-# Messages a session accept locks with the session in its one commit (held in the receiver's cache).
 MAX_PREFETCH = 50_000  # as the SDK
+# Messages a session accept locks with the session in its one commit (held in the receiver's cache).
 SESSION_ACCEPT_PREFETCH = 100  # messages an accept delivers at most (with a prefetch_count), in the accept's commit
 
 

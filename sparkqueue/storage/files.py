@@ -226,14 +226,19 @@ def _encode(rows: pa.Table) -> pa.Buffer:
     buffer = pa.allocate_buffer(_encoded_bound(rows))
     sink = pa.FixedSizeBufferWriter(buffer)
     try:
-        pq.write_table(rows, sink, compression="lz4", use_dictionary=False, write_statistics=False)
+        _write_parquet(rows, sink)
     except OSError as exc:  # past the bound ("Write out of bounds"): a growing stream takes any size
         log.debug("encoding a data file of %d rows again in a growing stream: %s", rows.num_rows, exc)
         stream = pa.BufferOutputStream()
-        pq.write_table(rows, stream, compression="lz4", use_dictionary=False, write_statistics=False)
+        _write_parquet(rows, stream)
         grown: pa.Buffer = stream.getvalue()
         return grown
     return buffer.slice(0, sink.tell())
+
+
+def _write_parquet(rows: pa.Table, sink: pa.NativeFile) -> None:
+    """The engine's Parquet encoding of `rows` into `sink`: LZ4, no dictionaries, no Parquet statistics (see _encode)."""
+    pq.write_table(rows, sink, compression="lz4", use_dictionary=False, write_statistics=False)
 
 
 def _encoded_bound(rows: pa.Table) -> int:
