@@ -32,16 +32,44 @@ def _rows(n: int) -> pa.Table:
     return rows.set_column(rows.schema.get_field_index("sequence_number"), "sequence_number", seqs).select(FILE_SCHEMA.names)
 
 
-@pytest.mark.parametrize("index", [0, 1])
-def test_one_row_statistics_equal_the_general_computation(index: int) -> None:
-    """The one-row shortcut gives the bounds and null counts that min/max over the column give."""
-    one = _rows(2).slice(index, 1)
-    two = pa.concat_tables([one, one])  # same bounds, computed by the general path
-    fast, general = _stats(one), _stats(two)
-    assert fast["minValues"] == general["minValues"]
-    assert fast["maxValues"] == general["maxValues"]
-    assert {k: 2 * v for k, v in fast["nullCount"].items()} == general["nullCount"]  # type: ignore[union-attr]
-    assert fast["numRecords"] == 1
+def _reference_stats(rows: pa.Table) -> dict[str, object]:
+    """Delta statistics computed the plain way: Arrow's min_max per column, timestamps as datetimes."""
+    mins: dict[str, object] = {}
+    maxs: dict[str, object] = {}
+    for name in files_module.STATS_COLUMNS:
+        col = rows.column(name)
+        if col.null_count == len(col):
+            continue
+        mm = pc.min_max(col)
+        lo, hi = mm["min"].as_py(), mm["max"].as_py()
+        if isinstance(lo, datetime):
+            up = hi.microsecond % 1000 != 0
+            hi = hi.replace(microsecond=hi.microsecond // 1000 * 1000) + timedelta(milliseconds=int(up))
+            lo, hi = (t.strftime("%Y-%m-%dT%H:%M:%S.") + f"{t.microsecond // 1000:03d}Z" for t in (lo, hi))
+        mins[name], maxs[name] = lo, hi
+    nulls = {name: rows.column(name).null_count for name in files_module.STATS_COLUMNS}
+    return {"numRecords": rows.num_rows, "minValues": mins, "maxValues": maxs, "nullCount": nulls}
+
+
+@pytest.mark.parametrize("n", [1, 2, 11, files_module.SMALL_STATS_ROWS, files_module.SMALL_STATS_ROWS + 1, 700])
+def test_statistics_equal_arrow_min_max_for_small_and_large_files(n: int) -> None:
+    """Bounds from Python values (small files) and from Arrow (large ones) equal a plain min_max, nulls and all."""
+    rnd = random.Random(n)
+    rows = _rows(n)
+    base = datetime(2026, 5, 6, 7, 8, 9, tzinfo=UTC)
+    times = [None if rnd.random() < 0.3 else base + timedelta(microseconds=rnd.randrange(-(10**9), 10**9)) for _ in range(n)]
+    words = [
+        None if rnd.random() < 0.3 else rnd.choice(["a", "b", "zz", "é", "日本", ""]) + str(rnd.randrange(99)) for _ in range(n)
+    ]
+    rows = rows.set_column(
+        rows.schema.get_field_index("locked_until_utc"),
+        rows.field("locked_until_utc"),
+        pa.array(times, pa.timestamp("us", tz="UTC")),
+    )
+    rows = rows.set_column(rows.schema.get_field_index("lock_token"), rows.field("lock_token"), pa.array(words, pa.string()))
+    chunked = pa.concat_tables([rows.slice(0, n // 2), rows.slice(n // 2)])  # statistics over chunked columns too
+    for t in (rows, chunked):
+        assert _stats(t) == _reference_stats(t)
 
 
 def test_small_and_large_files_read_back_the_same_rows(tmp_path: Path) -> None:

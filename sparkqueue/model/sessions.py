@@ -29,6 +29,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
 
+import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
@@ -57,6 +58,7 @@ from sparkqueue.storage.schema import (
     STATE_DEFERRED,
     SUB_QUEUE_MAIN,
     TIMESTAMP,
+    keep_rows,
     member_of,
     with_columns,
 )
@@ -174,14 +176,15 @@ class Sessions:
         until = now + self.entity.policy.lock_duration
         lock = SessionLock(session_id, p, token, until)
         stale = _held(rows)
-        together = pc.less(pa.array(range(rows.num_rows), pa.int64()), KEEP_TOGETHER)
+        together = pa.array(np.arange(rows.num_rows) < KEEP_TOGETHER)
         rows = _cleared(rows, now)  # an earlier holder's message locks end with its lock
-        if need_messages and _next_messages(rows, now, 1).num_rows == 0:
+        available = _next_messages(rows, now)
+        if need_messages and available.num_rows == 0:
             raise SessionCannotBeLockedError(f"session {session_id!r} has no available message any more")  # drained meanwhile
         # The head comes from all of the session's rows: an abandoned message may sit behind KEEP_TOGETHER rows
         # (dead letters, deferred, scheduled) while the earlier holder's later messages are among the stale ones.
         policy = self.entity.policy
-        head = lifecycle.through_deliverable(_next_messages(rows, now), now, policy, prefetch) if prefetch > 0 else empty_rows()
+        head = lifecycle.through_deliverable(available, now, policy, prefetch) if prefetch > 0 else empty_rows()
         rows = rows.filter(pc.or_(pc.or_(stale, together), _picked(rows, head)))
         delivered = empty_rows()
         parts: list[pa.Table] = []
@@ -743,7 +746,7 @@ def _next_messages(rows: pa.Table, now: datetime, limit: int | None = None) -> p
             pc.fill_null(pc.less_equal(rows.column("available_at_utc"), pa.scalar(now, TIMESTAMP)), False),
         ),
     )
-    return rows.filter(visible).slice(0, limit)  # slice(0, None): all
+    return keep_rows(rows, visible).slice(0, limit)  # slice(0, None): all; no copy when every row is one
 
 
 def _held(rows: pa.Table) -> pa.Array:

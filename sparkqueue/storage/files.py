@@ -40,6 +40,7 @@ LIGHT_COLUMNS = [c for c in FILE_SCHEMA.names if c != BODY_COLUMN]  # what every
 MAX_FILE_ROWS = 1000
 MIN_SPLIT_ROWS = 100  # a receive splitting a file leaves the rest in files of its count, or of a multiple of it this large
 MAX_FILE_BYTES = 8 * 1024 * 1024
+SMALL_STATS_ROWS = 64  # files up to this many rows get their statistics from Python values (see _stats)
 CACHE_BYTES = 64 * 1024 * 1024  # per table handle: recently touched files, which settles re-read
 ENCODING_SLACK = 16 * 1024  # bytes an encoding may need beyond its rows' Arrow buffers: magic, schema, footer
 COLUMN_SLACK = 1024  # and per column: page header, levels, column chunk metadata
@@ -283,35 +284,42 @@ def _schema_of(columns: Sequence[str]) -> pa.Schema:
 
 
 def _stats(rows: pa.Table) -> dict[str, object]:
-    """Delta file statistics: numRecords and per-column min, max and null count."""
+    """Delta file statistics: numRecords and per-column min, max and null count.
+
+    A file of up to SMALL_STATS_ROWS rows (a send, a lock, a session's file) takes its bounds from
+    each column's Python values: a compute call per column cost 0.4 ms for an 11-row file and
+    converting one row as a dict 0.2 ms, about a tenth of a round trip's CPU. Timestamps are
+    bounded as their int64 microseconds, which needs no datetime objects.
+    """
     mins: dict[str, object] = {}
     maxs: dict[str, object] = {}
     nulls: dict[str, int] = {}
-    if rows.num_rows == 1:  # one row (a single send or lock): its values are the bounds, read in one call
-        values = rows.select(STATS_COLUMNS).to_pylist()[0]
-        pairs = [(name, v, v) for name, v in values.items()]
-        nulls = {name: int(v is None) for name, v in values.items()}
-    else:
-        pairs = []
-        for name in STATS_COLUMNS:
-            col = rows.column(name)
-            nulls[name] = col.null_count
-            if col.null_count < len(col):
-                mm = pc.min_max(col)
-                pairs.append((name, mm["min"].as_py(), mm["max"].as_py()))
-    for name, lo, hi in pairs:
-        if lo is None:
+    small = rows.num_rows <= SMALL_STATS_ROWS
+    for name in STATS_COLUMNS:
+        col = rows.column(name)
+        nulls[name] = col.null_count
+        if col.null_count == len(col):
             continue
-        if isinstance(lo, datetime):
-            # Delta stats hold milliseconds: round the min down and the max up so pruning stays safe.
-            lo = _iso_ms(lo, up=False)
-            hi = _iso_ms(hi, up=True)
+        is_time = pa.types.is_timestamp(col.type)
+        if is_time:
+            col = pa.chunked_array([c.view(pa.int64()) for c in col.chunks], pa.int64())
+        if small:
+            values = [v for v in col.to_pylist() if v is not None]
+            lo, hi = min(values), max(values)
+        else:
+            mm = pc.min_max(col)
+            lo, hi = mm["min"].as_py(), mm["max"].as_py()
+        if is_time:  # Delta stats hold milliseconds: the min rounded down and the max up keep pruning safe
+            lo, hi = _iso_ms(lo, up=False), _iso_ms(hi, up=True)
         mins[name], maxs[name] = lo, hi
     return {"numRecords": rows.num_rows, "minValues": mins, "maxValues": maxs, "nullCount": nulls}
 
 
-def _iso_ms(ts: datetime, *, up: bool) -> str:
-    floor = ts.replace(microsecond=ts.microsecond // 1000 * 1000)
-    if up and floor != ts:
-        floor += timedelta(milliseconds=1)
-    return floor.strftime("%Y-%m-%dT%H:%M:%S.") + f"{floor.microsecond // 1000:03d}Z"
+_EPOCH = datetime(1970, 1, 1)
+
+
+def _iso_ms(micros: int, *, up: bool) -> str:
+    """Microseconds since the epoch (UTC) as Delta's statistics timestamp: ISO 8601 in whole milliseconds."""
+    ms = micros // 1000 + (1 if up and micros % 1000 else 0)
+    t = _EPOCH + timedelta(milliseconds=ms)
+    return t.strftime("%Y-%m-%dT%H:%M:%S.") + f"{t.microsecond // 1000:03d}Z"

@@ -176,21 +176,34 @@ def index_of(values: pa.Array | pa.ChunkedArray, keys: pa.Array | pa.ChunkedArra
     The positions come as one int64 array (`pc.index_in` gives int32, chunked for chunked input):
     callers filter, take and test validity, which take either.
     """
-    if values.null_count or keys.null_count or not pa.types.is_int64(values.type) or not pa.types.is_int64(keys.type):
+    found = _search(values, keys)
+    if found is None:
         return pc.index_in(values, value_set=keys)
-    v, k = _numbers(values), _numbers(keys)
-    if len(k) == 0:
-        return pa.nulls(len(v), pa.int64())
-    order = None if bool(np.all(k[1:] >= k[:-1])) else np.argsort(k, kind="stable")  # stable: the first of equal keys
-    ordered = k if order is None else k[order]
-    at = np.minimum(np.searchsorted(ordered, v), len(ordered) - 1)
-    found = ordered[at] == v
-    return pa.array(at if order is None else order[at], pa.int64(), mask=~found)
+    at, hit = found
+    return pa.array(at, pa.int64(), mask=~hit)
 
 
 def member_of(values: pa.Array | pa.ChunkedArray, keys: pa.Array | pa.ChunkedArray) -> pa.Array:
     """Mask of the `values` found among `keys` (never null for values that are not): `pc.is_in` for numbers, see index_of."""
-    return pc.is_valid(index_of(values, keys))
+    found = _search(values, keys)
+    if found is None:
+        return pc.is_valid(pc.index_in(values, value_set=keys))
+    return pa.array(found[1])
+
+
+def _search(values: pa.Array | pa.ChunkedArray, keys: pa.Array | pa.ChunkedArray) -> tuple[np.ndarray, np.ndarray] | None:
+    """Per value, a position in `keys` and whether the value is there (binary search); None for input that is not
+    int64 without nulls. Of equal keys the first is found (a stable sort of unsorted keys)."""
+    if values.null_count or keys.null_count or not pa.types.is_int64(values.type) or not pa.types.is_int64(keys.type):
+        return None
+    v, k = _numbers(values), _numbers(keys)
+    if len(k) == 0:
+        return np.zeros(len(v), np.int64), np.zeros(len(v), bool)
+    order = None if bool(np.all(k[1:] >= k[:-1])) else np.argsort(k, kind="stable")
+    ordered = k if order is None else k[order]
+    at = np.minimum(np.searchsorted(ordered, v), len(ordered) - 1)
+    hit = ordered[at] == v
+    return (at if order is None else order[at]), hit
 
 
 def _numbers(values: pa.Array | pa.ChunkedArray) -> np.ndarray:

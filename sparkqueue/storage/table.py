@@ -686,7 +686,8 @@ class EntityTable:
         kept: list[pa.Table] = []
         if changes.num_rows:
             seqs = changes.column("sequence_number").combine_chunks()
-            lo, hi = pc.min(seqs).as_py(), pc.max(seqs).as_py()
+            bounds = pc.min_max(seqs)
+            lo, hi = bounds["min"].as_py(), bounds["max"].as_py()
             deleted = changes.filter(pc.equal(changes.column("op"), OP_DELETE)).column("sequence_number").combine_chunks()
             for f in self.files(dt, partition):
                 if f.max_seq < lo or f.min_seq > hi or (where is not None and not where(f)):
@@ -696,7 +697,7 @@ class EntityTable:
                 if not pc.any(hit).as_py():
                     continue
                 removed.append(f)
-                if pc.all(member_of(in_file, deleted)).as_py():
+                if len(deleted) and pc.all(member_of(in_file, deleted)).as_py():
                     continue  # every row of the file goes: drop it without reading (or rewriting) its bodies
                 split = _apply_changes(self.data.read(f.path), changes)
                 if split is not None:
@@ -775,13 +776,15 @@ def _apply_changes(rows: pa.Table, changes: pa.Table) -> tuple[pa.Table, pa.Tabl
         kept = rows.filter(pc.invert(hit))
         rows, idx = rows.filter(hit), idx.filter(hit)
     aligned = changes.num_rows == rows.num_rows and changes.column("sequence_number").equals(rows.column("sequence_number"))
+    if not aligned:  # the changes in the file's row order: one take of the table, not one per column
+        changes = changes.take(idx)
 
     def change(column: str) -> pa.Array | pa.ChunkedArray:
-        values = changes.column(column) if aligned else pc.take(changes.column(column), idx)
+        values = changes.column(column)
         wanted = rows.field(column).type
         return values if values.type == wanted else values.cast(wanted)
 
-    ops = changes.column("op") if aligned else pc.take(changes.column("op"), idx)
+    ops = changes.column("op")
     present = set(pc.unique(ops).to_pylist())
     for c in MUTABLE_COLUMNS:
         rows = rows.set_column(rows.schema.get_field_index(c), rows.field(c), change(c))
