@@ -276,8 +276,8 @@ root, flag, out = sys.argv[1:4]
 staged = store.LocalStore.staged
 
 @contextlib.contextmanager
-def stopping(self, data):
-    with staged(self, data) as put:
+def stopping(self, data, folder):
+    with staged(self, data, folder) as put:
         def put_then_stop(path):
             landed = put(path)
             if landed and "/entities/" in self.root and os.path.exists(flag):

@@ -163,8 +163,8 @@ class _LosesFirstRace(LocalStore):
         self.retried_at = 0.0  # when the second put began, a while after the entry was written
 
     @contextlib.contextmanager
-    def staged(self, data: bytes) -> Iterator[Callable[[str], bool]]:
-        with super().staged(data) as put:
+    def staged(self, data: bytes, folder: str) -> Iterator[Callable[[str], bool]]:
+        with super().staged(data, folder) as put:
 
             def racing(path: str) -> bool:
                 if self.competitor is not None:
@@ -541,8 +541,8 @@ class _PutHeldUp(LocalStore):
         self.reply_only = reply_only
 
     @contextlib.contextmanager
-    def staged(self, data: bytes) -> Iterator[Callable[[str], bool]]:
-        with super().staged(data) as put:
+    def staged(self, data: bytes, folder: str) -> Iterator[Callable[[str], bool]]:
+        with super().staged(data, folder) as put:
 
             def held_up(path: str) -> bool:
                 landed = put(path) if self.reply_only else None
@@ -856,3 +856,71 @@ def test_a_checkpoint_written_after_check_listed_the_log_is_not_reported_missing
     assert last_checkpoint_problem(table.store, listed) is None
     table.store.delete(f"_delta_log/{snap.version:020d}.checkpoint.parquet")  # really missing: still reported
     assert "which has no checkpoint" in str(last_checkpoint_problem(table.store, listed))
+
+
+def _entity_rows(partition: int, n: int) -> pa.Table:
+    """n message rows of one partition as an append takes them (partition id set, numbered by the append)."""
+    rows = _rows(partition, 0, n)
+    return rows.append_column(
+        ENTITY_SCHEMA.field(PARTITION_COLUMN), pa.array([partition] * n, ENTITY_SCHEMA.field(PARTITION_COLUMN).type)
+    )
+
+
+class _SlowDataStore(LocalStore):
+    """A local store whose data files take a while to store; notes when each is stored and when log entries are staged and put."""
+
+    def __init__(self, root: str) -> None:
+        super().__init__(root)
+        self.events: list[str] = []
+
+    def put_new(self, path: str, data: bytes | memoryview) -> None:
+        super().put_new(path, data)
+        time.sleep(0.3)
+        self.events.append("data stored")
+
+    @contextlib.contextmanager
+    def staged(self, data: bytes, folder: str) -> Iterator[Callable[[str], bool]]:
+        with super().staged(data, folder) as put:
+            self.events.append("entry staged")
+
+            def noting(path: str) -> bool:
+                landed = put(path)
+                self.events.append("entry put")
+                return landed
+
+            yield noting
+
+
+def test_a_commit_stages_its_entry_while_its_data_file_is_stored_and_puts_it_only_after(
+    table: EntityTable, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The entry's write overlaps the data file's; the entry lands only once the file is durable (never naming a missing file)."""
+    store = _SlowDataStore(table.uri)
+    monkeypatch.setattr(table.data, "store", store)
+    monkeypatch.setattr(table.log, "store", store)
+    table.append(_entity_rows(3, 2), None)
+    assert store.events == ["entry staged", "data stored", "entry put"]
+    assert DeltaTable(table.uri).to_pyarrow_table().num_rows == 2
+
+
+class _FailsAfterWriting(LocalStore):
+    """A local store that writes a data file and then fails (as a disk filling up at the fsync)."""
+
+    def put_new(self, path: str, data: bytes | memoryview) -> None:
+        super().put_new(path, data)
+        raise StorageError("the disk is full")
+
+
+@pytest.mark.parametrize("files", [1, 3])
+def test_a_commit_whose_data_file_fails_to_store_lands_nothing_and_leaves_no_file(
+    table: EntityTable, monkeypatch: pytest.MonkeyPatch, files: int
+) -> None:
+    """The write's error is raised; no log entry names the files, and neither they nor a staged entry remain."""
+    before = table.snapshot().version
+    monkeypatch.setattr(table.data, "store", _FailsAfterWriting(table.uri))
+    rows = pa.concat_tables([_entity_rows(p, 2) for p in range(files)])
+    with pytest.raises(StorageError, match="disk is full"):
+        table.append(rows, None)
+    assert DeltaLog(LocalStore(table.uri), FileIndex).load().version == before
+    assert list(Path(table.uri).rglob("*.parquet")) == []
+    assert [n for n in os.listdir(Path(table.uri) / "_delta_log") if n.startswith(".")] == []

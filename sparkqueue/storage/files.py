@@ -14,7 +14,7 @@ import threading
 import uuid
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from datetime import datetime, timedelta
 
 import pyarrow as pa
@@ -120,12 +120,32 @@ class DataFiles:
 
         `tag` goes into the file's name (a write lease's, storage/leases.py).
         """
+        rel, rows, data, add = self._encoded(partition, rows, tag)
+        self._put(rel, rows, data)
+        return add
+
+    def _encoded(self, partition: int, rows: pa.Table, tag: str) -> tuple[str, pa.Table, pa.Buffer, AddFile]:
+        """A new file's name, rows, Parquet bytes and add action (its size and statistics), before it is written."""
         rel = f"{PARTITION_COLUMN}={partition}/part-{tag + '-' if tag else ''}{uuid.uuid4().hex}.lz4.parquet"
         rows = file_rows(rows)
         data = _encode(rows)
+        add = AddFile(rel, {PARTITION_COLUMN: str(partition)}, data.size, json.dumps(_stats(rows), separators=(",", ":")))
+        return rel, rows, data, add
+
+    def _put(self, rel: str, rows: pa.Table, data: pa.Buffer) -> None:
+        """Store an encoded file durably and keep its rows in the cache."""
         self.store.put_new(rel, memoryview(data))
         self._remember(rel, rows)
-        return AddFile(rel, {PARTITION_COLUMN: str(partition)}, data.size, json.dumps(_stats(rows), separators=(",", ":")))
+
+    def _write_job(self, partition: int, rows: pa.Table, tag: str, described: Future[AddFile]) -> None:
+        """Encode a file, publish its add action in `described`, then store it (a writer thread's job)."""
+        try:
+            rel, rows, data, add = self._encoded(partition, rows, tag)
+        except BaseException as exc:
+            described.set_exception(exc)
+            raise
+        described.set_result(add)
+        self._put(rel, rows, data)
 
     def write_chunks(self, partition: int, rows: pa.Table, max_rows: int = MAX_FILE_ROWS) -> list[AddFile]:
         """Write rows (in their order) as files of at most `max_rows` rows and about as many KB (MAX_FILE_BYTES per 1,000).
@@ -137,30 +157,44 @@ class DataFiles:
         return adds
 
     def write_all(self, pieces: Sequence[tuple[int, pa.Table, int]], tag: str = "") -> list[list[AddFile]]:
-        """Write several (partition, rows, max rows per file) pieces as in `write_chunks`, concurrently; each piece's adds.
+        """Write (partition, rows, max rows per file) pieces as in `write_chunks`; each piece's adds, once all are durable.
 
-        A commit's files are written side by side (encoding releases the GIL; fsyncs and object
-        puts overlap), so a send to many partitions or subscriptions costs about one file's latency.
         All or nothing: when one write fails, the files already written are deleted and the error raised.
         `tag`: as in `write`.
         """
+        pending = self.start_all(pieces, tag)
+        pending.wait()
+        return pending.adds
+
+    def start_all(self, pieces: Sequence[tuple[int, pa.Table, int]], tag: str = "") -> PendingWrites:
+        """Start writing pieces as `write_all` does, side by side; returns once every file is encoded and described.
+
+        A commit's files are written concurrently (encoding releases the GIL; fsyncs and object
+        puts overlap), so a send to many partitions or subscriptions costs about one file's latency.
+        The caller writes its log entry while the files are stored and links it only after
+        `PendingWrites.wait()` (docs/storage.md, "Committing"). An encoding that fails raises here,
+        once the other writes ended, their files deleted.
+        """
         jobs = [(i, p, chunk) for i, (p, rows, max_rows) in enumerate(pieces) for chunk in _chunks(rows, max_rows)]
-        out: list[list[AddFile]] = [[] for _ in pieces]
-        if len(jobs) <= 1:
-            for i, p, chunk in jobs:
-                out[i].append(self.write(p, chunk, tag))
-            return out
-        futures = [(i, _writers().submit(self.write, p, chunk, tag)) for i, p, chunk in jobs]
-        error: BaseException | None = None
-        for i, f in futures:
+        if len(jobs) == 1:  # one file (a single send, a lock): encoded here, only its storing handed to a writer
+            i, p, chunk = jobs[0]
+            rel, rows, data, add = self._encoded(p, chunk, tag)
+            single: list[list[AddFile]] = [[] for _ in pieces]
+            single[i].append(add)
+            return PendingWrites(self, single, [_writers().submit(self._put, rel, rows, data)])
+        described: list[Future[AddFile]] = [Future() for _ in jobs]
+        puts = [_writers().submit(self._write_job, p, chunk, tag, d) for (_, p, chunk), d in zip(jobs, described, strict=True)]
+        adds: list[list[AddFile]] = [[] for _ in pieces]
+        failed = False
+        for (i, _, _), d in zip(jobs, described, strict=True):
             try:
-                out[i].append(f.result())
-            except BaseException as exc:  # re-raised below, once the other writes ended
-                error = error or exc
-        if error is not None:
-            self.delete([a.path for adds in out for a in adds])
-            raise error
-        return out
+                adds[i].append(d.result())
+            except BaseException:  # raised by wait() below, which also deletes what was written
+                failed = True
+        pending = PendingWrites(self, adds, puts)
+        if failed:
+            pending.wait()
+        return pending
 
     def delete(self, paths: Sequence[str]) -> None:
         """Best-effort removal of files written by a commit that was abandoned (vacuum catches the rest)."""
@@ -169,6 +203,36 @@ class DataFiles:
                 self.store.delete(p)
             except Exception as exc:
                 log.debug("could not delete abandoned file %s: %s", p, exc)
+
+
+class PendingWrites:
+    """A commit's data files being stored by the writer threads (DataFiles.start_all).
+
+    `adds` describes them already; `wait()` returns once every one is durable. On a failed write
+    it deletes the batch's files and raises the error, on this and every later call, so a
+    commit never links a log entry naming a file that is not stored.
+    """
+
+    def __init__(self, files: DataFiles, adds: list[list[AddFile]], puts: list[Future[None]]) -> None:
+        self.adds = adds
+        self._files = files
+        self._puts = puts
+        self._waited = False
+        self._error: BaseException | None = None
+
+    def wait(self) -> None:
+        """Block until every file is durable; raise the first write error (after deleting the batch's files)."""
+        if not self._waited:
+            for f in self._puts:
+                try:
+                    f.result()
+                except BaseException as exc:  # kept, and raised once every write ended
+                    self._error = self._error or exc
+            self._waited = True
+            if self._error is not None:
+                self._files.delete([a.path for adds in self.adds for a in adds])
+        if self._error is not None:
+            raise self._error
 
 
 def _chunks(rows: pa.Table, max_rows: int) -> list[pa.Table]:

@@ -465,8 +465,13 @@ class DeltaLog:
         fences: Sequence[Fence] = (),
         seen: Mapping[str, int | None] | None = None,
         operation: str = "WRITE",
+        ready: Callable[[], None] | None = None,
     ) -> int:
         """Commit actions computed from `snap`; `snap` moves to the new version. Returns it.
+
+        `ready` returns once the added files are durable (or raises): it runs after the entry is
+        staged and before it is put, so the entry's write overlaps the files' (docs/storage.md,
+        "Committing"). A `ready` that raises leaves nothing committed.
 
         `seen` holds the fence versions the actions were computed from (default: those in `snap`
         now). Raises CommitConflict, and then only, when the commit did not land: a concurrent
@@ -481,7 +486,9 @@ class DeltaLog:
         # The entry names no version, so one entry serves every attempt: a lost race costs no new write.
         actions = _actions(adds, removes, fences, operation, int(time.time() * 1000))
         body = _entry_bytes(actions)
-        with self.store.staged(body) as put:
+        with self.store.staged(body, LOG_DIR) as put:
+            if ready is not None:
+                ready()
             for _ in range(MAX_REBASES):
                 self._check_fresh(snap)
                 _check_unmoved(snap, base_meta, removed, expected)

@@ -16,6 +16,7 @@ import contextlib
 import logging
 import math
 import os
+import posixpath
 import re
 import uuid
 from abc import ABC, abstractmethod
@@ -82,11 +83,13 @@ class Store(ABC):
         """Write an object durably unless the name exists; False when it did (nothing written)."""
 
     @contextlib.contextmanager
-    def staged(self, data: bytes) -> Iterator[Callable[[str], bool]]:
-        """Put-if-absent of the same bytes under names tried one after another (all in one folder).
+    def staged(self, data: bytes, folder: str) -> Iterator[Callable[[str], bool]]:
+        """Put-if-absent of the same bytes under names in `folder` tried one after another.
 
         Yields `put(path) -> bool`, as `put_if_absent`. A commit that loses a race tries the next
-        version's name with the same entry: a local store writes and fsyncs the bytes once for all tries.
+        version's name with the same entry: a local store writes and fsyncs the bytes once for all
+        tries, on entering, so that write overlaps what the caller does before its first put (a
+        commit waits there for its data files: docs/storage.md, "Committing").
         """
         yield lambda path: self.put_if_absent(path, data)
 
@@ -159,7 +162,7 @@ class LocalStore(Store):
         """Write a new or replaced file: to a fresh name, fsynced, then moved into place (readers never see half a file)."""
         target = self._path(path)
         with _translate(self.uri, path):
-            tmp = self._write_temp(target, data)
+            tmp = self._write_temp(os.path.dirname(target), data)
             os.replace(tmp, target)
             _fsync_dir(os.path.dirname(target))
 
@@ -173,29 +176,29 @@ class LocalStore(Store):
             _fsync_dir(folder)
 
     def put_if_absent(self, path: str, data: bytes) -> bool:
-        with self.staged(data) as put:
+        with self.staged(data, posixpath.dirname(path)) as put:
             return put(path)
 
     @contextlib.contextmanager
-    def staged(self, data: bytes) -> Iterator[Callable[[str], bool]]:
-        """Write the bytes to a fresh name once, fsynced; each put hard-links it to a target.
+    def staged(self, data: bytes, folder: str) -> Iterator[Callable[[str], bool]]:
+        """Write the bytes to a fresh name in `folder` at once, fsynced; each put hard-links it to a target.
 
         The link is atomic and refused when the name exists; the fresh name is removed at the end.
         """
-        tmp: str | None = None
+        with _translate(self.uri, folder):
+            tmp = self._write_temp(self._path(folder), data)
+        tries = 0
 
         def put(path: str) -> bool:
-            nonlocal tmp
+            nonlocal tries
             target = self._path(path)
             with _translate(self.uri, path):
-                retry = tmp is not None
-                if tmp is None:
-                    tmp = self._write_temp(target, data)
+                tries += 1
                 try:
                     os.link(tmp, target)
                 except FileExistsError:
                     return False
-                if retry:
+                if tries > 1:
                     os.utime(target)  # the entry's time (Delta readers' commit time) is when it landed, not when it was written
                 _fsync_dir(os.path.dirname(target))
                 return True
@@ -203,17 +206,15 @@ class LocalStore(Store):
         try:
             yield put
         finally:
-            if tmp is not None:
-                try:
-                    os.unlink(tmp)
-                except FileNotFoundError:  # the table was deleted meanwhile (DeltaLog.commit withdraws the entry)
-                    pass
-                except OSError as exc:  # a leftover temporary name is harmless (vacuum): never fail a commit for it
-                    log.warning("could not remove %s: %s", tmp, exc)
+            try:
+                os.unlink(tmp)
+            except FileNotFoundError:  # the table was deleted meanwhile (DeltaLog.commit withdraws the entry)
+                pass
+            except OSError as exc:  # a leftover temporary name is harmless (vacuum): never fail a commit for it
+                log.warning("could not remove %s: %s", tmp, exc)
 
-    def _write_temp(self, target: str, data: bytes) -> str:
-        """Write data to a hidden sibling of `target`, fsynced; returns its path."""
-        folder = os.path.dirname(target)
+    def _write_temp(self, folder: str, data: bytes) -> str:
+        """Write data to a fresh hidden name in `folder` (a local path), fsynced; returns its path."""
         _make_dirs(folder)
         tmp = f"{folder}/.tmp-{uuid.uuid4().hex}"
         _write_synced(tmp, data)

@@ -12,6 +12,7 @@ Three storage facts shape this module (docs/storage.md):
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import threading
@@ -32,7 +33,7 @@ from sparkqueue.errors import (
 )
 from sparkqueue.storage.checkpoint import trim_log, write_checkpoint
 from sparkqueue.storage.faults import FaultInjector
-from sparkqueue.storage.files import FILE_SCHEMA, MAX_FILE_ROWS, DataFiles, file_rows, remove_action
+from sparkqueue.storage.files import FILE_SCHEMA, MAX_FILE_ROWS, DataFiles, PendingWrites, file_rows, remove_action
 from sparkqueue.storage.index import FileIndex, FileInfo
 from sparkqueue.storage.log import (
     TOMBSTONE,
@@ -216,20 +217,27 @@ class EntityTable:
         operation: str = "WRITE",
         *,
         keep_on_conflict: bool = False,
+        pending: PendingWrites | None = None,
     ) -> int:
         """Commit actions computed from `snap`, deleting the added files when it conflicts (unless `keep_on_conflict`).
 
-        After any other error the commit may have landed (DeltaLog.commit), so its files stay:
-        vacuum removes them if no version references them.
+        `pending`: the added files, still being written (DataFiles.start_all); the log entry is
+        put once they are durable. After any other error the commit may have landed
+        (DeltaLog.commit), so its files stay: vacuum removes them if no version references them.
         """
         try:
-            return self.log.commit(snap, adds, removes, fences, seen, operation)
+            return self.log.commit(snap, adds, removes, fences, seen, operation, pending.wait if pending else None)
         except CommitConflict:
+            _settled(pending)
             if not keep_on_conflict:
                 self.data.delete([a.path for a in adds])
             raise
         except TableDeletedError:
+            _settled(pending)
             self.deleted = True  # handles cached on this table are stale: the broker looks the entity up again
+            raise
+        except BaseException:
+            _settled(pending)  # no write of this commit is left running once it returns
             raise
 
     def _damaged(self, path: str, what: str, missing: bool) -> Exception:
@@ -357,8 +365,9 @@ class EntityTable:
             fences.append(once)
             seen[once.app_id] = dt.transaction_version(once.app_id)
         self.log.precheck(dt, [], seen)  # a concurrent send that moved a fence: found before writing any file
-        adds = [a for piece in self.data.write_all([x for st in staged for x in st.pieces]) for a in piece]
-        self.commit(dt, adds, [], fences, seen, "WRITE")
+        pending = self.data.start_all([x for st in staged for x in st.pieces])
+        adds = [a for piece in pending.adds for a in piece]
+        self.commit(dt, adds, [], fences, seen, "WRITE", pending=pending)
         return pa.concat_tables(stored)
 
     def stage(
@@ -727,14 +736,22 @@ class EntityTable:
         if not any(rows.num_rows for _, rows, _ in pieces) and not removed:
             return staged.rows if staged else None
         self.log.precheck(dt, [f.path for f in removed], seen)  # a racing commit took the files: found before writing
-        files = self.data.write_all(pieces)
+        pending = self.data.start_all(pieces)
+        files = pending.adds
         changed_adds = [a for piece in files[: len(changed_pieces)] for a in piece]
         adds = [a for piece in files for a in piece]
         removes = [remove_action(f.path, f.partition, f.size_bytes) for f in removed]
-        self.commit(dt, adds, removes, fences, seen, "UPDATE")
+        self.commit(dt, adds, removes, fences, seen, "UPDATE", pending=pending)
         if written is not None:
             written += [a.path for a in changed_adds]
         return staged.rows if staged else None
+
+
+def _settled(pending: PendingWrites | None) -> None:
+    """Wait out a failed commit's file writes still running (their own errors add nothing to the commit's)."""
+    if pending is not None:
+        with contextlib.suppress(Exception):
+            pending.wait()
 
 
 Expand = Callable[[pa.Table], pa.Table]
@@ -809,10 +826,11 @@ def _groups(tables: list[pa.Table], column: str) -> list[pa.Table]:
     rows = [t for t in tables if t.num_rows]
     if not rows:
         return []
-    t = pa.concat_tables(rows).sort_by([(column, "ascending"), ("sequence_number", "ascending")])
+    t = pa.concat_tables(rows)
+    if len(set(t.column(column).to_pylist())) == 1:  # one group (one session's commit): no sort by group, no copy
+        return [in_sequence(t)]
+    t = t.sort_by([(column, "ascending"), ("sequence_number", "ascending")])
     keys = t.column(column).to_pylist()
-    if keys[0] == keys[-1]:  # one group (one session's commit): the sorted copy holds exactly its rows
-        return [t]
     out, start = [], 0
     for i in range(1, len(keys) + 1):
         if i == len(keys) or keys[i] != keys[start]:
