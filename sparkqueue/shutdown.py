@@ -3,8 +3,9 @@
 delta-rs and pyarrow run native code with the GIL released. A daemon thread that is inside such a
 call when the interpreter finalizes is terminated when the call returns and asks for the GIL
 back (CPython ends the thread with pthread_exit), and the forced unwinding through Rust or C++
-frames aborts the whole process (SIGSEGV/SIGABRT) after a successful run. sparkqueue itself runs
-no background threads; this hook protects its users' daemon threads (receivers, senders).
+frames aborts the whole process (SIGSEGV/SIGABRT) after a successful run. sparkqueue's own
+threads are its file writers (storage/files.py), whose work ends before the call that started it
+returns; this hook protects its users' daemon threads (receivers, senders).
 
 At exit, `_at_exit` (registered when sparkqueue is imported) closes the gate `native_call()` guards,
 so a thread that reaches a guarded call from then on parks in Python (where being ended is

@@ -76,3 +76,34 @@ def test_exit_with_daemon_threads_mid_call(tmp_path):
 @pytest.mark.slow
 def test_exit_with_daemon_threads_mid_call_50_runs(tmp_path):
     check(run_many(tmp_path, 50))
+
+
+AFTER_MAIN = r"""
+import sys, threading, time
+from sparkqueue import Message, Namespace
+
+ns = Namespace(sys.argv[1])
+ns.create_queue("q")
+
+def late():
+    time.sleep(0.5)  # the main thread has ended: the interpreter waits for this thread, its thread pools take no job
+    with ns.get_queue_sender("q") as s:
+        s.send_messages(Message("late"))  # one file
+        s.send_messages([Message(f"m{i}", partition_key=str(i)) for i in range(40)])  # a file per partition
+    r = ns.get_queue_receiver("q")
+    got = r.receive_messages(100, max_wait_time=1)
+    r.complete_messages(got)
+    print("late thread done", len(got), flush=True)
+
+threading.Thread(target=late).start()
+"""
+
+
+def test_a_thread_that_sends_after_the_main_thread_ended_still_stores_its_files(tmp_path: Path) -> None:
+    """The writer pool refuses jobs once the interpreter is exiting; a file is then written in the calling thread."""
+    script = tmp_path / "late.py"
+    script.write_text(AFTER_MAIN)
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    p = subprocess.run([sys.executable, str(script), str(tmp_path / "ns")], capture_output=True, text=True, env=env, timeout=300)
+    assert p.returncode == 0, p.stderr[-1500:]
+    assert "late thread done 41" in p.stdout, (p.stdout, p.stderr[-1500:])

@@ -213,3 +213,19 @@ def test_index_of_and_member_of_answer_as_arrow_index_in_and_is_in() -> None:
         expected = pc.index_in(values, value_set=keys)
         assert index_of(values, keys).to_pylist() == expected.to_pylist()
         assert member_of(values, keys).to_pylist() == pc.is_in(values, value_set=keys).to_pylist()
+
+
+def test_files_are_cut_by_the_rows_sliced_size_even_when_they_slice_a_larger_table() -> None:
+    """Rows cut from a larger table (a send's batch) are weighed by what they hold, not by the buffers they share."""
+    rnd = random.Random(5)
+    for _ in range(200):
+        n = rnd.choice([2, 50, 999, 1000, 1001, 4000, 9000])
+        body = rnd.choice([10, 1000, 9000, 40000])
+        big = pa.table({"body": pa.array([b"x" * body] * (n + rnd.randrange(0, 2000)))})
+        rows = big.slice(rnd.randrange(0, big.num_rows - n + 1), n)
+        for max_rows in (100, 1000, 4000):
+            per_row = max(1, rows.nbytes // n)
+            scale = max(max_rows, files_module.MAX_FILE_ROWS) / files_module.MAX_FILE_ROWS
+            step = max(1, min(max_rows, int(files_module.MAX_FILE_BYTES * scale) // per_row))
+            expected = [min(step, n - i) for i in range(0, n, step)]
+            assert [t.num_rows for t in files_module._chunks(rows, max_rows)] == expected

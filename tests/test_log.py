@@ -866,6 +866,12 @@ def _entity_rows(partition: int, n: int) -> pa.Table:
     )
 
 
+def _use_store(table: EntityTable, store: LocalStore, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Make `table` write its data files and log entries through `store` (a LocalStore at its root)."""
+    monkeypatch.setattr(table.data, "store", store)
+    monkeypatch.setattr(table.log, "store", store)
+
+
 class _SlowDataStore(LocalStore):
     """A local store whose data files take a while to store; notes when each is stored and when log entries are staged and put."""
 
@@ -896,8 +902,7 @@ def test_a_commit_stages_its_entry_while_its_data_file_is_stored_and_puts_it_onl
 ) -> None:
     """The entry's write overlaps the data file's; the entry lands only once the file is durable (never naming a missing file)."""
     store = _SlowDataStore(table.uri)
-    monkeypatch.setattr(table.data, "store", store)
-    monkeypatch.setattr(table.log, "store", store)
+    _use_store(table, store, monkeypatch)
     table.append(_entity_rows(3, 2), None)
     assert store.events == ["entry staged", "data stored", "entry put"]
     assert DeltaTable(table.uri).to_pyarrow_table().num_rows == 2
@@ -923,4 +928,63 @@ def test_a_commit_whose_data_file_fails_to_store_lands_nothing_and_leaves_no_fil
         table.append(rows, None)
     assert DeltaLog(LocalStore(table.uri), FileIndex).load().version == before
     assert list(Path(table.uri).rglob("*.parquet")) == []
+    assert [n for n in os.listdir(Path(table.uri) / "_delta_log") if n.startswith(".")] == []
+
+
+class _Interrupted(BaseException):
+    """What a signal handler raises in the committing thread (as Ctrl-C raises KeyboardInterrupt)."""
+
+
+class _FirstFileLate(LocalStore):
+    """A local store that starts writing partition 0's data file late (0.6 s), the others a little (0.1 s)."""
+
+    def put_new(self, path: str, data: bytes | memoryview) -> None:
+        time.sleep(0.6 if path.startswith("partition_id=0/") else 0.1)
+        super().put_new(path, data)
+
+
+def test_a_commit_interrupted_while_its_files_are_stored_lands_nothing_and_leaves_no_file(
+    table: EntityTable, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Every write ends before the interrupt goes up, and the batch's files are deleted: none appears afterwards."""
+    import signal
+
+    store = _FirstFileLate(table.uri)
+    _use_store(table, store, monkeypatch)
+    before = table.snapshot().version
+
+    def interrupt(signum: int, frame: object) -> None:
+        raise _Interrupted()
+
+    old = signal.signal(signal.SIGALRM, interrupt)
+    try:
+        signal.setitimer(signal.ITIMER_REAL, 0.05)  # while the commit waits for partition 0's file
+        with pytest.raises(_Interrupted):
+            table.append(pa.concat_tables([_entity_rows(p, 2) for p in range(3)]), None)
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, old)
+    time.sleep(1.0)  # longer than any write of the batch takes
+    assert list(Path(table.uri).rglob("*.parquet")) == []
+    assert DeltaLog(LocalStore(table.uri), FileIndex).load().version == before
+
+
+class _LosesItsStagedEntry(LocalStore):
+    """A local store on which the staged log entry is removed while the data file is stored (as a table deletion does)."""
+
+    def put_new(self, path: str, data: bytes | memoryview) -> None:
+        super().put_new(path, data)
+        for name in os.listdir(Path(self.root) / "_delta_log"):
+            if name.startswith(".tmp-"):
+                os.unlink(Path(self.root) / "_delta_log" / name)
+
+
+def test_a_commit_whose_staged_entry_vanished_stages_it_again_and_lands(
+    table: EntityTable, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The entry is staged before the data file is stored; if it goes meanwhile, the put writes it again, as a first try would."""
+    store = _LosesItsStagedEntry(table.uri)
+    _use_store(table, store, monkeypatch)
+    table.append(_entity_rows(4, 2), None)
+    assert DeltaTable(table.uri).to_pyarrow_table().num_rows == 2
     assert [n for n in os.listdir(Path(table.uri) / "_delta_log") if n.startswith(".")] == []

@@ -574,3 +574,42 @@ def test_a_path_naming_a_missing_bucket_code_is_still_just_a_missing_object(tmp_
     (tmp_path / "NoSuchBucket-ContainerNotFound" / "ns").mkdir(parents=True)
     store = ObjectStore(f"file://{tmp_path}/NoSuchBucket-ContainerNotFound/ns", {})
     assert store.exists("_delta_log/00000000000000000001.json") is False
+
+
+PLAIN_HTTP = {"account_name": "devstoreaccount1", "account_key": "a2V5", "endpoint": "http://127.0.0.1:9/devstoreaccount1"}
+
+
+@pytest.mark.parametrize("root", ["az://c/ns", "s3://b/ns"])
+def test_a_plain_http_endpoint_without_allow_http_is_refused_by_name(root: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """obstore refused it with a bare "builder error" at the first request; now the namespace says what to set."""
+    for name in ("AZURE_ALLOW_HTTP", "AWS_ALLOW_HTTP", "AZURE_STORAGE_USE_EMULATOR"):
+        monkeypatch.delenv(name, raising=False)
+    options = dict(PLAIN_HTTP) if root.startswith("az") else {"aws_endpoint": "http://127.0.0.1:9", "region": "us-east-1"}
+    with pytest.raises(InvalidOperationError, match=r"plain HTTP.*allow_http='true'"):
+        Namespace(root, storage_options=options)
+
+
+@pytest.mark.parametrize(
+    ("extra", "environment"),
+    [
+        ({"allow_http": "true"}, {}),
+        ({"allow_http": True}, {}),
+        ({"azure_allow_http": "1"}, {}),
+        ({"use_emulator": "true"}, {}),
+        ({}, {"AZURE_ALLOW_HTTP": "true"}),
+        ({}, {"AZURE_STORAGE_USE_EMULATOR": "yes"}),
+        ({"endpoint": "https://127.0.0.1:9/devstoreaccount1"}, {}),
+    ],
+)
+def test_plain_http_is_accepted_when_allowed_by_option_or_environment(
+    extra: dict[str, Any], environment: dict[str, str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """allow_http (any provider prefix, a bool too), use_emulator, their environment variables, or https: no refusal."""
+    from sparkqueue.storage.store import check_storage_options
+
+    for name in ("AZURE_ALLOW_HTTP", "AZURE_STORAGE_USE_EMULATOR"):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in environment.items():
+        monkeypatch.setenv(name, value)
+    options = {**PLAIN_HTTP, **extra}
+    assert check_storage_options(options, "az://c/ns")["endpoint"] == options["endpoint"]

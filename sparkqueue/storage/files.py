@@ -14,8 +14,10 @@ import threading
 import uuid
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
+from concurrent import futures
 from concurrent.futures import Future, ThreadPoolExecutor
 from datetime import datetime, timedelta
+from typing import Any
 
 import pyarrow as pa
 import pyarrow.compute as pc
@@ -176,24 +178,23 @@ class DataFiles:
         once the other writes ended, their files deleted.
         """
         jobs = [(i, p, chunk) for i, (p, rows, max_rows) in enumerate(pieces) for chunk in _chunks(rows, max_rows)]
-        if len(jobs) == 1:  # one file (a single send, a lock): encoded here, only its storing handed to a writer
-            i, p, chunk = jobs[0]
-            rel, rows, data, add = self._encoded(p, chunk, tag)
-            single: list[list[AddFile]] = [[] for _ in pieces]
-            single[i].append(add)
-            return PendingWrites(self, single, [_writers().submit(self._put, rel, rows, data)])
         described: list[Future[AddFile]] = [Future() for _ in jobs]
-        puts = [_writers().submit(self._write_job, p, chunk, tag, d) for (_, p, chunk), d in zip(jobs, described, strict=True)]
-        adds: list[list[AddFile]] = [[] for _ in pieces]
-        failed = False
-        for (i, _, _), d in zip(jobs, described, strict=True):
-            try:
-                adds[i].append(d.result())
-            except BaseException:  # raised by wait() below, which also deletes what was written
-                failed = True
-        pending = PendingWrites(self, adds, puts)
-        if failed:
-            pending.wait()
+        if len(jobs) == 1:  # one file (a single send, a lock): encoded here, only its storing handed to a writer
+            rel, rows, data, add = self._encoded(jobs[0][1], jobs[0][2], tag)
+            described[0].set_result(add)
+            puts = [_in_writer(self._put, rel, rows, data)]
+        else:
+            puts = [_in_writer(self._write_job, p, chunk, tag, d) for (_, p, chunk), d in zip(jobs, described, strict=True)]
+        pending = PendingWrites(self, [[] for _ in pieces], described, puts)
+        try:
+            for (i, _, _), d in zip(jobs, described, strict=True):
+                if d.exception() is None:  # waits for the encoding; raises only when this thread is interrupted
+                    pending.adds[i].append(d.result())
+        except BaseException as exc:  # interrupted (Ctrl-C): no file of the batch may stay half-described
+            pending.abandon(exc)
+            raise
+        if any(d.exception() is not None for d in described):
+            pending.wait()  # raises the encoding's error once the other writes ended, their files deleted
         return pending
 
     def delete(self, paths: Sequence[str]) -> None:
@@ -208,14 +209,18 @@ class DataFiles:
 class PendingWrites:
     """A commit's data files being stored by the writer threads (DataFiles.start_all).
 
-    `adds` describes them already; `wait()` returns once every one is durable. On a failed write
-    it deletes the batch's files and raises the error, on this and every later call, so a
-    commit never links a log entry naming a file that is not stored.
+    `adds` describes them already; `wait()` returns once every one is durable. When a write
+    fails, or the wait is interrupted, every write still ends first, then the batch's files are
+    deleted and the error raised, on this and every later call: a commit never links a log entry
+    naming a file that is not stored, and no write outlives its commit.
     """
 
-    def __init__(self, files: DataFiles, adds: list[list[AddFile]], puts: list[Future[None]]) -> None:
+    def __init__(
+        self, files: DataFiles, adds: list[list[AddFile]], described: list[Future[AddFile]], puts: list[Future[None]]
+    ) -> None:
         self.adds = adds
         self._files = files
+        self._described = described
         self._puts = puts
         self._waited = False
         self._error: BaseException | None = None
@@ -223,16 +228,25 @@ class PendingWrites:
     def wait(self) -> None:
         """Block until every file is durable; raise the first write error (after deleting the batch's files)."""
         if not self._waited:
-            for f in self._puts:
-                try:
-                    f.result()
-                except BaseException as exc:  # kept, and raised once every write ended
-                    self._error = self._error or exc
-            self._waited = True
-            if self._error is not None:
-                self._files.delete([a.path for adds in self.adds for a in adds])
+            try:
+                futures.wait(self._puts)
+            except BaseException as exc:  # interrupted while waiting
+                self.abandon(exc)
+            else:
+                self._end(next((e for e in (f.exception() for f in self._puts) if e is not None), None))
         if self._error is not None:
             raise self._error
+
+    def abandon(self, reason: BaseException) -> None:
+        """Let every write end, then delete the batch's files; `wait()` raises `reason` from now on."""
+        futures.wait(self._puts)
+        self._end(reason)
+
+    def _end(self, error: BaseException | None) -> None:
+        self._waited, self._error = True, error
+        if error is not None:
+            described = [d.result() for d in self._described if d.done() and d.exception() is None]
+            self._files.delete([a.path for a in described])
 
 
 def _chunks(rows: pa.Table, max_rows: int) -> list[pa.Table]:
@@ -240,7 +254,10 @@ def _chunks(rows: pa.Table, max_rows: int) -> list[pa.Table]:
     MAX_FILE_BYTES per 1,000). A smaller row cap keeps the byte cap: files of large messages stay a few MB."""
     if rows.num_rows <= 1:  # a single send or lock: no size to weigh (Table.nbytes costs a tenth of a millisecond)
         return [rows] if rows.num_rows else []
-    per_row = max(1, rows.nbytes // rows.num_rows)
+    size = rows.get_total_buffer_size()  # at least the rows' size: when it fits one file the cut is the same
+    if size > MAX_FILE_BYTES:
+        size = rows.nbytes  # the sliced size, for rows cut from a larger table
+    per_row = max(1, size // rows.num_rows)
     step = max(1, min(max_rows, MAX_FILE_BYTES * max(max_rows, MAX_FILE_ROWS) // MAX_FILE_ROWS // per_row))
     return [rows.slice(i, step) for i in range(0, rows.num_rows, step)]
 
@@ -248,6 +265,20 @@ def _chunks(rows: pa.Table, max_rows: int) -> list[pa.Table]:
 _POOL: tuple[int, ThreadPoolExecutor] | None = None
 _POOL_LOCK = threading.Lock()
 WRITERS = 8  # concurrent file writes per process: enough to overlap a 16-partition send's fsyncs or object puts
+
+
+def _in_writer(job: Callable[..., None], *args: Any) -> Future[None]:
+    """Run `job` in a writer thread; in the caller's own once the interpreter is exiting (the pool then takes no job)."""
+    try:
+        return _writers().submit(job, *args)
+    except RuntimeError:  # "cannot schedule new futures after interpreter shutdown": a thread still sending at exit
+        done: Future[None] = Future()
+        try:
+            job(*args)
+            done.set_result(None)
+        except Exception as exc:
+            done.set_exception(exc)
+        return done
 
 
 def _writers() -> ThreadPoolExecutor:

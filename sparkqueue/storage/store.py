@@ -185,21 +185,25 @@ class LocalStore(Store):
 
         The link is atomic and refused when the name exists; the fresh name is removed at the end.
         """
+        where = self._path(folder)
         with _translate(self.uri, folder):
-            tmp = self._write_temp(self._path(folder), data)
-        tries = 0
+            tmp = self._write_temp(where, data)
 
         def put(path: str) -> bool:
-            nonlocal tries
+            nonlocal tmp
             target = self._path(path)
             with _translate(self.uri, path):
-                tries += 1
                 try:
                     os.link(tmp, target)
                 except FileExistsError:
                     return False
-                if tries > 1:
-                    os.utime(target)  # the entry's time (Delta readers' commit time) is when it landed, not when it was written
+                except FileNotFoundError:  # the staged name went meanwhile (a table deletion removes it): stage it again
+                    tmp = self._write_temp(where, data)
+                    try:
+                        os.link(tmp, target)
+                    except FileExistsError:
+                        return False
+                os.utime(target)  # the entry's time (Delta readers' commit time) is when it landed, not when it was staged
                 _fsync_dir(os.path.dirname(target))
                 return True
 
@@ -476,7 +480,33 @@ def check_storage_options(options: Mapping[str, str] | None, root: str | None = 
         out[key] = str(value).lower() if isinstance(value, bool) else str(value)
     if root is not None:
         _check_location(root, out)
+        _check_plain_http(root, out)
     return out
+
+
+ENDPOINT_KEYS = frozenset({"endpoint", "endpoint_url"})  # bare keys (see _bare_key), "storage_" dropped as well
+TRUTHY = frozenset({"true", "1", "yes", "on"})  # how object_store reads a boolean option
+
+
+def _check_plain_http(root: str, options: Mapping[str, str]) -> None:
+    """Refuse an http:// endpoint without allow_http (or use_emulator), which obstore reports only as "builder error".
+
+    The allowance may come from the options or from the environment (AZURE_ALLOW_HTTP, ...), as obstore reads it.
+    """
+    if is_local(root):
+        return
+    bare = {_bare_key(k).removeprefix("storage_"): v for k, v in options.items()}
+    endpoint = next((v for k, v in bare.items() if k in ENDPOINT_KEYS and v.lower().startswith("http://")), None)
+    if endpoint is None:
+        return
+    prefix = ENVIRONMENT_PREFIXES.get(urlparse(root).scheme.lower(), "")
+    allowed = [bare.get("allow_http"), bare.get("use_emulator"), os.environ.get(f"{prefix}ALLOW_HTTP")]
+    allowed.append(os.environ.get(f"{prefix}STORAGE_USE_EMULATOR") if prefix == "AZURE_" else None)
+    if not any(str(v).strip().lower() in TRUTHY for v in allowed if v is not None):
+        raise InvalidOperationError(
+            f"storage endpoint {endpoint!r} is plain HTTP, which the object store client refuses unless allowed: "
+            "add storage option allow_http='true' (an emulator such as Azurite on loopback), or use an https:// endpoint"
+        )
 
 
 LOCATION_KEYS = {"container_name": "container", "bucket": "bucket", "bucket_name": "bucket", "account_name": "account"}

@@ -828,6 +828,7 @@ def _groups(tables: list[pa.Table], column: str) -> list[pa.Table]:
         return []
     t = pa.concat_tables(rows)
     if len(set(t.column(column).to_pylist())) == 1:  # one group (one session's commit): no sort by group, no copy
+        # (its pieces hold only the group's rows: filtered copies, or the session's own file read whole)
         return [in_sequence(t)]
     t = t.sort_by([(column, "ascending"), ("sequence_number", "ascending")])
     keys = t.column(column).to_pylist()
