@@ -35,7 +35,7 @@ import os
 import threading
 import uuid
 from collections.abc import Iterator
-from datetime import datetime, timedelta
+from datetime import UTC, datetime, timedelta
 from typing import TYPE_CHECKING, NamedTuple
 
 import pyarrow.fs as pafs
@@ -50,7 +50,7 @@ from sparkqueue.spark.commit import Written, check_quota, commit_renumbering
 from sparkqueue.spark.send import ORD_ROW_MASK, STRING_FIELDS
 from sparkqueue.spark.session import spark_errors
 from sparkqueue.spark.staging import filesystem, spark_path
-from sparkqueue.storage.files import FILE_SCHEMA, MAX_FILE_BYTES, MAX_FILE_ROWS, STATS_COLUMNS, file_rows
+from sparkqueue.storage.files import FILE_SCHEMA, MAX_FILE_BYTES, MAX_FILE_ROWS, STATS_COLUMNS, delta_timestamp, file_rows
 from sparkqueue.storage.log import AddFile
 from sparkqueue.storage.schema import KIND_MESSAGE, PARTITION_COLUMN, STATE_ACTIVE, SUB_QUEUE_MAIN
 from sparkqueue.storage.table import SEQUENCE_BITS, SEQUENCE_MASK, partition_of
@@ -334,7 +334,7 @@ def describe(fs: pafs.FileSystem, path: str, rel: str, size: int) -> Described |
             continue
         lo, hi = min(vals), max(vals)  # type: ignore[type-var]
         if isinstance(lo, datetime) and isinstance(hi, datetime):
-            lo, hi = _iso_ms(lo, up=False), _iso_ms(hi, up=True)
+            lo, hi = delta_timestamp(_micros(lo), up=False), delta_timestamp(_micros(hi), up=True)
         mins[name], maxs[name] = lo, hi
     lo_seq, hi_seq = mins.get("sequence_number"), maxs.get("sequence_number")
     if not isinstance(lo_seq, int) or not isinstance(hi_seq, int) or partition_of(lo_seq) != partition_of(hi_seq):
@@ -410,9 +410,10 @@ def remove_staging(table: EntityTable, staging: str) -> None:
         fs.delete_dir(f"{root}/{staging}")
 
 
-def _iso_ms(ts: datetime, *, up: bool) -> str:
-    """A timestamp as Delta statistics hold it: milliseconds, the min rounded down and the max up (as storage/files.py)."""
-    floor = ts.replace(microsecond=ts.microsecond // 1000 * 1000)
-    if up and floor != ts:
-        floor += timedelta(milliseconds=1)
-    return floor.strftime("%Y-%m-%dT%H:%M:%S.") + f"{floor.microsecond // 1000:03d}Z"
+def _micros(ts: datetime) -> int:
+    """A Parquet statistic's timestamp (UTC; naive ones are read as UTC) as microseconds since the epoch."""
+    aware = ts if ts.tzinfo is not None else ts.replace(tzinfo=UTC)
+    return (aware - _EPOCH) // timedelta(microseconds=1)
+
+
+_EPOCH = datetime(1970, 1, 1, tzinfo=UTC)

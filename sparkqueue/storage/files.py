@@ -405,7 +405,7 @@ def _stats(rows: pa.Table) -> dict[str, object]:
             mm = pc.min_max(col)
             lo, hi = mm["min"].as_py(), mm["max"].as_py()
         if is_time:  # Delta stats hold milliseconds: the min rounded down and the max up keep pruning safe
-            lo, hi = _iso_ms(lo, up=False), _iso_ms(hi, up=True)
+            lo, hi = delta_timestamp(lo, up=False), delta_timestamp(hi, up=True)
         mins[name], maxs[name] = lo, hi
     return {"numRecords": rows.num_rows, "minValues": mins, "maxValues": maxs, "nullCount": nulls}
 
@@ -413,8 +413,11 @@ def _stats(rows: pa.Table) -> dict[str, object]:
 _EPOCH = datetime(1970, 1, 1)
 
 
-def _iso_ms(micros: int, *, up: bool) -> str:
-    """Microseconds since the epoch (UTC) as Delta's statistics timestamp: ISO 8601 in whole milliseconds."""
+def delta_timestamp(micros: int, *, up: bool) -> str:
+    """Microseconds since the epoch (UTC) as Delta's statistics timestamp: ISO 8601 in whole milliseconds.
+
+    `up` rounds a part millisecond up (a max), else down (a min), so pruning by the statistics stays safe.
+    """
     ms = micros // 1000 + (1 if up and micros % 1000 else 0)
     t = _EPOCH + timedelta(milliseconds=ms)
     return t.strftime("%Y-%m-%dT%H:%M:%S.") + f"{t.microsecond // 1000:03d}Z"

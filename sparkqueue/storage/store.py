@@ -194,15 +194,12 @@ class LocalStore(Store):
             target = self._path(path)
             with _translate(self.uri, path):
                 try:
-                    os.link(tmp, target)
-                except FileExistsError:
-                    return False
+                    landed = _link(tmp, target)
                 except FileNotFoundError:  # the staged name went meanwhile (a table deletion removes it): stage it again
                     tmp = self._write_temp(where, data)
-                    try:
-                        os.link(tmp, target)
-                    except FileExistsError:
-                        return False
+                    landed = _link(tmp, target)
+                if not landed:
+                    return False
                 os.utime(target)  # the entry's time (Delta readers' commit time) is when it landed, not when it was staged
                 _fsync_dir(os.path.dirname(target))
                 return True
@@ -682,6 +679,15 @@ def _write_synced(path: str, data: bytes | memoryview) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def _link(source: str, target: str) -> bool:
+    """Hard-link `source` to `target`, atomically; False when `target` exists (nothing changed)."""
+    try:
+        os.link(source, target)
+    except FileExistsError:
+        return False
+    return True
 
 
 def _make_dirs(folder: str) -> None:

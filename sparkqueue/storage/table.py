@@ -227,17 +227,12 @@ class EntityTable:
         """
         try:
             return self.log.commit(snap, adds, removes, fences, seen, operation, pending.wait if pending else None)
-        except CommitConflict:
-            _settled(pending)
-            if not keep_on_conflict:
-                self.data.delete([a.path for a in adds])
-            raise
-        except TableDeletedError:
-            _settled(pending)
-            self.deleted = True  # handles cached on this table are stale: the broker looks the entity up again
-            raise
-        except BaseException:
+        except BaseException as exc:
             _settled(pending)  # no write of this commit is left running once it returns
+            if isinstance(exc, CommitConflict) and not keep_on_conflict:
+                self.data.delete([a.path for a in adds])
+            elif isinstance(exc, TableDeletedError):
+                self.deleted = True  # handles cached on this table are stale: the broker looks the entity up again
             raise
 
     def _damaged(self, path: str, what: str, missing: bool) -> Exception:
